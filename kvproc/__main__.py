@@ -1,0 +1,5 @@
+import sys
+
+from kvproc.cli import main
+
+sys.exit(main())

@@ -1,0 +1,232 @@
+"""The KV contract: what a model declares, and the validation that runs when it does.
+
+A model states three things (reference design section 3): its `KvSpec` (page size and groups), its arenas (the
+physical memory of each group, per rank) and, only if the stored layout differs from the execution layout, a
+`repack` hook. Everything else -- allocation, the prefix index, checkpoints, tiers -- belongs to kvproc.
+
+Every check here raises `KvContractError` naming the field and the offending value, at construction time, so a bad
+declaration fails when the model is built and never as corrupted KV later.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Sequence, runtime_checkable
+
+import torch
+
+
+class KvContractError(ValueError):
+    """A model's KV declaration is invalid; the message names the field and the value."""
+
+
+class GroupKind(enum.Enum):
+    PAGED = "paged"  # append-only pages, sealed in place, shared by refcount
+    BOUNDED = "bounded"  # fixed-size state rewritten every step, sealed by copy
+
+
+class Sharding(enum.Enum):
+    REPLICATED = "replicated"  # one rank stores, any rank restores
+    PER_RANK = "per_rank"  # each rank stores and restores its own shard
+
+
+class RepackDirection(enum.Enum):
+    SAVE = "save"  # execution layout (device arena) -> stored layout (host tier)
+    LOAD = "load"  # stored layout -> execution layout
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    name: str
+    kind: GroupKind
+    sharding: Sharding = Sharding.PER_RANK
+    # Stored or recomputable at a hit. A group that is neither turns prefix caching off for the model.
+    checkpointable: bool = True
+    # May be missing from a checkpoint without invalidating it (e.g. an MTP layer).
+    optional: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise KvContractError(f"GroupSpec.name must be a non-empty string, got {self.name!r}")
+        if not isinstance(self.kind, GroupKind):
+            raise KvContractError(f"GroupSpec.kind of group {self.name!r} must be a GroupKind, got {self.kind!r}")
+        if not isinstance(self.sharding, Sharding):
+            raise KvContractError(
+                f"GroupSpec.sharding of group {self.name!r} must be a Sharding, got {self.sharding!r}"
+            )
+
+
+@dataclass(frozen=True)
+class KvSpec:
+    page_tokens: int
+    groups: tuple[GroupSpec, ...]
+    prefix_caching: bool = field(init=False)
+    # Why prefix caching is off (None while it is on): shown in stats and miss reasons, never silent.
+    prefix_caching_off_reason: str | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "groups", tuple(self.groups))
+        pt = self.page_tokens
+        if isinstance(pt, bool) or not isinstance(pt, int) or pt <= 0 or pt & (pt - 1):
+            raise KvContractError(f"KvSpec.page_tokens must be a positive power of two, got {pt!r}")
+        if not self.groups:
+            raise KvContractError("KvSpec.groups is empty: a model must declare at least one group")
+        seen: set[str] = set()
+        for g in self.groups:
+            if not isinstance(g, GroupSpec):
+                raise KvContractError(f"KvSpec.groups must hold GroupSpec values, got {g!r}")
+            if g.name in seen:
+                raise KvContractError(f"KvSpec.groups has a duplicate group name {g.name!r}")
+            seen.add(g.name)
+        blocking = [g.name for g in self.groups if not g.checkpointable and not g.optional]
+        reason = None
+        if blocking:
+            reason = (
+                f"group(s) {', '.join(repr(n) for n in blocking)} are neither checkpointable nor optional: "
+                "their state at a hit could be neither restored nor recomputed"
+            )
+        object.__setattr__(self, "prefix_caching", reason is None)
+        object.__setattr__(self, "prefix_caching_off_reason", reason)
+
+    def group(self, name: str) -> GroupSpec:
+        for g in self.groups:
+            if g.name == name:
+                return g
+        raise KvContractError(f"unknown group {name!r}; the spec declares {[g.name for g in self.groups]}")
+
+    @property
+    def paged_groups(self) -> tuple[GroupSpec, ...]:
+        return tuple(g for g in self.groups if g.kind is GroupKind.PAGED)
+
+    @property
+    def bounded_groups(self) -> tuple[GroupSpec, ...]:
+        return tuple(g for g in self.groups if g.kind is GroupKind.BOUNDED)
+
+    @property
+    def restorable_bounded_groups(self) -> tuple[GroupSpec, ...]:
+        """Bounded groups whose sealed copy is part of a checkpoint (checkpointable ones)."""
+        return tuple(g for g in self.bounded_groups if g.checkpointable)
+
+
+@dataclass(frozen=True, eq=False)
+class KvArena:
+    """One physical region of a group: `num_blocks` blocks (pages, or slots for a bounded group), each
+    `bytes_per_block` long, `block_stride` bytes apart, starting at byte 0 of `tensor`.
+
+    `stored_bytes_per_block` is the size of one block in the stored (tier) layout when the model's `repack` hook
+    widens or narrows it; None means the stored layout is the execution layout.
+    """
+
+    name: str
+    tensor: torch.Tensor
+    num_blocks: int
+    bytes_per_block: int
+    block_stride: int
+    stored_bytes_per_block: int | None = None
+
+    def __post_init__(self) -> None:
+        where = f"arena {self.name!r}"
+        if not isinstance(self.name, str) or not self.name:
+            raise KvContractError(f"KvArena.name must be a non-empty string, got {self.name!r}")
+        if not isinstance(self.tensor, torch.Tensor):
+            raise KvContractError(f"{where}: KvArena.tensor must be a torch.Tensor, got {type(self.tensor).__name__}")
+        for fname in ("num_blocks", "bytes_per_block", "block_stride"):
+            v = getattr(self, fname)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise KvContractError(f"{where}: KvArena.{fname} must be a positive int, got {v!r}")
+        if self.bytes_per_block > self.block_stride:
+            raise KvContractError(
+                f"{where}: KvArena.bytes_per_block={self.bytes_per_block} exceeds block_stride={self.block_stride}"
+            )
+        if not self.tensor.is_contiguous():
+            raise KvContractError(f"{where}: KvArena.tensor must be contiguous (blocks are addressed by byte offset)")
+        need = (self.num_blocks - 1) * self.block_stride + self.bytes_per_block
+        have = self.tensor.numel() * self.tensor.element_size()
+        if have < need:
+            raise KvContractError(
+                f"{where}: KvArena.tensor holds {have} bytes, needs (num_blocks-1)*block_stride+bytes_per_block"
+                f" = {need}"
+            )
+        sb = self.stored_bytes_per_block
+        if sb is not None and (isinstance(sb, bool) or not isinstance(sb, int) or sb <= 0):
+            raise KvContractError(f"{where}: KvArena.stored_bytes_per_block must be a positive int, got {sb!r}")
+
+    @property
+    def stored_bytes(self) -> int:
+        return self.stored_bytes_per_block or self.bytes_per_block
+
+    def byte_view(self) -> torch.Tensor:
+        """The arena as a flat uint8 tensor (zero-copy)."""
+        return self.tensor.view(-1).view(torch.uint8)
+
+
+@runtime_checkable
+class KvModel(Protocol):
+    """What a model implements. `repack` has a default no-op for models whose stored layout is the execution one."""
+
+    def spec(self) -> KvSpec: ...
+
+    def arenas(self, rank: int) -> Sequence[tuple[str, KvArena]]: ...
+
+    def repack(self, group: str, direction: RepackDirection, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Convert `src` rows (one block each) into `dst` rows. The default copies bytes unchanged."""
+        dst.copy_(src)
+
+
+@dataclass(frozen=True)
+class ArenaLayout:
+    """A validated spec + arenas for one rank: what pools, copy workers and tiers are built from."""
+
+    spec: KvSpec
+    arenas: tuple[tuple[str, KvArena], ...]
+    num_paged_blocks: int  # shared block-id space of all (aligned) paged groups; 0 without paged groups
+    bounded_slots: dict[str, int]  # group -> slot count (the smallest arena of the group bounds it)
+
+    def group_arenas(self, group: str) -> list[KvArena]:
+        return [a for g, a in self.arenas if g == group]
+
+    def stored_bytes_per_block(self, group: str) -> int:
+        """Bytes one block (or slot) of `group` takes in the stored layout, summed over its arenas."""
+        return sum(a.stored_bytes for a in self.group_arenas(group))
+
+
+def validate_layout(spec: KvSpec, arenas: Sequence[tuple[str, KvArena]] | Any) -> ArenaLayout:
+    """Check a rank's arenas against the spec; raise `KvContractError` naming the field and value."""
+    pairs = tuple(arenas)
+    names: set[str] = set()
+    known = {g.name: g for g in spec.groups}
+    for pair in pairs:
+        if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[1], KvArena)):
+            raise KvContractError(f"arenas must be (group name, KvArena) pairs, got {pair!r}")
+        group, arena = pair
+        if group not in known:
+            raise KvContractError(f"arena {arena.name!r} names unknown group {group!r}; known: {sorted(known)}")
+        if arena.name in names:
+            raise KvContractError(f"duplicate arena name {arena.name!r}")
+        names.add(arena.name)
+    paged_counts: dict[int, list[str]] = {}
+    bounded_slots: dict[str, int] = {}
+    for g in spec.groups:
+        mine = [a for gn, a in pairs if gn == g.name]
+        if not mine:
+            kind = "bounded" if g.kind is GroupKind.BOUNDED else "paged"
+            raise KvContractError(f"{kind} group {g.name!r} has no arena")
+        if g.kind is GroupKind.PAGED:
+            for a in mine:
+                paged_counts.setdefault(a.num_blocks, []).append(a.name)
+        else:
+            counts = {a.num_blocks for a in mine}
+            if len(counts) != 1:
+                raise KvContractError(
+                    f"bounded group {g.name!r}: its arenas declare different num_blocks {sorted(counts)};"
+                    " one slot spans every arena of the group"
+                )
+            bounded_slots[g.name] = counts.pop()
+    if len(paged_counts) > 1:
+        detail = ", ".join(f"{n} blocks: {names_}" for n, names_ in sorted(paged_counts.items()))
+        raise KvContractError(
+            f"aligned paged arenas must share one block-id space, but num_blocks differ ({detail})"
+        )
+    num_paged = next(iter(paged_counts)) if paged_counts else 0
+    return ArenaLayout(spec=spec, arenas=pairs, num_paged_blocks=num_paged, bounded_slots=bounded_slots)
