@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, Sequence, runtime_checkable
 
-import torch
+if TYPE_CHECKING:
+    # torch is imported lazily: processes that only route metadata (the host tier) must not pay ~2 s for it.
+    import torch
 
 
 class KvContractError(ValueError):
@@ -119,13 +121,15 @@ class KvArena:
     """
 
     name: str
-    tensor: torch.Tensor
+    tensor: "torch.Tensor"
     num_blocks: int
     bytes_per_block: int
     block_stride: int
     stored_bytes_per_block: int | None = None
 
     def __post_init__(self) -> None:
+        import torch
+
         where = f"arena {self.name!r}"
         if not isinstance(self.name, str) or not self.name:
             raise KvContractError(f"KvArena.name must be a non-empty string, got {self.name!r}")
@@ -156,8 +160,10 @@ class KvArena:
     def stored_bytes(self) -> int:
         return self.stored_bytes_per_block or self.bytes_per_block
 
-    def byte_view(self) -> torch.Tensor:
+    def byte_view(self) -> "torch.Tensor":
         """The arena as a flat uint8 tensor (zero-copy)."""
+        import torch
+
         return self.tensor.view(-1).view(torch.uint8)
 
 
@@ -169,7 +175,7 @@ class KvModel(Protocol):
 
     def arenas(self, rank: int) -> Sequence[tuple[str, KvArena]]: ...
 
-    def repack(self, group: str, direction: RepackDirection, src: torch.Tensor, dst: torch.Tensor) -> None:
+    def repack(self, group: str, direction: RepackDirection, src: "torch.Tensor", dst: "torch.Tensor") -> None:
         """Convert `src` rows (one block each) into `dst` rows. The default copies bytes unchanged."""
         dst.copy_(src)
 

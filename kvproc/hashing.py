@@ -1,0 +1,123 @@
+"""Chained, position-aware 128-bit content hashes of full pages.
+
+`h_i = H(h_{i-1} || tokens of page i)`, with `h_{-1}` the scope seed (cache salt, LoRA name, extra keys). Equal
+hashes mean equal token prefixes *and* equal scope, so a hit can be served; the chain makes every hash position-aware.
+
+Prompts are attacker-controlled: a crafted collision would serve one user's KV to another, so the default family is
+BLAKE2b-128 (collision-resistant, and faster than SHA-256 here: ~0.77 vs ~0.9 us per 16-token page). XXH3-128 (~0.23
+us per page) is non-cryptographic and used only when configured explicitly (`HashAlgorithm.XXH3_128`).
+
+Tokens are serialised once per prompt with one vectorised numpy call (little-endian int32, so the bytes are the same
+on every machine and independent of `PYTHONHASHSEED`); the only Python loop is one hash call per page, because each
+page's hash depends on the previous one.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+import xxhash
+
+# A token id outside any vocabulary: pads the partial last page of a P/D hand-off so that every page has a name.
+PAD_TOKEN_ID: int = 2**31 - 1
+
+# Version of the hashing layout; part of the seed, so a layout change can never match old hashes.
+HASH_LAYOUT_VERSION = 1
+
+BlockHash = bytes  # 16 bytes
+
+
+class HashAlgorithm(enum.Enum):
+    BLAKE2B_128 = "blake2b-128"  # default: collision-resistant
+    SHA256_128 = "sha256-128"  # collision-resistant, truncated to 128 bits
+    XXH3_128 = "xxh3-128"  # fast, NOT collision-resistant: opt-in only
+
+
+def _blake2b(data: bytes | memoryview) -> bytes:
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
+def _sha256(data: bytes | memoryview) -> bytes:
+    return hashlib.sha256(data).digest()[:16]
+
+
+_HASH_FNS: dict[HashAlgorithm, Callable[[bytes], bytes]] = {
+    HashAlgorithm.BLAKE2B_128: _blake2b,
+    HashAlgorithm.SHA256_128: _sha256,
+    HashAlgorithm.XXH3_128: xxhash.xxh3_128_digest,
+}
+
+
+@dataclass(frozen=True)
+class HashScope:
+    """What must match besides the tokens for KV to be shareable."""
+
+    cache_salt: str = ""
+    lora_name: str = ""
+    extra_keys: tuple[str, ...] = ()  # e.g. multimodal content hashes
+
+    def encode(self) -> bytes:
+        parts = [f"kvproc-hash-v{HASH_LAYOUT_VERSION}", self.cache_salt, self.lora_name, *self.extra_keys]
+        # Length-prefix every part so ("ab", "") and ("a", "b") differ.
+        return b"".join(len(p.encode()).to_bytes(4, "little") + p.encode() for p in parts)
+
+
+DEFAULT_SCOPE = HashScope()
+
+
+def tokens_to_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
+    """Serialise token ids (validated to lie in [0, 2**31)) as little-endian int32 in one vectorised call."""
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        raise ValueError(f"tokens must be one-dimensional, got shape {arr.shape}")
+    if arr.size and arr.dtype.kind not in "iu":
+        raise ValueError(f"tokens must be integers, got dtype {arr.dtype}")
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) > PAD_TOKEN_ID):
+        raise ValueError(f"token ids must lie in [0, {PAD_TOKEN_ID}], got min {arr.min()} max {arr.max()}")
+    return arr.astype("<i4", copy=False).tobytes()
+
+
+class BlockHasher:
+    """Hashes prompts into chains of full-page hashes. Stateless and thread-safe."""
+
+    def __init__(self, page_tokens: int, algorithm: HashAlgorithm = HashAlgorithm.BLAKE2B_128) -> None:
+        if page_tokens <= 0 or page_tokens & (page_tokens - 1):
+            raise ValueError(f"page_tokens must be a positive power of two, got {page_tokens}")
+        self.page_tokens = page_tokens
+        self.algorithm = algorithm
+        self._fn = _HASH_FNS[algorithm]
+
+    def seed(self, scope: HashScope = DEFAULT_SCOPE) -> BlockHash:
+        return self._fn(self.algorithm.value.encode() + scope.encode())
+
+    def hash_prompt(
+        self,
+        tokens: Sequence[int] | np.ndarray,
+        scope: HashScope = DEFAULT_SCOPE,
+        *,
+        parent: BlockHash | None = None,
+    ) -> list[BlockHash]:
+        """Hashes of every full page of `tokens` (a trailing partial page has no hash).
+
+        `parent` continues an existing chain (the hash of the page before `tokens[0]`), which is how a running request
+        extends its chain as decode fills pages without rehashing the prompt.
+        """
+        data = memoryview(tokens_to_bytes(tokens))
+        page_bytes = 4 * self.page_tokens
+        n_pages = len(data) // page_bytes
+        fn = self._fn
+        h = self.seed(scope) if parent is None else parent
+        out: list[BlockHash] = []
+        append = out.append
+        for off in range(0, n_pages * page_bytes, page_bytes):
+            h = fn(h + data[off : off + page_bytes])
+            append(h)
+        return out
+
+    def floor_hash(self, tokens: Sequence[int] | np.ndarray) -> bytes:
+        """One hash call over the whole prompt's bytes: the pure data cost benchmarks compare against."""
+        return self._fn(tokens_to_bytes(tokens))

@@ -1,0 +1,204 @@
+"""Handles that own pool references: a prefix hold (probe result), a reservation (destination of a load), a pin
+(source of a save).
+
+Each handle keeps its references in a small state object; the handle itself only points at it. A garbage-collected
+handle hands that state to the pool's deferred-release queue (never releases inline: a finaliser can run in the
+middle of a pool operation on the same thread, where taking the lock again would deadlock or interleave).
+"""
+
+from __future__ import annotations
+
+import enum
+import weakref
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from kvproc.pool import BlockPool
+
+
+class HoldConsumedError(RuntimeError):
+    """A prefix hold was used after `match_and_add_prefix` consumed it (or after release)."""
+
+
+class ReusePolicy(enum.Enum):
+    CAPPED = "capped"  # reuse at most (len-1)//page pages: one token must be computed to emit one
+    FULL_PAGES = "full_pages"  # every full page (the decode side of a hand-off; trace-style hit counting)
+
+
+class MissReason(enum.Enum):
+    HIT = "hit"
+    NO_ENTRY = "no_entry"  # not even the first page is indexed
+    ENTRY_INCOMPLETE = "entry_incomplete"  # pages matched, but no complete checkpoint (a bounded artifact missing)
+    BELOW_REUSE_CAP = "below_reuse_cap"  # a match existed, the reuse cap cut it to nothing
+    PREFIX_CACHING_OFF = "prefix_caching_off"  # the model's spec turned prefix caching off
+    POOL_PRESSURE = "pool_pressure"  # holding the match would have eaten into admitted requests' entitlement
+
+
+@dataclass
+class _HoldState:
+    ids: list[int]
+    gens: np.ndarray
+    hashes: list[bytes]
+    # bounded group -> (staging slot, generation) of the checkpoint the hold restores to
+    artifacts: dict[str, tuple[int, int]]
+    released: bool = False
+
+
+@dataclass
+class _ReservationState:
+    ids: list[int]
+    gens: np.ndarray
+    staging: dict[str, tuple[int, int]]
+    released: bool = False
+
+
+@dataclass
+class _PinState:
+    ids: list[int]
+    staging: dict[str, int] = field(default_factory=dict)
+    released: bool = False
+
+
+def _finalizer(pool: "BlockPool", state: object) -> Callable[[], None]:
+    return lambda: pool._defer_release(state)
+
+
+class PrefixHold:
+    """The matched prefix of a probe: references on its blocks (and on the bounded checkpoint slots), no allocation.
+
+    It survives eviction pressure until consumed by `RequestKv.match_and_add_prefix` or released. After either, any
+    use raises `HoldConsumedError`: the references have moved or gone, so the hold cannot be used twice.
+    """
+
+    def __init__(
+        self,
+        pool: "BlockPool",
+        state: _HoldState,
+        *,
+        reason: MissReason,
+        matched_pages: int,
+        page_tokens: int,
+    ) -> None:
+        self._pool = pool
+        self._state: _HoldState | None = state
+        self.reason = reason
+        self.matched_pages = matched_pages  # paged-index match before caps and checkpoint alignment
+        self.page_tokens = page_tokens
+        self._finalize = weakref.finalize(self, _finalizer(pool, state))
+
+    def _live(self) -> _HoldState:
+        if self._state is None:
+            raise HoldConsumedError("this prefix hold was already consumed or released")
+        return self._state
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self._live().ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.page_tokens
+
+    @property
+    def block_ids(self) -> list[int]:
+        return list(self._live().ids)
+
+    @property
+    def generations(self) -> np.ndarray:
+        return self._live().gens.copy()
+
+    @property
+    def hashes(self) -> list[bytes]:
+        return list(self._live().hashes)
+
+    @property
+    def artifacts(self) -> dict[str, tuple[int, int]]:
+        return dict(self._live().artifacts)
+
+    @property
+    def consumed(self) -> bool:
+        return self._state is None
+
+    def _take(self) -> _HoldState:
+        """Move the references out of the hold (for the pool and `RequestKv` only)."""
+        state = self._live()
+        self._state = None
+        self._finalize.detach()
+        return state
+
+    def release(self) -> None:
+        """Give the references back. Idempotent; a consumed hold has nothing left to release."""
+        if self._state is None:
+            return
+        self._pool._release_hold_state(self._take())
+
+    def __repr__(self) -> str:
+        if self._state is None:
+            return "PrefixHold(consumed)"
+        return f"PrefixHold(blocks={self.num_blocks}, reason={self.reason.value})"
+
+
+class Reservation:
+    """Destination blocks (and staging slots) reserved for a load; the load's copy owns it until it settles."""
+
+    def __init__(self, pool: "BlockPool", state: _ReservationState) -> None:
+        self._pool = pool
+        self._state: _ReservationState | None = state
+        self._finalize = weakref.finalize(self, _finalizer(pool, state))
+
+    def _live(self) -> _ReservationState:
+        if self._state is None:
+            raise HoldConsumedError("this reservation was already committed or released")
+        return self._state
+
+    @property
+    def block_ids(self) -> list[int]:
+        return list(self._live().ids)
+
+    @property
+    def generations(self) -> np.ndarray:
+        return self._live().gens.copy()
+
+    @property
+    def staging(self) -> dict[str, tuple[int, int]]:
+        return dict(self._live().staging)
+
+    @property
+    def settled(self) -> bool:
+        return self._state is None
+
+    def _take(self) -> _ReservationState:
+        state = self._live()
+        self._state = None
+        self._finalize.detach()
+        return state
+
+    def release(self) -> None:
+        """Abort: the load failed or was not needed. Idempotent."""
+        if self._state is None:
+            return
+        self._pool._release_reservation_state(self._take())
+
+
+class Pin:
+    """Blocks (and staging slots) pinned by an in-flight save: they cannot be evicted or reused until unpinned."""
+
+    def __init__(self, pool: "BlockPool", state: _PinState) -> None:
+        self._pool = pool
+        self._state: _PinState | None = state
+        self.num_blocks = len(state.ids)
+        self._finalize = weakref.finalize(self, _finalizer(pool, state))
+
+    @property
+    def block_ids(self) -> list[int]:
+        return [] if self._state is None else list(self._state.ids)
+
+    def release(self) -> None:
+        if self._state is None:
+            return
+        state, self._state = self._state, None
+        self._finalize.detach()
+        self._pool._release_pin_state(state)

@@ -1,0 +1,150 @@
+"""Paged block book-keeping for one rank: free -> active (referenced) -> inactive (sealed, unreferenced, matchable).
+
+Not thread-safe by itself: `BlockPool` calls it under its one lock. Every block id carries a generation that changes
+each time the block is handed out again, so a handle that crossed a boundary can be checked before its bytes are
+trusted (a stale id would otherwise read someone else's KV).
+
+Hot-path rule: refcounts and generations are numpy arrays updated with one fancy-index call per operation; the only
+per-block Python work is the dict/OrderedDict traffic of the prefix index and the LRU, which has no vectorised form.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from functools import partial
+from itertools import takewhile
+from operator import is_not
+from typing import Sequence
+
+import numpy as np
+
+_NOT_NONE = partial(is_not, None)
+
+
+class PoolExhaustedError(RuntimeError):
+    """An allocation asked for more blocks than free + evictable; nothing was taken (all-or-nothing)."""
+
+
+class StaleBlockError(RuntimeError):
+    """A block handle's generation no longer matches: the block was reused since the handle was made."""
+
+
+class PagedBlocks:
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.refcount = np.zeros(num_blocks, dtype=np.int32)
+        self.generation = np.zeros(num_blocks, dtype=np.int64)
+        self.hashed = np.zeros(num_blocks, dtype=bool)
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        # Stack: popping from the end hands out low ids first, which keeps early runs contiguous for the copy path.
+        self.free: list[int] = list(range(num_blocks - 1, -1, -1))
+        # LRU of sealed, unreferenced blocks: first item is evicted first.
+        self.inactive: OrderedDict[int, None] = OrderedDict()
+        self.index: dict[bytes, int] = {}
+        self.evictions = 0
+
+    # -- capacity -------------------------------------------------------------------------------------------------
+    @property
+    def available(self) -> int:
+        """Blocks an allocation can obtain now: free plus evictable."""
+        return len(self.free) + len(self.inactive)
+
+    # -- allocation -----------------------------------------------------------------------------------------------
+    def allocate(self, n: int) -> list[int]:
+        """Take `n` blocks (refcount 1 each), evicting LRU inactive blocks if needed; all-or-nothing."""
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} blocks")
+        if n > self.available:
+            raise PoolExhaustedError(f"asked for {n} blocks, only {self.available} free or evictable")
+        take = min(n, len(self.free))
+        ids = self.free[len(self.free) - take :]
+        del self.free[len(self.free) - take :]
+        ids.reverse()
+        for _ in range(n - take):
+            bid, _ = self.inactive.popitem(last=False)
+            self._unhash(bid)
+            ids.append(bid)
+        self.evictions += n - take
+        if ids:
+            idx = np.asarray(ids, dtype=np.int64)
+            self.refcount[idx] = 1
+            self.generation[idx] += 1
+        return ids
+
+    def _unhash(self, bid: int) -> None:
+        h = self.block_hash[bid]
+        if h is not None:
+            if self.index.get(h) == bid:
+                del self.index[h]
+            self.block_hash[bid] = None
+            self.hashed[bid] = False
+
+    def acquire(self, ids: Sequence[int]) -> None:
+        """Add one reference to each block (blocks must be active or inactive, never free)."""
+        if not len(ids):
+            return
+        idx = np.asarray(ids, dtype=np.int64)
+        rc = self.refcount[idx]
+        for bid in idx[rc == 0].tolist():
+            # A referenced block leaves the LRU; KeyError here would mean a free block was acquired (a bug).
+            del self.inactive[bid]
+        np.add.at(self.refcount, idx, 1)
+
+    def release(self, ids: Sequence[int]) -> list[int]:
+        """Drop one reference from each block; returns the ids that became unreferenced.
+
+        Blocks are released tail-first so that, within one request, the tail of a chain is evicted before its head
+        (a head shared by many prompts is worth more than a tail).
+        """
+        if not len(ids):
+            return []
+        idx = np.asarray(ids, dtype=np.int64)[::-1]
+        np.subtract.at(self.refcount, idx, 1)
+        rc = self.refcount[idx]
+        if (rc < 0).any():
+            np.add.at(self.refcount, idx, 1)
+            raise RuntimeError(f"refcount underflow releasing blocks {idx[rc < 0].tolist()}")
+        zero = idx[rc == 0]
+        if zero.size:
+            zero = _unique_keep_order(zero)
+            hashed = self.hashed[zero]
+            self.inactive.update(dict.fromkeys(zero[hashed].tolist()))
+            self.free.extend(zero[~hashed].tolist())
+        return zero.tolist()
+
+    # -- the prefix index -----------------------------------------------------------------------------------------
+    def register(self, ids: Sequence[int], hashes: Sequence[bytes]) -> None:
+        """Make sealed blocks matchable under their page hashes. A hash already indexed keeps its first block."""
+        index, block_hash, hashed = self.index, self.block_hash, self.hashed
+        for bid, h in zip(ids, hashes):
+            if block_hash[bid] is not None:
+                continue
+            if index.setdefault(h, bid) == bid:
+                block_hash[bid] = h
+                hashed[bid] = True
+
+    def match(self, hashes: Sequence[bytes]) -> list[int]:
+        """Block ids of the longest indexed prefix of `hashes` (one dict probe per page, in C)."""
+        return list(takewhile(_NOT_NONE, map(self.index.get, hashes)))
+
+    # -- generations ----------------------------------------------------------------------------------------------
+    def generations(self, ids: Sequence[int]) -> np.ndarray:
+        return self.generation[np.asarray(ids, dtype=np.int64)].copy()
+
+    def check(self, ids: Sequence[int], gens: np.ndarray) -> None:
+        idx = np.asarray(ids, dtype=np.int64)
+        bad = self.generation[idx] != np.asarray(gens)
+        if bad.any():
+            raise StaleBlockError(f"stale block handles (reused since issued): {idx[bad].tolist()[:8]}")
+
+    # -- invariants (tests) ---------------------------------------------------------------------------------------
+    def state_of(self) -> dict[str, set[int]]:
+        active = set(np.nonzero(self.refcount > 0)[0].tolist())
+        return {"free": set(self.free), "inactive": set(self.inactive), "active": active}
+
+
+def _unique_keep_order(a: np.ndarray) -> np.ndarray:
+    _, first = np.unique(a, return_index=True)
+    return a[np.sort(first)]
