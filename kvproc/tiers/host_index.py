@@ -1,0 +1,348 @@
+"""The host tier's index: which checkpoint pages it holds, in which slots, and who may rely on them.
+
+Pure book-keeping (no I/O, no threads): the host-tier process calls it from one thread; the trace-replay benchmark
+calls it in-process. Units:
+- a **page slot** holds one page of every paged group (one checkpoint page, keyed by its chained hash);
+- a **bounded slot** (per bounded group) holds that group's sealed copy at a checkpoint page.
+
+Lifecycles:
+- Saves are two-phase: `reserve_save` hands out slots for what is not already present (dedup), the copy worker
+  writes, then `commit_save` makes the entries visible (all at once: a reader never sees a partial entry) or
+  `abort_save` frees the slots. A pending save makes `query` answer Loading for the page it will fill, and its
+  commit/abort is reported through `on_settled` so the tier can notify waiters (no poll-by-requery).
+- A `query` Hit holds a **lease** on its entries until released (the load consumed it); a TTL reclaims forgotten
+  leases, counted. Entries with no lease, no pending load and no hand-off pin are LRU-evictable.
+- `SaveClass.CACHEABLE` saves are shed when no room can be made (counted). `SaveClass.HANDOFF` entries are pinned for
+  their producer request until the consumer's load releases them (`consume_handoff`) or the producer revokes them;
+  a TTL reclaims forgotten hand-offs as a counted backstop.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+from itertools import takewhile
+from typing import Callable, Sequence
+
+
+class SaveClass(enum.Enum):
+    CACHEABLE = "cacheable"  # fire-and-forget; may be shed under pressure
+    HANDOFF = "handoff"  # must be delivered; leased until consumed or revoked
+
+
+@dataclass
+class HostEntry:
+    key: bytes
+    page_slot: int
+    bounded: dict[str, int] = field(default_factory=dict)  # group -> bounded slot (checkpoint artifacts here)
+    refs: int = 0  # leases holding it
+    handoff_owners: set[str] = field(default_factory=set)  # producer requests whose hand-off pins it
+
+    @property
+    def evictable(self) -> bool:
+        return self.refs == 0 and not self.handoff_owners
+
+
+@dataclass(frozen=True)
+class Miss:
+    pass
+
+
+@dataclass(frozen=True)
+class Loading:
+    ready_pages: int  # committed pages before the pending one
+    save_id: int  # the pending save whose settlement the caller should wait for
+
+
+@dataclass(frozen=True)
+class Hit:
+    pages: int
+    lease_id: int
+    page_slots: tuple[int, ...]
+    bounded_slots: dict[str, int]  # artifacts of the checkpoint at `pages`
+
+
+QueryResult = Miss | Loading | Hit
+
+
+@dataclass
+class SaveTicket:
+    save_id: int
+    req_id: str
+    save_class: SaveClass
+    keys: tuple[bytes, ...]
+    page_slots: tuple[int | None, ...]  # None: already present (dedup), nothing to copy
+    bounded_slots: dict[str, int | None]  # artifacts at keys[-1]; None: already present
+    expires: float
+
+    @property
+    def copies(self) -> int:
+        return sum(s is not None for s in self.page_slots) + sum(s is not None for s in self.bounded_slots.values())
+
+
+@dataclass(frozen=True)
+class Shed:
+    reason: str
+
+
+@dataclass
+class _Lease:
+    req_id: str
+    keys: list[bytes]
+    bounded_key: bytes | None
+    expires: float
+
+
+class HostIndex:
+    def __init__(
+        self,
+        page_slots: int,
+        bounded_slots: dict[str, int] | None = None,
+        *,
+        required_bounded: Sequence[str] | None = None,
+        high_watermark: float = 0.95,
+        lease_ttl_s: float = 30.0,
+        handoff_ttl_s: float = 300.0,
+        save_ttl_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if page_slots <= 0:
+            raise ValueError(f"page_slots must be positive, got {page_slots}")
+        self.page_slots = page_slots
+        self.bounded_capacity = dict(bounded_slots or {})
+        self.required = tuple(self.bounded_capacity if required_bounded is None else required_bounded)
+        self.high_watermark = high_watermark
+        self.lease_ttl_s, self.handoff_ttl_s, self.save_ttl_s = lease_ttl_s, handoff_ttl_s, save_ttl_s
+        self.clock = clock
+        self.free_pages: list[int] = list(range(page_slots - 1, -1, -1))
+        self.free_bounded: dict[str, list[int]] = {g: list(range(n - 1, -1, -1)) for g, n in self.bounded_capacity.items()}
+        self.entries: dict[bytes, HostEntry] = {}
+        self.lru: OrderedDict[bytes, None] = OrderedDict()  # evictable entries, oldest first
+        self.pending: dict[bytes, int] = {}  # key -> save id that will commit it
+        self.saves: dict[int, SaveTicket] = {}
+        self.leases: dict[int, _Lease] = {}
+        self.handoffs: dict[str, tuple[list[bytes], float]] = {}  # producer req -> (keys, expiry)
+        self._ids = itertools.count(1)
+        self.counters: Counter[str] = Counter()
+        self.on_settled: Callable[[SaveTicket, bool], None] | None = None
+
+    # -- query ----------------------------------------------------------------------------------------------------
+    def query(self, req_id: str, hashes: Sequence[bytes]) -> QueryResult:
+        """Longest committed run of `hashes` (from its start) ending at a complete checkpoint."""
+        entries = self.entries
+        n = len(list(takewhile(entries.__contains__, hashes)))
+        depth = self._deepest_complete(hashes, n)
+        if n < len(hashes) and hashes[n] in self.pending and depth == n:
+            self.counters["query_loading"] += 1
+            return Loading(ready_pages=n, save_id=self.pending[hashes[n]])
+        if depth == 0:
+            self.counters["query_miss"] += 1
+            return Miss()
+        keys = list(hashes[:depth])
+        for k in keys:
+            e = entries[k]
+            if e.refs == 0:
+                self.lru.pop(k, None)
+            e.refs += 1
+        lease_id = next(self._ids)
+        last = entries[keys[-1]]
+        self.leases[lease_id] = _Lease(req_id, keys, keys[-1] if last.bounded else None,
+                                       self.clock() + self.lease_ttl_s)
+        self.counters["query_hit"] += 1
+        self.counters["query_hit_pages"] += depth
+        return Hit(depth, lease_id, tuple(entries[k].page_slot for k in keys), dict(last.bounded))
+
+    def _deepest_complete(self, hashes: Sequence[bytes], n: int) -> int:
+        if not self.required:
+            return n
+        for depth in range(n, 0, -1):
+            bounded = self.entries[hashes[depth - 1]].bounded
+            if all(g in bounded for g in self.required):
+                return depth
+        return 0
+
+    def release_lease(self, lease_id: int, *, consume_handoff: str | None = None) -> bool:
+        """Release a query's lease (idempotent: False if unknown or already released). `consume_handoff` names the
+        producer request whose hand-off pins the consumer's completed load releases."""
+        lease = self.leases.pop(lease_id, None)
+        if consume_handoff is not None:
+            self.revoke_handoff(consume_handoff, consumed=True)
+        if lease is None:
+            return False
+        self._unref(lease.keys)
+        return True
+
+    def _unref(self, keys: Sequence[bytes]) -> None:
+        # Tail first into the LRU, so a chain's tail is evicted before its shared head.
+        for k in reversed(keys):
+            e = self.entries.get(k)
+            if e is None:
+                continue
+            e.refs -= 1
+            if e.evictable:
+                self.lru[k] = None
+
+    # -- saves ----------------------------------------------------------------------------------------------------
+    def reserve_save(
+        self,
+        req_id: str,
+        keys: Sequence[bytes],
+        bounded_groups: Sequence[str] = (),
+        save_class: SaveClass = SaveClass.CACHEABLE,
+    ) -> SaveTicket | Shed:
+        """Reserve slots for the pages `keys` (and bounded artifacts at `keys[-1]`) not already present or pending."""
+        if not keys:
+            raise ValueError("reserve_save needs at least one page key")
+        entries, pending = self.entries, self.pending
+        new_pages = [k for k in keys if k not in entries and k not in pending]
+        last = entries.get(keys[-1])
+        want_bounded = [g for g in bounded_groups if not (last is not None and g in last.bounded)]
+        if not self._make_room(len(new_pages), want_bounded):
+            self.counters[f"save_shed_{save_class.value}"] += 1
+            return Shed(reason=f"host tier full: {len(new_pages)} page slots wanted, none evictable")
+        new_set = set(new_pages)
+        page_slots = tuple(self.free_pages.pop() if k in new_set else None for k in keys)
+        bounded: dict[str, int | None] = {g: None for g in bounded_groups}
+        for g in want_bounded:
+            bounded[g] = self.free_bounded[g].pop()
+        ticket = SaveTicket(next(self._ids), req_id, save_class, tuple(keys), page_slots, bounded,
+                            self.clock() + self.save_ttl_s)
+        self.saves[ticket.save_id] = ticket
+        for k in new_pages:
+            pending[k] = ticket.save_id
+        self.counters["saves_reserved"] += 1
+        self.counters["save_dedup_pages"] += len(keys) - len(new_pages)
+        return ticket
+
+    def _make_room(self, pages: int, groups: Sequence[str]) -> bool:
+        """Evict LRU entries until the reservation fits, and further down to the high watermark."""
+        target_free = max(pages, pages + self.page_slots - int(self.page_slots * self.high_watermark))
+        while len(self.free_pages) < target_free and self.lru:
+            self._evict_one()
+        for g in groups:
+            while not self.free_bounded[g] and self._evict_bounded(g):
+                pass
+        return len(self.free_pages) >= pages and all(self.free_bounded[g] for g in groups)
+
+    def _evict_one(self) -> None:
+        key, _ = self.lru.popitem(last=False)
+        e = self.entries.pop(key)
+        self.free_pages.append(e.page_slot)
+        for g, slot in e.bounded.items():
+            self.free_bounded[g].append(slot)
+        self.counters["evictions"] += 1
+
+    def _evict_bounded(self, group: str) -> bool:
+        for key in self.lru:  # oldest first
+            e = self.entries[key]
+            if group in e.bounded:
+                self.free_bounded[group].append(e.bounded.pop(group))
+                self.counters["bounded_evictions"] += 1
+                return True
+        return False
+
+    def commit_save(self, save_id: int) -> bool:
+        """The copy landed: make every entry of the save visible at once. False if the save is unknown (reclaimed)."""
+        t = self.saves.pop(save_id, None)
+        if t is None:
+            return False
+        now = self.clock()
+        fresh: list[bytes] = []
+        for k, slot in zip(t.keys, t.page_slots):
+            if slot is None:
+                continue
+            self.pending.pop(k, None)
+            self.entries[k] = HostEntry(k, slot)
+            fresh.append(k)
+        last = self.entries.get(t.keys[-1])
+        for g, slot in t.bounded_slots.items():
+            if slot is None:
+                continue
+            if last is None or g in last.bounded:
+                self.free_bounded[g].append(slot)  # the page it belongs to is gone, or a duplicate
+            else:
+                last.bounded[g] = slot
+        if t.save_class is SaveClass.HANDOFF:
+            keys = [k for k in t.keys if k in self.entries]
+            for k in keys:
+                self.entries[k].handoff_owners.add(t.req_id)
+                self.lru.pop(k, None)
+            old = self.handoffs.get(t.req_id, ([], 0.0))[0]
+            self.handoffs[t.req_id] = (old + keys, now + self.handoff_ttl_s)
+        for k in reversed(fresh):
+            if self.entries[k].evictable:
+                self.lru[k] = None
+        self.counters["saves_committed"] += 1
+        self.counters["pages_saved"] += len(fresh)
+        if self.on_settled:
+            self.on_settled(t, True)
+        return True
+
+    def abort_save(self, save_id: int) -> bool:
+        t = self.saves.pop(save_id, None)
+        if t is None:
+            return False
+        for k, slot in zip(t.keys, t.page_slots):
+            if slot is not None:
+                self.pending.pop(k, None)
+                self.free_pages.append(slot)
+        for g, slot in t.bounded_slots.items():
+            if slot is not None:
+                self.free_bounded[g].append(slot)
+        self.counters["saves_aborted"] += 1
+        if self.on_settled:
+            self.on_settled(t, False)
+        return True
+
+    # -- hand-off -------------------------------------------------------------------------------------------------
+    def revoke_handoff(self, producer_req_id: str, *, consumed: bool = False) -> bool:
+        """Release a producer's hand-off pins ("nobody will read this", or the consumer's load completed)."""
+        got = self.handoffs.pop(producer_req_id, None)
+        if got is None:
+            return False
+        for k in got[0]:
+            e = self.entries.get(k)
+            if e is not None:
+                e.handoff_owners.discard(producer_req_id)
+                if e.evictable:
+                    self.lru[k] = None
+        self.counters["handoffs_consumed" if consumed else "handoffs_revoked"] += 1
+        return True
+
+    # -- TTL backstop ---------------------------------------------------------------------------------------------
+    def reap(self) -> dict[str, list[str]]:
+        """Reclaim expired leases, hand-offs and pending saves. Each reclaim is a bug elsewhere: counted, and the
+        returned request ids are for the caller's log."""
+        now = self.clock()
+        out: dict[str, list[str]] = {"leases": [], "handoffs": [], "saves": []}
+        for lid in [lid for lid, lease in self.leases.items() if lease.expires <= now]:
+            out["leases"].append(self.leases[lid].req_id)
+            self.release_lease(lid)
+            self.counters["leases_reclaimed_by_ttl"] += 1
+        for rid in [rid for rid, (_, exp) in self.handoffs.items() if exp <= now]:
+            out["handoffs"].append(rid)
+            self.revoke_handoff(rid)
+            self.counters["handoffs_reclaimed_by_ttl"] += 1
+        for sid in [sid for sid, t in self.saves.items() if t.expires <= now]:
+            out["saves"].append(self.saves[sid].req_id)
+            self.abort_save(sid)
+            self.counters["saves_reclaimed_by_ttl"] += 1
+        return out
+
+    # -- observability --------------------------------------------------------------------------------------------
+    def stats(self) -> dict[str, int]:
+        out = {
+            "page_slots": self.page_slots,
+            "free_page_slots": len(self.free_pages),
+            "entries": len(self.entries),
+            "evictable_entries": len(self.lru),
+            "pending_pages": len(self.pending),
+            "open_saves": len(self.saves),
+            "open_leases": len(self.leases),
+            "open_handoffs": len(self.handoffs),
+        }
+        out.update(self.counters)
+        return out
