@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
 from kvproc import KvModel, validate_layout
-from kvproc.engine.models import MODEL_NAMES, PAD_TOKEN_ID, SeqBatchItem, TinyModel, build_model
+from kvproc.engine.models import (
+    MODEL_NAMES,
+    PAD_TOKEN_ID,
+    SeqBatchItem,
+    TinyModel,
+    build_model,
+)
 
 PT = 16
 NUM_BLOCKS = 48
@@ -35,7 +43,7 @@ def fresh(model: TinyModel, slot: int) -> dict[str, int]:
 def run(model: TinyModel, toks: torch.Tensor, cuts: list[int], blocks: list[int], sl: dict[str, int]) -> torch.Tensor:
     """Feed toks[cuts[i]:cuts[i+1]] as successive chunks; logits of the last chunk."""
     out = torch.empty(0)
-    for a, b in zip(cuts, cuts[1:]):
+    for a, b in itertools.pairwise(cuts):
         out = model.forward([SeqBatchItem(toks[a:b], a, blocks, sl)])[0]
     return out
 
@@ -75,7 +83,7 @@ def test_declared_layout_validates_and_arenas_are_stable(name: str) -> None:
 def test_chunked_prefill_matches_one_shot(name: str) -> None:
     model = make(name)
     toks = tokens(model, 150)
-    one = run(model, toks, [0, 150], list(range(0, 10)), fresh(model, 0))
+    one = run(model, toks, [0, 150], list(range(10)), fresh(model, 0))
     # Chunks of 1, 16, 73 (longer than the swa window) and 60 tokens, in other blocks and another slot.
     chunked = run(model, toks, [0, 1, 17, 90, 150], list(range(20, 30)), fresh(model, 1))
     torch.testing.assert_close(chunked, one, atol=1e-4, rtol=0)
@@ -86,7 +94,7 @@ def test_chunked_prefill_matches_one_shot(name: str) -> None:
 def test_decode_after_prefill_matches_one_shot_of_extended_sequence(name: str) -> None:
     model = make(name)
     toks = tokens(model, 40)
-    blocks, sl = list(range(0, 10)), fresh(model, 0)
+    blocks, sl = list(range(10)), fresh(model, 0)
     logits = run(model, toks, [0, 40], blocks, sl)
     seq = toks.tolist()
     for _ in range(6):  # greedy decode, one token a step

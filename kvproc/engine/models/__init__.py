@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvproc.engine.models.base import PAD_TOKEN_ID, Allocator, SeqBatchItem, TinyModel, default_allocator
+from kvproc.engine.models.base import (
+    PAD_TOKEN_ID,
+    Allocator,
+    SeqBatchItem,
+    TinyModel,
+    default_allocator,
+)
 
 MODEL_NAMES = ("dense", "mla", "hybrid", "swa")
 

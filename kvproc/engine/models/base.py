@@ -8,8 +8,8 @@ restore a prefix by copying bytes and have the model continue as if it had compu
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import torch
 

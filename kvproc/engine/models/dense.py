@@ -5,8 +5,20 @@ from __future__ import annotations
 import torch
 
 from kvproc.contract import GroupKind, GroupSpec, KvSpec, Sharding
-from kvproc.engine.models.base import Allocator, PreparedItem, TinyModel, default_allocator
-from kvproc.engine.models.layers import Block, GqaProj, LmHead, Mlp, PagedGqaLayer, StepCtx
+from kvproc.engine.models.base import (
+    Allocator,
+    PreparedItem,
+    TinyModel,
+    default_allocator,
+)
+from kvproc.engine.models.layers import (
+    Block,
+    GqaProj,
+    LmHead,
+    Mlp,
+    PagedGqaLayer,
+    StepCtx,
+)
 
 
 class DenseModel(TinyModel):

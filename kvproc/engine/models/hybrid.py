@@ -14,8 +14,22 @@ import torch
 import torch.nn.functional as F
 
 from kvproc.contract import GroupKind, GroupSpec, KvSpec, Sharding
-from kvproc.engine.models.base import Allocator, PreparedItem, Rng, TinyModel, default_allocator
-from kvproc.engine.models.layers import Block, GqaProj, LmHead, Mlp, PagedGqaLayer, StepCtx, rms_norm
+from kvproc.engine.models.base import (
+    Allocator,
+    PreparedItem,
+    Rng,
+    TinyModel,
+    default_allocator,
+)
+from kvproc.engine.models.layers import (
+    Block,
+    GqaProj,
+    LmHead,
+    Mlp,
+    PagedGqaLayer,
+    StepCtx,
+    rms_norm,
+)
 
 _SUB_CHUNK = 64  # tokens per step of the chunkwise recurrence: O(T * 64) work instead of a per-token loop
 

@@ -26,10 +26,10 @@ class StepCtx:
     bounds: list[tuple[int, int]]  # item i's rows in the concatenated token axis
     positions: torch.Tensor  # long [N]
     _rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    _decode: "DecodePlan | None | bool" = False  # False: not built yet; None: fewer than two decode items
+    _decode: DecodePlan | None | bool = False  # False: not built yet; None: fewer than two decode items
 
     @staticmethod
-    def build(items: list[PreparedItem]) -> "StepCtx":
+    def build(items: list[PreparedItem]) -> StepCtx:
         bounds, off = [], 0
         for it in items:
             bounds.append((off, off + it.length))
@@ -44,7 +44,7 @@ class StepCtx:
             self._rope[dim] = (ang.cos()[:, None, :], ang.sin()[:, None, :])
         return self._rope[dim]
 
-    def decode_plan(self, page_tokens: int) -> "DecodePlan | None":
+    def decode_plan(self, page_tokens: int) -> DecodePlan | None:
         """Batched gather plan for the single-token items (None when fewer than two: the loop is as fast)."""
         if self._decode is False:
             self._decode = DecodePlan.build(self, page_tokens)
@@ -69,7 +69,7 @@ class DecodePlan:
     mask: torch.Tensor  # bool [B, 1, 1, nbmax * page_tokens], True for the item's real positions
 
     @staticmethod
-    def build(ctx: "StepCtx", page_tokens: int) -> "DecodePlan | None":
+    def build(ctx: StepCtx, page_tokens: int) -> DecodePlan | None:
         idx = [i for i, it in enumerate(ctx.items) if it.length == 1]
         if len(idx) < 2:
             return None

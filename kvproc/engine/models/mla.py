@@ -18,9 +18,24 @@ import torch
 
 from kvproc.contract import GroupKind, GroupSpec, KvSpec, RepackDirection, Sharding
 from kvproc.engine.models import wire
-from kvproc.engine.models.base import Allocator, PreparedItem, Rng, TinyModel, default_allocator
+from kvproc.engine.models.base import (
+    Allocator,
+    PreparedItem,
+    Rng,
+    TinyModel,
+    default_allocator,
+)
 from kvproc.engine.models.layers import (
-    Block, GqaProj, LmHead, Mlp, PagedGqaLayer, StepCtx, apply_rope, attend, paged_write_read, rms_norm,
+    Block,
+    GqaProj,
+    LmHead,
+    Mlp,
+    PagedGqaLayer,
+    StepCtx,
+    apply_rope,
+    attend,
+    paged_write_read,
+    rms_norm,
 )
 
 

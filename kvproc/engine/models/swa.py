@@ -10,8 +10,21 @@ from __future__ import annotations
 import torch
 
 from kvproc.contract import GroupKind, GroupSpec, KvSpec, Sharding
-from kvproc.engine.models.base import Allocator, PreparedItem, TinyModel, default_allocator
-from kvproc.engine.models.layers import Block, GqaProj, LmHead, Mlp, PagedGqaLayer, StepCtx, attend
+from kvproc.engine.models.base import (
+    Allocator,
+    PreparedItem,
+    TinyModel,
+    default_allocator,
+)
+from kvproc.engine.models.layers import (
+    Block,
+    GqaProj,
+    LmHead,
+    Mlp,
+    PagedGqaLayer,
+    StepCtx,
+    attend,
+)
 
 _Q_BLOCK = 128  # long chunks attend in query blocks: each needs only the ring and the last `window` chunk keys
 _NOWHERE = -(2**40)  # position given to ring entries not yet written: always outside every query's window
