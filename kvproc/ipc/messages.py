@@ -1,0 +1,295 @@
+"""Every kvproc wire type, in one module.
+
+Each message is one ZeroMQ frame: a msgspec Struct encoded as a msgpack array whose first element is an integer tag.
+Sockets carry metadata only (ids, slots, hashes, lease ids); KV bytes travel through shared memory (`segment.py`).
+
+Decoders are typed per socket direction: a server decodes `ClientMsg`, a client decodes `ServerMsg`, and a request
+body must be one of `RequestBody`, a reply payload one of `Payload`. Anything else is a decode error that the
+receiver answers with a typed `Failed` (where a reply is possible) and a log line; it never kills the process.
+
+Rules (read before editing):
+- A tag is never reused, not even after its type is deleted: retire it with a line in the table below.
+- New fields go last and have defaults (old peers omit them, new peers ignore nothing they do not know).
+- A change that breaks either rule bumps `PROTOCOL_VERSION`; the handshake refuses a mismatch with both versions.
+
+Adding a request (e.g. the next issue's host tier `Query`):
+1. pick free tags in the role's range: a request class deriving `Request`, a payload class deriving `Payload`;
+2. add them to the `RequestBody` / `Payload` unions at the bottom and to the table here;
+3. write a handler on the role: `@handles(Query) def query(self, msg: Query, ctx: CallContext) -> QueryResult`.
+   Handlers are checked against these unions when the role is built, so a forgotten step fails at boot.
+
+Tag table (ranges: 1-49 envelope and control, 100-199 runtime requests, 200-299 runtime payloads,
+300-399 host-tier requests, 400-499 host-tier payloads, 500-599 copy-worker requests, 600-699 copy-worker payloads):
+
+| tag | type           | direction          | meaning                                                          |
+|-----|----------------|--------------------|------------------------------------------------------------------|
+| 1   | Hello          | client -> server   | handshake: protocol version, auth token, client name             |
+| 2   | Welcome        | server -> client   | handshake accepted: version, role, rank, pid                     |
+| 3   | Refused        | server -> client   | handshake refused: code, message, server version                 |
+| 4   | Call           | client -> server   | request envelope: call id, absolute deadline, cancel token, body |
+| 5   | Cancel         | client -> server   | cancel every call carrying this token (no reply)                 |
+| 6   | Heartbeat      | client -> server   | liveness probe when idle                                         |
+| 7   | HeartbeatAck   | server -> client   | answer to Heartbeat, sent by the socket thread                   |
+| 8   | Goodbye        | server -> client   | the server is leaving: fail every pending call with PeerDead     |
+| 10  | Ok             | server -> client   | terminal: success with a typed payload                           |
+| 11  | Failed         | server -> client   | terminal: error code, remote exception type, message             |
+| 12  | Cancelled      | server -> client   | terminal: the call's token was cancelled                         |
+| 13  | PeerDead       | (local)            | terminal: the peer is gone (made by the client, may be sent)     |
+| 20  | Ready          | child -> launcher  | start-up pipe: the child serves at these endpoints               |
+| 21  | StartupFailed  | child -> launcher  | start-up pipe: the child could not start (traceback)             |
+| 100 | Ping           | request            | echo a payload (answered by the socket thread: transport probe)  |
+| 101 | Stats          | request            | process and role counters                                        |
+| 102 | Profile        | request            | sample own stacks for N seconds while serving, write a report    |
+| 103 | Shutdown       | request            | orderly stop after replying                                      |
+| 110 | Sleep          | request (debug)    | sleep in small steps, observing cancellation and deadline        |
+| 111 | Fail           | request (debug)    | raise a HandlerError with this code and message                  |
+| 200 | Pong           | payload            | answer to Ping                                                   |
+| 201 | StatsReport    | payload            | answer to Stats                                                  |
+| 202 | ProfileReport  | payload            | answer to Profile: report path and sample count                  |
+| 203 | Done           | payload            | empty success                                                    |
+
+Deadlines are absolute `CLOCK_MONOTONIC` nanoseconds (`time.monotonic_ns()`), which Linux shares between all
+processes of one host (and across containers without a time namespace): comparable on one node, immune to wall-clock
+steps. kvproc's tcp endpoints serve engines on the same node, so this holds there too.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NoReturn, Union
+
+import msgspec
+
+from kvproc.ipc.errors import CallCancelled, PeerDeadError, RemoteError
+
+PROTOCOL_VERSION = 1
+
+
+class Wire(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Base of every wire type: array encoding (no field names on the wire), tagged by subclasses."""
+
+
+class Request(Wire):
+    """Base of request bodies (the `body` of a `Call`)."""
+
+
+class Payload(Wire):
+    """Base of `Ok` payloads."""
+
+
+# ---- envelope and control --------------------------------------------------------------------------------------
+
+
+class Hello(Wire, tag=1):
+    version: int
+    token: str
+    client: str = ""
+
+
+class Welcome(Wire, tag=2):
+    version: int
+    role: str
+    rank: int
+    pid: int
+
+
+class Refused(Wire, tag=3):
+    code: str
+    message: str
+    server_version: int = PROTOCOL_VERSION
+
+
+class Cancel(Wire, tag=5):
+    token: int
+
+
+class Heartbeat(Wire, tag=6):
+    seq: int = 0
+
+
+class HeartbeatAck(Wire, tag=7):
+    seq: int = 0
+
+
+class Goodbye(Wire, tag=8):
+    reason: str = ""
+
+
+# ---- terminal replies: every Call ends in exactly one of these ---------------------------------------------------
+
+
+class Failed(Wire, tag=11):
+    call_id: int
+    code: str
+    exc_type: str
+    message: str
+
+    def unwrap(self) -> NoReturn:
+        raise RemoteError(self.code, self.exc_type, self.message)
+
+
+class Cancelled(Wire, tag=12):
+    call_id: int
+    token: int
+
+    def unwrap(self) -> NoReturn:
+        raise CallCancelled(self.token)
+
+
+class PeerDead(Wire, tag=13):
+    call_id: int
+    reason: str
+
+    def unwrap(self) -> NoReturn:
+        raise PeerDeadError(self.reason)
+
+
+# ---- start-up pipe (child -> launcher, not ZeroMQ) ---------------------------------------------------------------
+
+
+class Ready(Wire, tag=20):
+    pid: int
+    endpoints: list[str]
+    segments: list[str] = []
+
+
+class StartupFailed(Wire, tag=21):
+    error: str
+
+
+# ---- runtime requests and payloads -------------------------------------------------------------------------------
+
+
+class Ping(Request, tag=100):
+    data: bytes = b""
+
+
+class Stats(Request, tag=101):
+    pass
+
+
+class Profile(Request, tag=102):
+    seconds: float = 5.0
+    interval_ms: float = 5.0
+
+
+class Shutdown(Request, tag=103):
+    reason: str = ""
+
+
+class Sleep(Request, tag=110):
+    seconds: float
+    step_s: float = 0.01
+
+
+class Fail(Request, tag=111):
+    message: str
+    code: str = "debug"
+
+
+class Pong(Payload, tag=200):
+    data: bytes = b""
+    pid: int = 0
+
+
+class StatsReport(Payload, tag=201):
+    role: str
+    rank: int
+    pid: int
+    uptime_s: float
+    rss_bytes: int
+    threads: int
+    in_flight: int  # calls accepted and not yet replied to
+    queued: int  # calls waiting for a handler thread
+    outbox: int  # replies waiting for the socket thread
+    msgs_in: int
+    msgs_out: int
+    errors: int  # malformed frames, refused handshakes, handler exceptions
+    counters: dict[str, int] = {}
+    segments: list[str] = []
+
+
+class ProfileReport(Payload, tag=202):
+    path: str
+    samples: int
+
+
+class Done(Payload, tag=203):
+    pass
+
+
+# ---- the unions (add new request and payload types here) ---------------------------------------------------------
+
+RequestBody = Union[Ping, Stats, Profile, Shutdown, Sleep, Fail]
+PayloadBody = Union[Pong, StatsReport, ProfileReport, Done]
+
+
+class Call(Wire, tag=4):
+    call_id: int
+    deadline_ns: int  # absolute time.monotonic_ns()
+    body: RequestBody
+    token: int = 0  # cancel token id; 0 = not cancellable
+
+
+class Ok(Wire, tag=10):
+    call_id: int
+    payload: PayloadBody
+
+    def unwrap(self) -> Any:
+        return self.payload
+
+
+Reply = Union[Ok, Failed, Cancelled, PeerDead]
+ClientMsg = Union[Hello, Call, Cancel, Heartbeat]
+ServerMsg = Union[Welcome, Refused, Ok, Failed, Cancelled, PeerDead, HeartbeatAck, Goodbye]
+StartupMsg = Union[Ready, StartupFailed]
+
+REQUEST_TYPES: tuple[type[Request], ...] = (Ping, Stats, Profile, Shutdown, Sleep, Fail)
+PAYLOAD_TYPES: tuple[type[Payload], ...] = (Pong, StatsReport, ProfileReport, Done)
+TERMINAL_TYPES: tuple[type[Wire], ...] = (Ok, Failed, Cancelled, PeerDead)
+ALL_TYPES: tuple[type[Wire], ...] = (
+    Hello, Welcome, Refused, Call, Cancel, Heartbeat, HeartbeatAck, Goodbye,
+    Ok, Failed, Cancelled, PeerDead, Ready, StartupFailed, *REQUEST_TYPES, *PAYLOAD_TYPES,
+)  # fmt: skip
+
+
+def tag_of(cls: type[Wire]) -> int:
+    tag = cls.__struct_config__.tag
+    assert isinstance(tag, int), cls
+    return tag
+
+
+def _check_tags() -> None:
+    # Runs at import: a duplicated tag is a bug that must fail at boot, never as a misdecoded frame.
+    seen: dict[int, str] = {}
+    for cls in ALL_TYPES:
+        tag = tag_of(cls)
+        if tag in seen:
+            raise RuntimeError(f"wire tag {tag} used by both {seen[tag]} and {cls.__name__}")
+        seen[tag] = cls.__name__
+
+
+_check_tags()
+
+encoder = msgspec.msgpack.Encoder()
+encode = encoder.encode
+
+
+def server_decoder() -> msgspec.msgpack.Decoder[Any]:
+    """Decoder for frames a server receives."""
+    return msgspec.msgpack.Decoder(ClientMsg)
+
+
+def client_decoder() -> msgspec.msgpack.Decoder[Any]:
+    """Decoder for frames a client receives."""
+    return msgspec.msgpack.Decoder(ServerMsg)
+
+
+def startup_decoder() -> msgspec.msgpack.Decoder[Any]:
+    return msgspec.msgpack.Decoder(StartupMsg)
+
+
+def version_mismatch_message(client_version: int, server_version: int) -> str:
+    return (
+        f"protocol version mismatch: client speaks {client_version}, server speaks {server_version}; "
+        "upgrade the older side"
+    )

@@ -1,0 +1,202 @@
+"""`Segment`: a POSIX shared-memory segment with zero-copy numpy/torch views that can never dangle.
+
+- Created exclusively (O_CREX), mode 0600, named `kvproc.<cluster>.<role>.<owner pid>.<n>` so that a sweep can tell
+  whose it is; sized with `posix_fallocate` so a too-small /dev/shm fails here with ENOSPC instead of a SIGBUS on
+  first write; mapped with MAP_POPULATE so page faults are paid at creation/attach, never on a hot path.
+- Attached by name with size 0 (a non-zero size would truncate the segment).
+- Every view is a numpy array over the mmap (torch views via `torch.from_numpy`, never `torch.frombuffer`, which
+  does not hold a buffer export). While any view lives, `mmap.close()` raises BufferError, so `close()` raises
+  `SegmentBusyError` instead of unmapping memory a view still points into (which would segfault on next access).
+- Unlink removes the name at once; existing mappings keep working and the memory is freed with the last mapping.
+"""
+
+from __future__ import annotations
+
+import itertools
+import mmap
+import os
+import re
+from typing import TYPE_CHECKING, Any, Iterable, NamedTuple
+
+import numpy as np
+import posix_ipc
+
+if TYPE_CHECKING:
+    import torch
+
+SHM_DIR = "/dev/shm"
+_NAME_RE = re.compile(r"^kvproc\.([A-Za-z0-9_-]+)\.([A-Za-z0-9_-]+)\.(\d+)\.(\d+)$")
+_PART_RE = re.compile(r"^[A-Za-z0-9_-]{1,40}$")
+_seq = itertools.count()
+
+
+class SegmentError(RuntimeError):
+    """Creating or attaching a segment failed (the message says which segment and why)."""
+
+
+class SegmentBusyError(SegmentError):
+    """`close()` was called while views of the segment are still alive."""
+
+
+class SegmentName(NamedTuple):
+    cluster: str
+    role: str
+    pid: int
+    seq: int
+
+
+def parse_name(name: str) -> SegmentName | None:
+    match = _NAME_RE.match(name.lstrip("/"))
+    if match is None:
+        return None
+    return SegmentName(match[1], match[2], int(match[3]), int(match[4]))
+
+
+def _check_part(what: str, value: str) -> None:
+    if not _PART_RE.match(value):
+        raise ValueError(f"segment {what} {value!r} must be 1-40 characters of [A-Za-z0-9_-]")
+
+
+class Segment:
+    def __init__(self, name: str, mm: mmap.mmap, nbytes: int, owner: bool) -> None:
+        self.name = name
+        self.nbytes = nbytes
+        self.owner = owner  # True in the creating process (the one that unlinks)
+        self._mm: mmap.mmap | None = mm
+        self.pinned = False  # set by kvproc.ipc.pinning
+
+    @classmethod
+    def create(cls, cluster: str, role: str, nbytes: int) -> Segment:
+        _check_part("cluster", cluster)
+        _check_part("role", role)
+        if nbytes <= 0:
+            raise ValueError(f"segment size must be positive, got {nbytes}")
+        name = f"kvproc.{cluster}.{role}.{os.getpid()}.{next(_seq)}"
+        shm = posix_ipc.SharedMemory("/" + name, posix_ipc.O_CREX, mode=0o600, size=0)
+        try:
+            try:
+                os.posix_fallocate(shm.fd, 0, nbytes)
+            except OSError as e:
+                free = os.statvfs(SHM_DIR).f_bavail * os.statvfs(SHM_DIR).f_frsize
+                raise SegmentError(
+                    f"cannot allocate {nbytes} B for segment {name}: {e.strerror} ({SHM_DIR} has {free} B free)"
+                ) from e
+            mm = mmap.mmap(shm.fd, nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+        except BaseException:
+            shm.close_fd()
+            shm.unlink()
+            raise
+        shm.close_fd()  # the mapping keeps the memory; the fd is not needed any more
+        return cls(name, mm, nbytes, owner=True)
+
+    @classmethod
+    def attach(cls, name: str) -> Segment:
+        try:
+            shm = posix_ipc.SharedMemory("/" + name.lstrip("/"), 0, size=0)  # size 0: never truncate
+        except posix_ipc.ExistentialError as e:
+            raise SegmentError(f"no segment named {name}: {e}") from e
+        try:
+            nbytes = shm.size
+            mm = mmap.mmap(shm.fd, nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+        finally:
+            shm.close_fd()
+        return cls(name.lstrip("/"), mm, nbytes, owner=False)
+
+    # ---- views ----
+
+    def _map(self) -> mmap.mmap:
+        if self._mm is None:
+            raise SegmentError(f"segment {self.name} is closed")
+        return self._mm
+
+    def numpy(self, dtype: Any = np.uint8, offset: int = 0, count: int = -1) -> np.ndarray[Any, Any]:
+        """A writable zero-copy view; `count=-1` means to the end of the segment."""
+        return np.frombuffer(self._map(), dtype=dtype, count=count, offset=offset)
+
+    def torch(self, dtype: torch.dtype | None = None, offset: int = 0, count: int = -1) -> torch.Tensor:
+        """A zero-copy CPU tensor, built through numpy so that it keeps the mapping's buffer export alive."""
+        import torch
+
+        dtype = dtype or torch.uint8
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        nbytes = (self.nbytes - offset if count < 0 else count * itemsize) // itemsize * itemsize
+        raw = torch.from_numpy(self.numpy(np.uint8, offset, nbytes))
+        return raw.view(dtype)  # the view keeps `raw`'s storage, which keeps the numpy array, which keeps the map
+
+    # ---- lifetime ----
+
+    @property
+    def closed(self) -> bool:
+        return self._mm is None
+
+    def close(self) -> None:
+        """Unmap. Raises SegmentBusyError (and stays mapped) while any view is alive."""
+        if self._mm is None:
+            return
+        if self.pinned:
+            from kvproc.ipc import pinning
+
+            pinning.unregister(self)
+        try:
+            self._mm.close()
+        except BufferError as e:
+            raise SegmentBusyError(f"segment {self.name} still has live views; drop them before closing") from e
+        self._mm = None
+
+    def unlink(self) -> None:
+        try:
+            posix_ipc.unlink_shared_memory("/" + self.name)
+        except posix_ipc.ExistentialError:
+            pass
+
+    def address(self) -> int:
+        """The mapping's base address (for pinned-memory registration)."""
+        view = self.numpy(np.uint8, 0, 1)
+        return int(view.ctypes.data)
+
+    def __enter__(self) -> Segment:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.owner:
+            self.unlink()
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Segment({self.name!r}, {self.nbytes} B, owner={self.owner}, closed={self.closed})"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def list_segments(cluster: str | None = None) -> list[str]:
+    names = []
+    for entry in os.listdir(SHM_DIR):
+        parsed = parse_name(entry)
+        if parsed is not None and (cluster is None or parsed.cluster == cluster):
+            names.append(entry)
+    return sorted(names)
+
+
+def sweep_dead_segments(cluster: str | None = None, pids: Iterable[int] | None = None) -> list[str]:
+    """Unlink kvproc segments whose owner process is dead (optionally only these pids / this cluster)."""
+    only = set(pids) if pids is not None else None
+    removed = []
+    for entry in list_segments(cluster):
+        parsed = parse_name(entry)
+        assert parsed is not None
+        if (only is not None and parsed.pid not in only) or _pid_alive(parsed.pid):
+            continue
+        try:
+            posix_ipc.unlink_shared_memory("/" + entry)
+            removed.append(entry)
+        except posix_ipc.ExistentialError:  # someone else swept it first
+            pass
+    return removed

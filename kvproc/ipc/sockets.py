@@ -1,0 +1,28 @@
+"""Socket options every kvproc socket gets, and endpoint naming."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import zmq
+
+# sockaddr_un.sun_path is 108 bytes including the terminating NUL.
+MAX_IPC_PATH = 107
+
+
+def configure_socket(sock: zmq.Socket[Any], *, hwm: int) -> None:
+    # Explicit high-water marks: no unbounded queues. LINGER 0: closing never blocks on an unreachable peer.
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, hwm)
+    sock.setsockopt(zmq.RCVHWM, hwm)
+
+
+def ipc_endpoint(runtime_dir: str, name: str) -> str:
+    path = os.path.join(runtime_dir, f"{name}.sock")
+    if len(path.encode()) > MAX_IPC_PATH:
+        raise ValueError(
+            f"ipc socket path {path!r} is {len(path.encode())} bytes, over the {MAX_IPC_PATH}-byte Unix limit; "
+            "use a shorter runtime dir (e.g. under /tmp)"
+        )
+    return f"ipc://{path}"

@@ -1,0 +1,181 @@
+"""RPC across real processes: a role served in a forkserver child, called over real ipc:// ZeroMQ sockets."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from kvproc.ipc import messages as m
+from kvproc.ipc.cancel import new_token
+from kvproc.ipc.client import RpcClient
+from kvproc.ipc.errors import CallCancelled, HandshakeRefused, PeerDeadError, RemoteError
+from kvproc.ipc.sockets import ipc_endpoint
+from kvproc.runtime.child import ChildSpec, child_main
+
+TOKEN = "t0ken"
+
+
+class Served:
+    def __init__(self, proc: Any, endpoint: str, runtime_dir: str) -> None:
+        self.proc, self.endpoint, self.runtime_dir = proc, endpoint, runtime_dir
+
+    def client(self, **kw: Any) -> RpcClient:
+        c = RpcClient(self.endpoint, token=kw.pop("token", TOKEN), peer="host_tier[0]", **kw)
+        c.connect(5.0)
+        return c
+
+
+def serve_role(runtime_dir: str, **options: Any) -> Served:
+    ctx = multiprocessing.get_context("forkserver")
+    endpoint = ipc_endpoint(runtime_dir, "host_tier-0")
+    spec = ChildSpec(
+        "rpctest",
+        "host_tier",
+        0,
+        "kvproc.runtime.roles:HostTierRole",
+        runtime_dir,
+        (endpoint,),
+        TOKEN,
+        os.getpid(),
+        options,
+        max_frame_bytes=64 * 1024,
+    )
+    r, w = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=child_main, args=(spec, w), daemon=True)
+    proc.start()
+    w.close()
+    assert r.poll(20.0), "child did not report ready"
+    assert type(m.startup_decoder().decode(r.recv_bytes())) is m.Ready
+    return Served(proc, endpoint, runtime_dir)
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[Served]:
+    with tempfile.TemporaryDirectory(prefix="kvt-", dir="/tmp") as d:
+        s = serve_role(d)
+        try:
+            yield s
+        finally:
+            if s.proc.is_alive():
+                os.kill(s.proc.pid, signal.SIGKILL)
+            s.proc.join(5)
+
+
+@pytest.fixture
+def client(served: Served) -> Iterator[RpcClient]:
+    c = served.client()
+    yield c
+    c.close()
+
+
+def test_ping_round_trips_payload_and_names_the_server_pid(client: RpcClient, served: Served) -> None:
+    pong = client.request(m.Ping(b"abc"), timeout=5)
+    assert pong == m.Pong(b"abc", served.proc.pid)
+
+
+def test_stats_reports_counters_from_the_server_process(client: RpcClient, served: Served) -> None:
+    report = client.request(m.Stats(), timeout=5)
+    assert report.pid == served.proc.pid and report.role == "host_tier"
+    assert report.msgs_in >= 1 and report.rss_bytes > 0
+
+
+def test_remote_exception_arrives_typed_with_code(client: RpcClient) -> None:
+    with pytest.raises(RemoteError) as err:
+        client.request(m.Fail("boom", code="debug_code"), timeout=5)
+    assert err.value.code == "debug_code" and err.value.exc_type == "HandlerError" and "boom" in err.value.message
+
+
+def test_deadline_in_the_message_ends_a_long_call_with_deadline_exceeded(client: RpcClient) -> None:
+    t0 = time.monotonic()
+    reply = client.call(m.Sleep(10.0), timeout=0.3).result(5)
+    assert isinstance(reply, m.Failed) and reply.code == "deadline_exceeded"
+    assert time.monotonic() - t0 < 2.0
+
+
+def test_already_expired_deadline_is_refused_without_running(client: RpcClient) -> None:
+    reply = client.call(m.Sleep(1.0), deadline=time.monotonic() - 1).result(5)
+    assert isinstance(reply, m.Failed) and reply.code == "deadline_exceeded"
+
+
+def test_cancel_reaches_a_call_waiting_in_the_server_process(client: RpcClient) -> None:
+    token = new_token()
+    fut = client.call(m.Sleep(10.0), timeout=10, cancel_token=token)
+    time.sleep(0.2)  # let it start sleeping over there
+    t0 = time.monotonic()
+    token.cancel()
+    reply = fut.result(5)
+    assert reply == m.Cancelled(reply.call_id, token.id)
+    assert time.monotonic() - t0 < 1.0
+    with pytest.raises(CallCancelled):
+        reply.unwrap()
+
+
+def test_cancelled_token_short_circuits_new_calls(client: RpcClient) -> None:
+    token = new_token()
+    token.cancel()
+    assert isinstance(client.call(m.Sleep(1.0), cancel_token=token).result(1), m.Cancelled)
+
+
+def test_many_concurrent_calls_from_threads_each_get_their_own_reply(client: RpcClient) -> None:
+    results: list[Any] = []
+
+    def worker(i: int) -> None:
+        for j in range(50):
+            results.append(client.request(m.Ping(f"{i}-{j}".encode()), timeout=10).data)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert sorted(results) == sorted(f"{i}-{j}".encode() for i in range(4) for j in range(50))
+
+
+def test_handshake_with_wrong_token_is_refused(served: Served) -> None:
+    with pytest.raises(HandshakeRefused) as err:
+        served.client(token="wrong")
+    assert err.value.code == "bad_token"
+
+
+def test_handshake_with_other_protocol_version_is_refused_naming_both(served: Served) -> None:
+    import zmq
+
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(served.endpoint)
+        sock.send(m.encode(m.Hello(m.PROTOCOL_VERSION + 7, TOKEN, "old")))
+        assert sock.poll(5000)
+        reply = m.client_decoder().decode(sock.recv())
+    finally:
+        sock.close()
+    assert isinstance(reply, m.Refused) and reply.code == "protocol_mismatch"
+    assert str(m.PROTOCOL_VERSION + 7) in reply.message and str(m.PROTOCOL_VERSION) in reply.message
+
+
+def test_sigkill_fails_every_outstanding_call_with_peer_dead() -> None:
+    with tempfile.TemporaryDirectory(prefix="kvt-", dir="/tmp") as d:
+        s = serve_role(d)
+        c = s.client(heartbeat_s=0.1, liveness=3)
+        try:
+            futs = [c.call(m.Sleep(30.0), timeout=30) for _ in range(5)]
+            time.sleep(0.1)
+            os.kill(s.proc.pid, signal.SIGKILL)
+            t0 = time.monotonic()
+            replies = [f.result(5) for f in futs]
+            # No supervisor here: detection is by heartbeats (0.1 s x 3); with the launcher it is the sentinel.
+            assert time.monotonic() - t0 < 2.0
+            assert all(isinstance(r, m.PeerDead) for r in replies)
+            with pytest.raises(PeerDeadError):
+                c.request(m.Ping(), timeout=1)
+        finally:
+            c.close()
+            s.proc.join(5)

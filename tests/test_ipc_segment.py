@@ -1,0 +1,122 @@
+"""Shared-memory segments: exclusive creation, cross-process bytes, safe close under live views, the sweep."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import stat
+import subprocess
+from collections.abc import Iterator
+
+import numpy as np
+import posix_ipc
+import pytest
+
+from kvproc.ipc import pinning
+from kvproc.ipc.segment import (
+    SHM_DIR,
+    Segment,
+    SegmentBusyError,
+    SegmentError,
+    list_segments,
+    parse_name,
+    sweep_dead_segments,
+)
+
+CLUSTER = "segtest"
+
+
+@pytest.fixture(autouse=True)
+def no_segment_left_behind() -> Iterator[None]:
+    yield
+    leftovers = list_segments(CLUSTER)
+    for name in leftovers:
+        os.unlink(os.path.join(SHM_DIR, name))
+    assert not leftovers, f"segments left behind: {leftovers}"
+
+
+def _write_pattern(name: str, value: int) -> None:
+    seg = Segment.attach(name)
+    view = seg.numpy(np.uint8)
+    view[:] = value
+    del view
+    seg.close()
+
+
+def test_segment_is_private_named_after_owner_and_sized() -> None:
+    with Segment.create(CLUSTER, "host_tier", 1 << 20) as seg:
+        st = os.stat(os.path.join(SHM_DIR, seg.name))
+        assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_size == 1 << 20
+        parsed = parse_name(seg.name)
+        assert parsed is not None and (parsed.cluster, parsed.role, parsed.pid) == (CLUSTER, "host_tier", os.getpid())
+
+
+def test_bytes_written_by_one_process_are_read_by_another() -> None:
+    with Segment.create(CLUSTER, "host_tier", 64 * 1024) as seg:
+        p = multiprocessing.get_context("forkserver").Process(target=_write_pattern, args=(seg.name, 0xAB))
+        p.start()
+        p.join(20)
+        assert p.exitcode == 0
+        view = seg.numpy(np.uint8)
+        assert view.min() == 0xAB and view.max() == 0xAB
+        del view
+
+
+def test_attach_does_not_truncate_and_sees_creator_writes() -> None:
+    with Segment.create(CLUSTER, "copy_worker", 8192) as seg:
+        seg.numpy(np.int64)[:] = np.arange(1024)
+        other = Segment.attach(seg.name)
+        assert other.nbytes == 8192 and not other.owner
+        assert np.array_equal(other.numpy(np.int64, offset=8, count=3), [1, 2, 3])
+        other.close()
+
+
+def test_close_with_live_numpy_view_raises_and_the_view_stays_valid() -> None:
+    seg = Segment.create(CLUSTER, "host_tier", 4096)
+    seg.unlink()
+    view = seg.numpy(np.uint8)[10:20]  # a derived view also holds the export
+    with pytest.raises(SegmentBusyError):
+        seg.close()
+    view[:] = 7
+    assert int(view.sum()) == 70
+    del view
+    seg.close()
+    assert seg.closed
+
+
+def test_close_with_live_torch_view_raises_instead_of_segfaulting() -> None:
+    torch = pytest.importorskip("torch")
+    seg = Segment.create(CLUSTER, "copy_worker", 4096)
+    seg.unlink()
+    t = seg.torch(torch.float32)[4:8]
+    with pytest.raises(SegmentBusyError):
+        seg.close()
+    t.fill_(1.5)
+    assert float(t.sum()) == 6.0
+    del t
+    seg.close()
+
+
+def test_too_large_segment_fails_cleanly_and_leaves_no_name() -> None:
+    free = os.statvfs(SHM_DIR).f_bavail * os.statvfs(SHM_DIR).f_frsize
+    with pytest.raises(SegmentError, match="cannot allocate"):
+        Segment.create(CLUSTER, "host_tier", free + (1 << 30))
+
+
+def test_sweep_removes_segments_of_dead_owners_only() -> None:
+    gone = subprocess.Popen(["true"])
+    gone.wait(10)
+    dead = posix_ipc.SharedMemory(f"/kvproc.{CLUSTER}.x.{gone.pid}.0", posix_ipc.O_CREX, mode=0o600, size=4096)
+    dead.close_fd()
+    dead_name = dead.name.lstrip("/")
+    with Segment.create(CLUSTER, "live", 4096) as live:
+        assert set(list_segments(CLUSTER)) == {dead_name, live.name}
+        assert sweep_dead_segments(CLUSTER) == [dead_name]
+        assert list_segments(CLUSTER) == [live.name]
+
+
+def test_pinning_is_a_no_op_without_cuda() -> None:
+    with Segment.create(CLUSTER, "copy_worker", 4096) as seg:
+        assert pinning.register(seg) is False
+        pinning.unregister(seg)
+        assert not seg.pinned
