@@ -10,13 +10,14 @@ per-block Python work is the dict/OrderedDict traffic of the prefix index and th
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from functools import partial
 from itertools import takewhile
 from operator import is_not
 from typing import Sequence
 
 import numpy as np
+
+from kvproc.lru import RunLru
 
 _NOT_NONE = partial(is_not, None)
 
@@ -37,11 +38,11 @@ class PagedBlocks:
         self.refcount = np.zeros(num_blocks, dtype=np.int32)
         self.generation = np.zeros(num_blocks, dtype=np.int64)
         self.hashed = np.zeros(num_blocks, dtype=bool)
-        self.block_hash: list[bytes | None] = [None] * num_blocks
+        self.block_hash = np.full(num_blocks, None, dtype=object)  # bytes or None, assigned by fancy index
         # Stack: popping from the end hands out low ids first, which keeps early runs contiguous for the copy path.
         self.free: list[int] = list(range(num_blocks - 1, -1, -1))
         # LRU of sealed, unreferenced blocks: first item is evicted first.
-        self.inactive: OrderedDict[int, None] = OrderedDict()
+        self.inactive = RunLru(num_blocks)
         self.index: dict[bytes, int] = {}
         self.evictions = 0
 
@@ -62,10 +63,10 @@ class PagedBlocks:
         ids = self.free[len(self.free) - take :]
         del self.free[len(self.free) - take :]
         ids.reverse()
-        for _ in range(n - take):
-            bid, _ = self.inactive.popitem(last=False)
-            self._unhash(bid)
-            ids.append(bid)
+        if n > take:
+            evicted = self.inactive.pop_oldest(n - take)
+            self._unhash(evicted)
+            ids.extend(evicted)
         self.evictions += n - take
         if ids:
             idx = np.asarray(ids, dtype=np.int64)
@@ -73,13 +74,13 @@ class PagedBlocks:
             self.generation[idx] += 1
         return ids
 
-    def _unhash(self, bid: int) -> None:
-        h = self.block_hash[bid]
-        if h is not None:
-            if self.index.get(h) == bid:
-                del self.index[h]
-            self.block_hash[bid] = None
-            self.hashed[bid] = False
+    def _unhash(self, ids: list[int]) -> None:
+        index = self.index  # a displaced duplicate no longer owns its index entry: leave that entry alone
+        for bid, h in zip(ids, self.block_hash[ids].tolist()):
+            if index.get(h) == bid:
+                del index[h]
+        self.block_hash[ids] = None
+        self.hashed[ids] = False
 
     def acquire(self, ids: Sequence[int]) -> None:
         """Add one reference to each block (blocks must be active or inactive, never free)."""
@@ -87,10 +88,13 @@ class PagedBlocks:
             return
         idx = np.asarray(ids, dtype=np.int64)
         rc = self.refcount[idx]
-        for bid in idx[rc == 0].tolist():
-            # A referenced block leaves the LRU; KeyError here would mean a free block was acquired (a bug).
-            del self.inactive[bid]
-        np.add.at(self.refcount, idx, 1)
+        cold = idx[rc == 0]
+        if cold.size:
+            if not self.hashed[cold].all():
+                raise RuntimeError(f"acquire of free blocks {cold[~self.hashed[cold]].tolist()[:8]}")
+            self.inactive.remove(cold)  # a referenced block leaves the LRU
+        # Plain fancy-index add: the ids of one hold / request / pin are distinct by construction.
+        self.refcount[idx] += 1
 
     def release(self, ids: Sequence[int]) -> list[int]:
         """Drop one reference from each block; returns the ids that became unreferenced.
@@ -101,29 +105,37 @@ class PagedBlocks:
         if not len(ids):
             return []
         idx = np.asarray(ids, dtype=np.int64)[::-1]
-        np.subtract.at(self.refcount, idx, 1)
-        rc = self.refcount[idx]
+        rc = self.refcount[idx] - 1
         if (rc < 0).any():
-            np.add.at(self.refcount, idx, 1)
             raise RuntimeError(f"refcount underflow releasing blocks {idx[rc < 0].tolist()}")
+        self.refcount[idx] = rc  # ids of one holder are distinct, so a plain fancy-index store is exact
         zero = idx[rc == 0]
         if zero.size:
-            zero = _unique_keep_order(zero)
             hashed = self.hashed[zero]
-            self.inactive.update(dict.fromkeys(zero[hashed].tolist()))
+            self.inactive.insert(zero[hashed])
             self.free.extend(zero[~hashed].tolist())
         return zero.tolist()
 
     # -- the prefix index -----------------------------------------------------------------------------------------
     def register(self, ids: Sequence[int], hashes: Sequence[bytes]) -> None:
-        """Make sealed blocks matchable under their page hashes. A hash already indexed keeps its first block."""
-        index, block_hash, hashed = self.index, self.block_hash, self.hashed
-        for bid, h in zip(ids, hashes):
-            if block_hash[bid] is not None:
-                continue
-            if index.setdefault(h, bid) == bid:
-                block_hash[bid] = h
-                hashed[bid] = True
+        """Make sealed blocks matchable under their page hashes.
+
+        If a hash is already indexed (the same prefix was computed twice, or restored while computed) the newest
+        block takes the index entry: both hold identical KV, and the displaced block keeps its hash but is no longer
+        reachable, so it simply ages out of the LRU. This keeps registration one C-level dict update per call.
+        """
+        idx = np.asarray(ids, dtype=np.int64)
+        hashes = list(hashes)
+        already = self.hashed[idx]
+        if already.any():
+            keep = ~already
+            idx = idx[keep]
+            hashes = [h for h, k in zip(hashes, keep.tolist()) if k]
+        if not idx.size:
+            return
+        self.index.update(zip(hashes, idx.tolist()))
+        self.block_hash[idx] = np.fromiter(hashes, dtype=object, count=len(hashes))
+        self.hashed[idx] = True
 
     def match(self, hashes: Sequence[bytes]) -> list[int]:
         """Block ids of the longest indexed prefix of `hashes` (one dict probe per page, in C)."""
@@ -144,7 +156,3 @@ class PagedBlocks:
         active = set(np.nonzero(self.refcount > 0)[0].tolist())
         return {"free": set(self.free), "inactive": set(self.inactive), "active": active}
 
-
-def _unique_keep_order(a: np.ndarray) -> np.ndarray:
-    _, first = np.unique(a, return_index=True)
-    return a[np.sort(first)]

@@ -254,30 +254,23 @@ class BlockPool:
     def commit_loaded_blocks(self, reservation: Reservation, hold: PrefixHold, hashes: Sequence[bytes]) -> None:
         """Restore = register the loaded blocks under the probe's next hashes, then extend the hold with them.
 
-        `hashes` are the hashes of the pages the reservation's blocks now hold, continuing the hold's chain. A hash
-        that someone else committed meanwhile keeps their block; ours goes back to free.
+        `hashes` are the hashes of the pages the reservation's blocks now hold, continuing the hold's chain. With
+        restorable bounded groups the reservation must carry their staging slots: a deeper paged prefix without the
+        bounded state at its end would restore pages that no checkpoint vouches for.
         """
         res = reservation._take()
         hs = hold._live()
-        if len(hashes) != len(res.ids):
+        missing = [g for g in self.checkpoints.required if hashes and g not in res.staging]
+        if len(hashes) != len(res.ids) or missing:
             self._release_reservation_state(res)
-            raise ValueError(f"commit of {len(res.ids)} loaded blocks got {len(hashes)} hashes")
+            raise ValueError(
+                f"commit of {len(res.ids)} loaded blocks got {len(hashes)} hashes"
+                + (f" and no staging slot for bounded group(s) {missing}" if missing else "")
+            )
         with self.lock:
             self.paged.check(res.ids, res.gens)
             self.paged.register(res.ids, hashes)
-            final: list[int] = []
-            dup_ours: list[int] = []
-            dup_theirs: list[int] = []
-            for bid, h in zip(res.ids, hashes):
-                owner = self.paged.index[h]
-                if owner == bid:
-                    final.append(bid)
-                else:
-                    dup_ours.append(bid)
-                    dup_theirs.append(owner)
-                    final.append(owner)
-            self.paged.release(dup_ours)
-            self.paged.acquire(dup_theirs)
+            final = res.ids
             hs.ids.extend(final)
             hs.gens = self.paged.generations(hs.ids)
             hs.hashes.extend(hashes)
@@ -297,8 +290,6 @@ class BlockPool:
                         slab.release(old[0])
                     hs.artifacts[group] = (slot, int(slab.generation[slot]))
             self.counters["committed_loaded_blocks"] += len(final)
-        if dup_ours:
-            self._notify_capacity()
 
     def _release_reservation_state(self, state: _ReservationState) -> None:
         with self.lock:
@@ -393,6 +384,7 @@ class BlockPool:
 
     # -- observability --------------------------------------------------------------------------------------------
     def stats(self) -> dict[str, int]:
+        self.drain_deferred()
         with self.lock:
             out = {
                 "num_blocks": self.paged.num_blocks,

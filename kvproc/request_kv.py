@@ -36,6 +36,30 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+class _TokenBuffer:
+    """A growable int64 token array: prompts are long (no per-token Python list), decode appends one at a time."""
+
+    def __init__(self, tokens: Sequence[int] | np.ndarray) -> None:
+        arr = np.asarray(tokens, dtype=np.int64)
+        if arr.ndim != 1:
+            raise ValueError(f"tokens must be one-dimensional, got shape {arr.shape}")
+        self._buf = np.empty(max(16, 2 * arr.size), dtype=np.int64)
+        self._buf[: arr.size] = arr
+        self.n = arr.size
+
+    def extend(self, tokens: Sequence[int] | np.ndarray) -> None:
+        arr = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        if self.n + arr.size > self._buf.size:
+            grown = np.empty(2 * (self.n + arr.size), dtype=np.int64)
+            grown[: self.n] = self._buf[: self.n]
+            self._buf = grown
+        self._buf[self.n : self.n + arr.size] = arr
+        self.n += arr.size
+
+    def view(self) -> np.ndarray:
+        return self._buf[: self.n]
+
+
 @dataclass
 class _KvState:
     """Everything a release needs, kept apart from the `RequestKv` so a GC finaliser can release it."""
@@ -105,13 +129,13 @@ class RequestKv:
         self.scope = scope
         self.page_tokens = pool.page_tokens
         self._hasher = hasher or pool.hasher
-        self._tokens: list[int] = np.asarray(prompt_tokens, dtype=np.int64).tolist()
-        if not self._tokens:
+        self._tokens = _TokenBuffer(prompt_tokens)
+        if not self._tokens.n:
             raise ValueError(f"request {req_id!r}: empty prompt")
         self._hashes: list[bytes] = (
-            list(prompt_hashes) if prompt_hashes is not None else self._hasher.hash_prompt(self._tokens, scope)
+            list(prompt_hashes) if prompt_hashes is not None else self._hasher.hash_prompt(self._tokens.view(), scope)
         )
-        self.lifetime_blocks = _cdiv(len(self._tokens) + max_output_tokens, self.page_tokens)
+        self.lifetime_blocks = _cdiv(self._tokens.n + max_output_tokens, self.page_tokens)
         self.num_computed = 0
         self._registered = 0  # pages registered in the prefix index
         self._s = _KvState(req_id=req_id, lifetime=self.lifetime_blocks)
@@ -120,11 +144,17 @@ class RequestKv:
     # -- views ----------------------------------------------------------------------------------------------------
     @property
     def tokens(self) -> list[int]:
-        return list(self._tokens)
+        return self._tokens.view().tolist()
+
+    def token_array(self) -> np.ndarray:
+        """The known tokens as a read-only int64 view (no copy)."""
+        v = self._tokens.view()
+        v.flags.writeable = False
+        return v
 
     @property
     def num_tokens(self) -> int:
-        return len(self._tokens)
+        return self._tokens.n
 
     @property
     def block_ids(self) -> list[int]:
@@ -219,10 +249,10 @@ class RequestKv:
         self._require(not s.open_orders, "a bounded copy order is not fenced yet: the step would race it")
         self._require(not s.restore_failed, "a restore copy failed: this request's bounded state is invalid")
         self._require(s.pending_credit == 0, "admitted with a credit: add the prefix hold first")
-        if num_tokens <= 0 or self.num_computed + num_tokens > len(self._tokens):
+        if num_tokens <= 0 or self.num_computed + num_tokens > self._tokens.n:
             raise ValueError(
                 f"request {self.req_id!r}: cannot schedule {num_tokens} tokens at {self.num_computed} of "
-                f"{len(self._tokens)} known"
+                f"{self._tokens.n} known"
             )
         pages = _cdiv(self.num_computed + num_tokens, self.page_tokens)
         if pages > s.lifetime:
@@ -246,7 +276,7 @@ class RequestKv:
         self.num_computed += s.scheduled[0]
         s.scheduled = None
         if len(sampled):
-            self._tokens.extend(np.asarray(sampled, dtype=np.int64).tolist())
+            self._tokens.extend(sampled)
         self._seal_full_pages()
 
     def revert(self) -> None:
@@ -266,15 +296,15 @@ class RequestKv:
 
     def append_tokens(self, tokens: Sequence[int]) -> None:
         """Append known tokens without computing them (a new user turn continuing this request)."""
-        self._tokens.extend(np.asarray(tokens, dtype=np.int64).tolist())
+        self._tokens.extend(tokens)
 
     def pad_to_boundary(self) -> int:
         """Name the partial last page: pad it with PAD_TOKEN_ID to the page boundary (no compute; padding rows are
         never read) and seal it. Returns the number of pad tokens."""
         s = self._s
         self._require(s.scheduled is None, "pad_to_boundary during a scheduled step")
-        self._require(self.num_computed == len(self._tokens), "pad_to_boundary needs every known token computed")
-        k = (-len(self._tokens)) % self.page_tokens
+        self._require(self.num_computed == self._tokens.n, "pad_to_boundary needs every known token computed")
+        k = (-self._tokens.n) % self.page_tokens
         if k:
             self._tokens.extend([PAD_TOKEN_ID] * k)
             self.num_computed += k
@@ -283,12 +313,12 @@ class RequestKv:
 
     def _seal_full_pages(self) -> None:
         P = self.page_tokens
-        known_pages = len(self._tokens) // P
+        known_pages = self._tokens.n // P
         if known_pages > len(self._hashes):
             start = len(self._hashes)
             parent = self._hashes[-1] if self._hashes else None
             self._hashes.extend(
-                self._hasher.hash_prompt(self._tokens[start * P : known_pages * P], self.scope, parent=parent)
+                self._hasher.hash_prompt(self._tokens.view()[start * P : known_pages * P], self.scope, parent=parent)
             )
         full = self.num_computed // P
         if full > self._registered and self.pool.spec.prefix_caching:

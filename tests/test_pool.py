@@ -16,7 +16,7 @@ from kvproc import (
     ReusePolicy,
     StaleBlockError,
 )
-from tests.helpers_pool import PAGE, paged_pool, run_prompt
+from tests.helpers_pool import PAGE, bounded_pool, paged_pool, run_prompt
 
 
 def test_allocation_is_all_or_nothing():
@@ -180,16 +180,31 @@ def test_commit_loaded_blocks_registers_and_extends_the_hold():
     assert again.block_ids == hold.block_ids
 
 
-def test_commit_of_an_already_committed_hash_keeps_the_first_block():
+def test_commit_of_an_already_committed_hash_displaces_the_older_identical_copy():
     pool = paged_pool(16)
     hashes = RequestKv(pool, "x", list(range(8)), 0).page_hashes
     h1, h2 = pool.probe(hashes, 9), pool.probe(hashes, 9)
     r1, r2 = pool.reserve_loaded_blocks(2), pool.reserve_loaded_blocks(2)
     pool.commit_loaded_blocks(r1, h1, hashes)
     pool.commit_loaded_blocks(r2, h2, hashes)
-    assert h1.block_ids == h2.block_ids
+    assert h1.num_blocks == h2.num_blocks == 2 and set(h1.block_ids).isdisjoint(h2.block_ids)
+    assert pool.probe(hashes, 9, ReusePolicy.FULL_PAGES).block_ids == h2.block_ids
     h1.release(), h2.release()
-    assert pool.stats()["active_blocks"] == 0 and pool.stats()["inactive_blocks"] == 2
+    assert pool.stats()["active_blocks"] == 0
+    # the displaced copy ages out of the LRU like any other block, and never shadows the index
+    with pool.lock:
+        pool.paged.allocate(16)
+    assert pool.stats()["indexed_pages"] == 0
+
+
+def test_commit_without_the_bounded_staging_slots_is_refused():
+    pool = bounded_pool()
+    hashes = RequestKv(pool, "x", list(range(8)), 0).page_hashes
+    hold = pool.probe(hashes, 9)
+    res = pool.reserve_loaded_blocks(2)
+    with pytest.raises(ValueError, match="staging slot for bounded group"):
+        pool.commit_loaded_blocks(res, hold, hashes)
+    assert pool.stats()["active_blocks"] == 0
 
 
 def test_pinned_blocks_are_counted_and_not_evictable():

@@ -1,0 +1,27 @@
+"""`kvproc bench NAME`: one dispatcher; each benchmark is its own module with `main(argv) -> int`."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+BENCHES: dict[str, tuple[str, str]] = {
+    "replay": ("kvproc.bench.replay", "replay a Mooncake trace: hit ratios and index throughput"),
+    "hash": ("kvproc.bench.hashbench", "hashing and probing against one hash call over the same bytes"),
+    "copy": ("kvproc.bench.copybench", "copy-worker throughput against numpy.copyto"),
+    "ipc": ("kvproc.bench.ipcbench", "resolve/seal round trips against a raw pyzmq round trip"),
+}
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: kvproc bench NAME [ARGS...]\n\nbenchmarks:")
+        for name, (_, help_) in BENCHES.items():
+            print(f"  {name:<8} {help_}")
+        return 0
+    name = argv[0]
+    if name not in BENCHES:
+        print(f"kvproc bench: unknown benchmark {name!r}; one of {', '.join(BENCHES)}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(BENCHES[name][0])
+    return int(module.main(argv[1:]) or 0)

@@ -1,0 +1,84 @@
+"""An LRU set of block ids with O(1)-per-call inserts and removals of whole runs.
+
+A request releases hundreds of blocks at once and a probe re-acquires hundreds; an OrderedDict costs ~0.5 us per
+block for that. Here each insert is one *run* (a numpy array) stamped with a sequence number; a block belongs to the
+run whose stamp it carries, so removing blocks is one vectorised stamp reset, and stale run entries are filtered out
+(lazily) when eviction reaches them. Eviction pops the oldest runs, oldest blocks first within a run.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Iterator, Sequence
+
+import numpy as np
+
+
+class RunLru:
+    def __init__(self, capacity: int) -> None:
+        self.stamp = np.full(capacity, -1, dtype=np.int64)  # run sequence a block is in; -1: not in the LRU
+        self.runs: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._seq = 0
+        self._count = 0
+        self._stored = 0  # ids held in runs, stale ones included (drives compaction)
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __contains__(self, bid: object) -> bool:
+        return isinstance(bid, (int, np.integer)) and bool(self.stamp[int(bid)] >= 0)
+
+    def __iter__(self) -> Iterator[int]:
+        """Oldest first (tests and debugging; not a hot path)."""
+        for seq, run in self.runs.items():
+            yield from run[self.stamp[run] == seq].tolist()
+
+    def insert(self, ids: np.ndarray | Sequence[int]) -> None:
+        """Add blocks as the most recently used run, in the given order (first = evicted first)."""
+        arr = np.asarray(ids, dtype=np.int64)
+        if not arr.size:
+            return
+        self._count -= int((self.stamp[arr] >= 0).sum())  # a re-insert moves the block, it does not add one
+        self._seq += 1
+        self.stamp[arr] = self._seq
+        self.runs[self._seq] = arr
+        self._count += arr.size
+        self._stored += arr.size
+        if self._stored > 4 * self._count + 4096:
+            self._compact()
+
+    def remove(self, ids: np.ndarray | Sequence[int]) -> None:
+        """Take blocks out (they were acquired). Ids not in the LRU are ignored."""
+        arr = np.asarray(ids, dtype=np.int64)
+        present = self.stamp[arr] >= 0
+        self._count -= int(present.sum())
+        self.stamp[arr] = -1
+
+    def pop_oldest(self, n: int) -> list[int]:
+        out: list[np.ndarray] = []
+        need = n
+        while need > 0:
+            seq, run = next(iter(self.runs.items()))
+            valid = run[self.stamp[run] == seq]
+            take = valid[:need]
+            if len(valid) > need:
+                self.runs[seq] = valid[need:]
+                self._stored -= run.size - (valid.size - need)
+            else:
+                del self.runs[seq]
+                self._stored -= run.size
+            self.stamp[take] = -1
+            out.append(take)
+            need -= take.size
+        self._count -= n
+        return np.concatenate(out).tolist() if out else []
+
+    def _compact(self) -> None:
+        for seq in list(self.runs):
+            run = self.runs[seq]
+            valid = run[self.stamp[run] == seq]
+            if valid.size:
+                self.runs[seq] = valid
+            else:
+                del self.runs[seq]
+        self._stored = self._count
