@@ -1,0 +1,5 @@
+"""kvproc's process runtime: launch and supervise the cluster's processes (see docs/architecture.md)."""
+
+from kvproc.runtime.launcher import Cluster, ClusterStartError, PeerEvent, RoleConfig, launch
+
+__all__ = ["Cluster", "ClusterStartError", "PeerEvent", "RoleConfig", "launch"]

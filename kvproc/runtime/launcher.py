@@ -1,0 +1,469 @@
+"""`launch(...)`: start a cluster's child processes, supervise them, and shut them down in order.
+
+Start: children are forked by a `multiprocessing` forkserver whose preload list holds the kvproc runtime and the
+roles' modules, plus torch only when a configured role declares `needs_torch` -- a forked child then starts in
+tens of milliseconds instead of paying the ~2 s torch import. (The forkserver is process-wide; its preload list is
+fixed by the first launch in a process.) All children start in parallel; each must send `Ready` on its start-up pipe
+and answer the handshake before one shared deadline, or `launch` stops the others and raises `ClusterStartError`
+naming the child that did not come up and why.
+
+Supervision: the `Supervisor` thread sees a child exit through its sentinel at once; the launcher then fails every
+pending call to it with PeerDead (`RpcClient.mark_dead`), unlinks the dead child's segments, records the crash and
+either restarts it (restartable roles, e.g. copy workers, up to `max_restarts`) or marks it unavailable, so callers
+fail fast with PeerDead and the store degrades instead of hanging.
+
+Shutdown (`Cluster.shutdown(deadline_s)`), against one deadline: a `Shutdown` message to every child (reverse start
+order), then SIGTERM to those still alive at 60% of the deadline, then SIGKILL at 90%; then segments are swept and
+the runtime directory removed. A `weakref.finalize` backstop kills leftover children if the owner never shuts down.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from typing import Any, Iterator, Mapping, Sequence
+
+import structlog
+
+from kvproc.ipc import messages as m
+from kvproc.ipc.client import RpcClient
+from kvproc.ipc.errors import IpcError
+from kvproc.ipc.segment import sweep_dead_segments
+from kvproc.ipc.sockets import ipc_endpoint
+from kvproc.runtime import manifest as mf
+from kvproc.runtime.child import ChildSpec, child_main
+from kvproc.runtime.control import start_control_server
+from kvproc.runtime.roles import ROLE_CLASSES, resolve_role_class
+from kvproc.runtime.supervisor import PROCESS_LOCK, ChildHandle, Supervisor, describe_exit
+
+log = structlog.get_logger(__name__)
+
+
+class ClusterStartError(RuntimeError):
+    """A child did not come up; the message names it and says why (timeout, exit status, or its traceback)."""
+
+
+@dataclass(frozen=True)
+class RoleConfig:
+    role: str  # a key of ROLE_CLASSES, or any name when role_class is given
+    rank: int = 0
+    role_class: str | None = None  # "module:Class"; default ROLE_CLASSES[role]
+    options: Mapping[str, Any] = field(default_factory=dict)  # handed to the role as env.options
+    restart: bool | None = None  # None: the role class's `restartable`
+    max_restarts: int = 3
+    tcp: str | None = None  # also bind here, e.g. "tcp://127.0.0.1:0"; the auth token is required there too
+    workers: int = 4  # handler threads
+    max_in_flight: int = 256
+    max_frame_bytes: int = 1 << 20
+
+    @property
+    def class_path(self) -> str:
+        if self.role_class:
+            return self.role_class
+        if self.role not in ROLE_CLASSES:
+            raise ValueError(f"unknown role {self.role!r}: known {sorted(ROLE_CLASSES)}, or pass role_class")
+        return ROLE_CLASSES[self.role]
+
+
+@dataclass(frozen=True)
+class PeerEvent:
+    role: str
+    rank: int
+    pid: int
+    what: str  # crashed | restarted | unavailable
+    detail: str
+    at: float
+
+
+def _forkserver(configs: Sequence[RoleConfig]) -> Any:
+    ctx = multiprocessing.get_context("forkserver")
+    modules = {c.class_path.partition(":")[0] for c in configs}
+    needs_torch = any(resolve_role_class(c.class_path).needs_torch for c in configs)
+    ctx.set_forkserver_preload(["kvproc.runtime.child", *sorted(modules), *(["torch"] if needs_torch else [])])
+    return ctx
+
+
+@contextlib.contextmanager
+def _parent_main_hidden() -> Iterator[None]:
+    """Keep the forkserver from re-running the launcher's main script in each child.
+
+    multiprocessing's spawn preparation would re-import `__main__` by path in the child (the "main guard" rule): an
+    engine script without `if __name__ == "__main__"` would then start a second engine inside every child. Children
+    never need it (their target lives in kvproc), so the main module's spec and file are hidden while `start()`
+    builds the preparation data.
+    """
+    main = sys.modules.get("__main__")
+    if main is None:
+        yield
+        return
+    saved: dict[str, Any] = {k: main.__dict__[k] for k in ("__spec__", "__file__") if k in main.__dict__}
+    main.__dict__["__spec__"] = None
+    main.__dict__.pop("__file__", None)
+    try:
+        yield
+    finally:
+        main.__dict__.pop("__spec__", None)
+        main.__dict__.update(saved)
+
+
+def _kill_leftovers(children: dict[tuple[str, int], ChildHandle], runtime_dir: str) -> None:
+    # weakref.finalize backstop: holds only the child table and a path, never the Cluster itself.
+    for child in list(children.values()):
+        if not child.exited.is_set():
+            try:
+                os.kill(child.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    shutil.rmtree(runtime_dir, ignore_errors=True)
+
+
+class Cluster:
+    def __init__(self, name: str, runtime_dir: str, token: str, configs: Sequence[RoleConfig]) -> None:
+        self.name = name
+        self.runtime_dir = runtime_dir
+        self.token = token
+        self.manifest_path = os.path.join(runtime_dir, "manifest.json")
+        self.events: list[PeerEvent] = []
+        self.created_at = time.time()
+        self._configs = {(c.role, c.rank): c for c in configs}
+        self._order = [(c.role, c.rank) for c in configs]
+        self._children: dict[tuple[str, int], ChildHandle] = {}
+        self._state: dict[tuple[str, int], str] = {}
+        self._restarts: dict[tuple[str, int], int] = {k: 0 for k in self._order}
+        self._replacing: set[tuple[str, int]] = set()
+        self._all_pids: set[int] = set()
+        self._cond = threading.Condition()
+        self._restart_lock = threading.Lock()
+        self._stopping = False
+        self._done = threading.Event()
+        self._mp = _forkserver(configs)
+        self._supervisor = Supervisor(self._on_exit)
+        self._control: Any = None
+        self.control_endpoint = ""
+        self._finalizer = weakref.finalize(self, _kill_leftovers, self._children, runtime_dir)
+
+    # ---- public API ----
+
+    def client(self, role: str, rank: int = 0) -> RpcClient:
+        """The current incarnation's client. After a crash it is dead (calls fail with PeerDead at once) until a
+        restart replaces it: fetch it again rather than keeping it."""
+        child = self._children[(role, rank)]
+        assert child.client is not None
+        return child.client
+
+    def available(self, role: str, rank: int = 0) -> bool:
+        child = self._children.get((role, rank))
+        return self._state.get((role, rank)) == "up" and child is not None and bool(child.client and child.client.alive)
+
+    def state(self, role: str, rank: int = 0) -> str:
+        return self._state[(role, rank)]
+
+    def pid(self, role: str, rank: int = 0) -> int:
+        return self._children[(role, rank)].pid
+
+    def wait_available(self, role: str, rank: int = 0, timeout: float = 10.0) -> RpcClient:
+        """Block until the role is up (e.g. after an automatic restart); raises TimeoutError."""
+        end = time.monotonic() + timeout
+        with self._cond:
+            while not self.available(role, rank):
+                if self._state.get((role, rank)) == "unavailable":
+                    raise ClusterStartError(f"{role}[{rank}] is unavailable (restart failed or not allowed)")
+                left = end - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"{role}[{rank}] not available after {timeout:.1f}s ({self._state})")
+                self._cond.wait(left)
+        return self.client(role, rank)
+
+    def restart(self, role: str, rank: int = 0, timeout: float = 15.0) -> RpcClient:
+        """Replace the child (stopping it first if alive) and return the new incarnation's client."""
+        return self._restart((role, rank), timeout, explicit=True)
+
+    def shutdown(self, deadline_s: float = 5.0) -> None:
+        with self._cond:
+            if self._stopping:
+                already = True
+            else:
+                already, self._stopping = False, True
+        if already:
+            self._done.wait(deadline_s + 5.0)
+            return
+        end = time.monotonic() + deadline_s
+        have_lock = self._restart_lock.acquire(timeout=deadline_s / 2)  # let a restart in progress finish
+        try:
+            live = [self._children[k] for k in reversed(self._order) if not self._children[k].exited.is_set()]
+            for c in live:
+                if c.client is not None and c.client.alive:
+                    c.client.call(m.Shutdown("cluster shutdown"), deadline=end)
+            self._wait_exited(live, end - 0.4 * deadline_s)
+            self._signal(live, signal.SIGTERM, "sigterm_after_shutdown_message")
+            self._wait_exited(live, end - 0.1 * deadline_s)
+            self._signal(live, signal.SIGKILL, "sigkill_after_sigterm")
+            self._wait_exited(live, end + 2.0)
+        finally:
+            if have_lock:
+                self._restart_lock.release()
+        for c in self._children.values():
+            if c.client is not None:
+                c.client.close()
+        if self._control is not None:
+            self._control.stop()
+        self._supervisor.stop()
+        sweep_dead_segments(pids=self._all_pids)
+        shutil.rmtree(self.runtime_dir, ignore_errors=True)
+        self._finalizer.detach()
+        with self._cond:
+            for k in self._order:
+                self._state[k] = "stopped"
+            self._cond.notify_all()
+        log.info("cluster_down", cluster=self.name)
+        self._done.set()
+
+    @property
+    def stopped(self) -> threading.Event:
+        return self._done
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # ---- starting ----
+
+    def _spec(self, cfg: RoleConfig) -> ChildSpec:
+        endpoints = [ipc_endpoint(self.runtime_dir, f"{cfg.role}-{cfg.rank}")]
+        if cfg.tcp:
+            endpoints.append(cfg.tcp)
+        return ChildSpec(
+            self.name, cfg.role, cfg.rank, cfg.class_path, self.runtime_dir, tuple(endpoints), self.token,
+            os.getpid(), dict(cfg.options), cfg.workers, cfg.max_in_flight, cfg.max_frame_bytes,
+        )  # fmt: skip
+
+    def _start_child(self, cfg: RoleConfig) -> tuple[ChildHandle, Connection]:
+        r, w = self._mp.Pipe(duplex=False)
+        proc = self._mp.Process(
+            target=child_main, args=(self._spec(cfg), w), name=f"kvproc-{cfg.role}-{cfg.rank}", daemon=True
+        )
+        with PROCESS_LOCK, _parent_main_hidden():
+            proc.start()
+        w.close()
+        assert proc.pid is not None
+        self._all_pids.add(proc.pid)
+        return ChildHandle(cfg.role, cfg.rank, proc, proc.pid, time.time()), r
+
+    def _await_ready(self, child: ChildHandle, conn: Connection, deadline: float) -> None:
+        timeout = max(0.0, deadline - time.monotonic())
+        try:
+            ready = wait([conn, child.process.sentinel], timeout)
+            msg: Any = None
+            if conn in ready:
+                try:
+                    msg = m.startup_decoder().decode(conn.recv_bytes())
+                except EOFError:
+                    msg = None
+            if isinstance(msg, m.StartupFailed):
+                raise ClusterStartError(f"{child.label} failed to start:\n{msg.error}")
+            if msg is None:
+                if child.process.sentinel in ready:
+                    with PROCESS_LOCK:
+                        code = child.process.exitcode
+                    raise ClusterStartError(f"{child.label} exited ({describe_exit(code)}) before it was ready")
+                raise ClusterStartError(f"{child.label} did not come up within {timeout:.1f}s (no ready report)")
+        finally:
+            conn.close()
+        child.endpoints, child.segments = list(msg.endpoints), list(msg.segments)
+        client = RpcClient(child.endpoints[0], token=self.token, name=f"launcher-{os.getpid()}", peer=child.label)
+        try:
+            client.connect(max(0.5, deadline - time.monotonic()))
+        except IpcError as e:
+            raise ClusterStartError(f"{child.label} reported ready but did not answer the handshake: {e}") from e
+        child.client = client
+
+    def _start_all(self, ready_timeout_s: float) -> None:
+        deadline = time.monotonic() + ready_timeout_s
+        started = []
+        try:
+            for key in self._order:
+                child, conn = self._start_child(self._configs[key])
+                self._children[key] = child
+                started.append((child, conn))
+            for child, conn in started:
+                self._await_ready(child, conn, deadline)
+        except BaseException:
+            for child, conn in started:
+                conn.close()
+                if child.client is not None:
+                    child.client.close()
+            self._signal([c for c, _ in started], signal.SIGKILL, "kill_after_failed_start")
+            for child, _ in started:
+                child.process.join(5.0)
+            sweep_dead_segments(pids=self._all_pids)
+            raise
+        for key in self._order:
+            self._state[key] = "up"
+            self._supervisor.watch(self._children[key])
+
+    def _restart(self, key: tuple[str, int], timeout: float, explicit: bool) -> RpcClient:
+        with self._restart_lock:
+            if self._stopping:
+                raise ClusterStartError(f"{key[0]}[{key[1]}]: cluster is shutting down")
+            old = self._children[key]
+            if explicit and not old.exited.is_set():
+                self._replacing.add(key)
+                if old.client is not None:
+                    old.client.call(m.Shutdown("restart"), timeout=2.0)
+                if not old.exited.wait(2.0):
+                    self._signal([old], signal.SIGKILL, "sigkill_for_restart")
+                    old.exited.wait(5.0)
+            self._set_state(key, "restarting")
+            child, conn = self._start_child(self._configs[key])
+            try:
+                self._await_ready(child, conn, time.monotonic() + timeout)
+            except ClusterStartError as e:
+                self._signal([child], signal.SIGKILL, "kill_after_failed_restart")
+                self._children[key] = child  # so its exit is observed (and ignored: state is unavailable)
+                self._supervisor.watch(child)
+                self._record(key, child.pid, "unavailable", str(e))
+                self._set_state(key, "unavailable")
+                raise
+            finally:
+                self._replacing.discard(key)
+            self._children[key] = child
+            self._restarts[key] += 1
+            self._supervisor.watch(child)
+            self._record(key, child.pid, "restarted", f"restart {self._restarts[key]}")
+            self._set_state(key, "up")
+            assert child.client is not None
+            return child.client
+
+    # ---- supervision (supervisor thread) ----
+
+    def _on_exit(self, child: ChildHandle) -> None:
+        key = (child.role, child.rank)
+        reason = f"{child.label} {describe_exit(child.exitcode)}"
+        if child.client is not None:
+            child.client.mark_dead(reason)  # every pending call fails with PeerDead now
+        removed = sweep_dead_segments(pids=[child.pid])
+        if self._stopping or key in self._replacing or self._children.get(key) is not child:
+            log.info("child_exited", child=child.label, status=describe_exit(child.exitcode))
+            return
+        if self._state.get(key) == "unavailable":
+            return
+        log.error("child_died", child=child.label, status=describe_exit(child.exitcode), swept=removed)
+        self._record(key, child.pid, "crashed", reason)
+        cfg = self._configs[key]
+        restart = cfg.restart if cfg.restart is not None else resolve_role_class(cfg.class_path).restartable
+        if restart and self._restarts[key] < cfg.max_restarts:
+            self._set_state(key, "restarting")
+            threading.Thread(target=self._auto_restart, args=(key,), name="kvproc-restart", daemon=True).start()
+        else:
+            self._record(key, child.pid, "unavailable", "not restartable" if not restart else "too many restarts")
+            self._set_state(key, "unavailable")
+
+    def _auto_restart(self, key: tuple[str, int]) -> None:
+        try:
+            self._restart(key, 15.0, explicit=False)
+        except Exception as e:
+            log.error("restart_failed", role=key[0], rank=key[1], error=str(e))
+
+    # ---- helpers ----
+
+    def _record(self, key: tuple[str, int], pid: int, what: str, detail: str) -> None:
+        self.events.append(PeerEvent(key[0], key[1], pid, what, detail, time.time()))
+
+    def _set_state(self, key: tuple[str, int], state: str) -> None:
+        with self._cond:
+            self._state[key] = state
+            self._cond.notify_all()
+        if not self._stopping:
+            self.write_manifest()
+
+    @staticmethod
+    def _wait_exited(children: Sequence[ChildHandle], until: float) -> None:
+        for c in children:
+            c.exited.wait(max(0.0, until - time.monotonic()))
+
+    @staticmethod
+    def _signal(children: Sequence[ChildHandle], sig: int, event: str) -> None:
+        for c in children:
+            if not c.exited.is_set():
+                log.warning(event, child=c.label)
+                try:
+                    os.kill(c.pid, sig)
+                except ProcessLookupError:
+                    pass
+
+    def write_manifest(self) -> str:
+        procs = [
+            mf.ProcessEntry(
+                role=c.role,
+                rank=c.rank,
+                pid=c.pid,
+                endpoint=c.endpoints[0] if c.endpoints else "",
+                tcp=c.endpoints[1] if len(c.endpoints) > 1 else "",
+                state=self._state.get(k, "starting"),
+                started_at=c.started_at,
+                restarts=self._restarts[k],
+                exitcode=c.exitcode,
+                segments=c.segments,
+            )  # fmt: skip
+            for k in self._order
+            if (c := self._children.get(k)) is not None
+        ]
+        manifest = mf.Manifest(
+            mf.MANIFEST_VERSION, self.name, self.runtime_dir, os.getpid(), self.created_at, self.control_endpoint, procs
+        )
+        return mf.write_manifest(self.runtime_dir, manifest)
+
+    def counters(self) -> dict[str, int]:
+        return {
+            "children_up": sum(1 for k in self._order if self.available(*k)),
+            "children": len(self._order),
+            "restarts": sum(self._restarts.values()),
+            "crashes": sum(1 for e in self.events if e.what == "crashed"),
+        }
+
+
+def launch(
+    roles: Sequence[RoleConfig],
+    *,
+    cluster_name: str = "default",
+    runtime_dir: str | None = None,
+    ready_timeout_s: float = 15.0,
+    control: bool = True,
+) -> Cluster:
+    """Start every role's process, wait until each is ready and connected, and return the supervised cluster.
+
+    Use as a context manager (`with launch([...]) as cluster:`) or call `cluster.shutdown()` yourself.
+    """
+    keys = [(c.role, c.rank) for c in roles]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"duplicate (role, rank) in {keys}")
+    t0 = time.monotonic()
+    mf.check_cluster_name(cluster_name)
+    swept = sweep_dead_segments()  # leftovers of any kvproc process that died without cleaning up
+    if swept:
+        log.warning("swept_dead_segments", segments=swept)
+    path = mf.prepare_runtime_dir(cluster_name, runtime_dir)
+    cluster = Cluster(cluster_name, path, mf.write_token(path), roles)
+    try:
+        cluster._start_all(ready_timeout_s)
+        if control:
+            cluster._control, cluster.control_endpoint = start_control_server(cluster)
+        cluster.write_manifest()
+    except BaseException:
+        cluster._supervisor.stop()
+        shutil.rmtree(path, ignore_errors=True)
+        cluster._finalizer.detach()
+        raise
+    log.info("cluster_up", cluster=cluster_name, seconds=round(time.monotonic() - t0, 3), roles=len(roles))
+    return cluster

@@ -1,0 +1,143 @@
+"""The launcher across real processes: start-up, ping/stats from every process, crashes, restarts, shutdown."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+
+import psutil
+import pytest
+
+from kvproc.ipc import messages as m
+from kvproc.ipc.cancel import new_token
+from kvproc.ipc.client import RpcClient
+from kvproc.ipc.errors import PeerDeadError
+from kvproc.ipc.segment import list_segments
+from kvproc.runtime import ClusterStartError, RoleConfig, launch
+from kvproc.runtime import manifest as mf
+
+SEG = 64 * 1024
+
+
+# The forkserver and resource tracker live as long as this test process (shared by every launch); nothing else may.
+_SHARED = ("multiprocessing.forkserver", "multiprocessing.resource_tracker")
+
+
+def _descendants() -> set[int]:
+    procs = psutil.Process().children(recursive=True)
+    return {p.pid for p in procs if not any(s in " ".join(p.cmdline()) for s in _SHARED)}
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_behind() -> Iterator[None]:
+    before = _descendants()
+    yield
+    deadline = time.monotonic() + 5
+    while (left := _descendants() - before) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not left, f"processes left behind: {left}"
+    assert not list_segments("lt"), f"segments left behind: {list_segments('lt')}"
+
+
+def _roles(**kw: object) -> list[RoleConfig]:
+    return [
+        RoleConfig("host_tier", options={"segment_bytes": SEG}),
+        RoleConfig("copy_worker", 0, options={"segment_bytes": SEG}, **kw),  # type: ignore[arg-type]
+        RoleConfig("copy_worker", 1, **kw),  # type: ignore[arg-type]
+    ]
+
+
+def test_cluster_answers_ping_and_stats_from_every_process_and_leaves_nothing_behind() -> None:
+    with launch(_roles(), cluster_name="lt", runtime_dir=f"/tmp/kvlt-{os.getpid()}") as cluster:
+        manifest = mf.read_manifest(cluster.runtime_dir)
+        assert {(p.role, p.rank) for p in manifest.processes} == {
+            ("host_tier", 0),
+            ("copy_worker", 0),
+            ("copy_worker", 1),
+        }
+        assert os.stat(cluster.runtime_dir).st_mode & 0o777 == 0o700
+        assert os.stat(os.path.join(cluster.runtime_dir, "token")).st_mode & 0o777 == 0o600
+        for p in manifest.processes:
+            client = cluster.client(p.role, p.rank)
+            assert client.request(m.Ping(b"hi"), timeout=5) == m.Pong(b"hi", p.pid)
+            report = client.request(m.Stats(), timeout=5)
+            assert (report.role, report.rank, report.pid) == (p.role, p.rank, p.pid)
+            assert psutil.Process(p.pid).name().startswith("kvproc:lt:")  # the process title names the role
+        assert len(list_segments("lt")) == 2
+        control = RpcClient(manifest.control_endpoint, token=cluster.token, peer="launcher")
+        control.connect(5)
+        assert control.request(m.Stats(), timeout=5).counters["children_up"] == 3
+        control.close()
+        runtime_dir = cluster.runtime_dir
+    assert not os.path.exists(runtime_dir)
+
+
+def test_sigkill_fails_pending_calls_with_peer_dead_and_copy_worker_restarts() -> None:
+    with launch(_roles(), cluster_name="lt", runtime_dir=f"/tmp/kvlt-{os.getpid()}") as cluster:
+        victim = cluster.client("copy_worker", 0)
+        old_pid = cluster.pid("copy_worker", 0)
+        futs = [victim.call(m.Sleep(30.0), timeout=30) for _ in range(8)]
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        os.kill(old_pid, signal.SIGKILL)
+        replies = [f.result(5) for f in futs]
+        elapsed = time.monotonic() - t0
+        assert all(isinstance(r, m.PeerDead) for r in replies), replies
+        assert elapsed < 0.5, f"PeerDead took {elapsed:.3f}s"  # the sentinel, not a heartbeat timeout
+        assert "SIGKILL" in replies[0].reason
+        with pytest.raises(PeerDeadError):
+            victim.request(m.Ping(), timeout=1)
+        new = cluster.wait_available("copy_worker", 0, timeout=15)
+        assert cluster.pid("copy_worker", 0) != old_pid
+        assert new.request(m.Ping(b"again"), timeout=5).data == b"again"
+        assert [e.what for e in cluster.events] == ["crashed", "restarted"]
+        assert all(not name.split(".")[3] == str(old_pid) for name in list_segments("lt"))  # swept
+        assert cluster.client("host_tier").request(m.Ping(), timeout=5)  # the others were never disturbed
+
+
+def test_crashed_host_tier_is_marked_unavailable_and_calls_fail_fast() -> None:
+    with launch(_roles(), cluster_name="lt", runtime_dir=f"/tmp/kvlt-{os.getpid()}") as cluster:
+        os.kill(cluster.pid("host_tier"), signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while cluster.state("host_tier") != "unavailable" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert cluster.state("host_tier") == "unavailable" and not cluster.available("host_tier")
+        t0 = time.monotonic()
+        reply = cluster.client("host_tier").call(m.Ping(), timeout=10).result(1)
+        assert isinstance(reply, m.PeerDead) and time.monotonic() - t0 < 0.1
+        assert mf.read_manifest(cluster.runtime_dir).processes[0].state == "unavailable"
+
+
+def test_explicit_restart_replaces_a_live_worker() -> None:
+    with launch(_roles(), cluster_name="lt", runtime_dir=f"/tmp/kvlt-{os.getpid()}") as cluster:
+        old = cluster.pid("copy_worker", 1)
+        client = cluster.restart("copy_worker", 1)
+        assert cluster.pid("copy_worker", 1) != old and client.request(m.Ping(), timeout=5).pid != old
+        assert cluster.events[-1].what == "restarted"
+
+
+def test_cancel_reaches_a_request_waiting_in_a_child() -> None:
+    with launch(_roles()[:1], cluster_name="lt", runtime_dir=f"/tmp/kvlt-{os.getpid()}") as cluster:
+        token = new_token()
+        fut = cluster.client("host_tier").call(m.Sleep(20.0), timeout=20, cancel_token=token)
+        time.sleep(0.2)
+        token.cancel()
+        assert isinstance(fut.result(3), m.Cancelled)
+
+
+def test_child_that_fails_to_start_is_named_in_the_error_and_nothing_is_left() -> None:
+    bad = RoleConfig("copy_worker", 0, options={"segment_bytes": -1})
+    with pytest.raises(ClusterStartError, match=r"copy_worker\[0\].*failed to start"):
+        launch([RoleConfig("host_tier"), bad], cluster_name="lt", runtime_dir=f"/tmp/kvlt-{os.getpid()}")
+
+
+def test_shutdown_escalates_to_sigkill_for_a_child_that_ignores_messages_and_sigterm() -> None:
+    cluster = launch(_roles()[:2], cluster_name="lt", runtime_dir=f"/tmp/kvlt-{os.getpid()}")
+    stuck = cluster.pid("copy_worker", 0)
+    os.kill(stuck, signal.SIGSTOP)  # a hung process: answers nothing, handles no signal but SIGKILL
+    t0 = time.monotonic()
+    cluster.shutdown(deadline_s=1.0)
+    assert time.monotonic() - t0 < 4.0
+    assert not psutil.pid_exists(stuck) or psutil.Process(stuck).status() == psutil.STATUS_ZOMBIE
