@@ -1,0 +1,108 @@
+"""`kvproc up` / `kvproc down`: a standalone host tier that several engines on one node share.
+
+kvproc up   [--cluster NAME] [--runtime-dir DIR] [--tcp tcp://127.0.0.1:PORT] [--segment-mib N]
+    runs in the foreground until `kvproc down`, SIGTERM or Ctrl-C; engines attach through the manifest
+    (ipc, or tcp with the auth token from the runtime dir)
+kvproc down [--cluster NAME] [--runtime-dir DIR] [--timeout S] [--force]
+    asks the cluster's launcher (any launcher: `kvproc up` or an engine) for an orderly shutdown through its
+    control endpoint and waits until the cluster's runtime dir is gone; `--force` then kills what is left
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+from kvproc.ipc import messages as m
+from kvproc.ipc.client import RpcClient
+from kvproc.ipc.errors import IpcError
+from kvproc.runtime import manifest as mf
+from kvproc.runtime.logs import configure_logging
+
+
+def up_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="kvproc up", description="start a standalone host tier")
+    parser.add_argument("--cluster", default="default")
+    parser.add_argument("--runtime-dir", default=None)
+    parser.add_argument("--tcp", default=None, help="also serve on this tcp endpoint (auth token required)")
+    parser.add_argument("--segment-mib", type=int, default=0, help="host-tier shared memory to create (MiB)")
+    parser.add_argument("--log-level", default="info")
+    parser.add_argument("--shutdown-deadline", type=float, default=5.0)
+    args = parser.parse_args(argv)
+    configure_logging("launcher", 0, level=args.log_level)
+
+    from kvproc.runtime.launcher import RoleConfig, launch
+
+    options = {"segment_bytes": args.segment_mib << 20} if args.segment_mib else {}
+    cluster = launch(
+        [RoleConfig("host_tier", tcp=args.tcp, options=options)],
+        cluster_name=args.cluster,
+        runtime_dir=args.runtime_dir,
+    )
+    wake = threading.Event()
+
+    def on_signal(*_: Any) -> None:
+        wake.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    threading.Thread(target=lambda: (cluster.stopped.wait(), wake.set()), daemon=True).start()
+    print(f"kvproc: cluster {args.cluster!r} up; manifest {cluster.manifest_path}", flush=True)
+    wake.wait()
+    cluster.shutdown(args.shutdown_deadline)
+    print(f"kvproc: cluster {args.cluster!r} down", flush=True)
+    return 0
+
+
+def _gone(runtime_dir: str, launcher_pid: int) -> bool:
+    if not os.path.exists(os.path.join(runtime_dir, "manifest.json")):
+        return True
+    try:
+        os.kill(launcher_pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def down_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="kvproc down", description="orderly shutdown of a running cluster")
+    parser.add_argument("--cluster", default="default")
+    parser.add_argument("--runtime-dir", default=None)
+    parser.add_argument("--timeout", type=float, default=10.0)
+    parser.add_argument("--force", action="store_true", help="SIGKILL the launcher and children after the timeout")
+    args = parser.parse_args(argv)
+    try:
+        runtime_dir = mf.find_runtime_dir(args.cluster, args.runtime_dir)
+    except FileNotFoundError as e:
+        print(f"kvproc down: {e}", file=sys.stderr)
+        return 2
+    manifest = mf.read_manifest(runtime_dir)
+    client = RpcClient(manifest.control_endpoint, token=mf.read_token(runtime_dir), name="down", peer="launcher")
+    try:
+        client.connect(2.0)
+        client.request(m.Shutdown("kvproc down"), timeout=5.0)
+    except IpcError as e:
+        print(f"kvproc down: launcher pid {manifest.launcher_pid} did not take the request: {e}", file=sys.stderr)
+    finally:
+        client.close()
+    end = time.monotonic() + args.timeout
+    while not _gone(runtime_dir, manifest.launcher_pid) and time.monotonic() < end:
+        time.sleep(0.05)  # a CLI waiting for another process to finish; not a hot path
+    if _gone(runtime_dir, manifest.launcher_pid):
+        print(f"kvproc down: cluster {manifest.cluster!r} stopped")
+        return 0
+    if not args.force:
+        print(f"kvproc down: cluster {manifest.cluster!r} still running after {args.timeout:.1f}s", file=sys.stderr)
+        return 1
+    for pid in [p.pid for p in manifest.processes] + [manifest.launcher_pid]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    print(f"kvproc down: cluster {manifest.cluster!r} killed (--force)", file=sys.stderr)
+    return 1

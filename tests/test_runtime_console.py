@@ -1,0 +1,143 @@
+"""The debugging surface: console status/profile against a live cluster, and `kvproc up` / `kvproc down`."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import psutil
+import pytest
+
+from kvproc.ipc import messages as m
+from kvproc.ipc.client import RpcClient
+from kvproc.ipc.errors import HandshakeRefused
+from kvproc.ipc.segment import list_segments
+from kvproc.runtime import Cluster, RoleConfig, console, launch, standalone
+from kvproc.runtime import manifest as mf
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    roles = [RoleConfig("host_tier", options={"segment_bytes": 4096}), RoleConfig("copy_worker")]
+    c = launch(roles, cluster_name="cs", runtime_dir=f"/tmp/kvcs-{os.getpid()}")
+    try:
+        yield c
+    finally:
+        c.shutdown()
+
+
+def test_status_json_lists_every_process_with_its_counters(
+    cluster: Cluster, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cluster.client("host_tier").request(m.Sleep(0.01), timeout=5)  # bump a role counter
+    assert console.main(["status", "--json", "--runtime-dir", cluster.runtime_dir]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["role"], r["rank"], r["state"]) for r in rows] == [
+        ("launcher", 0, "up"), ("host_tier", 0, "up"), ("copy_worker", 0, "up"),
+    ]  # fmt: skip
+    host = rows[1]
+    assert host["pid"] == cluster.pid("host_tier") and host["rss_bytes"] > 0 and host["uptime_s"] > 0
+    assert host["counters"]["sleeps"] >= 1 and host["msgs_in"] >= 1 and len(host["segments"]) == 1
+    assert rows[0]["counters"]["children_up"] == 2
+
+
+def test_status_table_names_roles_and_shows_unavailable_processes(
+    cluster: Cluster, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert console.main(["status", "--runtime-dir", cluster.runtime_dir]) == 0
+    out = capsys.readouterr().out
+    assert "ROLE" in out and "host_tier" in out and "copy_worker" in out and "sleeps=" in out
+
+
+def test_profile_writes_a_report_while_the_process_keeps_serving(
+    cluster: Cluster, capsys: pytest.CaptureFixture[str]
+) -> None:
+    client = cluster.client("host_tier")
+    served: list[float] = []
+    stop = threading.Event()
+
+    def keep_calling() -> None:
+        while not stop.is_set():
+            t0 = time.monotonic()
+            client.request(m.Stats(), timeout=5)
+            served.append(time.monotonic() - t0)
+
+    caller = threading.Thread(target=keep_calling)
+    caller.start()
+    try:
+        rc = console.main(["profile", "host_tier", "--seconds", "0.5", "--runtime-dir", cluster.runtime_dir])
+    finally:
+        stop.set()
+        caller.join(10)
+    assert rc == 0
+    path = capsys.readouterr().out.strip()
+    report = open(path).read()
+    assert "samples over" in report and "collapsed stacks" in report and "serve" in report
+    assert len(served) > 10 and max(served) < 0.5  # served throughout, never blocked by the profiler
+
+
+def test_console_reports_a_missing_cluster_cleanly(capsys: pytest.CaptureFixture[str]) -> None:
+    assert console.main(["status", "--runtime-dir", "/tmp/kv-no-such-cluster"]) == 2
+    assert "no running cluster" in capsys.readouterr().err
+
+
+def _up(runtime_dir: str, *extra: str) -> subprocess.Popen[str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvproc", "up", "--cluster", "upt", "--runtime-dir", runtime_dir, *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    line = proc.stdout.readline()  # printed once the cluster is up
+    assert "up; manifest" in line, line
+    return proc
+
+
+def test_up_then_down_leaves_no_process_and_no_segment() -> None:
+    runtime_dir = f"/tmp/kvup-{os.getpid()}"
+    proc = _up(runtime_dir, "--segment-mib", "1", "--tcp", "tcp://127.0.0.1:0")
+    try:
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert len(list_segments("upt")) == 1
+        assert console.main(["status", "--runtime-dir", runtime_dir]) == 0
+        tcp = mf.read_manifest(runtime_dir).processes[0].tcp
+        assert tcp.startswith("tcp://127.0.0.1:")
+        engine = RpcClient(tcp, token=mf.read_token(runtime_dir), peer="shared host tier")  # a second engine
+        engine.connect(5)
+        assert engine.request(m.Ping(b"tcp"), timeout=5).data == b"tcp"
+        engine.close()
+        with pytest.raises(HandshakeRefused):
+            RpcClient(tcp, token="guess", peer="intruder").connect(5)
+        assert standalone.down_main(["--runtime-dir", runtime_dir, "--timeout", "10"]) == 0
+        assert proc.wait(10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
+    assert not list_segments("upt") and not os.path.exists(runtime_dir)
+    _, alive = psutil.wait_procs(children, timeout=5)  # forkserver and resource tracker follow their launcher out
+    assert not alive, f"left behind: {alive}"
+
+
+def test_children_die_with_a_sigkilled_launcher() -> None:
+    runtime_dir = f"/tmp/kvup-{os.getpid()}"
+    proc = _up(runtime_dir, "--segment-mib", "1")
+    try:
+        children = psutil.Process(proc.pid).children(recursive=True)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(5)
+        gone, alive = psutil.wait_procs(children, timeout=5)
+        assert not alive, f"children outlived their launcher: {alive}"
+        assert not list_segments("upt")  # they stopped in order and unlinked their segments
+    finally:
+        for c in psutil.Process().children(recursive=True):
+            if c.pid == proc.pid:
+                c.kill()
+        import shutil
+
+        shutil.rmtree(runtime_dir, ignore_errors=True)
