@@ -1,0 +1,304 @@
+"""`KvStore`: the scheduler process's one KV object, with per-rank pools, a tier and copy workers, frozen after build.
+
+The three verbs (reference design section 4):
+- `resolve_prefix`: probe the device pool, ask the tier for the rest under one deadline, reserve opportunistically,
+  load, commit into the index, return the held prefix. Degradation only shortens the prefix (reason in stats).
+- `seal`: save pages sealed since the cursor (pinned until the copy lands) and the bounded checkpoint at the
+  boundary, asynchronously; Cacheable saves are shed under pin pressure, Handoff saves are leased by the tier.
+- `retire`: final seal, then release; with Handoff saves pending the request parks until they settle.
+
+Threading: verbs may be called from any thread. Async work runs on the store's own event loop thread
+(`LoopThread`); the pools are lock-protected. Every async operation ends in one recorded `Outcome`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import time
+from collections import Counter
+from typing import Any, Sequence
+
+import numpy as np
+import structlog
+
+from kvproc.contract import ArenaLayout
+from kvproc.hashing import DEFAULT_SCOPE, HashScope
+from kvproc.holds import ReusePolicy
+from kvproc.ipc.cancel import CancelToken
+from kvproc.loopthread import LoopThread
+from kvproc.pool import BlockPool
+from kvproc.request_kv import RequestKv
+from kvproc.store_resolve import Resolver
+from kvproc.store_types import KvPrefix, Outcomes, ResolvePolicy, SaveClass, SealCursor, StoreConfig
+from kvproc.tiers.api import Copier, Tier
+from kvproc.tiers.host_index import SaveTicket, Shed
+from kvproc.workers.orders import BoundedCopy, SaveOrder, SlotCopy
+
+log = structlog.get_logger("kvproc.store")
+
+
+class KvStore:
+    def __init__(
+        self,
+        layouts: Sequence[ArenaLayout],
+        *,
+        live_slots: int,
+        tier: Tier | None = None,
+        copiers: Sequence[Copier] | None = None,
+        config: StoreConfig = StoreConfig(),
+        pools: Sequence[BlockPool] | None = None,
+    ) -> None:
+        if tier is not None and (copiers is None or len(copiers) != len(layouts)):
+            raise ValueError("a store with a tier needs one copier per rank")
+        self.config = config
+        self.layouts = tuple(layouts)
+        self.pools = tuple(pools) if pools is not None else tuple(
+            BlockPool.from_layout(lay, live_slots=live_slots, rank=r) for r, lay in enumerate(layouts)
+        )
+        self.spec = self.layouts[0].spec
+        self.tier = tier
+        self.copiers = tuple(copiers or ())
+        self.outcomes = Outcomes(config.outcome_history)
+        self.counters: Counter[str] = Counter()
+        self._loop = LoopThread()
+        self._saves: list[set[asyncio.Task[None]]] = [set() for _ in self.layouts]
+        self._loads: list[set[asyncio.Future[Any]]] = [set() for _ in self.layouts]
+        self._parked: list[dict[str, RequestKv]] = [{} for _ in self.layouts]
+        self._cacheable_pinned = [0] * len(self.layouts)
+        self._resolver = Resolver(self)
+        self._closed = False
+
+    # -- resolve --------------------------------------------------------------------------------------------------
+    async def resolve_prefix(
+        self,
+        rank: int,
+        req_id: str,
+        tokens: Sequence[int] | np.ndarray,
+        scope: HashScope = DEFAULT_SCOPE,
+        policy: ResolvePolicy = ResolvePolicy(),
+        cancel: CancelToken | None = None,
+    ) -> KvPrefix:
+        """Awaitable from any event loop (the work runs on the store's loop)."""
+        return await asyncio.wrap_future(self.submit_resolve(rank, req_id, tokens, scope, policy, cancel))
+
+    def submit_resolve(
+        self,
+        rank: int,
+        req_id: str,
+        tokens: Sequence[int] | np.ndarray,
+        scope: HashScope = DEFAULT_SCOPE,
+        policy: ResolvePolicy = ResolvePolicy(),
+        cancel: CancelToken | None = None,
+    ) -> concurrent.futures.Future[KvPrefix]:
+        """Thread form of `resolve_prefix`: a future with the `KvPrefix` (never an exception for a degrade)."""
+        return self._loop.submit(self._resolver.resolve(rank, req_id, tokens, scope, policy, cancel))
+
+    def resolve_prefix_sync(self, rank: int, req_id: str, tokens: Sequence[int] | np.ndarray,
+                            scope: HashScope = DEFAULT_SCOPE, policy: ResolvePolicy = ResolvePolicy(),
+                            cancel: CancelToken | None = None) -> KvPrefix:
+        return self.submit_resolve(rank, req_id, tokens, scope, policy, cancel).result()
+
+    # -- seal -----------------------------------------------------------------------------------------------------
+    def seal(self, rank: int, kv: RequestKv, cursor: SealCursor, save_class: SaveClass = SaveClass.CACHEABLE) -> None:
+        """Save the pages sealed since `cursor` (and the bounded checkpoint at the last one). Non-blocking: the save
+        runs on the store's loop; its source pages stay pinned until the copy lands. Call only after the step that
+        wrote them synchronized (i.e. after `kv.apply`)."""
+        if self.tier is None or not self.spec.prefix_caching:
+            return
+        pool = self.pools[rank]
+        P = pool.page_tokens
+        end = kv.num_computed // P
+        start = cursor.pages
+        if end <= start:
+            return
+        keys = kv.page_hashes[start:end]
+        ids = kv.block_ids[start:end]
+        staging = {}
+        with pool.lock:
+            for g in self.spec.restorable_bounded_groups:
+                slot = pool.checkpoints.get(keys[-1], g.name)
+                if slot is not None:
+                    staging[g.name] = slot
+        required = [g.name for g in self.spec.restorable_bounded_groups if not g.optional]
+        if save_class is SaveClass.CACHEABLE:
+            budget = int(pool.paged.num_blocks * self.config.cacheable_pin_fraction)
+            # A save larger than the whole budget still goes when nothing else is pinned, or it would never go.
+            if self._cacheable_pinned[rank] and self._cacheable_pinned[rank] + len(ids) > budget:
+                self.counters["save_shed_pin_pressure"] += 1
+                self.outcomes.record("save", kv.req_id, "shed", "pin_pressure")
+                return  # the cursor does not advance: a later seal retries
+        if required and not all(g in staging for g in required):
+            # Pages past the last bounded checkpoint are useless on their own (one index at checkpoint granularity);
+            # save only up to the deepest boundary with a complete checkpoint.
+            end = self._deepest_checkpoint(pool, kv.page_hashes, start, end, required)
+            if end <= start:
+                return
+            keys, ids = keys[: end - start], ids[: end - start]
+            with pool.lock:
+                staging = {g.name: s for g in self.spec.restorable_bounded_groups
+                           if (s := pool.checkpoints.get(keys[-1], g.name)) is not None}
+        pin = pool.pin(ids, kv.block_generations()[start:end], staging)
+        if save_class is SaveClass.CACHEABLE:
+            self._cacheable_pinned[rank] += len(ids)
+        cursor.pages = end
+        cursor.pending += 1
+        cursor.settled.clear()
+        self._loop.call(self._start_save, rank, kv.req_id, keys, ids, staging, pin, save_class, cursor, start)
+
+    @staticmethod
+    def _deepest_checkpoint(pool: BlockPool, hashes: list[bytes], start: int, end: int, required: list[str]) -> int:
+        with pool.lock:
+            for e in range(end, start, -1):
+                if all(pool.checkpoints.get(hashes[e - 1], g) is not None for g in required):
+                    return e
+        return start
+
+    def _start_save(self, rank: int, req_id: str, keys: list[bytes], ids: list[int], staging: dict[str, int],
+                    pin: Any, save_class: SaveClass, cursor: SealCursor, start: int) -> None:
+        task = asyncio.get_running_loop().create_task(
+            self._save(rank, req_id, keys, ids, staging, pin, save_class, cursor, start))
+        self._saves[rank].add(task)
+        task.add_done_callback(self._saves[rank].discard)
+
+    async def _save(self, rank: int, req_id: str, keys: list[bytes], ids: list[int], staging: dict[str, int],
+                    pin: Any, save_class: SaveClass, cursor: SealCursor, start: int) -> None:
+        state, reason = "failed", "unknown"
+        ticket: SaveTicket | Shed | None = None
+        try:
+            assert self.tier is not None
+            if not self.tier.available:
+                state, reason = "shed", "tier_unavailable"
+                return
+            ticket = await self.tier.reserve_save(req_id, keys, sorted(staging), save_class,
+                                                  timeout=self.config.tier_call_timeout_s)
+            if isinstance(ticket, Shed):
+                state, reason = "shed", "tier_full"
+                return
+            pairs = [(b, s) for b, s in zip(ids, ticket.page_slots) if s is not None]
+            bounded = [BoundedCopy(g, staging[g], s) for g, s in ticket.bounded_slots.items() if s is not None]
+            if pairs or bounded:
+                order = SaveOrder(req_id, [b for b, _ in pairs], [s for _, s in pairs], bounded)
+                await self.copiers[rank].save(order)
+            self.tier.commit_save(ticket.save_id)
+            state, reason = "ok", ""
+        except Exception as e:  # noqa: BLE001 - every failure becomes a recorded outcome
+            reason = type(e).__name__
+            if isinstance(ticket, SaveTicket) and self.tier is not None:
+                self.tier.abort_save(ticket.save_id)
+        finally:
+            pin.release()
+            if save_class is SaveClass.CACHEABLE:
+                self._cacheable_pinned[rank] -= len(ids)
+            if state == "shed" and cursor.pages > start:
+                cursor.pages = start  # a later seal retries
+            if state == "failed" and save_class is SaveClass.HANDOFF:
+                self.counters["handoff_save_failed"] += 1
+                log.error("handoff save failed", req_id=req_id, reason=reason, pages=len(keys))
+            self.counters[f"save_{state}"] += 1
+            self.outcomes.record("save", req_id, state, reason)
+            cursor.pending -= 1
+            if cursor.pending == 0:
+                cursor.settled.set()
+                self._unpark(rank, req_id)
+
+    # -- retire ---------------------------------------------------------------------------------------------------
+    def retire(self, rank: int, kv: RequestKv, cursor: SealCursor, save_class: SaveClass = SaveClass.CACHEABLE) -> None:
+        """Final seal, then release. Never blocks: with Handoff saves pending, the KV parks until they settle."""
+        self.seal(rank, kv, cursor, save_class)
+        if save_class is SaveClass.HANDOFF and cursor.pending:
+            self._parked[rank][kv.req_id] = kv
+            self.counters["retire_parked"] += 1
+            self._loop.call(self._unpark_if_settled, rank, kv.req_id, cursor)
+            return
+        kv.release()
+        self.outcomes.record("retire", kv.req_id, "ok")
+
+    def _unpark_if_settled(self, rank: int, req_id: str, cursor: SealCursor) -> None:
+        if cursor.pending == 0:
+            self._unpark(rank, req_id)
+
+    def _unpark(self, rank: int, req_id: str) -> None:
+        kv = self._parked[rank].pop(req_id, None)
+        if kv is not None:
+            kv.release()
+            self.outcomes.record("retire", req_id, "ok", "after_handoff_saves")
+
+    def parked(self, rank: int) -> list[str]:
+        return list(self._parked[rank])
+
+    # -- bounded copies through the worker ------------------------------------------------------------------------
+    def execute_copies(self, rank: int, orders: Sequence[Any]) -> None:
+        """Run bounded SEAL/RESTORE copy orders on the rank's copy worker and fence them (blocking: the engine
+        calls this between steps, and the next step must not write the live slots before it returns)."""
+        if not orders:
+            return
+        pool = self.pools[rank]
+        copies = [SlotCopy(o.group, o.src_slot, o.dst_slot) for o in orders]
+        fut = self._loop.submit(self.copiers[rank].device_copy(copies))
+        ok = True
+        try:
+            fut.result()
+        except Exception as e:  # noqa: BLE001
+            ok = False
+            log.error("bounded copy failed", rank=rank, error=repr(e))
+        for o in orders:
+            pool.fence(o, ok)
+
+    # -- flush / observe ------------------------------------------------------------------------------------------
+    def flush_saves(self, rank: int, timeout: float | None = None) -> None:
+        """Block until every save of `rank` started so far has settled."""
+        async def _wait() -> None:
+            while self._saves[rank]:
+                await asyncio.gather(*list(self._saves[rank]), return_exceptions=True)
+        self._loop.submit(_wait()).result(timeout)
+
+    def flush_loads(self, rank: int, timeout: float | None = None) -> None:
+        """Block until loads abandoned by a resolve deadline have settled (their reservations freed)."""
+        async def _wait() -> None:
+            while self._loads[rank]:
+                await asyncio.gather(*list(self._loads[rank]), return_exceptions=True)
+        self._loop.submit(_wait()).result(timeout)
+
+    def pinned_blocks(self, rank: int) -> int:
+        return self.pools[rank].pinned_blocks()
+
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"store": dict(self.counters), "outcomes": dict(self.outcomes.counts)}
+        for r, pool in enumerate(self.pools):
+            out[f"rank{r}"] = pool.stats() | {"parked": len(self._parked[r]),
+                                              "saves_in_flight": len(self._saves[r]),
+                                              "loads_abandoned_in_flight": len(self._loads[r]),
+                                              "cacheable_pinned": self._cacheable_pinned[r]}
+        out["tier_available"] = bool(self.tier is not None and self.tier.available)
+        if self.tier is not None and self.tier.available:
+            try:
+                out["tier"] = self._loop.submit(self.tier.stats()).result(self.config.tier_call_timeout_s)
+            except Exception as e:  # noqa: BLE001
+                out["tier"] = {"error": repr(e)}
+        return out
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        deadline = time.monotonic() + 10
+        for r in range(len(self.pools)):
+            try:
+                self.flush_saves(r, max(0.1, deadline - time.monotonic()))
+                self.flush_loads(r, max(0.1, deadline - time.monotonic()))
+            except Exception:  # noqa: BLE001
+                pass
+            for kv in list(self._parked[r].values()):
+                kv.release()
+            self._parked[r].clear()
+        self._loop.stop()
+
+    def __enter__(self) -> "KvStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+__all__ = ["KvPrefix", "KvStore", "ResolvePolicy", "ReusePolicy", "SaveClass", "SealCursor", "StoreConfig"]

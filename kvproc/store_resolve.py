@@ -1,0 +1,224 @@
+"""The read path of `KvStore.resolve_prefix`, as one coroutine on the store's loop (reference design section 4).
+
+Steps: cancelled already -> empty prefix; probe the device pool (the hold pins the match); ask the tier for the rest
+under one deadline (Miss / Loading -> wait for the tier's notification / Hit); reserve destination blocks only above
+the admission floor, else release the lease and wait on the pool's capacity waiter; load (not cancellable: its
+reservation travels with it until it settles, even past the deadline); commit into the index; return the hold.
+The lease is released on every path that does not consume it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING, Any, Awaitable, Sequence
+
+import numpy as np
+
+from kvproc.hashing import HashScope
+from kvproc.holds import ReusePolicy
+from kvproc.ipc.cancel import CancelToken
+from kvproc.store_types import KvPrefix, ResolvePolicy
+from kvproc.tiers.host_index import Hit, Loading, Miss
+from kvproc.workers.orders import BoundedCopy, LoadOrder
+
+if TYPE_CHECKING:
+    from kvproc.store import KvStore
+
+
+class _Degrade(Exception):
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class MissBreaker:
+    """After `threshold` consecutive cold misses for a scope, stop asking the tier for `cooldown_s`."""
+
+    def __init__(self, threshold: int, cooldown_s: float) -> None:
+        self.threshold, self.cooldown_s = threshold, cooldown_s
+        self._misses: dict[HashScope, int] = {}
+        self._open_until: dict[HashScope, float] = {}
+
+    def allows(self, scope: HashScope) -> bool:
+        until = self._open_until.get(scope)
+        if until is None:
+            return True
+        if time.monotonic() >= until:
+            del self._open_until[scope]
+            self._misses[scope] = 0
+            return True
+        return False
+
+    def miss(self, scope: HashScope) -> bool:
+        n = self._misses.get(scope, 0) + 1
+        self._misses[scope] = n
+        if n >= self.threshold:
+            self._open_until[scope] = time.monotonic() + self.cooldown_s
+            return True
+        return False
+
+    def hit(self, scope: HashScope) -> None:
+        self._misses[scope] = 0
+
+
+class Resolver:
+    def __init__(self, store: "KvStore") -> None:
+        self.store = store
+        self.breaker = MissBreaker(store.config.breaker_misses, store.config.breaker_cooldown_s)
+
+    async def resolve(self, rank: int, req_id: str, tokens: Sequence[int] | np.ndarray, scope: HashScope,
+                      policy: ResolvePolicy, cancel: CancelToken | None) -> KvPrefix:
+        store = self.store
+        pool = store.pools[rank]
+        deadline = time.monotonic() + (policy.deadline_s or store.config.resolve_deadline_s)
+        if cancel is not None and cancel.cancelled:
+            store.outcomes.record("resolve", req_id, "degraded", "cancelled")
+            return KvPrefix(pool.probe([], 0))  # an empty hold: no I/O at all
+        hashes = pool.hasher.hash_prompt(tokens, scope)
+        n_tokens = len(tokens)
+        hold = pool.probe(hashes, n_tokens, policy.reuse)
+        P = pool.page_tokens
+        cap = min(len(hashes), n_tokens // P) if policy.reuse is ReusePolicy.FULL_PAGES else (n_tokens - 1) // P
+        dev_pages = hold.num_blocks
+        prefix = KvPrefix(hold, device_tokens=dev_pages * P)
+        tier = store.tier
+        if tier is None or dev_pages >= cap or not store.spec.prefix_caching:
+            store.outcomes.record("resolve", req_id, "ok", "device_only" if tier is None else "")
+            return prefix
+        if not tier.available:
+            store.outcomes.record("resolve", req_id, "degraded", "tier_unavailable")
+            return prefix
+        if not policy.wait_for_full_hit and not self.breaker.allows(scope):
+            store.counters["breaker_skips"] += 1
+            store.outcomes.record("resolve", req_id, "ok", "breaker_open")
+            return prefix
+        try:
+            prefix.host_tokens = await self._from_tier(rank, req_id, hashes, hold, dev_pages, cap, scope, policy,
+                                                       cancel, deadline) * P
+            store.outcomes.record("resolve", req_id, "ok")
+        except _Degrade as d:
+            store.counters[f"resolve_degraded_{d.reason}"] += 1
+            store.outcomes.record("resolve", req_id, "degraded", d.reason)
+        return prefix
+
+    async def _wait(self, aw: Awaitable[Any], deadline: float, cancel: CancelToken | None, what: str) -> Any:
+        """Await `aw` until the deadline, waking early on cancellation (the token's listener sets an event)."""
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise _Degrade(f"deadline_{what}")
+        task = asyncio.ensure_future(aw)
+        waiters: list[asyncio.Future[Any]] = [task]
+        cancel_ev: asyncio.Event | None = None
+        if cancel is not None:
+            loop = asyncio.get_running_loop()
+            cancel_ev = asyncio.Event()
+            if not cancel.add_listener(lambda _id: loop.call_soon_threadsafe(cancel_ev.set)):  # type: ignore[union-attr]
+                cancel_ev.set()
+            waiters.append(asyncio.ensure_future(cancel_ev.wait()))
+        try:
+            done, _ = await asyncio.wait(waiters, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waiters[1:]:
+                w.cancel()
+        if task in done:
+            return task.result()
+        task.cancel()
+        if cancel_ev is not None and cancel_ev.is_set():
+            raise _Degrade("cancelled")
+        raise _Degrade(f"deadline_{what}")
+
+    async def _from_tier(self, rank: int, req_id: str, hashes: list[bytes], hold: Any, dev: int, cap: int,
+                         scope: HashScope, policy: ResolvePolicy, cancel: CancelToken | None,
+                         deadline: float) -> int:
+        store = self.store
+        tier = store.tier
+        assert tier is not None
+        pool = store.pools[rank]
+        want = hashes[dev:cap]
+        staging_groups = [g.name for g in store.spec.restorable_bounded_groups]
+        while True:
+            if cancel is not None and cancel.cancelled:
+                raise _Degrade("cancelled")
+            remaining = deadline - time.monotonic()
+            try:
+                res = await self._wait(tier.query(req_id, want, timeout=remaining), deadline, cancel, "query")
+            except _Degrade:
+                raise
+            except Exception as e:  # noqa: BLE001 - PeerDead / RemoteError / TierUnavailable
+                raise _Degrade(f"tier_{type(e).__name__}") from None
+            if isinstance(res, Miss):
+                if not policy.wait_for_full_hit:
+                    if self.breaker.miss(scope):
+                        store.counters["breaker_opened"] += 1
+                    return 0
+                await self._wait(tier.wait_key(want[-1], timeout=deadline - time.monotonic()), deadline, cancel,
+                                 "full_hit")
+                continue
+            if isinstance(res, Loading):
+                await self._wait(tier.wait_settled(res.save_id, timeout=deadline - time.monotonic()), deadline,
+                                 cancel, "loading")
+                continue
+            assert isinstance(res, Hit)
+            if policy.wait_for_full_hit and res.pages < len(want):
+                tier.release_lease(res.lease_id)
+                await self._wait(tier.wait_key(want[-1], timeout=deadline - time.monotonic()), deadline, cancel,
+                                 "full_hit")
+                continue
+            groups = [g for g in staging_groups if g in res.bounded_slots]
+            reservation = pool.reserve_loaded_blocks(res.pages, groups)
+            if reservation is None:
+                # A pool that cannot hold the prefix could not admit the request either: wait for capacity
+                # (released lease first, so the tier can evict meanwhile), then query again.
+                tier.release_lease(res.lease_id)
+                store.counters["resolve_waited_for_pool"] += 1
+                await self._wait(self._capacity(pool), deadline, cancel, "pool_pressure")
+                continue
+            pages = await self._load(rank, req_id, hashes, hold, dev, res, reservation, policy, cancel, deadline)
+            self.breaker.hit(scope)
+            return pages
+
+    async def _capacity(self, pool: Any) -> None:
+        loop = asyncio.get_running_loop()
+        ev = asyncio.Event()
+        unsubscribe = pool.on_capacity_freed(lambda: loop.call_soon_threadsafe(ev.set))
+        try:
+            await ev.wait()
+        finally:
+            unsubscribe()
+
+    async def _load(self, rank: int, req_id: str, hashes: list[bytes], hold: Any, dev: int, res: Hit,
+                    reservation: Any, policy: ResolvePolicy, cancel: CancelToken | None, deadline: float) -> int:
+        store = self.store
+        tier = store.tier
+        assert tier is not None
+        staging = reservation.staging
+        order = LoadOrder(req_id, list(res.page_slots), reservation.block_ids,
+                          [BoundedCopy(g, staging[g][0], res.bounded_slots[g]) for g in staging])
+        # Not cancellable once submitted: the reservation travels with the copy until it settles.
+        load = asyncio.ensure_future(store.copiers[rank].load(order))
+
+        def settle_abandoned(f: asyncio.Future[Any]) -> None:
+            reservation.release()
+            tier.release_lease(res.lease_id)
+            store._loads[rank].discard(f)
+            store.outcomes.record("load", req_id, "ok" if not f.cancelled() and f.exception() is None
+                                  else "failed", "abandoned")
+
+        try:
+            await self._wait(asyncio.shield(load), deadline, cancel, "load")
+        except _Degrade:
+            store.counters["loads_abandoned"] += 1
+            store._loads[rank].add(load)
+            load.add_done_callback(settle_abandoned)
+            raise
+        except Exception as e:  # noqa: BLE001 - the copy failed: nothing was committed
+            reservation.release()
+            tier.release_lease(res.lease_id)
+            store.outcomes.record("load", req_id, "failed", type(e).__name__)
+            raise _Degrade("load_failed") from None
+        pool = store.pools[rank]
+        pool.commit_loaded_blocks(reservation, hold, hashes[dev : dev + res.pages])
+        tier.release_lease(res.lease_id, consume_handoff=policy.consume_handoff_of)
+        store.outcomes.record("load", req_id, "ok")
+        return res.pages

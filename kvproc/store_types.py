@@ -1,0 +1,100 @@
+"""Value types of the store's verbs: configuration, policies, the resolve result, the seal cursor, outcomes."""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Deque
+
+from kvproc.holds import PrefixHold, ReusePolicy
+from kvproc.tiers.host_index import SaveClass
+
+__all__ = ["KvPrefix", "Outcomes", "ResolvePolicy", "SaveClass", "SealCursor", "StoreConfig"]
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    # One deadline for a whole resolve: a safety net, not a latency target (reference design section 4).
+    resolve_deadline_s: float = 15.0
+    # Cacheable saves may pin at most this fraction of a rank's pool; beyond it they are shed (Handoff saves are
+    # not counted against it: they only back-pressure admission). Default from the reference system (25%);
+    # `kvproc demo --pin-fraction` sweeps it on the demo workload (bench/RESULTS.md, "pin budget").
+    cacheable_pin_fraction: float = 0.25
+    # Miss-breaker: after this many consecutive cold misses for a scope, skip the tier for `breaker_cooldown_s`.
+    breaker_misses: int = 64
+    breaker_cooldown_s: float = 2.0
+    tier_call_timeout_s: float = 5.0
+    outcome_history: int = 4096
+
+
+@dataclass(frozen=True)
+class ResolvePolicy:
+    reuse: ReusePolicy = ReusePolicy.CAPPED
+    # Wait through misses until the producer's save lands (decode side of a P/D hand-off).
+    wait_for_full_hit: bool = False
+    deadline_s: float | None = None  # None: StoreConfig.resolve_deadline_s
+    # The consumer's load completing releases this producer's Handoff lease (P/D decode side).
+    consume_handoff_of: str | None = None
+
+
+FULL_HIT = ResolvePolicy(reuse=ReusePolicy.FULL_PAGES, wait_for_full_hit=True)
+
+
+@dataclass
+class KvPrefix:
+    """The one result of a resolve: the held prefix. Degradation shows only as fewer tokens (and in stats)."""
+
+    hold: PrefixHold
+    device_tokens: int = 0  # served from the device pool
+    host_tokens: int = 0  # restored from the host tier
+
+    @property
+    def hit_tokens(self) -> int:
+        return self.device_tokens + self.host_tokens
+
+
+@dataclass
+class SealCursor:
+    """How far a request's pages have been handed to the tier (pages). Starts after the prefix hit: pages that
+    came from the cache are not re-saved. A shed save moves it back so a later seal retries."""
+
+    pages: int = 0
+    pending: int = 0  # saves in flight for this request
+    settled: threading.Event = field(default_factory=threading.Event)
+
+    @classmethod
+    def after_prefix(cls, prefix_pages: int) -> "SealCursor":
+        c = cls(prefix_pages)
+        c.settled.set()
+        return c
+
+
+@dataclass(frozen=True)
+class Outcome:
+    op: str  # resolve | save | load | retire
+    req_id: str
+    state: str  # ok | degraded | failed | shed
+    reason: str
+    at: float
+
+
+class Outcomes:
+    """Every async operation's terminal state, with its request id: counted, and the recent ones kept."""
+
+    def __init__(self, keep: int) -> None:
+        self.recent: Deque[Outcome] = collections.deque(maxlen=keep)
+        self.counts: collections.Counter[str] = collections.Counter()
+        self._lock = threading.Lock()
+
+    def record(self, op: str, req_id: str, state: str, reason: str = "") -> Outcome:
+        o = Outcome(op, req_id, state, reason, time.time())
+        with self._lock:
+            self.recent.append(o)
+            self.counts[f"{op}.{state}" + (f".{reason}" if reason else "")] += 1
+        return o
+
+    def for_request(self, req_id: str) -> list[Outcome]:
+        with self._lock:
+            return [o for o in self.recent if o.req_id == req_id]

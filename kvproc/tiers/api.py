@@ -1,0 +1,65 @@
+"""What the store needs from a tier and from a copy worker, as two small async protocols.
+
+Two implementations of each: in-process (`kvproc.tiers.local`: the same `HostIndex` and `CopyExecutor`, no process
+boundary; used by unit tests of the store's side of the contract and by single-process embeddings) and remote
+(`kvproc.tiers.remote`: the host-tier and copy-worker processes over kvproc's IPC). All methods run on the store's
+event loop. Fire-and-forget calls (`release_lease`, `commit_save`, ...) never raise: a dead peer's state is reclaimed
+by its TTL or dies with it.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+from kvproc.tiers.host_index import QueryResult, SaveClass, SaveTicket, Shed
+from kvproc.tiers.layout import HostLayout
+from kvproc.workers.orders import LoadOrder, SaveOrder, SlotCopy
+
+
+class TierUnavailable(RuntimeError):
+    """The tier is down (its process died or never came up): the store degrades to device-only prefix caching."""
+
+
+class Tier(Protocol):
+    layout: HostLayout
+
+    @property
+    def available(self) -> bool: ...
+
+    async def query(self, req_id: str, hashes: Sequence[bytes], *, timeout: float) -> QueryResult: ...
+
+    async def wait_settled(self, save_id: int, *, timeout: float) -> bool:
+        """Wait until a pending save commits or aborts (the tier notifies; no polling). False on timeout."""
+        ...
+
+    async def wait_key(self, key: bytes, *, timeout: float) -> bool:
+        """Wait until an entry for `key` is committed (a hand-off producer's save landed). False on timeout."""
+        ...
+
+    def release_lease(self, lease_id: int, consume_handoff: str | None = None) -> None: ...
+
+    async def reserve_save(self, req_id: str, keys: Sequence[bytes], bounded_groups: Sequence[str],
+                           save_class: SaveClass, *, timeout: float) -> SaveTicket | Shed: ...
+
+    def commit_save(self, save_id: int) -> None: ...
+
+    def abort_save(self, save_id: int) -> None: ...
+
+    def revoke_handoff(self, producer_req_id: str) -> None: ...
+
+    async def stats(self) -> dict[str, int]: ...
+
+    def close(self) -> None: ...
+
+
+class Copier(Protocol):
+    """One rank's copy worker. A submitted order is not cancellable: the awaitable always ends with its real outcome
+    (returns the bytes copied, or raises)."""
+
+    async def save(self, order: SaveOrder) -> int: ...
+
+    async def load(self, order: LoadOrder) -> int: ...
+
+    async def device_copy(self, copies: Sequence[SlotCopy]) -> int: ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,71 @@
+"""Byte layout of the host tier's shared-memory arena.
+
+The arena is cut into one region per device arena (in `ArenaLayout` order) plus nothing else: region `a` holds
+`slots_a` consecutive units of `stored_bytes(a)` bytes. A **page slot** `s` is unit `s` of every paged arena's
+region (one page of every paged group: aligned groups are saved together); a **bounded slot** `s` of group `g` is unit
+`s` of every arena of `g`. Keeping each arena's units contiguous turns a run of consecutive slots into one memcpy
+per arena (the copy path coalesces runs of consecutive ids on both sides).
+
+Slot counts come from the byte budget: paged groups get what remains after `bounded_fraction` of the budget is set
+aside for bounded groups (split by their unit size), and at least one slot each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvproc.contract import ArenaLayout, GroupKind
+
+ALIGN = 4096  # regions start page-aligned so copies of whole units stay aligned
+
+
+@dataclass(frozen=True)
+class Region:
+    arena: str
+    group: str
+    offset: int
+    unit_bytes: int  # stored bytes of one block/slot of this arena
+    slots: int
+
+
+@dataclass(frozen=True)
+class HostLayout:
+    regions: tuple[Region, ...]
+    page_slots: int
+    bounded_slots: dict[str, int]
+    total_bytes: int
+
+    @classmethod
+    def plan(cls, layout: ArenaLayout, host_bytes: int, bounded_fraction: float = 0.25) -> "HostLayout":
+        spec = layout.spec
+        paged = [(g, a) for g, a in layout.arenas if spec.group(g).kind is GroupKind.PAGED]
+        bounded = [(g, a) for g, a in layout.arenas if spec.group(g).kind is GroupKind.BOUNDED and
+                   spec.group(g).checkpointable]
+        page_unit = sum(a.stored_bytes for _, a in paged)
+        bounded_units: dict[str, int] = {}
+        for g, a in bounded:
+            bounded_units[g] = bounded_units.get(g, 0) + a.stored_bytes
+        budget = max(host_bytes - ALIGN * (len(paged) + len(bounded) + 1), 0)
+        bounded_budget = int(budget * bounded_fraction) if bounded_units else 0
+        bounded_slots = {g: max(1, bounded_budget // len(bounded_units) // u) for g, u in bounded_units.items()}
+        used_bounded = sum(bounded_slots[g] * u for g, u in bounded_units.items())
+        page_slots = max(1, (budget - used_bounded) // page_unit) if page_unit else 0
+        regions: list[Region] = []
+        off = 0
+        for g, a in layout.arenas:
+            gs = spec.group(g)
+            if gs.kind is GroupKind.PAGED:
+                n = page_slots
+            elif g in bounded_slots:
+                n = bounded_slots[g]
+            else:
+                continue  # not checkpointable: never stored
+            regions.append(Region(a.name, g, off, a.stored_bytes, n))
+            off += -(-(n * a.stored_bytes) // ALIGN) * ALIGN
+        return cls(tuple(regions), page_slots, bounded_slots, max(off, ALIGN))
+
+    def region(self, arena: str) -> Region:
+        for r in self.regions:
+            if r.arena == arena:
+                return r
+        raise KeyError(f"no host region for arena {arena!r}")

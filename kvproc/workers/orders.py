@@ -1,0 +1,39 @@
+"""Copy orders: what a copy worker is asked to move. Metadata only (block ids and slots); the bytes stay in shared
+memory. These structs travel inside the copy-worker request messages unchanged.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class BoundedCopy(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    group: str
+    device_slot: int  # a staging slot on the device side
+    host_slot: int
+
+
+class SaveOrder(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """Device -> host: paged blocks into page slots (pairwise), bounded staging slots into bounded host slots."""
+
+    req_id: str
+    device_blocks: list[int]
+    host_slots: list[int]
+    bounded: list[BoundedCopy] = []
+
+
+class LoadOrder(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """Host -> device: page slots into reserved blocks, bounded host slots into reserved staging slots."""
+
+    req_id: str
+    host_slots: list[int]
+    device_blocks: list[int]
+    bounded: list[BoundedCopy] = []
+
+
+class SlotCopy(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """Device -> device: one bounded slot (every arena of the group) into another (seal-by-copy or restore)."""
+
+    group: str
+    src_slot: int
+    dst_slot: int
