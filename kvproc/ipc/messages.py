@@ -43,6 +43,7 @@ Tag table (ranges: 1-49 envelope and control, 100-199 runtime requests, 200-299 
 | 103 | Shutdown       | request            | orderly stop after replying                                      |
 | 110 | Sleep          | request (debug)    | sleep in small steps, observing cancellation and deadline        |
 | 111 | Fail           | request (debug)    | raise a HandlerError with this code and message                  |
+| 112 | Echo           | request (debug)    | echo a payload through a handler thread (Pong): the pool's probe |
 | 200 | Pong           | payload            | answer to Ping                                                   |
 | 201 | StatsReport    | payload            | answer to Stats                                                  |
 | 202 | ProfileReport  | payload            | answer to Profile: report path and sample count                  |
@@ -186,6 +187,10 @@ class Fail(Request, tag=111):
     code: str = "debug"
 
 
+class Echo(Request, tag=112):
+    data: bytes = b""
+
+
 class Pong(Payload, tag=200):
     data: bytes = b""
     pid: int = 0
@@ -219,7 +224,7 @@ class Done(Payload, tag=203):
 
 # ---- the unions (add new request and payload types here) ---------------------------------------------------------
 
-RequestBody = Union[Ping, Stats, Profile, Shutdown, Sleep, Fail]
+RequestBody = Union[Ping, Stats, Profile, Shutdown, Sleep, Fail, Echo]
 PayloadBody = Union[Pong, StatsReport, ProfileReport, Done]
 
 
@@ -243,7 +248,7 @@ ClientMsg = Union[Hello, Call, Cancel, Heartbeat]
 ServerMsg = Union[Welcome, Refused, Ok, Failed, Cancelled, PeerDead, HeartbeatAck, Goodbye]
 StartupMsg = Union[Ready, StartupFailed]
 
-REQUEST_TYPES: tuple[type[Request], ...] = (Ping, Stats, Profile, Shutdown, Sleep, Fail)
+REQUEST_TYPES: tuple[type[Request], ...] = (Ping, Stats, Profile, Shutdown, Sleep, Fail, Echo)
 PAYLOAD_TYPES: tuple[type[Payload], ...] = (Pong, StatsReport, ProfileReport, Done)
 TERMINAL_TYPES: tuple[type[Wire], ...] = (Ok, Failed, Cancelled, PeerDead)
 ALL_TYPES: tuple[type[Wire], ...] = (

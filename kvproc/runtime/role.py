@@ -122,6 +122,11 @@ class Role(Service):
             ctx.sleep(min(max(msg.step_s, 0.001), left))
         return m.Done()
 
+    @handles(m.Echo)
+    def echo(self, msg: m.Echo, ctx: CallContext) -> m.Pong:
+        """Debug: Ping's twin through a handler thread, so benchmarks and tests can see the pool's hop."""
+        return m.Pong(msg.data, os.getpid())
+
     @handles(m.Fail)
     def fail(self, msg: m.Fail, ctx: CallContext) -> m.Done:
         """Debug: raise remotely, so tests see the typed error path end to end."""

@@ -51,7 +51,11 @@ def up_main(argv: list[str]) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    threading.Thread(target=lambda: (cluster.stopped.wait(), wake.set()), daemon=True).start()
+    def on_cluster_stopped() -> None:  # `kvproc down` stopped the cluster through the control endpoint
+        cluster.stopped.wait()
+        wake.set()
+
+    threading.Thread(target=on_cluster_stopped, daemon=True).start()
     print(f"kvproc: cluster {args.cluster!r} up; manifest {cluster.manifest_path}", flush=True)
     wake.wait()
     cluster.shutdown(args.shutdown_deadline)
