@@ -105,9 +105,8 @@ def main() -> int:
         raw_server.wait(5)
         cluster.shutdown()
         shutil.rmtree(tmp, ignore_errors=True)
-    print(
-        f"# IPC round trip, {args.n} calls per cell, {args.rounds} alternating rounds, ipc://, load {os.getloadavg()[0]:.2f}"
-    )
+    load = os.getloadavg()[0]
+    print(f"# IPC round trip, {args.n} calls per cell, {args.rounds} alternating rounds, ipc://, load {load:.2f}")
     names = ("raw", "ping", "echo", "future")
     print(
         "| payload | " + " | ".join(f"{k} median / p99 (us)" for k in names) + " | ping/raw | echo/raw | future/raw |"
