@@ -704,7 +704,7 @@ def test_released_hold_raises_hold_consumed_error_when_matched() -> None:
 # -- foundation bugs (strict xfail: each flips to a failure once fixed, so the marker gets removed) ----------------
 @pytest.mark.xfail(
     strict=True,
-    reason="BUG pool.py:260-261 commit_loaded_blocks takes the reservation before checking the hold: committing into"
+    reason="BUG pool.py:261-262 commit_loaded_blocks takes the reservation before checking the hold: committing into"
     " a consumed/released hold raises HoldConsumedError and leaks the reserved blocks forever (refcount 1, no owner)",
 )
 def test_commit_into_consumed_hold_does_not_leak_the_reservation() -> None:
@@ -721,7 +721,7 @@ def test_commit_into_consumed_hold_does_not_leak_the_reservation() -> None:
 
 @pytest.mark.xfail(
     strict=True,
-    reason="BUG pool.py:284 commit_loaded_blocks with zero blocks but staging slots (`if res.staging and hashes`)"
+    reason="BUG pool.py:277 commit_loaded_blocks with zero blocks but staging slots (`if res.staging and hashes`)"
     " neither seals, transfers nor releases the staging slots: they stay at refcount 1 forever",
 )
 def test_empty_commit_with_staging_does_not_leak_the_staging_slot() -> None:
@@ -741,7 +741,7 @@ def test_empty_commit_with_staging_does_not_leak_the_staging_slot() -> None:
 
 @pytest.mark.xfail(
     strict=True,
-    reason="BUG pool.py:331-343 pin() acquires inactive (evictable) blocks without checking the entitled floor:"
+    reason="BUG pool.py:320-332 pin() acquires inactive (evictable) blocks without checking the entitled floor:"
     " available drops below entitled and an admitted request's schedule raises PoolExhaustedError",
 )
 def test_pinning_evictable_blocks_never_breaks_an_admitted_draw() -> None:
