@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+import pathlib
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 
@@ -141,3 +144,22 @@ def test_shutdown_escalates_to_sigkill_for_a_child_that_ignores_messages_and_sig
     cluster.shutdown(deadline_s=1.0)
     assert time.monotonic() - t0 < 4.0
     assert not psutil.pid_exists(stuck) or psutil.Process(stuck).status() == psutil.STATUS_ZOMBIE
+
+
+ENGINE_SCRIPT = """
+import os
+from kvproc.ipc import messages as m
+from kvproc.runtime import RoleConfig, launch
+
+print("engine script ran", flush=True)  # no `if __name__ == "__main__"` guard, on purpose
+with launch([RoleConfig("host_tier")], cluster_name="lt", runtime_dir=f"/tmp/kvlg-{os.getpid()}") as c:
+    print("pong", c.client("host_tier").request(m.Ping(), timeout=5).pid > 0, flush=True)
+"""
+
+
+def test_children_do_not_rerun_a_launcher_script_without_main_guard(tmp_path: pathlib.Path) -> None:
+    script = tmp_path / "engine.py"
+    script.write_text(ENGINE_SCRIPT)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.count("engine script ran") == 1 and "pong True" in out.stdout

@@ -19,18 +19,14 @@ the runtime directory removed. A `weakref.finalize` backstop kills leftover chil
 
 from __future__ import annotations
 
-import contextlib
-import multiprocessing
 import os
 import shutil
 import signal
-import sys
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Sequence
 
 import structlog
 
@@ -41,78 +37,13 @@ from kvproc.ipc.segment import sweep_dead_segments
 from kvproc.ipc.sockets import ipc_endpoint
 from kvproc.runtime import manifest as mf
 from kvproc.runtime.child import ChildSpec, child_main
+from kvproc.runtime.config import ClusterStartError, PeerEvent, RoleConfig
 from kvproc.runtime.control import start_control_server
-from kvproc.runtime.roles import ROLE_CLASSES, resolve_role_class
+from kvproc.runtime.forking import forkserver_context, parent_main_hidden
+from kvproc.runtime.roles import resolve_role_class
 from kvproc.runtime.supervisor import PROCESS_LOCK, ChildHandle, Supervisor, describe_exit
 
 log = structlog.get_logger(__name__)
-
-
-class ClusterStartError(RuntimeError):
-    """A child did not come up; the message names it and says why (timeout, exit status, or its traceback)."""
-
-
-@dataclass(frozen=True)
-class RoleConfig:
-    role: str  # a key of ROLE_CLASSES, or any name when role_class is given
-    rank: int = 0
-    role_class: str | None = None  # "module:Class"; default ROLE_CLASSES[role]
-    options: Mapping[str, Any] = field(default_factory=dict)  # handed to the role as env.options
-    restart: bool | None = None  # None: the role class's `restartable`
-    max_restarts: int = 3
-    tcp: str | None = None  # also bind here, e.g. "tcp://127.0.0.1:0"; the auth token is required there too
-    workers: int = 4  # handler threads
-    max_in_flight: int = 256
-    max_frame_bytes: int = 1 << 20
-
-    @property
-    def class_path(self) -> str:
-        if self.role_class:
-            return self.role_class
-        if self.role not in ROLE_CLASSES:
-            raise ValueError(f"unknown role {self.role!r}: known {sorted(ROLE_CLASSES)}, or pass role_class")
-        return ROLE_CLASSES[self.role]
-
-
-@dataclass(frozen=True)
-class PeerEvent:
-    role: str
-    rank: int
-    pid: int
-    what: str  # crashed | restarted | unavailable
-    detail: str
-    at: float
-
-
-def _forkserver(configs: Sequence[RoleConfig]) -> Any:
-    ctx = multiprocessing.get_context("forkserver")
-    modules = {c.class_path.partition(":")[0] for c in configs}
-    needs_torch = any(resolve_role_class(c.class_path).needs_torch for c in configs)
-    ctx.set_forkserver_preload(["kvproc.runtime.child", *sorted(modules), *(["torch"] if needs_torch else [])])
-    return ctx
-
-
-@contextlib.contextmanager
-def _parent_main_hidden() -> Iterator[None]:
-    """Keep the forkserver from re-running the launcher's main script in each child.
-
-    multiprocessing's spawn preparation would re-import `__main__` by path in the child (the "main guard" rule): an
-    engine script without `if __name__ == "__main__"` would then start a second engine inside every child. Children
-    never need it (their target lives in kvproc), so the main module's spec and file are hidden while `start()`
-    builds the preparation data.
-    """
-    main = sys.modules.get("__main__")
-    if main is None:
-        yield
-        return
-    saved: dict[str, Any] = {k: main.__dict__[k] for k in ("__spec__", "__file__") if k in main.__dict__}
-    main.__dict__["__spec__"] = None
-    main.__dict__.pop("__file__", None)
-    try:
-        yield
-    finally:
-        main.__dict__.pop("__spec__", None)
-        main.__dict__.update(saved)
 
 
 def _kill_leftovers(children: dict[tuple[str, int], ChildHandle], runtime_dir: str) -> None:
@@ -145,7 +76,7 @@ class Cluster:
         self._restart_lock = threading.Lock()
         self._stopping = False
         self._done = threading.Event()
-        self._mp = _forkserver(configs)
+        self._mp = forkserver_context(configs)
         self._supervisor = Supervisor(self._on_exit)
         self._control: Any = None
         self.control_endpoint = ""
@@ -253,7 +184,7 @@ class Cluster:
         proc = self._mp.Process(
             target=child_main, args=(self._spec(cfg), w), name=f"kvproc-{cfg.role}-{cfg.rank}", daemon=True
         )
-        with PROCESS_LOCK, _parent_main_hidden():
+        with PROCESS_LOCK, parent_main_hidden():
             proc.start()
         w.close()
         assert proc.pid is not None

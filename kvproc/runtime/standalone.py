@@ -51,6 +51,7 @@ def up_main(argv: list[str]) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+
     def on_cluster_stopped() -> None:  # `kvproc down` stopped the cluster through the control endpoint
         cluster.stopped.wait()
         wake.set()
