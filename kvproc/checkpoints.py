@@ -39,6 +39,13 @@ class CheckpointIndex:
         entry[group] = slot
         return True
 
+    def replace(self, key: bytes, group: str, slot: int) -> int | None:
+        """Record a sealed copy, displacing any existing one (returned, so the caller can forget its key)."""
+        entry = self.entries.setdefault(key, {})
+        old = entry.get(group)
+        entry[group] = slot
+        return old
+
     def drop(self, key: bytes, group: str) -> None:
         entry = self.entries.get(key)
         if entry is not None:

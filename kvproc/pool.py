@@ -36,7 +36,7 @@ from kvproc.holds import (
     _PinState,
     _ReservationState,
 )
-from kvproc.paged import PagedBlocks, StaleBlockError
+from kvproc.paged import PagedBlocks, PoolExhaustedError, StaleBlockError
 
 _EMPTY_GENS = np.zeros(0, dtype=np.int64)
 
@@ -159,7 +159,8 @@ class BlockPool:
         self.drain_deferred()
         P = self.page_tokens
         if not self.spec.prefix_caching:
-            self.counters["miss_prefix_caching_off"] += 1
+            with self.lock:
+                self.counters["miss_prefix_caching_off"] += 1
             return self._hold(_HoldState([], _EMPTY_GENS, [], {}), MissReason.PREFIX_CACHING_OFF, 0)
         full = min(len(hashes), num_tokens // P)
         cap = full if policy is ReusePolicy.FULL_PAGES else max(0, (num_tokens - 1) // P)
@@ -191,8 +192,9 @@ class BlockPool:
             reason = MissReason.POOL_PRESSURE
         else:
             reason = MissReason.ENTRY_INCOMPLETE
-        self.counters[f"probe_{reason.value}"] += 1
-        self.counters["probe_hit_blocks"] += depth
+        with self.lock:
+            self.counters[f"probe_{reason.value}"] += 1
+            self.counters["probe_hit_blocks"] += depth
         return self._hold(_HoldState(ids, gens, list(hashes[:depth]), held_artifacts), reason, matched)
 
     def _truncate_to_floor(self, ids: list[int], depth: int) -> int:
@@ -258,11 +260,13 @@ class BlockPool:
         restorable bounded groups the reservation must carry their staging slots: a deeper paged prefix without the
         bounded state at its end would restore pages that no checkpoint vouches for.
         """
+        hs = hold._live()  # checked first: a consumed hold must not strand the reservation
         res = reservation._take()
-        hs = hold._live()
         missing = [g for g in self.checkpoints.required if hashes and g not in res.staging]
-        if len(hashes) != len(res.ids) or missing:
+        if len(hashes) != len(res.ids) or missing or not hashes:
             self._release_reservation_state(res)
+            if not hashes:
+                return  # nothing was loaded: the reservation (and any staging slot) simply goes back
             raise ValueError(
                 f"commit of {len(res.ids)} loaded blocks got {len(hashes)} hashes"
                 + (f" and no staging slot for bounded group(s) {missing}" if missing else "")
@@ -279,12 +283,10 @@ class BlockPool:
                 for group, (slot, _gen) in res.staging.items():
                     slab = self.slabs[group]
                     slab.seal(slot, key)
-                    if not self.checkpoints.add(key, group, slot):
-                        # Someone sealed this checkpoint meanwhile: use theirs, drop our copy.
-                        slab.drop_key(slot)
-                        slab.release(slot)
-                        slot = self.checkpoints.entries[key][group]
-                        slab.acquire(slot)
+                    displaced = self.checkpoints.replace(key, group, slot)
+                    if displaced is not None and displaced != slot:
+                        # Newest wins, as for pages: the older identical copy ages out once unreferenced.
+                        slab.drop_key(displaced)
                     old = hs.artifacts.get(group)
                     if old is not None:
                         slab.release(old[0])
@@ -327,6 +329,12 @@ class BlockPool:
         with self.lock:
             if gens is not None:
                 self.paged.check(ids, np.asarray(gens))
+            if ids:
+                cold = int((self.paged.refcount[np.asarray(ids, dtype=np.int64)] == 0).sum())
+                if cold and self.paged.available - cold < self.entitled:
+                    # Pinning evictable blocks would eat admitted requests' entitlement: refuse (saves pin blocks
+                    # their request still holds, which costs nothing).
+                    raise PoolExhaustedError(f"pinning {cold} evictable blocks would break the entitled floor")
             self.paged.acquire(ids)
             for group, slot in (staging or {}).items():
                 self.slabs[group].acquire(slot)

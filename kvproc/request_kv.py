@@ -91,21 +91,25 @@ class _KvState:
         self.scheduled = None
         pool.paged.release(self.block_ids)
         self.block_ids = []
-        busy = {o.dst_slot if o.kind is CopyKind.RESTORE else o.src_slot for o in self.open_orders.values()}
+        busy = self._busy_live()
         for group, slot in list(self.live.items()):
             # A live slot an unfenced copy still reads or writes goes back only when that copy settles.
-            if slot not in busy:
+            if (group, slot) not in busy:
                 pool.slabs[group].give_live(slot)
                 del self.live[group]
+
+    def _busy_live(self) -> set[tuple[str, int]]:
+        """(group, live slot) pairs an unfenced copy order still reads (SEAL) or writes (RESTORE)."""
+        return {(o.group, o.dst_slot if o.kind is CopyKind.RESTORE else o.src_slot) for o in self.open_orders.values()}
 
     def order_settled(self, pool: "BlockPool", order: CopyOrder, ok: bool) -> None:
         self.open_orders.pop(order.order_id, None)
         if order.kind is CopyKind.RESTORE and not ok:
             self.restore_failed = True
         if self.released:
-            busy = {o.dst_slot if o.kind is CopyKind.RESTORE else o.src_slot for o in self.open_orders.values()}
+            busy = self._busy_live()
             for group, slot in list(self.live.items()):
-                if slot not in busy:
+                if (group, slot) not in busy:
                     pool.slabs[group].give_live(slot)
                     del self.live[group]
 

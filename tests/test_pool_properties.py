@@ -6,7 +6,7 @@ number of holders, every block sits in exactly one of free / active / inactive, 
 its hash, `entitled` matches a recomputation, the admission floor holds, and the bounded slab's live and staging slots
 add up. Handles are released both explicitly and by dropping the last reference (the GC path).
 
-Scenarios the foundation gets wrong today are kept out of the machine and pinned by strict-xfail tests at the bottom
+Scenarios the foundation once got wrong are kept out of the machine and pinned by regression tests at the bottom
 (each names the file and line): commit into a consumed hold, an empty commit carrying staging, pins of unreferenced
 blocks.
 """
@@ -491,7 +491,7 @@ class PoolMachine(RuleBasedStateMachine):
         self.reservations.remove(rm)
         hm, n = rm.target, len(rm.ids)
         k = len(hm.ids)
-        # Committing into a consumed or released hold leaks the reservation (see the xfail test): not exercised.
+        # Committing into a consumed or released hold is covered by a regression test at the bottom: not exercised.
         if how == "commit" and self._live_hold(hm) and k + n <= hm.cap and self.pool.slabs and not rm.staging:
             # Pages past a hybrid hold need the bounded state at their end: a commit without it is refused, and the
             # refusal releases the reservation.
@@ -524,7 +524,7 @@ class PoolMachine(RuleBasedStateMachine):
 
     # -- pins -----------------------------------------------------------------------------------------------------
     def _pinnable(self) -> list[ReqM]:
-        # Only pages a live request holds: pinning an unreferenced block breaks the floor (see the xfail tests).
+        # Only pages a live request holds (pinning evictable blocks is refused near the floor: a regression test).
         return [r for r in self.reqs if r.kv is not None and r.computed >= P and r.blocks]
 
     @precondition(lambda self: len(self.pins) < 3 and bool(self._pinnable()))
@@ -701,12 +701,7 @@ def test_released_hold_raises_hold_consumed_error_when_matched() -> None:
     assert not pool.paged.refcount.any()
 
 
-# -- foundation bugs (strict xfail: each flips to a failure once fixed, so the marker gets removed) ----------------
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG pool.py:261-262 commit_loaded_blocks takes the reservation before checking the hold: committing into"
-    " a consumed/released hold raises HoldConsumedError and leaks the reserved blocks forever (refcount 1, no owner)",
-)
+# -- regressions of foundation bugs the property tests found ----------------------------------------------------
 def test_commit_into_consumed_hold_does_not_leak_the_reservation() -> None:
     pool = BlockPool(PAGED_SPEC, 16)
     hold = pool.probe([], 0)
@@ -715,15 +710,12 @@ def test_commit_into_consumed_hold_does_not_leak_the_reservation() -> None:
     assert res is not None
     with pytest.raises(HoldConsumedError):
         pool.commit_loaded_blocks(res, hold, [b"a" * 16, b"b" * 16])
+    assert not res.settled  # the failed commit left the reservation with its owner, who can still release it
+    del res
     _drop_and_collect(pool)
     assert pool.available == 16 and not pool.paged.refcount.any()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG pool.py:277 commit_loaded_blocks with zero blocks but staging slots (`if res.staging and hashes`)"
-    " neither seals, transfers nor releases the staging slots: they stay at refcount 1 forever",
-)
 def test_empty_commit_with_staging_does_not_leak_the_staging_slot() -> None:
     pool = BlockPool(HYBRID_SPEC, 16, bounded_slots={STATE: 4}, live_slots=1)
     hold = pool.probe([], 0)
@@ -739,11 +731,6 @@ def test_empty_commit_with_staging_does_not_leak_the_staging_slot() -> None:
     assert slab.staging_available == 3 and not slab.refcount.any()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG pool.py:320-332 pin() acquires inactive (evictable) blocks without checking the entitled floor:"
-    " available drops below entitled and an admitted request's schedule raises PoolExhaustedError",
-)
 def test_pinning_evictable_blocks_never_breaks_an_admitted_draw() -> None:
     pool = BlockPool(PAGED_SPEC, 4)
     _warm(pool, list(range(8)))  # blocks 0, 1 inactive (indexed), 2, 3 free
