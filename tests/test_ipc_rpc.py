@@ -179,3 +179,34 @@ def test_sigkill_fails_every_outstanding_call_with_peer_dead() -> None:
         finally:
             c.close()
             s.proc.join(5)
+
+
+def test_blocked_request_on_its_own_socket_wakes_with_peer_dead_when_the_peer_is_declared_dead(served: Served) -> None:
+    c = served.client()
+    outcome: list[BaseException] = []
+
+    def blocked() -> None:
+        try:
+            c.request(m.Sleep(10.0), timeout=10)
+        except BaseException as e:
+            outcome.append(e)
+
+    t = threading.Thread(target=blocked)
+    t.start()
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    c.mark_dead("declared dead by the test")
+    t.join(5)
+    assert time.monotonic() - t0 < 0.5
+    assert len(outcome) == 1 and isinstance(outcome[0], PeerDeadError)
+    c.close()
+
+
+def test_asyncio_awaits_a_call_through_wrap_future(client: RpcClient) -> None:
+    import asyncio
+
+    async def main() -> Any:
+        replies = await asyncio.gather(*(asyncio.wrap_future(client.call(m.Echo(b"%d" % i))) for i in range(20)))
+        return [r.unwrap().data for r in replies]
+
+    assert asyncio.run(main()) == [b"%d" % i for i in range(20)]

@@ -114,7 +114,9 @@ class RpcClient:
         self._closing = True
         self._direct.close()
         self._waker.wake()
-        if self._thread is not None and self._thread is not threading.current_thread():
+        if self._thread is None:
+            self._waker.close()  # never connected: no I/O thread to close it
+        elif self._thread is not threading.current_thread():
             self._thread.join(5.0)
 
     def mark_dead(self, reason: str) -> None:

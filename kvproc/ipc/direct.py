@@ -53,7 +53,9 @@ class DirectCalls:
         self._decoder = m.client_decoder()  # msgspec decoders are thread-safe
 
     def signal_death(self) -> None:
-        os.eventfd_write(self.death_fd, 1)  # never drained: stays readable for every poller
+        with self._lock:
+            if self.death_fd >= 0:
+                os.eventfd_write(self.death_fd, 1)  # never drained: stays readable for every poller
 
     def close(self) -> None:
         with self._lock:
@@ -62,6 +64,13 @@ class DirectCalls:
                 if not owned.busy:  # a busy socket is closed by its own thread on the way out
                     owned.sock.close(linger=0)
             self._owned = [o for o in self._owned if o.busy]
+            self._release_fd()
+
+    def _release_fd(self) -> None:
+        # Under self._lock. The death fd is closed by whoever is last: close() or the last busy caller.
+        if not self._owned and self.death_fd >= 0:
+            os.close(self.death_fd)
+            self.death_fd = -1
 
     def _socket(self, deadline: float) -> _Owned | None:
         owned: _Owned | None = getattr(self._local, "owned", None)
@@ -132,8 +141,11 @@ class DirectCalls:
         owned = self._socket(deadline)
         if owned is None:
             return None
+        with self._lock:  # against a concurrent close(): a socket marked busy is never closed under its owner
+            if self._closed:
+                return None
+            owned.busy = True
         call_id = next(client._ids)
-        owned.busy = True
         listener = client._send_cancel if token is not None else None
         try:
             data = m.encode(m.Call(call_id, int(deadline * 1e9), msg, token.id if token is not None else 0))
@@ -146,7 +158,11 @@ class DirectCalls:
             if token is not None:
                 token.remove_listener(listener)  # type: ignore[arg-type]
             if self._closed:
-                owned.sock.close(linger=0)
+                with self._lock:
+                    owned.sock.close(linger=0)
+                    if owned in self._owned:
+                        self._owned.remove(owned)
+                    self._release_fd()
         if reply is not None:
             return reply
         if client._dead is not None:
