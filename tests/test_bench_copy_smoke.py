@@ -1,0 +1,14 @@
+"""`kvproc bench copy` runs end to end on tiny batches (no timing assertions: benchmarks are not tests)."""
+
+import json
+
+from kvproc.bench.copybench import main
+
+
+def test_copy_bench_runs_and_writes_the_documented_json(tmp_path):
+    out = tmp_path / "copy.json"
+    assert main(["--quick", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert {r["op"] for r in rows} == {"save", "load"} and {r["layout"] for r in rows} == {"contiguous", "scattered"}
+    for r in rows:
+        assert set(r) == {"op", "block_bytes", "layout", "gbps", "memcpy_gbps", "ratio_vs_memcpy"}
