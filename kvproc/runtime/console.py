@@ -153,3 +153,6 @@ def main(argv: list[str]) -> int:
     except FileNotFoundError as e:
         print(f"kvproc console: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `kvproc console status --watch | head`: the reader left, which is not an error
+        sys.stderr.close()
+        return 0
