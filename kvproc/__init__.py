@@ -42,6 +42,18 @@ _EXPORTS: dict[str, str] = {
     "LifetimeExceededError": "kvproc.request_kv",
     "RequestKv": "kvproc.request_kv",
     "RequestStateError": "kvproc.request_kv",
+    # the store and its verbs
+    "KvStore": "kvproc.store",
+    "KvPrefix": "kvproc.store_types",
+    "ResolvePolicy": "kvproc.store_types",
+    "SaveClass": "kvproc.store_types",
+    "SealCursor": "kvproc.store_types",
+    "StoreConfig": "kvproc.store_types",
+    "build_local_store": "kvproc.build",
+    "ClusterStore": "kvproc.cluster",
+    # processes
+    "launch": "kvproc.runtime",
+    "CancelToken": "kvproc.ipc.cancel",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -79,3 +91,9 @@ if TYPE_CHECKING:
     from kvproc.paged import PoolExhaustedError, StaleBlockError
     from kvproc.pool import BlockPool
     from kvproc.request_kv import LifetimeExceededError, RequestKv, RequestStateError
+    from kvproc.build import build_local_store
+    from kvproc.cluster import ClusterStore
+    from kvproc.ipc.cancel import CancelToken
+    from kvproc.runtime import launch
+    from kvproc.store import KvStore
+    from kvproc.store_types import KvPrefix, ResolvePolicy, SaveClass, SealCursor, StoreConfig

@@ -66,10 +66,10 @@ class CheckpointIndex:
         entries, required = self.entries, self.required
         saw_incomplete = False
         for pages in range(usable_pages, 0, -1):
-            entry = entries.get(hashes[pages - 1])
-            if entry is None:
+            found = entries.get(hashes[pages - 1])
+            if found is None:
                 continue
-            if all(g in entry for g in required):
-                return pages, dict(entry), saw_incomplete
+            if all(g in found for g in required):
+                return pages, dict(found), saw_incomplete
             saw_incomplete = True
         return 0, {}, saw_incomplete

@@ -13,7 +13,7 @@ from __future__ import annotations
 from functools import partial
 from itertools import takewhile
 from operator import is_not
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -139,7 +139,8 @@ class PagedBlocks:
 
     def match(self, hashes: Sequence[bytes]) -> list[int]:
         """Block ids of the longest indexed prefix of `hashes` (one dict probe per page, in C)."""
-        return list(takewhile(_NOT_NONE, map(self.index.get, hashes)))
+        get: Callable[[bytes], int | None] = self.index.get
+        return list(takewhile(_NOT_NONE, map(get, hashes)))  # type: ignore[arg-type]
 
     # -- generations ----------------------------------------------------------------------------------------------
     def generations(self, ids: Sequence[int]) -> np.ndarray:

@@ -112,10 +112,14 @@ class Resolver:
         cancel_ev: asyncio.Event | None = None
         if cancel is not None:
             loop = asyncio.get_running_loop()
-            cancel_ev = asyncio.Event()
-            if not cancel.add_listener(lambda _id: loop.call_soon_threadsafe(cancel_ev.set)):  # type: ignore[union-attr]
-                cancel_ev.set()
-            waiters.append(asyncio.ensure_future(cancel_ev.wait()))
+            ev = cancel_ev = asyncio.Event()
+
+            def on_cancel(_id: int) -> None:
+                loop.call_soon_threadsafe(ev.set)
+
+            if not cancel.add_listener(on_cancel):
+                ev.set()
+            waiters.append(asyncio.ensure_future(ev.wait()))
         try:
             done, _ = await asyncio.wait(waiters, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
         finally:

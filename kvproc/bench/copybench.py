@@ -12,6 +12,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -24,7 +25,7 @@ from kvproc.workers.orders import LoadOrder, SaveOrder
 SIZES = {"64KiB": 64 << 10, "1MiB": 1 << 20, "16MiB": 16 << 20}
 
 
-def _best(fn, repeats: int) -> float:  # type: ignore[no-untyped-def]
+def _best(fn: Callable[[], object], repeats: int) -> float:
     best = float("inf")
     for _ in range(repeats):
         t = time.perf_counter()
@@ -33,7 +34,7 @@ def _best(fn, repeats: int) -> float:  # type: ignore[no-untyped-def]
     return best
 
 
-def measure(block_bytes: int, batch_bytes: int, repeats: int, seed: int = 0) -> list[dict[str, object]]:
+def measure(block_bytes: int, batch_bytes: int, repeats: int, seed: int = 0) -> list[dict[str, Any]]:
     n = max(2, batch_bytes // block_bytes)
     dev = torch.zeros(2 * n * block_bytes, dtype=torch.uint8)  # twice the batch: scattered ids have room
     dev.numpy()[:] = np.random.default_rng(seed).integers(0, 256, dev.numel(), dtype=np.uint8)
@@ -47,7 +48,7 @@ def measure(block_bytes: int, batch_bytes: int, repeats: int, seed: int = 0) -> 
     src_a = dev.numpy()[: n * block_bytes]
     dst_a = host[: n * block_bytes]
     memcpy_s = _best(lambda: np.copyto(dst_a, src_a), repeats)
-    out = []
+    out: list[dict[str, Any]] = []
     for layout_name in ("contiguous", "scattered"):
         if layout_name == "contiguous":
             ids, slots = list(range(n)), list(range(n))
@@ -78,7 +79,7 @@ def main(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     batch = (4 << 20) if args.quick else args.batch_mib << 20
     repeats = 1 if args.quick else args.repeats
-    rows: list[dict[str, object]] = []
+    rows: list[dict[str, Any]] = []
     sizes = {"64KiB": 64 << 10, "1MiB": 1 << 20} if args.quick else SIZES
     for name, size in sizes.items():
         print(f"  copy bench: {name} blocks ...", file=sys.stderr, flush=True)

@@ -25,7 +25,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -198,8 +198,8 @@ PAPER_POINTS = {1e6: 0.09, 3e6: 0.165, 1e7: 0.325, 5e7: 0.40}
 SWEEP = (1e4, 1e5, 3e5, 1e6, 3e6, 1e7, 3e7, 5e7, 1e8)
 
 
-def sweep(trace: list[TraceRequest], args: argparse.Namespace) -> list[dict[str, object]]:
-    rows = []
+def sweep(trace: list[TraceRequest], args: argparse.Namespace) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
     for cap in SWEEP:
         r = replay(trace, page_tokens=args.page_tokens, device_tokens=cap, host_tokens=0,
                    algorithm=HashAlgorithm(args.hash))
@@ -211,14 +211,14 @@ def sweep(trace: list[TraceRequest], args: argparse.Namespace) -> list[dict[str,
     return rows
 
 
-def _plot(rows: list[dict[str, object]], path: str) -> None:
+def _plot(rows: list[dict[str, Any]], path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    xs = [float(r["capacity_tokens"]) for r in rows]  # type: ignore[arg-type]
+    xs = [float(r["capacity_tokens"]) for r in rows]
     ax.plot(xs, [r["block_hit_ratio"] for r in rows], "o-", label="kvproc (block hit ratio)")
     ax.plot(list(PAPER_POINTS), list(PAPER_POINTS.values()), "s--", label="Mooncake FAST'25 (read off figure)")
     ax.set_xscale("log")

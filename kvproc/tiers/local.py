@@ -7,7 +7,7 @@ that want a host tier inside the scheduler process. The host arena is plain (or 
 from __future__ import annotations
 
 import asyncio
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -43,7 +43,7 @@ class LocalTier:
                     if not fut.done():
                         fut.set_result(True)
 
-    async def _wait(self, table: dict, key: object, timeout: float) -> bool:  # type: ignore[type-arg]
+    async def _wait(self, table: dict[Any, list[asyncio.Future[bool]]], key: object, timeout: float) -> bool:
         fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         table.setdefault(key, []).append(fut)
         try:
