@@ -18,6 +18,9 @@ import numpy as np
 class CopyKind(enum.Enum):
     SEAL = "seal"  # live slot -> staging slot (the sealed artifact)
     RESTORE = "restore"  # staging slot -> live slot (a prefix hit resumes from the checkpoint)
+    # paged block -> private paged block, per paged group: copy-on-restore of a shared page a request must append to
+    # (the padded boundary page of a P/D hand-off). Slots here are block ids.
+    PRIVATIZE = "privatize"
 
 
 @dataclass(frozen=True)

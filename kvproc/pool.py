@@ -369,6 +369,12 @@ class BlockPool:
             st = self._orders.pop(order.order_id, None)
             if st is None:
                 raise KeyError(f"unknown or already fenced copy order {order.order_id}")
+            if order.kind is CopyKind.PRIVATIZE:
+                # The source block is held by the order's owner until its last group's copy is fenced.
+                self.counters["privatize_copies_fenced" if ok else "privatize_copies_failed"] += 1
+                if st.owner is not None:
+                    st.owner.order_settled(self, order, ok)  # type: ignore[attr-defined]
+                return
             slab = self.slabs[order.group]
             if slab.generation[order.dst_slot if order.kind is CopyKind.SEAL else order.src_slot] != (
                 order.staging_generation

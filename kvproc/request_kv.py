@@ -74,6 +74,8 @@ class _KvState:
     open_orders: dict[int, CopyOrder] = field(default_factory=dict)
     scheduled: tuple[int, int] | None = None  # (tokens, blocks drawn) of the step in flight
     restore_failed: bool = False
+    # shared block -> paged groups whose PRIVATIZE copy is still out; the block is released when it reaches zero
+    privatizing: dict[int, int] = field(default_factory=dict)
 
     @property
     def contribution(self) -> int:
@@ -100,12 +102,20 @@ class _KvState:
 
     def _busy_live(self) -> set[tuple[str, int]]:
         """(group, live slot) pairs an unfenced copy order still reads (SEAL) or writes (RESTORE)."""
-        return {(o.group, o.dst_slot if o.kind is CopyKind.RESTORE else o.src_slot) for o in self.open_orders.values()}
+        return {(o.group, o.dst_slot if o.kind is CopyKind.RESTORE else o.src_slot)
+                for o in self.open_orders.values() if o.kind is not CopyKind.PRIVATIZE}
 
     def order_settled(self, pool: "BlockPool", order: CopyOrder, ok: bool) -> None:
         self.open_orders.pop(order.order_id, None)
-        if order.kind is CopyKind.RESTORE and not ok:
+        if order.kind in (CopyKind.RESTORE, CopyKind.PRIVATIZE) and not ok:
             self.restore_failed = True
+        if order.kind is CopyKind.PRIVATIZE:
+            left = self.privatizing[order.src_slot] - 1
+            if left:
+                self.privatizing[order.src_slot] = left
+            else:
+                del self.privatizing[order.src_slot]
+                pool.paged.release([order.src_slot])  # the shared page: back to the cache, still matchable
         if self.released:
             busy = self._busy_live()
             for group, slot in list(self.live.items()):
@@ -241,6 +251,56 @@ class RequestKv:
                 orders.append(order)
         self.num_computed = k * self.page_tokens
         self._registered = k
+        return orders
+
+    def adopt_handoff_prefix(self, hold: PrefixHold, committed_len: int) -> list[CopyOrder]:
+        """Decode side of a P/D hand-off: adopt the producer's padded chain as this request's first `committed_len`
+        tokens. The hold must be the full hit (`ceil(committed_len / page)` pages, the last one padded with
+        PAD_TOKEN_ID when `committed_len` is not page-aligned); admit with `credited=hold.num_blocks - 1` in that
+        case, because the padded page is shared and immutable: it is copied into a private block (copy-on-restore,
+        every paged group) before decode appends to it. Returns RESTORE orders (bounded groups) and PRIVATIZE
+        orders (the boundary page) to execute and fence before the first step."""
+        s, pool = self._s, self.pool
+        P = self.page_tokens
+        self._require(s.admitted and not s.released, "adopt_handoff_prefix needs an admitted, unreleased request")
+        self._require(self.num_computed == 0 and not s.block_ids, "a prefix can only be added to an empty request")
+        if not 0 < committed_len <= self._tokens.n:
+            raise ValueError(f"committed_len {committed_len} outside this request's {self._tokens.n} tokens")
+        k, full, padded = hold.num_blocks, committed_len // P, committed_len % P != 0
+        if k != -(-committed_len // P):
+            raise ValueError(f"request {self.req_id!r}: hand-off needs the full hit of {-(-committed_len // P)} "
+                             f"pages, the hold has {k}: reject before admission")
+        if padded and s.pending_credit > k - 1:
+            raise ValueError(f"request {self.req_id!r}: admit a padded hand-off with credited <= {k - 1}: the padded "
+                             "page is replaced by a private copy")
+        if full and hold.hashes[full - 1] != self._hashes[full - 1]:
+            raise ValueError(f"request {self.req_id!r}: the hold is for another prompt or scope")
+        state = hold._take()
+        orders: list[CopyOrder] = []
+        with pool.lock:
+            before = s.contribution
+            s.block_ids = list(state.ids)
+            s.pending_credit = 0
+            pool.entitled += s.contribution - before  # a padded hand-off frees one block of slack for the copy
+            state.released = True
+            for group, (slot, gen) in state.artifacts.items():
+                order = pool._new_order(CopyKind.RESTORE, group, slot, s.live[group], gen, None, s, self.req_id)
+                s.open_orders[order.order_id] = order
+                orders.append(order)
+            if padded:
+                shared = s.block_ids[-1]
+                # The draw is covered by the one block of slack the credit left (entitled already went down by one).
+                (private,) = pool.paged.allocate(1)
+                s.block_ids[-1] = private
+                gen = int(pool.paged.generation[shared])
+                groups = [g.name for g in pool.spec.paged_groups]
+                s.privatizing[shared] = len(groups)
+                for g in groups:
+                    order = pool._new_order(CopyKind.PRIVATIZE, g, shared, private, gen, None, s, self.req_id)
+                    s.open_orders[order.order_id] = order
+                    orders.append(order)
+        self.num_computed = committed_len
+        self._registered = full
         return orders
 
     # -- steps ----------------------------------------------------------------------------------------------------

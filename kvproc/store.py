@@ -227,6 +227,19 @@ class KvStore:
     def parked(self, rank: int) -> list[str]:
         return list(self._parked[rank])
 
+    # -- hand-off leases -------------------------------------------------------------------------------------------
+    def release_handoff(self, producer_req_id: str) -> None:
+        """The consumer has the hand-off's KV without a load (a device hit): release the producer's entries."""
+        if self.tier is not None and self.tier.available:
+            self.counters["handoff_released_at_admission"] += 1
+            self._loop.call(self.tier.revoke_handoff, producer_req_id)
+
+    def revoke_handoff(self, producer_req_id: str) -> None:
+        """Nobody will read this hand-off (the request was cancelled or rejected): release it now, not at TTL."""
+        if self.tier is not None and self.tier.available:
+            self.counters["handoff_revoked"] += 1
+            self._loop.call(self.tier.revoke_handoff, producer_req_id)
+
     # -- bounded copies through the worker ------------------------------------------------------------------------
     def execute_copies(self, rank: int, orders: Sequence[Any]) -> None:
         """Run bounded SEAL/RESTORE copy orders on the rank's copy worker and fence them (blocking: the engine
