@@ -48,6 +48,30 @@ Tag table (ranges: 1-49 envelope and control, 100-199 runtime requests, 200-299 
 | 201 | StatsReport    | payload            | answer to Stats                                                  |
 | 202 | ProfileReport  | payload            | answer to Profile: report path and sample count                  |
 | 203 | Done           | payload            | empty success                                                    |
+| 300 | Configure      | host-tier request  | set the tier's layout (first engine) or join it (same fingerprint) |
+| 301 | Query          | host-tier request  | longest committed prefix of these page hashes: Miss/Loading/Hit  |
+| 302 | WaitSettled    | host-tier request  | deferred: answered when a pending save settles (or at deadline)  |
+| 303 | WaitKey        | host-tier request  | deferred: answered when an entry for the key commits (or deadline)|
+| 304 | ReleaseLease   | host-tier request  | release a Hit's lease (optionally consume a producer's hand-off) |
+| 305 | ReserveSave    | host-tier request  | reserve slots for a save: SaveTicket or Shed                     |
+| 306 | CommitSave     | host-tier request  | the copy landed: make the save's entries visible                 |
+| 307 | AbortSave      | host-tier request  | the copy failed: free the save's slots                           |
+| 308 | RevokeHandoff  | host-tier request  | "nobody will read this": drop a producer's hand-off pins         |
+| 309 | TierStats      | host-tier request  | the index's counters                                             |
+| 400 | Configured     | host-tier payload  | the host segment's name and the layout in force                  |
+| 401 | TierMiss       | host-tier payload  | Query: nothing usable                                            |
+| 402 | TierLoading    | host-tier payload  | Query: a save in flight will fill the next page (wait on save_id)|
+| 403 | TierHit        | host-tier payload  | Query: pages, lease id, page slots, bounded slots                |
+| 404 | TierSaveTicket | host-tier payload  | ReserveSave: slots to copy into (None: already present)          |
+| 405 | TierShed       | host-tier payload  | ReserveSave: refused (tier full), with the reason                |
+| 406 | Waited         | host-tier payload  | WaitSettled/WaitKey: True when it happened, False at deadline    |
+| 407 | TierCounters   | host-tier payload  | TierStats: counters                                              |
+| 500 | AttachArenas   | copy-worker req.   | map the scheduler's arena segments and the host segment          |
+| 501 | Save           | copy-worker req.   | device -> host copy order (SaveOrder)                            |
+| 502 | Load           | copy-worker req.   | host -> device copy order (LoadOrder)                            |
+| 503 | DeviceCopy     | copy-worker req.   | device -> device bounded slot copies                             |
+| 600 | Copied         | copy-worker payload| bytes copied by an order                                         |
+| 601 | Attached       | copy-worker payload| AttachArenas done: arenas mapped, host bytes mapped              |
 
 Deadlines are absolute `CLOCK_MONOTONIC` nanoseconds (`time.monotonic_ns()`), which Linux shares between all
 processes of one host (and across containers without a time namespace): comparable on one node, immune to wall-clock
@@ -56,11 +80,12 @@ steps. kvproc's tcp endpoints serve engines on the same node, so this holds ther
 
 from __future__ import annotations
 
-from typing import Any, NoReturn, Union
+from typing import Any, NoReturn, Union, get_args
 
 import msgspec
 
 from kvproc.ipc.errors import CallCancelled, PeerDeadError, RemoteError
+from kvproc.workers.orders import LoadOrder, SaveOrder, SlotCopy
 
 PROTOCOL_VERSION = 1
 
@@ -222,10 +247,174 @@ class Done(Payload, tag=203):
     pass
 
 
+# ---- host tier (kvproc/tiers/host.py) ---------------------------------------------------------------------------
+# Nested, untagged structs: a host layout as plain metadata (kvproc.tiers.layout.HostLayout converts to and from it).
+
+
+class RegionSpec(Wire):
+    arena: str
+    group: str
+    offset: int
+    unit_bytes: int
+    slots: int
+
+
+class HostLayoutSpec(Wire):
+    regions: list[RegionSpec]
+    page_slots: int
+    bounded_slots: dict[str, int]
+    total_bytes: int
+
+
+class Configure(Request, tag=300):
+    fingerprint: str  # human-readable capability string (model, arenas, page size); a mismatch is refused
+    layout: HostLayoutSpec
+    required_bounded: list[str] = []  # bounded groups a checkpoint must hold to be a hit
+
+
+class Query(Request, tag=301):
+    req_id: str
+    hashes: list[bytes]
+
+
+class WaitSettled(Request, tag=302):
+    save_id: int
+
+
+class WaitKey(Request, tag=303):
+    key: bytes
+
+
+class ReleaseLease(Request, tag=304):
+    lease_id: int
+    consume_handoff: str = ""  # "" = none
+
+
+class ReserveSave(Request, tag=305):
+    req_id: str
+    keys: list[bytes]
+    bounded_groups: list[str]
+    save_class: str  # SaveClass value: "cacheable" | "handoff"
+
+
+class CommitSave(Request, tag=306):
+    save_id: int
+
+
+class AbortSave(Request, tag=307):
+    save_id: int
+
+
+class RevokeHandoff(Request, tag=308):
+    req_id: str
+
+
+class TierStats(Request, tag=309):
+    pass
+
+
+class Configured(Payload, tag=400):
+    segment: str
+    layout: HostLayoutSpec
+    fingerprint: str = ""
+
+
+class TierMiss(Payload, tag=401):
+    pass
+
+
+class TierLoading(Payload, tag=402):
+    ready_pages: int
+    save_id: int
+
+
+class TierHit(Payload, tag=403):
+    pages: int
+    lease_id: int
+    page_slots: list[int]
+    bounded_slots: dict[str, int]
+
+
+class TierSaveTicket(Payload, tag=404):
+    save_id: int
+    req_id: str
+    save_class: str
+    keys: list[bytes]
+    page_slots: list[Union[int, None]]  # None: already present (dedup), nothing to copy
+    bounded_slots: dict[str, Union[int, None]]
+    expires: float  # the tier's monotonic clock; informational
+
+
+class TierShed(Payload, tag=405):
+    reason: str
+
+
+class Waited(Payload, tag=406):
+    ok: bool
+
+
+class TierCounters(Payload, tag=407):
+    counters: dict[str, int]
+
+
+# ---- copy worker (kvproc/workers/worker.py) ---------------------------------------------------------------------
+
+
+class ArenaRef(Wire):
+    """One device arena: where it lives (segment + byte offset) and its KvArena geometry."""
+
+    group: str
+    kind: str  # GroupKind value: "paged" | "bounded"
+    name: str
+    segment: str
+    offset: int
+    num_blocks: int
+    bytes_per_block: int
+    block_stride: int
+    stored_bytes_per_block: int = 0  # 0 = same as bytes_per_block
+
+
+class AttachArenas(Request, tag=500):
+    arenas: list[ArenaRef]
+    host_segment: str  # "" = no host tier (device copies only)
+    host_layout: Union[HostLayoutSpec, None] = None
+    repack: str = ""  # "module:function" of a (group, direction, src, dst) callable; "" = none
+    page_tokens: int = 1
+
+
+class Save(Request, tag=501):
+    order: SaveOrder
+
+
+class Load(Request, tag=502):
+    order: LoadOrder
+
+
+class DeviceCopy(Request, tag=503):
+    copies: list[SlotCopy]
+
+
+class Copied(Payload, tag=600):
+    nbytes: int
+
+
+class Attached(Payload, tag=601):
+    arenas: int
+    host_bytes: int
+
+
 # ---- the unions (add new request and payload types here) ---------------------------------------------------------
 
-RequestBody = Union[Ping, Stats, Profile, Shutdown, Sleep, Fail, Echo]
-PayloadBody = Union[Pong, StatsReport, ProfileReport, Done]
+RequestBody = Union[
+    Ping, Stats, Profile, Shutdown, Sleep, Fail, Echo,
+    Configure, Query, WaitSettled, WaitKey, ReleaseLease, ReserveSave, CommitSave, AbortSave, RevokeHandoff, TierStats,
+    AttachArenas, Save, Load, DeviceCopy,
+]  # fmt: skip
+PayloadBody = Union[
+    Pong, StatsReport, ProfileReport, Done,
+    Configured, TierMiss, TierLoading, TierHit, TierSaveTicket, TierShed, Waited, TierCounters,
+    Copied, Attached,
+]  # fmt: skip
 
 
 class Call(Wire, tag=4):
@@ -248,8 +437,8 @@ ClientMsg = Union[Hello, Call, Cancel, Heartbeat]
 ServerMsg = Union[Welcome, Refused, Ok, Failed, Cancelled, PeerDead, HeartbeatAck, Goodbye]
 StartupMsg = Union[Ready, StartupFailed]
 
-REQUEST_TYPES: tuple[type[Request], ...] = (Ping, Stats, Profile, Shutdown, Sleep, Fail, Echo)
-PAYLOAD_TYPES: tuple[type[Payload], ...] = (Pong, StatsReport, ProfileReport, Done)
+REQUEST_TYPES: tuple[type[Request], ...] = get_args(RequestBody)
+PAYLOAD_TYPES: tuple[type[Payload], ...] = get_args(PayloadBody)
 TERMINAL_TYPES: tuple[type[Wire], ...] = (Ok, Failed, Cancelled, PeerDead)
 ALL_TYPES: tuple[type[Wire], ...] = (
     Hello, Welcome, Refused, Call, Cancel, Heartbeat, HeartbeatAck, Goodbye,

@@ -1,9 +1,11 @@
-"""The runtime's built-in roles, and the table that maps a role name to its class.
+"""The table that maps a role name to its class, by import path.
 
-In this issue the host tier and copy worker only answer the runtime's own requests (ping, stats, profile, shutdown,
-cancel, and the debug Sleep/Fail); the next issue adds their real requests. Both optionally create a shared-memory
-segment (`options["segment_bytes"]`) so that the tests can check it is cleaned up on every exit path.
-Classes are named by import path so the launcher never imports a role (or torch) it does not start.
+Classes are named by import path so the launcher never imports a role (or torch) it does not start:
+- `host_tier`: `kvproc.tiers.host:HostTierRole` (the host-memory tier: index, leases, waiters; no torch);
+- `copy_worker`: `kvproc.workers.worker:CopyWorkerRole` (moves KV bytes between arena segments; torch).
+Both also accept `options["segment_bytes"]`, a scratch segment created at start (the runtime's tests use it to
+check that segments are cleaned up on every exit path).
+`kvproc.runtime.roles.HostTierRole` / `.CopyWorkerRole` still resolve (lazily) for older class paths.
 """
 
 from __future__ import annotations
@@ -11,12 +13,14 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from kvproc.runtime.role import Role, RoleEnv
+from kvproc.runtime.role import Role
 
 ROLE_CLASSES: dict[str, str] = {
-    "host_tier": "kvproc.runtime.roles:HostTierRole",
-    "copy_worker": "kvproc.runtime.roles:CopyWorkerRole",
+    "host_tier": "kvproc.tiers.host:HostTierRole",
+    "copy_worker": "kvproc.workers.worker:CopyWorkerRole",
 }
+
+_COMPAT = {"HostTierRole": ROLE_CLASSES["host_tier"], "CopyWorkerRole": ROLE_CLASSES["copy_worker"]}
 
 
 def resolve_role_class(path: str) -> type[Role]:
@@ -27,21 +31,8 @@ def resolve_role_class(path: str) -> type[Role]:
     return cls
 
 
-class HostTierRole(Role):
-    name = "host_tier"
-
-    def __init__(self, env: RoleEnv) -> None:
-        super().__init__(env)
-        if nbytes := int(env.options.get("segment_bytes", 0)):
-            self.create_segment(nbytes)
-
-
-class CopyWorkerRole(Role):
-    name = "copy_worker"
-    needs_torch = True  # the next issue's copies use torch; preloading it keeps restarts at fork speed
-    restartable = True
-
-    def __init__(self, env: RoleEnv) -> None:
-        super().__init__(env)
-        if nbytes := int(env.options.get("segment_bytes", 0)):
-            self.create_segment(nbytes)
+def __getattr__(name: str) -> Any:
+    # Lazy, so importing this table never imports a role's module (the copy worker's pulls in torch).
+    if name in _COMPAT:
+        return resolve_role_class(_COMPAT[name])
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,192 @@
+"""`ClusterStore`: the multi-process store an engine uses (host tier and copy workers in their own processes).
+
+    with ClusterStore.start(host_bytes=1 << 30) as cs:
+        model = build_model("dense", ..., allocator=cs.allocator)   # arenas live in segments the scheduler owns
+        store = cs.attach_model(model, live_slots=8)                 # a KvStore with RemoteTier + RemoteCopier
+        ...
+
+Processes: `host_tier[0]` (only when `host_bytes > 0`) and `copy_worker[r]` for each rank, launched and supervised
+by `kvproc.runtime.launch`. Ownership: the scheduler owns the arena segments (`cs.allocator`), the host tier owns the
+host segment, the copy workers own nothing (they attach both). `close()` closes the store (flushing saves and
+abandoned loads), shuts the cluster down (message, SIGTERM, SIGKILL against one deadline) and unlinks the arena
+segments: nothing is left in /dev/shm and no process is left.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import weakref
+from typing import Any
+
+import posix_ipc
+import torch
+
+from kvproc.contract import ArenaLayout, KvArena, KvContractError, KvModel, validate_layout
+from kvproc.ipc import messages as m
+from kvproc.ipc.segment import Segment, SegmentBusyError
+from kvproc.runtime.config import RoleConfig
+from kvproc.runtime.launcher import Cluster, launch
+from kvproc.store import KvStore
+from kvproc.store_types import StoreConfig
+from kvproc.tiers.host import layout_from_wire, layout_to_wire
+from kvproc.tiers.layout import HostLayout
+from kvproc.tiers.remote import RemoteCopier, RemoteTier
+
+_names = itertools.count()
+ARENA_ROLE = "arena"  # the role part of the scheduler's segment names: kvproc.<cluster>.arena.<pid>.<n>
+
+
+def _unlink_all(names: list[str]) -> None:
+    # weakref.finalize backstop: holds names only, never the ClusterStore.
+    for name in names:
+        try:
+            posix_ipc.unlink_shared_memory("/" + name)
+        except posix_ipc.ExistentialError:
+            pass
+
+
+def fingerprint(model: KvModel, layout: ArenaLayout) -> str:
+    """Human-readable capability string: two engines may share a host tier only if theirs are equal."""
+    groups = ",".join(f"{g.name}:{g.kind.value}" for g in layout.spec.groups)
+    arenas = ",".join(f"{a.name}:{a.stored_bytes}" for _, a in layout.arenas)
+    return (f"kvproc/{m.PROTOCOL_VERSION} model={type(model).__name__} page={layout.spec.page_tokens} "
+            f"groups={groups} arenas={arenas}")
+
+
+class ClusterStore:
+    def __init__(self, cluster: Cluster, host_bytes: int, ranks: int, *, copy_timeout_s: float,
+                 shutdown_deadline_s: float) -> None:
+        self.cluster = cluster
+        self.host_bytes = host_bytes
+        self.ranks = ranks
+        self.copy_timeout_s = copy_timeout_s
+        self.shutdown_deadline_s = shutdown_deadline_s
+        self.store: KvStore | None = None
+        self.tier: RemoteTier | None = None
+        self.copiers: list[RemoteCopier] = []
+        self.host_layout: HostLayout | None = None
+        self.host_segment = ""
+        self._segments: list[Segment] = []
+        self._segment_names: list[str] = []
+        self._closed = False
+        self._finalizer = weakref.finalize(self, _unlink_all, self._segment_names)
+
+    @classmethod
+    def start(cls, host_bytes: int, *, name: str | None = None, ranks: int = 1, lease_ttl_s: float = 30.0,
+              handoff_ttl_s: float = 300.0, save_ttl_s: float = 60.0, reap_interval_s: float = 1.0,
+              copy_timeout_s: float = 120.0, ready_timeout_s: float = 15.0, shutdown_deadline_s: float = 5.0,
+              runtime_dir: str | None = None, max_restarts: int = 3) -> "ClusterStore":
+        """Launch the host tier (if `host_bytes`) and one copy worker per rank; wait until all are up."""
+        if ranks < 1:
+            raise ValueError(f"ranks must be >= 1, got {ranks}")
+        name = name or f"cs{os.getpid()}x{next(_names)}"
+        roles: list[RoleConfig] = []
+        if host_bytes > 0:
+            roles.append(RoleConfig("host_tier", options={
+                "host_bytes": host_bytes, "lease_ttl_s": lease_ttl_s, "handoff_ttl_s": handoff_ttl_s,
+                "save_ttl_s": save_ttl_s, "reap_interval_s": reap_interval_s}))
+        roles += [RoleConfig("copy_worker", r, max_restarts=max_restarts) for r in range(ranks)]
+        cluster = launch(roles, cluster_name=name, runtime_dir=runtime_dir, ready_timeout_s=ready_timeout_s)
+        return cls(cluster, host_bytes, ranks, copy_timeout_s=copy_timeout_s, shutdown_deadline_s=shutdown_deadline_s)
+
+    # ---- arenas ----
+
+    def allocator(self, name: str, nbytes: int) -> torch.Tensor:
+        """(arena name, nbytes) -> a zeroed uint8 tensor backed by a segment this process owns (the copy workers
+        attach it). Pass as a model's `allocator`."""
+        del name  # segment names identify the owner (for sweeps), not the arena
+        seg = Segment.create(self.cluster.name, ARENA_ROLE, nbytes)
+        self._segments.append(seg)
+        self._segment_names.append(seg.name)
+        return seg.torch(torch.uint8, 0, nbytes)
+
+    def _locate(self, arena: KvArena) -> tuple[str, int]:
+        ptr = arena.tensor.data_ptr()
+        for seg in self._segments:
+            base = seg.address()
+            if base <= ptr < base + seg.nbytes:
+                return seg.name, ptr - base
+        raise KvContractError(f"arena {arena.name!r} was not allocated through ClusterStore.allocator: a copy worker"
+                              " can only reach arenas in shared memory; build the model with allocator=cs.allocator")
+
+    def _arena_refs(self, layout: ArenaLayout) -> list[m.ArenaRef]:
+        refs = []
+        for group, a in layout.arenas:
+            seg, off = self._locate(a)
+            stored = a.stored_bytes_per_block if a.stored_bytes_per_block not in (None, a.bytes_per_block) else 0
+            refs.append(m.ArenaRef(group, layout.spec.group(group).kind.value, a.name, seg, off, a.num_blocks,
+                                   a.bytes_per_block, a.block_stride, stored or 0))
+        return refs
+
+    # ---- the store ----
+
+    def attach_model(self, model: KvModel, *, live_slots: int, config: StoreConfig = StoreConfig(),
+                     repack: str | None = None, bounded_fraction: float = 0.25,
+                     attach_timeout_s: float = 10.0) -> KvStore:
+        """Configure the host tier for the model, attach every rank's copy worker, and return the `KvStore`.
+
+        `repack` is the "module:function" import path of a `(group, direction, src, dst)` callable the copy workers
+        run where the model's stored layout differs from its execution layout (required then)."""
+        if self.store is not None:
+            raise RuntimeError("attach_model was already called: one store per ClusterStore")
+        layouts = [validate_layout(model.spec(), model.arenas(r)) for r in range(self.ranks)]
+        differs = [a.name for _, a in layouts[0].arenas if a.stored_bytes != a.bytes_per_block]
+        if differs and not repack:
+            raise KvContractError(
+                f"{type(model).__name__}: arenas {differs} declare a stored layout different from the execution one,"
+                " so the copy workers need its repack: pass repack='package.module:function' (a (group, direction,"
+                " src, dst) callable importable in a worker process)")
+        host_wire: m.HostLayoutSpec | None = None
+        if self.host_bytes > 0:
+            planned = HostLayout.plan(layouts[0], self.host_bytes, bounded_fraction)
+            required = [g.name for g in layouts[0].spec.restorable_bounded_groups if not g.optional]
+            conf = self.cluster.client("host_tier").request(
+                m.Configure(fingerprint(model, layouts[0]), layout_to_wire(planned), required),
+                timeout=attach_timeout_s)
+            host_wire, self.host_segment = conf.layout, conf.segment
+            self.host_layout = layout_from_wire(conf.layout)  # a joined tier's layout wins over our plan
+            self.tier = RemoteTier(lambda: self.cluster.client("host_tier"), self.host_layout)
+        for r, layout in enumerate(layouts):
+            msg = m.AttachArenas(self._arena_refs(layout), self.host_segment, host_wire, repack or "",
+                                 layout.spec.page_tokens)
+            copier = RemoteCopier(self._copy_client(r), msg, copy_timeout_s=self.copy_timeout_s)
+            copier.attach_now(attach_timeout_s)  # fail here (bad repack path, bad arena) rather than at first copy
+            self.copiers.append(copier)
+        self.store = KvStore(layouts, live_slots=live_slots, tier=self.tier, copiers=self.copiers, config=config)
+        return self.store
+
+    def _copy_client(self, rank: int) -> Any:
+        return lambda: self.cluster.client("copy_worker", rank)
+
+    # ---- lifetime ----
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self.store is not None:
+                self.store.close()
+            for c in self.copiers:
+                c.close()
+            if self.tier is not None:
+                self.tier.close()
+        finally:
+            self.cluster.shutdown(self.shutdown_deadline_s)
+            for seg in self._segments:
+                seg.unlink()
+                try:
+                    seg.close()
+                except SegmentBusyError:
+                    pass  # the model still views it: the memory goes with the last view (the name is gone now)
+            self._finalizer.detach()
+
+    def __enter__(self) -> "ClusterStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+__all__ = ["ClusterStore", "fingerprint"]

@@ -1,0 +1,302 @@
+"""`HostTierRole`: the host-memory tier as its own process (no torch): one `HostIndex`, one shared-memory arena.
+
+The first engine sends `Configure(fingerprint, layout)`; the tier creates its segment (`layout.total_bytes`, refused
+when larger than the `host_bytes` option) and answers the segment's name. A later `Configure` with the same
+fingerprint joins it (same segment, same layout); a different fingerprint is refused with both strings.
+
+Host arena layout (the segment `kvproc.<cluster>.host_tier.<pid>.<n>`, planned by `kvproc.tiers.layout.HostLayout`):
+one region per stored device arena, in the model's arena order, each starting on a 4 KiB boundary:
+
+    offset 0                                     region(kv0)                 region(kv1)   ...  region(st0) ...
+    | unit 0 | unit 1 | ... | unit page_slots-1 | pad | unit 0 | ...          | ...          | bounded slots ...
+
+- a **page slot** `s` is unit `s` of every paged arena's region (one page of every aligned paged group);
+- a **bounded slot** `s` of group `g` is unit `s` of every arena of `g`;
+- a unit is the arena's *stored* bytes per block (`stored_bytes_per_block`: the repacked size where the model
+  declares one); non-checkpointable bounded groups have no region.
+The index hands out slot numbers; copy workers map the same segment and turn (slot, arena) into a byte offset with the
+same `HostLayout`. No KV byte ever crosses a socket: requests carry hashes, slots, lease and save ids.
+
+Threads: handlers run on the server's pool; every `HostIndex` access holds `self._lock`. Waiters (`WaitSettled`,
+`WaitKey`) are deferred calls: the index's `on_settled` answers them, and the timer thread answers the rest at their
+deadline with `Waited(False)` (and runs the TTL reaper). At shutdown every waiter fails.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+import time
+from collections import defaultdict
+from typing import Any
+
+import structlog
+
+from kvproc.ipc import messages as m
+from kvproc.ipc.context import CallContext, Deferred
+from kvproc.ipc.errors import HandlerError
+from kvproc.ipc.segment import Segment
+from kvproc.ipc.service import handles
+from kvproc.runtime.role import Role, RoleEnv
+from kvproc.tiers.host_index import Hit, HostIndex, Loading, SaveClass, SaveTicket
+from kvproc.tiers.layout import HostLayout, Region
+
+log = structlog.get_logger("kvproc.host_tier")
+
+
+def layout_to_wire(layout: HostLayout) -> m.HostLayoutSpec:
+    regions = [m.RegionSpec(r.arena, r.group, r.offset, r.unit_bytes, r.slots) for r in layout.regions]
+    return m.HostLayoutSpec(regions, layout.page_slots, dict(layout.bounded_slots), layout.total_bytes)
+
+
+def layout_from_wire(spec: m.HostLayoutSpec) -> HostLayout:
+    regions = tuple(Region(r.arena, r.group, r.offset, r.unit_bytes, r.slots) for r in spec.regions)
+    return HostLayout(regions, spec.page_slots, dict(spec.bounded_slots), spec.total_bytes)
+
+
+class _Waiter:
+    __slots__ = ("ctx", "table", "key")
+
+    def __init__(self, ctx: CallContext, table: dict[Any, list[_Waiter]], key: Any) -> None:
+        self.ctx, self.table, self.key = ctx, table, key
+
+
+class HostTierRole(Role):
+    name = "host_tier"
+
+    def __init__(self, env: RoleEnv) -> None:
+        super().__init__(env)
+        opts = env.options
+        self.host_bytes = int(opts.get("host_bytes", 0))
+        self.lease_ttl_s = float(opts.get("lease_ttl_s", 30.0))
+        self.handoff_ttl_s = float(opts.get("handoff_ttl_s", 300.0))
+        self.save_ttl_s = float(opts.get("save_ttl_s", 60.0))
+        self.reap_interval_s = float(opts.get("reap_interval_s", 1.0))
+        if nbytes := int(opts.get("segment_bytes", 0)):
+            self.create_segment(nbytes)  # scratch segment (runtime tests of segment clean-up)
+        self._lock = threading.Lock()
+        self.index: HostIndex | None = None
+        self.fingerprint = ""
+        self.layout: HostLayout | None = None
+        self.segment: Segment | None = None
+        self._configured: m.Configured | None = None
+        # Deferred waiters: by save id / by key, plus one deadline heap the timer thread serves.
+        self._save_waiters: dict[int, list[_Waiter]] = defaultdict(list)
+        self._key_waiters: dict[bytes, list[_Waiter]] = defaultdict(list)
+        self._deadlines: list[tuple[int, int, _Waiter]] = []
+        self._seq = itertools.count()
+        self._settled: list[tuple[SaveTicket, bool]] = []  # filled by on_settled under the lock, answered after
+        self._wake = threading.Condition(self._lock)
+        self._stopping = False
+        self._timer = threading.Thread(target=self._timer_main, name="kvproc-host-timer", daemon=True)
+        self._timer.start()
+
+    # ---- configuration ----
+
+    @handles(m.Configure)
+    def configure(self, msg: m.Configure, ctx: CallContext) -> m.Configured:
+        with self._lock:
+            if self._configured is not None:
+                if msg.fingerprint != self.fingerprint:
+                    self.counters.inc("configure_refused")
+                    raise HandlerError(
+                        "fingerprint_mismatch",
+                        f"host tier is configured for {self.fingerprint!r}; refused {msg.fingerprint!r}",
+                    )
+                self.counters.inc("configure_joined")
+                return self._configured
+            layout = layout_from_wire(msg.layout)
+            if self.host_bytes and layout.total_bytes > self.host_bytes:
+                raise HandlerError(
+                    "too_large",
+                    f"host layout needs {layout.total_bytes} B, more than this tier's host_bytes={self.host_bytes}",
+                )
+            seg = self.create_segment(layout.total_bytes)
+            index = HostIndex(layout.page_slots, dict(layout.bounded_slots), required_bounded=msg.required_bounded,
+                              lease_ttl_s=self.lease_ttl_s, handoff_ttl_s=self.handoff_ttl_s,
+                              save_ttl_s=self.save_ttl_s)
+            index.on_settled = self._on_settled
+            self.index, self.layout, self.segment, self.fingerprint = index, layout, seg, msg.fingerprint
+            self._configured = m.Configured(seg.name, msg.layout, msg.fingerprint)
+            self.counters.inc("configured")
+            log.info("host_tier_configured", fingerprint=msg.fingerprint, segment=seg.name,
+                     bytes=layout.total_bytes, page_slots=layout.page_slots, bounded=layout.bounded_slots)
+            return self._configured
+
+    def _index(self) -> HostIndex:
+        if self.index is None:
+            raise HandlerError("not_configured", "host tier has no layout yet: send Configure first")
+        return self.index
+
+    # ---- queries and leases ----
+
+    @handles(m.Query)
+    def query(self, msg: m.Query, ctx: CallContext) -> m.TierMiss | m.TierLoading | m.TierHit:
+        with self._lock:
+            res = self._index().query(msg.req_id, msg.hashes)
+        if isinstance(res, Hit):
+            return m.TierHit(res.pages, res.lease_id, list(res.page_slots), dict(res.bounded_slots))
+        if isinstance(res, Loading):
+            return m.TierLoading(res.ready_pages, res.save_id)
+        return m.TierMiss()
+
+    @handles(m.ReleaseLease)
+    def release_lease(self, msg: m.ReleaseLease, ctx: CallContext) -> m.Done:
+        with self._lock:
+            self._index().release_lease(msg.lease_id, consume_handoff=msg.consume_handoff or None)
+        return m.Done()
+
+    @handles(m.RevokeHandoff)
+    def revoke_handoff(self, msg: m.RevokeHandoff, ctx: CallContext) -> m.Done:
+        with self._lock:
+            self._index().revoke_handoff(msg.req_id)
+        return m.Done()
+
+    # ---- saves ----
+
+    @handles(m.ReserveSave)
+    def reserve_save(self, msg: m.ReserveSave, ctx: CallContext) -> m.TierSaveTicket | m.TierShed:
+        try:
+            save_class = SaveClass(msg.save_class)
+        except ValueError:
+            raise HandlerError("bad_request", f"unknown save class {msg.save_class!r}") from None
+        with self._lock:
+            t = self._index().reserve_save(msg.req_id, msg.keys, msg.bounded_groups, save_class)
+        if not isinstance(t, SaveTicket):
+            return m.TierShed(t.reason)
+        return m.TierSaveTicket(t.save_id, t.req_id, t.save_class.value, list(t.keys), list(t.page_slots),
+                                dict(t.bounded_slots), t.expires)
+
+    @handles(m.CommitSave)
+    def commit_save(self, msg: m.CommitSave, ctx: CallContext) -> m.Done:
+        with self._lock:
+            if not self._index().commit_save(msg.save_id):
+                self.counters.inc("commit_unknown_save")  # reclaimed by its TTL before the copy landed
+        self._answer_settled()
+        return m.Done()
+
+    @handles(m.AbortSave)
+    def abort_save(self, msg: m.AbortSave, ctx: CallContext) -> m.Done:
+        with self._lock:
+            self._index().abort_save(msg.save_id)
+        self._answer_settled()
+        return m.Done()
+
+    # ---- waiters (deferred replies) ----
+
+    @handles(m.WaitSettled)
+    def wait_settled(self, msg: m.WaitSettled, ctx: CallContext) -> m.Waited | Deferred:
+        with self._lock:
+            if msg.save_id not in self._index().saves:
+                return m.Waited(True)
+            self._park(ctx, self._save_waiters, msg.save_id)
+        return ctx.defer()
+
+    @handles(m.WaitKey)
+    def wait_key(self, msg: m.WaitKey, ctx: CallContext) -> m.Waited | Deferred:
+        with self._lock:
+            if msg.key in self._index().entries:
+                return m.Waited(True)
+            self._park(ctx, self._key_waiters, msg.key)
+        return ctx.defer()
+
+    def _park(self, ctx: CallContext, table: dict[Any, list[_Waiter]], key: Any) -> None:
+        # Under self._lock: registration and the index check are atomic, so a settlement cannot slip between.
+        w = _Waiter(ctx, table, key)
+        table[key].append(w)
+        heapq.heappush(self._deadlines, (ctx.deadline_ns, next(self._seq), w))
+        self.counters.inc("waiters_parked")
+        self._wake.notify()
+
+    def _on_settled(self, ticket: SaveTicket, ok: bool) -> None:
+        self._settled.append((ticket, ok))  # called by the index under self._lock; replies go out after
+
+    def _answer_settled(self) -> None:
+        with self._lock:
+            settled, self._settled = self._settled, []
+            answers: list[tuple[_Waiter, bool]] = []
+            for ticket, ok in settled:
+                answers += [(w, ok) for w in self._save_waiters.pop(ticket.save_id, [])]
+                if ok:
+                    for k in ticket.keys:
+                        answers += [(w, True) for w in self._key_waiters.pop(k, [])]
+        for w, ok in answers:
+            if w.ctx.ok(m.Waited(ok)):
+                self.counters.inc("waiters_notified")
+
+    # ---- timer thread: waiter deadlines and the TTL reaper ----
+
+    def _timer_main(self) -> None:
+        next_reap = time.monotonic() + self.reap_interval_s
+        while True:
+            with self._lock:
+                expired = self._pop_expired_locked()
+                if time.monotonic() >= next_reap:
+                    self._reap_locked()
+                    next_reap = time.monotonic() + self.reap_interval_s
+                if not expired and not self._settled and not self._stopping:
+                    wait = next_reap - time.monotonic()
+                    if self._deadlines:
+                        wait = min(wait, (self._deadlines[0][0] - time.monotonic_ns()) / 1e9)
+                    self._wake.wait(max(wait, 0.0))  # woken by a new waiter or shutdown: never polls
+                    continue
+                if self._stopping:
+                    return
+            for w in expired:
+                if w.ctx.ok(m.Waited(False)):
+                    self.counters.inc("waiters_timed_out")
+            self._answer_settled()  # a reaped save settles its waiters too
+
+    def _pop_expired_locked(self) -> list[_Waiter]:
+        expired: list[_Waiter] = []
+        now_ns = time.monotonic_ns()
+        while self._deadlines and self._deadlines[0][0] <= now_ns:
+            w = heapq.heappop(self._deadlines)[2]
+            waiters = w.table.get(w.key)
+            if waiters is not None and w in waiters:  # else: already answered by a settlement
+                waiters.remove(w)
+                if not waiters:
+                    del w.table[w.key]
+                expired.append(w)
+        return expired
+
+    def _reap_locked(self) -> None:
+        if self.index is None:
+            return
+        out = self.index.reap()
+        for what, req_ids in out.items():
+            for rid in req_ids:
+                # Every TTL reclaim is a missed release elsewhere: log it with the request and count it.
+                log.warning("ttl_reclaimed", what=what, req_id=rid)
+                self.counters.inc(f"ttl_reclaimed_{what}")
+
+    # ---- observability and shutdown ----
+
+    @handles(m.TierStats)
+    def tier_stats(self, msg: m.TierStats, ctx: CallContext) -> m.TierCounters:
+        with self._lock:
+            stats = self._index().stats()
+            stats["waiters"] = sum(len(v) for v in self._save_waiters.values()) + \
+                sum(len(v) for v in self._key_waiters.values())
+        return m.TierCounters(stats)
+
+    @handles(m.Stats)
+    def stats(self, msg: m.Stats, ctx: CallContext) -> m.StatsReport:
+        report = super().stats(msg, ctx)
+        with self._lock:
+            if self.index is not None:
+                report.counters.update({f"index.{k}": v for k, v in self.index.stats().items()})
+        return report
+
+    def on_stop(self) -> None:
+        with self._lock:
+            self._stopping = True
+            waiters = [w for t in (self._save_waiters, self._key_waiters) for ws in t.values() for w in ws]
+            self._save_waiters.clear()
+            self._key_waiters.clear()
+            self._deadlines.clear()
+            self._wake.notify_all()
+        for w in waiters:
+            w.ctx.fail(HandlerError("shutting_down", "host tier is stopping"))
+        super().on_stop()

@@ -1,0 +1,202 @@
+"""`RemoteTier` and `RemoteCopier`: the store's `Tier` / `Copier` protocols over kvproc's RPC to the host-tier and
+copy-worker processes. Same semantics as `kvproc.tiers.local` (the reference), with the process boundary's rules:
+
+- Every awaited call is `asyncio.wrap_future(client.call(...))` with the caller's timeout as the call's deadline;
+  the reply is exactly one of Ok / Failed / Cancelled / PeerDead.
+- Fire-and-forget calls (release, commit, abort, revoke) never raise: a failure is counted and logged; a dead tier's
+  state dies with it, a live tier's TTL reaper is the backstop.
+- `RemoteTier.available` is False once the tier's peer is dead: the store then degrades to device-only caching.
+- A copy order is not cancellable: it is sent with a long deadline (`copy_timeout_s`, a hung-worker bound, not a
+  latency target) and no cancel token, and its future ends with the worker's real outcome or PeerDead (raised).
+- The copy worker is restartable: the copier re-sends `AttachArenas` to a new incarnation before its next order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from typing import Any, Callable, Sequence
+
+import structlog
+
+from kvproc.ipc import messages as m
+from kvproc.ipc.client import RpcClient
+from kvproc.ipc.errors import RemoteError
+from kvproc.tiers.host_index import Hit, Loading, Miss, QueryResult, SaveClass, SaveTicket, Shed
+from kvproc.tiers.layout import HostLayout
+from kvproc.workers.orders import LoadOrder, SaveOrder, SlotCopy
+
+log = structlog.get_logger("kvproc.remote")
+
+ClientSource = Callable[[], RpcClient]  # the current incarnation's client (e.g. lambda: cluster.client(role, rank))
+
+
+async def _call(client: RpcClient, msg: m.RequestBody, timeout: float) -> Any:
+    """Await one call; the payload, or the reply's typed exception (RemoteError, PeerDeadError, CallCancelled).
+
+    Not `asyncio.wrap_future`: cancelling its wrapper (the store cancels a wait at its deadline) cancels the client's
+    concurrent future, and the client's I/O thread would then fail on `set_result` of a cancelled future. Here a
+    cancelled awaiter just stops listening; the call still ends in its one terminal reply, which is dropped.
+    """
+    cfut = client.call(msg, timeout=max(timeout, 0.001))
+    loop = asyncio.get_running_loop()
+    afut: asyncio.Future[Any] = loop.create_future()
+
+    def settle(f: Any) -> None:
+        if not afut.done():
+            afut.set_result(f.result())
+
+    def relay(f: Any) -> None:
+        try:
+            loop.call_soon_threadsafe(settle, f)
+        except RuntimeError:  # the store's loop is closed: nobody is waiting any more
+            pass
+
+    cfut.add_done_callback(relay)
+    reply = await afut
+    return reply.unwrap()
+
+
+class RemoteTier:
+    def __init__(self, client: ClientSource, layout: HostLayout, *, oneway_timeout_s: float = 5.0) -> None:
+        self._client = client
+        self.layout = layout
+        self.oneway_timeout_s = oneway_timeout_s
+        self.counters: Counter[str] = Counter()
+        self._closed = False
+
+    @property
+    def available(self) -> bool:
+        return not self._closed and self._client().alive
+
+    # ---- awaited calls ----
+
+    async def query(self, req_id: str, hashes: Sequence[bytes], *, timeout: float) -> QueryResult:
+        res = await _call(self._client(), m.Query(req_id, list(hashes)), timeout)
+        if isinstance(res, m.TierHit):
+            return Hit(res.pages, res.lease_id, tuple(res.page_slots), dict(res.bounded_slots))
+        if isinstance(res, m.TierLoading):
+            return Loading(res.ready_pages, res.save_id)
+        return Miss()
+
+    async def wait_settled(self, save_id: int, *, timeout: float) -> bool:
+        return await self._wait(m.WaitSettled(save_id), timeout)
+
+    async def wait_key(self, key: bytes, *, timeout: float) -> bool:
+        return await self._wait(m.WaitKey(key), timeout)
+
+    async def _wait(self, msg: m.RequestBody, timeout: float) -> bool:
+        # The tier answers at the settlement, or Waited(False) at the deadline. Any failure is False too (the store
+        # re-queries, which surfaces a dead tier as a degrade); an unexpected error backs off briefly first so a
+        # misbehaving tier cannot turn the resolver's loop into a busy one.
+        t0 = time.monotonic()
+        try:
+            return bool((await _call(self._client(), msg, timeout)).ok)
+        except RemoteError as e:
+            if e.code != "deadline_exceeded":
+                self.counters[f"wait_failed_{e.code}"] += 1
+                await asyncio.sleep(max(0.0, min(0.05, timeout - (time.monotonic() - t0))))
+            return False
+        except Exception:  # noqa: BLE001 - PeerDead / cancelled: the next query says what happened
+            return False
+
+    async def reserve_save(self, req_id: str, keys: Sequence[bytes], bounded_groups: Sequence[str],
+                           save_class: SaveClass, *, timeout: float) -> SaveTicket | Shed:
+        msg = m.ReserveSave(req_id, list(keys), list(bounded_groups), save_class.value)
+        res = await _call(self._client(), msg, timeout)
+        if isinstance(res, m.TierShed):
+            return Shed(res.reason)
+        return SaveTicket(res.save_id, res.req_id, SaveClass(res.save_class), tuple(res.keys), tuple(res.page_slots),
+                          dict(res.bounded_slots), res.expires)
+
+    async def stats(self) -> dict[str, int]:
+        res = await _call(self._client(), m.TierStats(), self.oneway_timeout_s)
+        return dict(res.counters)
+
+    # ---- fire-and-forget ----
+
+    def release_lease(self, lease_id: int, consume_handoff: str | None = None) -> None:
+        self._oneway(m.ReleaseLease(lease_id, consume_handoff or ""))
+
+    def commit_save(self, save_id: int) -> None:
+        self._oneway(m.CommitSave(save_id))
+
+    def abort_save(self, save_id: int) -> None:
+        self._oneway(m.AbortSave(save_id))
+
+    def revoke_handoff(self, producer_req_id: str) -> None:
+        self._oneway(m.RevokeHandoff(producer_req_id))
+
+    def _oneway(self, msg: m.RequestBody) -> None:
+        what = type(msg).__name__
+        try:
+            fut = self._client().call(msg, timeout=self.oneway_timeout_s)
+        except Exception as e:  # noqa: BLE001 - never raise from a fire-and-forget call
+            self.counters[f"oneway_failed_{what}"] += 1
+            log.warning("tier_oneway_failed", request=what, error=repr(e))
+            return
+
+        def done(f: Any) -> None:
+            reply = f.result()
+            if not isinstance(reply, m.Ok):
+                self.counters[f"oneway_failed_{what}"] += 1
+                log.warning("tier_oneway_failed", request=what, reply=type(reply).__name__,
+                            detail=getattr(reply, "message", getattr(reply, "reason", "")))
+
+        fut.add_done_callback(done)
+
+    def close(self) -> None:
+        self._closed = True
+
+
+class RemoteCopier:
+    """One rank's copy worker. `attach` is the worker's `AttachArenas`; it is (re)sent to each new incarnation."""
+
+    def __init__(self, client: ClientSource, attach: m.AttachArenas, *, copy_timeout_s: float = 120.0,
+                 attach_timeout_s: float = 10.0) -> None:
+        self._client = client
+        self.attach_msg = attach
+        self.copy_timeout_s = copy_timeout_s
+        self.attach_timeout_s = attach_timeout_s
+        self._attached_to: RpcClient | None = None
+        self._attach_lock: asyncio.Lock | None = None  # created on the store's loop at first use
+        self.attaches = 0
+
+    def attach_now(self, timeout: float) -> None:
+        """Blocking first attach (before the store runs), so a bad arena or repack path fails at build time."""
+        client = self._client()
+        client.request(self.attach_msg, timeout=timeout)
+        self._attached_to = client
+        self.attaches += 1
+
+    async def ensure_attached(self) -> RpcClient:
+        client = self._client()
+        if client is self._attached_to:
+            return client
+        if self._attach_lock is None:
+            self._attach_lock = asyncio.Lock()
+        async with self._attach_lock:
+            client = self._client()
+            if client is not self._attached_to:
+                await _call(client, self.attach_msg, self.attach_timeout_s)  # raises PeerDeadError on a dead one
+                self._attached_to = client
+                self.attaches += 1
+        return client
+
+    async def _order(self, msg: m.RequestBody) -> int:
+        client = await self.ensure_attached()
+        res = await _call(client, msg, self.copy_timeout_s)
+        return int(res.nbytes)
+
+    async def save(self, order: SaveOrder) -> int:
+        return await self._order(m.Save(order))
+
+    async def load(self, order: LoadOrder) -> int:
+        return await self._order(m.Load(order))
+
+    async def device_copy(self, copies: Sequence[SlotCopy]) -> int:
+        return await self._order(m.DeviceCopy(list(copies)))
+
+    def close(self) -> None:
+        self._attached_to = None

@@ -1,0 +1,193 @@
+"""`CopyWorkerRole`: one rank's copy worker process. It maps the scheduler's arena segments and the host tier's
+segment, and executes copy orders over them with `CopyExecutor` (coalesced slice copies, two threads for big batches).
+
+Protocol: `AttachArenas` first (the scheduler's `RemoteCopier` sends it, and sends it again to a restarted worker
+before its next order); then `Save` / `Load` / `DeviceCopy`, each answered `Copied(nbytes)` or a typed `Failed`.
+A copy that started is not cancellable: the handler never checks the deadline or the token mid-copy, so the reply is
+always the real outcome (the caller keeps the destination reserved until it arrives).
+
+Threads: handlers run on the server's pool; the current attachment (executor + mapped segments) is swapped under
+`self._lock`, and an order takes a reference to it first, so a re-attach never unmaps memory a copy is using.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import structlog
+import torch
+
+from kvproc.contract import GroupKind, GroupSpec, KvArena, KvSpec, validate_layout
+from kvproc.ipc import messages as m
+from kvproc.ipc.context import CallContext
+from kvproc.ipc.errors import HandlerError
+from kvproc.ipc.segment import Segment, SegmentBusyError, SegmentError
+from kvproc.ipc.service import handles
+from kvproc.runtime.role import Role, RoleEnv
+from kvproc.tiers.host import layout_from_wire
+from kvproc.workers.copy_exec import CopyError, CopyExecutor
+
+log = structlog.get_logger("kvproc.copy_worker")
+
+
+def import_callable(path: str) -> Callable[..., Any]:
+    """"module:attr" (attr may be dotted, e.g. "mod:Class.method" for a staticmethod) -> the callable."""
+    module, sep, attr = path.partition(":")
+    if not sep or not module or not attr:
+        raise ValueError(f"repack path {path!r} must look like 'package.module:function'")
+    obj: Any = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise TypeError(f"repack path {path!r} names a {type(obj).__name__}, not a callable")
+    return obj  # type: ignore[no-any-return]
+
+
+def device_arena_view(seg: Segment, ref: m.ArenaRef) -> torch.Tensor:
+    """The one place an arena reference becomes memory this process can copy from and to.
+
+    NEEDS-GPU-CHECK: arenas here are CPU shared-memory segments. A GPU build would receive CUDA IPC handles instead
+    (`cudaIpcGetMemHandle` in the scheduler, `cudaIpcOpenMemHandle` / torch's CUDA storage rebuild here) and copy with
+    `dst.copy_(src, non_blocking=True)` on a dedicated stream after the step's event; host segments would be pinned
+    with `kvproc.ipc.pinning.register`. None of that is written or tested yet.
+    """
+    nbytes = (ref.num_blocks - 1) * ref.block_stride + ref.bytes_per_block
+    if ref.offset < 0 or ref.offset + nbytes > seg.nbytes:
+        raise HandlerError("bad_request", f"arena {ref.name}: [{ref.offset}, +{nbytes}) is outside {seg.name}"
+                                          f" ({seg.nbytes} B)")
+    return seg.torch(torch.uint8, ref.offset, nbytes)
+
+
+@dataclass
+class _Attachment:
+    executor: CopyExecutor
+    segments: dict[str, Segment]
+    arenas: int
+    host_bytes: int
+
+
+class CopyWorkerRole(Role):
+    name = "copy_worker"
+    needs_torch = True  # preloaded in the forkserver: a restart forks in milliseconds instead of importing torch
+    restartable = True
+
+    def __init__(self, env: RoleEnv) -> None:
+        super().__init__(env)
+        if nbytes := int(env.options.get("segment_bytes", 0)):
+            self.create_segment(nbytes)  # scratch segment (runtime tests of segment clean-up)
+        self.threads = int(env.options.get("copy_threads", 2))
+        self._lock = threading.Lock()
+        self._current: _Attachment | None = None
+        self._retired: list[Segment] = []  # mappings of earlier attachments still viewed by a running copy
+
+    # ---- attach ----
+
+    @handles(m.AttachArenas)
+    def attach_arenas(self, msg: m.AttachArenas, ctx: CallContext) -> m.Attached:
+        with self._lock:
+            old = self._current
+            reuse = dict(old.segments) if old is not None else {}
+        segments: dict[str, Segment] = {}
+
+        def seg(name: str) -> Segment:
+            if name not in segments:
+                try:
+                    segments[name] = reuse.pop(name) if name in reuse else Segment.attach(name)
+                except SegmentError as e:
+                    raise HandlerError("no_segment", str(e)) from None
+            return segments[name]
+
+        kinds: dict[str, GroupKind] = {}
+        arenas: list[tuple[str, KvArena]] = []
+        for ref in msg.arenas:
+            kinds[ref.group] = GroupKind(ref.kind)
+            arenas.append((ref.group, KvArena(ref.name, device_arena_view(seg(ref.segment), ref), ref.num_blocks,
+                                              ref.bytes_per_block, ref.block_stride,
+                                              ref.stored_bytes_per_block or None)))
+        spec = KvSpec(msg.page_tokens, tuple(GroupSpec(g, k) for g, k in kinds.items()))
+        layout = validate_layout(spec, arenas)
+        host: np.ndarray | None = None
+        host_layout = None
+        if msg.host_segment:
+            if msg.host_layout is None:
+                raise HandlerError("bad_request", "AttachArenas names a host segment but no host layout")
+            host_layout = layout_from_wire(msg.host_layout)
+            hseg = seg(msg.host_segment)
+            if hseg.nbytes < host_layout.total_bytes:
+                raise HandlerError("bad_request", f"host segment {hseg.name} has {hseg.nbytes} B, layout needs"
+                                                  f" {host_layout.total_bytes} B")
+            host = hseg.numpy(np.uint8, 0, host_layout.total_bytes)
+        try:
+            repack = import_callable(msg.repack) if msg.repack else None
+        except (ImportError, AttributeError, ValueError, TypeError) as e:
+            raise HandlerError("bad_repack", f"cannot import repack {msg.repack!r}: {e}") from None
+        executor = CopyExecutor(layout, host, host_layout, repack, threads=self.threads)
+        del host, arenas, layout  # only the executor holds views now (so retired segments can unmap)
+        new = _Attachment(executor, segments, len(msg.arenas), host_layout.total_bytes if host_layout else 0)
+        with self._lock:
+            self._current = new
+            self._retired.extend(reuse.values())  # segments of the old attachment nobody names any more
+            retired, self._retired = self._retired, []
+        if old is not None:
+            old.executor.close()
+            del old
+        self._retired = self._close_unused(retired)
+        self.counters.inc("attaches")
+        log.info("arenas_attached", arenas=new.arenas, host_bytes=new.host_bytes, repack=msg.repack or None)
+        return m.Attached(new.arenas, new.host_bytes)
+
+    @staticmethod
+    def _close_unused(segments: list[Segment]) -> list[Segment]:
+        busy = []
+        for s in segments:
+            try:
+                s.close()
+            except SegmentBusyError:  # a copy of the old attachment is still running: unmap on a later attach
+                busy.append(s)
+        return busy
+
+    def _attachment(self) -> _Attachment:
+        with self._lock:
+            cur = self._current
+        if cur is None:
+            raise HandlerError("not_attached", "copy worker has no arenas: send AttachArenas first")
+        return cur
+
+    # ---- orders ----
+
+    def _execute(self, kind: str, fn: Callable[[CopyExecutor], int]) -> m.Copied:
+        att = self._attachment()
+        try:
+            n = fn(att.executor)  # not cancellable: no ctx.check() from here to the reply
+        except CopyError as e:
+            self.counters.inc("copy_errors")
+            raise HandlerError("copy_error", str(e)) from None
+        self.counters.inc(f"orders_{kind}")
+        self.counters.inc(f"bytes_{kind}", n)
+        return m.Copied(n)
+
+    @handles(m.Save)
+    def save(self, msg: m.Save, ctx: CallContext) -> m.Copied:
+        return self._execute("save", lambda ex: ex.save(msg.order))
+
+    @handles(m.Load)
+    def load(self, msg: m.Load, ctx: CallContext) -> m.Copied:
+        return self._execute("load", lambda ex: ex.load(msg.order))
+
+    @handles(m.DeviceCopy)
+    def device_copy(self, msg: m.DeviceCopy, ctx: CallContext) -> m.Copied:
+        return self._execute("device", lambda ex: ex.device_copy(msg.copies))
+
+    def on_stop(self) -> None:
+        with self._lock:
+            cur, self._current = self._current, None
+        if cur is not None:
+            cur.executor.close()
+            segs = list(cur.segments.values())
+            del cur
+            self._close_unused(segs)  # attached, not owned: never unlinked here
+        super().on_stop()
