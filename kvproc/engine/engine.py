@@ -1,0 +1,285 @@
+"""The reference engine: a continuous-batching loop over kvproc (reference design section 5).
+
+A request moves linearly and is always in exactly one container ("the container is the state"):
+    submit -> `_resolving` (a resolve runs on the store's loop) -> `_inbox` (ready requests only, FIFO)
+           -> `_running` (admitted: prefill chunks, then decode steps) -> retired (store.retire) / rejected.
+A request waiting for a restore sits in `_resolving`, so it never blocks the head of the inbox.
+
+Per step: collect finished resolves, admit from the inbox head (full-lifetime, honour-or-reject, credited by the
+prefix; restore copies executed and fenced before the first step), build one batch of decode tokens plus prefill
+chunks under a token budget, run the model, apply the sampled tokens, then at checkpoint boundaries seal bounded state
+by copy (fenced here, before the next step writes the live slots) and hand sealed pages to the store. Greedy decoding,
+so two runs of the same requests are comparable token for token.
+
+Everything about KV (blocks, slots, checkpoints, cursors, saves) is kvproc's; the engine only calls it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from collections import Counter, deque
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import torch
+
+from kvproc.bounded import CopyOrder
+from kvproc.engine.checkpoints import CheckpointPolicy
+from kvproc.engine.models import SeqBatchItem, TinyModel
+from kvproc.engine.request import Request
+from kvproc.hashing import DEFAULT_SCOPE, HashScope
+from kvproc.request_kv import RequestKv
+from kvproc.store import KvStore
+from kvproc.store_types import KvPrefix, SealCursor
+
+
+@dataclass(eq=False)  # identity: entries are removed from the inbox by identity
+class _Ready:
+    """An inbox entry: resolved (or not resolving at all), waiting for admission."""
+
+    req: Request
+    prefix: KvPrefix | None
+    kv: RequestKv | None = None  # built on the first admission attempt, reused while the head waits
+
+
+@dataclass(eq=False)
+class _Active:
+    req: Request
+    kv: RequestKv
+    cursor: SealCursor | None  # None with prefix caching off (nothing is ever saved)
+    turn_end_pages: int
+
+
+class Engine:
+    def __init__(self, model: TinyModel, store: KvStore, *, rank: int = 0, max_batch: int = 16,
+                 chunk_tokens: int = 512, checkpoint_every_pages: int = 8, prefix_cache: bool = True,
+                 scope: HashScope = DEFAULT_SCOPE, clock: Callable[[], float] = time.perf_counter) -> None:
+        if max_batch <= 0 or chunk_tokens < max_batch:
+            raise ValueError(f"need max_batch > 0 and chunk_tokens >= max_batch, got {max_batch}, {chunk_tokens}")
+        self.model, self.store, self.rank = model, store, rank
+        self.pool = store.pools[rank]
+        self.max_batch, self.chunk_tokens = max_batch, chunk_tokens
+        self.prefix_cache = prefix_cache and store.spec.prefix_caching
+        self.scope, self.clock = scope, clock
+        self.page_tokens = self.pool.page_tokens
+        self.policy = CheckpointPolicy(self.page_tokens, checkpoint_every_pages)
+        self._bounded = bool(store.spec.restorable_bounded_groups) and self.prefix_cache
+        self._live_groups = [g.name for g in store.spec.bounded_groups]
+        self._resolving: dict[str, tuple[Request, concurrent.futures.Future[KvPrefix]]] = {}
+        self._inbox: deque[_Ready] = deque()
+        self._running: dict[str, _Active] = {}
+        self.counters: Counter[str] = Counter()
+
+    # -- intake ---------------------------------------------------------------------------------------------------
+    def submit(self, req: Request) -> None:
+        """Hand a request to the engine; its TTFT clock starts now."""
+        if req.req_id in self._resolving or req.req_id in self._running:
+            raise ValueError(f"request {req.req_id!r} is already in the engine")
+        req.submitted_at = self.clock()
+        if self.prefix_cache:
+            fut = self.store.submit_resolve(self.rank, req.req_id, req.prompt, self.scope)
+            self._resolving[req.req_id] = (req, fut)
+        else:
+            self._inbox.append(_Ready(req, None))
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._resolving or self._inbox or self._running)
+
+    def run(self, requests: Iterable[Request]) -> list[Request]:
+        """Submit every request now and step until all are done (tests and simple drivers)."""
+        reqs = list(requests)
+        for r in reqs:
+            self.submit(r)
+        while self.has_work:
+            self.step()
+        return reqs
+
+    # -- the loop -------------------------------------------------------------------------------------------------
+    def step(self) -> list[Request]:
+        """One iteration; returns the requests that finished (completed or rejected) in it."""
+        self._collect_resolved()
+        done = self._admit()
+        plan = self._plan()
+        if not plan:
+            self._idle_wait()
+            return done
+        items = []
+        for a, n in plan:
+            c = a.kv.num_computed
+            blocks = a.kv.schedule(n)
+            toks = torch.from_numpy(a.kv.token_array()[c : c + n].copy())
+            items.append(SeqBatchItem(toks, c, blocks, a.kv.live_slots))
+        logits = self.model.forward(items)
+        self.counters["steps"] += 1
+        return done + self._after_step(plan, logits)
+
+    def _collect_resolved(self) -> None:
+        for req_id in [r for r, (_, f) in self._resolving.items() if f.done()]:
+            req, fut = self._resolving.pop(req_id)
+            try:
+                prefix: KvPrefix | None = fut.result()
+            except Exception:  # noqa: BLE001 - resolve never raises for a degrade; anything else: compute it all
+                self.counters["resolve_errors"] += 1
+                prefix = None
+            self._inbox.append(_Ready(req, prefix))
+
+    def _admit(self) -> list[Request]:
+        rejected: list[Request] = []
+        while self._inbox and len(self._running) < self.max_batch:
+            head = self._inbox[0]
+            req = head.req
+            if head.kv is None:
+                head.kv = RequestKv(self.pool, req.req_id, req.prompt, req.max_output_tokens, scope=self.scope)
+            credit = head.prefix.hold.num_blocks if head.prefix is not None else 0
+            if not head.kv.try_admit(credit):
+                self.counters["admission_waits"] += 1
+                if self._unblock_admission():
+                    continue
+                if self._never_fits():
+                    self._inbox.popleft()
+                    self._drop(head)
+                    req.failed = "admission: the lifetime does not fit the device pool"
+                    req.finished_at = self.clock()
+                    self.counters["rejected"] += 1
+                    rejected.append(req)
+                    continue
+                break
+            self._inbox.popleft()
+            self._start(head)
+        return rejected
+
+    def _start(self, r: _Ready) -> None:
+        kv, req = r.kv, r.req
+        assert kv is not None
+        orders: list[CopyOrder] = []
+        if r.prefix is not None:
+            orders = kv.match_and_add_prefix(r.prefix.hold)
+        # Zeros are every model's initial bounded state; a restore then overwrites the slot with the checkpoint.
+        for group, slot in kv.live_slots.items():
+            self.model.reset_slot(group, slot)
+        self.store.execute_copies(self.rank, orders)  # fenced before the first step writes the slots
+        hit = kv.num_computed
+        if r.prefix is not None:
+            req.device_hit_tokens = min(hit, r.prefix.device_tokens)
+            req.host_hit_tokens = hit - req.device_hit_tokens
+        cursor = SealCursor.after_prefix(hit // self.page_tokens) if self.prefix_cache else None
+        turn_end = self.policy.turn_end_pages(req.prompt_tokens, req.max_output_tokens)
+        self._running[req.req_id] = _Active(req, kv, cursor, turn_end)
+        self.counters["admitted"] += 1
+
+    def _unblock_admission(self) -> bool:
+        """With nothing running, holds of requests queued behind the head can starve it (they pin blocks no one
+        may evict). Release them and resolve those requests again later; True if that freed anything."""
+        if self._running:
+            return False
+        behind = [r for r in list(self._inbox)[1:] if r.prefix is not None and r.prefix.hold.num_blocks]
+        for r in behind:
+            self._inbox.remove(r)
+            self._drop(r)
+            self._resolving[r.req.req_id] = (r.req, self.store.submit_resolve(self.rank, r.req.req_id, r.req.prompt,
+                                                                              self.scope))
+            self.counters["holds_released_for_admission"] += 1
+        return bool(behind)
+
+    def _never_fits(self) -> bool:
+        """The head can never be admitted: nothing running, nothing resolving (no hold or reservation will be
+        released), no save pinning blocks, and still no room."""
+        return not self._running and not self._resolving and self.store.pinned_blocks(self.rank) == 0
+
+    @staticmethod
+    def _drop(r: _Ready) -> None:
+        if r.prefix is not None:
+            r.prefix.hold.release()
+        if r.kv is not None:
+            r.kv.release()
+
+    def _plan(self) -> list[tuple[_Active, int]]:
+        """Decode tokens first (one per decoding request), then prefill chunks in admission order under the token
+        budget."""
+        budget = self.chunk_tokens
+        plan: list[tuple[_Active, int]] = []
+        prefills: list[_Active] = []
+        for a in self._running.values():
+            if a.kv.num_computed == a.kv.num_tokens - 1:
+                plan.append((a, 1))
+                budget -= 1
+            else:
+                prefills.append(a)
+        for a in prefills:
+            if budget <= 0:
+                break
+            n = self.policy.prefill_chunk(a.kv.num_computed, a.req.prompt_tokens, budget, a.turn_end_pages,
+                                          self._bounded)
+            plan.append((a, n))
+            budget -= n
+        return plan
+
+    def _after_step(self, plan: list[tuple[_Active, int]], logits: torch.Tensor) -> list[Request]:
+        now = self.clock()
+        sampled = logits.argmax(dim=-1).tolist()
+        copy_orders: list[CopyOrder] = []
+        to_seal: list[_Active] = []
+        finished: list[_Active] = []
+        for i, (a, n) in enumerate(plan):
+            kv, req = a.kv, a.req
+            before = kv.num_computed
+            emits = before + n == kv.num_tokens
+            if emits:
+                tok = int(sampled[i])
+                kv.apply([tok])
+                req.output.append(tok)
+                if req.keep_logits:
+                    req.logits.append(logits[i].clone())
+                if req.first_token_at is None:
+                    req.first_token_at = now
+                    self.counters["prefill_tokens"] += n
+                else:
+                    self.counters["decode_tokens"] += 1
+                if len(req.output) >= req.max_output_tokens or (req.stop_on_eos and tok == self.model.eos_token_id):
+                    finished.append(a)
+            else:
+                kv.apply()
+                self.counters["prefill_tokens"] += n
+            if not self.prefix_cache:
+                continue
+            after = kv.num_computed
+            if self._bounded:
+                if after % self.page_tokens == 0 and self.policy.due(after // self.page_tokens, a.turn_end_pages):
+                    copy_orders.extend(kv.seal_by_copy())
+                    to_seal.append(a)
+            elif self.policy.crossed(before, after, a.turn_end_pages):
+                to_seal.append(a)
+        to_seal = [a for a in to_seal if a not in finished]  # retire does their final seal
+        # Bounded checkpoints: copied and fenced now, before the next step rewrites the live slots; the pages up to
+        # them are then handed to the store (which saves up to the deepest complete checkpoint).
+        if copy_orders:
+            self.store.execute_copies(self.rank, copy_orders)
+            self.counters["checkpoint_copies"] += len(copy_orders)
+        for a in to_seal:
+            assert a.cursor is not None
+            self.store.seal(self.rank, a.kv, a.cursor)
+        done = []
+        for a in finished:
+            del self._running[a.req.req_id]
+            if a.cursor is not None:
+                self.store.retire(self.rank, a.kv, a.cursor)
+            else:
+                a.kv.release()
+            a.req.finished_at = now
+            done.append(a.req)
+        return done
+
+    def _idle_wait(self) -> None:
+        """Nothing to compute: wait for a resolve to land or a save to unpin blocks, instead of spinning."""
+        futs = [f for _, f in self._resolving.values()]
+        if futs:
+            concurrent.futures.wait(futs, timeout=0.05, return_when=concurrent.futures.FIRST_COMPLETED)
+        elif self._inbox:
+            self.store.flush_saves(self.rank, timeout=1.0)
+
+    # -- observe --------------------------------------------------------------------------------------------------
+    def stats(self) -> dict[str, int]:
+        return dict(self.counters) | {"resolving": len(self._resolving), "inbox": len(self._inbox),
+                                      "running": len(self._running)}

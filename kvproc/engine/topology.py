@@ -1,0 +1,97 @@
+"""The one place that builds a model and its store for the engine, per run mode.
+
+Modes:
+- `no_cache`: a store with no tier; the engine runs with prefix caching off (never resolves, never seals).
+- `device_only`: prefix caching from the device pool only (no tier).
+- `kvproc`: the device pool plus the host tier and its copy path.
+
+Switching the `kvproc`/`device_only` runs to the multi-process topology (`kvproc.cluster`) is a change here only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Callable
+
+from kvproc.contract import GroupKind, validate_layout
+from kvproc.engine.models import TinyModel, build_model
+from kvproc.store import KvStore
+from kvproc.store_types import StoreConfig
+
+MODES = ("no_cache", "device_only", "kvproc")
+
+
+@dataclass(frozen=True)
+class PoolSizes:
+    device_blocks: int  # paged blocks on the device (the pool the working set must not fit in)
+    live_slots: int  # one per running request (= max batch)
+    staging_slots: int  # bounded checkpoints kept on the device
+    host_bytes: int  # host tier budget (kvproc mode only)
+    page_tokens: int = 16
+
+
+@dataclass
+class Topology:
+    mode: str
+    model: TinyModel
+    store: KvStore
+    prefix_cache: bool
+    _closers: list[Callable[[], None]] = field(default_factory=list)
+
+    def close(self) -> None:
+        for c in reversed(self._closers):
+            with contextlib.suppress(Exception):
+                c()
+        self._closers.clear()
+
+    def __enter__(self) -> "Topology":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def make_store(mode: str, model_name: str, sizes: PoolSizes, *, seed: int = 0,
+               config: StoreConfig = StoreConfig()) -> Topology:
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; choose one of {MODES}")
+    model = build_model(model_name, num_blocks=sizes.device_blocks, num_slots=sizes.live_slots + sizes.staging_slots,
+                        page_tokens=sizes.page_tokens, seed=seed)
+    if mode == "kvproc":
+        from kvproc.build import build_local_store
+
+        store = build_local_store(model, live_slots=sizes.live_slots, host_bytes=sizes.host_bytes, config=config)
+    else:
+        store = _device_store(model, sizes.live_slots, config)
+    topo = Topology(mode, model, store, prefix_cache=mode != "no_cache")
+    topo._closers.append(store.close)
+    for c in store.copiers:
+        topo._closers.append(c.close)
+    if store.tier is not None:
+        topo._closers.append(store.tier.close)
+    return topo
+
+
+def _device_store(model: TinyModel, live_slots: int, config: StoreConfig) -> KvStore:
+    layout = validate_layout(model.spec(), model.arenas(0))
+    if not any(g.kind is GroupKind.BOUNDED for g in layout.spec.groups):
+        return KvStore([layout], live_slots=live_slots, config=config)
+    # KVPROC-GAP: `build_local_store(model, host_bytes=None)` builds a store without a copier, so
+    # `KvStore.execute_copies` (bounded SEAL/RESTORE slot copies, needed with or without a tier) fails with an
+    # IndexError on `self.copiers[rank]`. A device-only copier (no host region) is all it takes.
+    from kvproc.tiers.local import LocalCopier
+    from kvproc.workers.copy_exec import CopyExecutor
+
+    return KvStore([layout], live_slots=live_slots, copiers=[LocalCopier(CopyExecutor(layout))], config=config)
+
+
+def per_page_bytes(model: TinyModel) -> tuple[int, int]:
+    """(stored bytes of one page of every paged group, stored bytes of one slot of every bounded group)."""
+    page = slot = 0
+    for g, a in model.arenas(0):
+        if model.spec().group(g).kind is GroupKind.PAGED:
+            page += a.stored_bytes
+        else:
+            slot += a.stored_bytes
+    return page, slot
