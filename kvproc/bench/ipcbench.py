@@ -1,0 +1,274 @@
+"""`kvproc bench ipc`: the control path's cost in round trips. A host-hit `resolve_prefix` and a seal/retire of 1, 16
+and 256 blocks through a real `ClusterStore` (host tier and copy worker processes), against a raw pyzmq DEALER/ROUTER
+round trip measured in the same run.
+
+- raw: 64 B DEALER send + recv against a ROUTER echo loop in its own process (the transport's floor);
+- resolve: `resolve_prefix_sync` of a prompt whose pages are on the host tier only (the device pool is churned
+  before each one, outside the timing): hashing, probe, Query, reserve, Load order, commit, lease release;
+- copy: the very Load orders the store sent, replayed in this process by a `CopyExecutor` over the same segments
+  (the bytes' cost, including ids that do not coalesce);
+- overhead = (resolve - copy) / raw: the control path in raw round trips. Target: <= 3.
+- seal: `retire` of a request with fresh pages until its save has landed (`flush_saves`): ReserveSave, Save order,
+  commit; overhead likewise against the in-process Save copy.
+- resolves/s: 16 threads resolving distinct host-resident prompts of 16 blocks concurrently.
+Medians. A page is 2 arenas x 2 KiB (4 KiB per block, 16 tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import zmq
+
+from kvproc.cluster import ClusterStore
+from kvproc.contract import GroupKind, GroupSpec, KvArena, KvSpec, RepackDirection
+from kvproc.ipc.segment import Segment
+from kvproc.request_kv import RequestKv
+from kvproc.store import KvStore
+from kvproc.store_types import SealCursor, StoreConfig
+from kvproc.workers.copy_exec import CopyExecutor
+
+PAGE = 16
+ARENA_BLOCK = 2048
+CONCURRENCY = 16
+
+RAW_ECHO = """
+import sys, zmq
+s = zmq.Context.instance().socket(zmq.ROUTER)
+s.setsockopt(zmq.LINGER, 0)
+s.bind(sys.argv[1])
+print("ready", flush=True)
+while True:
+    frames = s.recv_multipart()
+    if frames[1] == b"stop":
+        break
+    s.send_multipart(frames)
+"""
+
+
+class _Model:
+    """One paged group of two arenas (like two layers), allocated in the ClusterStore's shared memory."""
+
+    def __init__(self, allocator: Callable[[str, int], torch.Tensor], num_blocks: int) -> None:
+        self._spec = KvSpec(PAGE, (GroupSpec("kv", GroupKind.PAGED),))
+        self._arenas = [("kv", KvArena(f"kv{i}", allocator(f"kv{i}", num_blocks * ARENA_BLOCK), num_blocks,
+                                       ARENA_BLOCK, ARENA_BLOCK)) for i in range(2)]
+
+    def spec(self) -> KvSpec:
+        return self._spec
+
+    def arenas(self, rank: int) -> list[tuple[str, KvArena]]:
+        return list(self._arenas)
+
+    def repack(self, group: str, direction: RepackDirection, src: torch.Tensor, dst: torch.Tensor) -> None:
+        dst.copy_(src)
+
+
+def _median_us(xs: list[float]) -> float:
+    return statistics.median(xs) * 1e6
+
+
+def _raw_rtt(n: int) -> tuple[float, Callable[[], None]]:
+    tmp = tempfile.mkdtemp(prefix="kvb-", dir="/tmp")
+    ep = f"ipc://{tmp}/raw.sock"
+    server = subprocess.Popen([sys.executable, "-c", RAW_ECHO, ep], stdout=subprocess.PIPE, text=True)
+    assert server.stdout is not None and server.stdout.readline().strip() == "ready"
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(ep)
+    data = b"x" * 64
+
+    def once() -> float:
+        t = time.perf_counter()
+        sock.send(data)
+        sock.recv()
+        return time.perf_counter() - t
+
+    for _ in range(max(50, n // 10)):
+        once()
+    median = _median_us([once() for _ in range(n)])
+
+    def stop() -> None:
+        sock.send(b"stop")
+        sock.close()
+        server.wait(5)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    return median, stop
+
+
+class _Bench:
+    def __init__(self, cs: ClusterStore, store: KvStore, model: _Model) -> None:
+        self.cs, self.store, self.model = cs, store, model
+        self.pool = store.pools[0]
+        self._next = 0
+        assert cs.host_layout is not None
+        self._host_seg = Segment.attach(cs.host_segment)
+        self.local = CopyExecutor(store.layouts[0], self._host_seg.numpy(), cs.host_layout, threads=2)
+        # The orders the store really sent (their ids may not coalesce): the copy baseline replays exactly these.
+        self.orders: dict[str, list[Any]] = {"load": [], "save": []}
+        copier: Any = store.copiers[0]
+        for kind in ("load", "save"):
+            setattr(copier, kind, self._recording(getattr(copier, kind), self.orders[kind]))
+
+    @staticmethod
+    def _recording(fn: Callable[[Any], Any], into: list[Any]) -> Callable[[Any], Any]:
+        async def run(order: Any) -> Any:
+            into.append(order)
+            return await fn(order)
+
+        return run
+
+    def close(self) -> None:
+        self.local.close()
+        del self.local
+        try:
+            self._host_seg.close()
+        except Exception:  # noqa: BLE001 - a lingering view: unmapped at exit
+            pass
+
+    def prompt(self, blocks: int) -> list[int]:
+        self._next += 1
+        base = self._next * 1_000_000
+        return list(range(base, base + blocks * PAGE + 1))
+
+    def churn(self) -> None:
+        with self.pool.lock:
+            ids = self.pool.paged.allocate(self.pool.paged.available)
+            self.pool.paged.release(ids)
+
+    def seal(self, tokens: list[int]) -> float:
+        """Compute a request's pages (no model: the bytes are whatever is there) and retire it; time until saved."""
+        kv = RequestKv(self.pool, f"s{self._next}", tokens, 1)
+        assert kv.try_admit(0)
+        kv.schedule(len(tokens))
+        kv.apply()
+        t = time.perf_counter()
+        self.store.retire(0, kv, SealCursor.after_prefix(0))
+        self.store.flush_saves(0, 30)
+        return time.perf_counter() - t
+
+    def resolve(self, tokens: list[int], blocks: int) -> float:
+        self.churn()
+        t = time.perf_counter()
+        pre = self.store.resolve_prefix_sync(0, f"r{self._next}", tokens)
+        dt = time.perf_counter() - t
+        if pre.host_tokens != blocks * PAGE:
+            raise RuntimeError(f"expected a host hit of {blocks} blocks, got {pre}")
+        pre.hold.release()
+        return dt
+
+    def copy_times(self) -> tuple[float, float]:
+        """Median in-process time of the Load and Save orders recorded since the last call (same segments)."""
+        loads, saves = self.orders["load"], self.orders["save"]
+        lt = [self._timed(lambda o=o: self.local.load(o)) for o in loads]
+        st = [self._timed(lambda o=o: self.local.save(o)) for o in saves]
+        loads.clear()
+        saves.clear()
+        return _median_us(lt), _median_us(st)
+
+    @staticmethod
+    def _timed(fn: Callable[[], object]) -> float:
+        t = time.perf_counter()
+        fn()
+        return time.perf_counter() - t
+
+
+def _concurrent(b: _Bench, per_thread: int, blocks: int) -> float:
+    prompts = [[b.prompt(blocks) for _ in range(per_thread)] for _ in range(CONCURRENCY)]
+    for ps in prompts:
+        for p in ps:
+            b.seal(p)
+    b.churn()
+    errors: list[BaseException] = []
+
+    def worker(ps: list[list[int]]) -> None:
+        try:
+            for p in ps:
+                b.store.resolve_prefix_sync(0, "c", p).hold.release()
+        except BaseException as e:  # noqa: BLE001 - reported after the join
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(ps,)) for ps in prompts]
+    t = time.perf_counter()
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    dt = time.perf_counter() - t
+    if errors:
+        raise errors[0]
+    return CONCURRENCY * per_thread / dt
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="kvproc bench ipc", description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=200, help="timed operations per cell")
+    ap.add_argument("--quick", action="store_true", help="a few operations per cell (smoke test)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    n = 5 if args.quick else args.n
+    sizes = [1, 16, 256]
+    raw_us, stop_raw = _raw_rtt(200 if args.quick else 3000)
+    per_thread = 2 if args.quick else 20
+    host_pages = n * sum(sizes) * 2 + CONCURRENCY * per_thread * 16 + 1024
+    host_bytes = host_pages * 2 * ARENA_BLOCK + (1 << 20)
+    results: list[dict[str, Any]] = []
+    seals: list[dict[str, Any]] = []
+    cs = ClusterStore.start(host_bytes)
+    try:
+        model = _Model(cs.allocator, 2048)
+        store = cs.attach_model(model, live_slots=CONCURRENCY, config=StoreConfig(cacheable_pin_fraction=1.0))
+        b = _Bench(cs, store, model)
+        try:
+            for blocks in sizes:
+                print(f"  ipc bench: {blocks} blocks ...", file=sys.stderr, flush=True)
+                warm = 3
+                b.orders["load"].clear()
+                b.orders["save"].clear()
+                seal_t = [b.seal(b.prompt(blocks)) for _ in range(n + warm)][warm:]
+                prompts = [b.prompt(blocks) for _ in range(n + warm)]
+                for p in prompts:
+                    b.seal(p)
+                res_t = [b.resolve(p, blocks) for p in prompts][warm:]
+                load_us, save_us = b.copy_times()
+                resolve_us, seal_us = _median_us(res_t), _median_us(seal_t)
+                results.append({"blocks": blocks, "resolve_us": round(resolve_us, 1), "raw_rtt_us": round(raw_us, 1),
+                                "resolve_rtt_overhead": round((resolve_us - load_us) / raw_us, 2),
+                                "copy_us": round(load_us, 1)})
+                seals.append({"blocks": blocks, "seal_us": round(seal_us, 1), "copy_us": round(save_us, 1),
+                              "seal_rtt_overhead": round((seal_us - save_us) / raw_us, 2)})
+            print("  ipc bench: 16 concurrent resolvers ...", file=sys.stderr, flush=True)
+            rps = _concurrent(b, per_thread, 16)
+        finally:
+            b.close()
+    finally:
+        cs.close()
+        stop_raw()
+    load = os.getloadavg()[0]
+    print(f"# control path, median of {n}, raw 64 B round trip {raw_us:.0f} us, load {load:.2f}")
+    print("| blocks | resolve (us) | copy (us) | resolve overhead (raw RTTs) | seal (us) | copy (us) | seal overhead |")
+    print("|---|---|---|---|---|---|---|")
+    for r, s in zip(results, seals):
+        print(f"| {r['blocks']} | {r['resolve_us']:.0f} | {r['copy_us']:.0f} | {r['resolve_rtt_overhead']:.2f} | "
+              f"{s['seal_us']:.0f} | {s['copy_us']:.0f} | {s['seal_rtt_overhead']:.2f} |")
+    print(f"resolves/s with {CONCURRENCY} concurrent resolvers (16 blocks each): {rps:.0f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"results": results, "seal": seals, "resolves_per_s": round(rps, 1),
+                                               "raw_rtt_us": round(raw_us, 1)}, indent=2))
+    return 0
+
+
+__all__ = ["main"]
