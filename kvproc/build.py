@@ -1,7 +1,7 @@
 """Building a store for a model: validate its contract, then wire pools, tier and copy workers.
 
 `build_local_store` puts the host tier and the copy path inside the scheduler process (no process boundary); the
-multi-process topology is `kvproc.cluster.launch_store`.
+multi-process topology is `kvproc.cluster.ClusterStore.start(...).attach_model(...)`.
 """
 
 from __future__ import annotations

@@ -98,18 +98,22 @@ def _up(runtime_dir: str, *extra: str) -> subprocess.Popen[str]:
     return proc
 
 
+_CONFIGURE = m.Configure("test-fingerprint", m.HostLayoutSpec([m.RegionSpec("kv", "kv", 0, 4096, 16)], 16, {}, 65536))
+
+
 def test_up_then_down_leaves_no_process_and_no_segment() -> None:
     runtime_dir = f"/tmp/kvup-{os.getpid()}"
-    proc = _up(runtime_dir, "--segment-mib", "1", "--tcp", "tcp://127.0.0.1:0")
+    proc = _up(runtime_dir, "--host-mib", "1", "--tcp", "tcp://127.0.0.1:0")
     try:
         children = psutil.Process(proc.pid).children(recursive=True)
-        assert len(list_segments("upt")) == 1
         assert console.main(["status", "--runtime-dir", runtime_dir]) == 0
         tcp = mf.read_manifest(runtime_dir).processes[0].tcp
         assert tcp.startswith("tcp://127.0.0.1:")
         engine = RpcClient(tcp, token=mf.read_token(runtime_dir), peer="shared host tier")  # a second engine
         engine.connect(5)
         assert engine.request(m.Ping(b"tcp"), timeout=5).data == b"tcp"
+        engine.request(_CONFIGURE, timeout=5)  # the first engine's Configure creates the host arena
+        assert len(list_segments("upt")) == 1
         engine.close()
         with pytest.raises(HandshakeRefused):
             RpcClient(tcp, token="guess", peer="intruder").connect(5)
@@ -126,8 +130,13 @@ def test_up_then_down_leaves_no_process_and_no_segment() -> None:
 
 def test_children_die_with_a_sigkilled_launcher() -> None:
     runtime_dir = f"/tmp/kvup-{os.getpid()}"
-    proc = _up(runtime_dir, "--segment-mib", "1")
+    proc = _up(runtime_dir, "--host-mib", "1")
     try:
+        engine = RpcClient(f"ipc://{runtime_dir}/host_tier-0.sock", token=mf.read_token(runtime_dir), peer="tier")
+        engine.connect(5)
+        engine.request(_CONFIGURE, timeout=5)
+        engine.close()
+        assert len(list_segments("upt")) == 1
         children = psutil.Process(proc.pid).children(recursive=True)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(5)

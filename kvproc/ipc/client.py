@@ -20,7 +20,7 @@ import itertools
 import queue
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import InvalidStateError, Future
 from typing import Any
 
 import msgspec
@@ -219,7 +219,13 @@ class RpcClient:
     def _resolve(self, entry: _Pending, reply: Any) -> None:
         if entry.token is not None:
             entry.token.remove_listener(entry.listener)
-        entry.future.set_result(reply)
+        # A caller may have cancelled its future (e.g. an asyncio wait_for around wrap_future): drop the reply then,
+        # never let it crash this I/O thread.
+        if not entry.future.cancelled():
+            try:
+                entry.future.set_result(reply)
+            except InvalidStateError:
+                pass
 
     def _complete(self, call_id: int, reply: Any) -> None:
         with self._lock:

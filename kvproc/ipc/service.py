@@ -48,7 +48,8 @@ def _accepts(annotation: Any, cls: type) -> bool:
 class Service:
     """Base of anything an `RpcServer` serves. Subclasses add `@handles` methods."""
 
-    #: request types answered on the socket thread (O(1), never blocking); the runtime uses it for Ping only.
+    #: request types answered on the socket thread: only handlers that never block (short dict work under a lock
+    #: held briefly, or an immediate `ctx.defer()`); everything else runs on the handler pool.
     inline: frozenset[type[m.Request]] = frozenset()
 
     def handler_table(self) -> dict[type[m.Request], Handler]:

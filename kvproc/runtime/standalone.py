@@ -1,6 +1,6 @@
 """`kvproc up` / `kvproc down`: a standalone host tier that several engines on one node share.
 
-kvproc up   [--cluster NAME] [--runtime-dir DIR] [--tcp tcp://127.0.0.1:PORT] [--segment-mib N]
+kvproc up   [--cluster NAME] [--runtime-dir DIR] [--tcp tcp://127.0.0.1:PORT] [--host-mib N]
     runs in the foreground until `kvproc down`, SIGTERM or Ctrl-C; engines attach through the manifest
     (ipc, or tcp with the auth token from the runtime dir)
 kvproc down [--cluster NAME] [--runtime-dir DIR] [--timeout S] [--force]
@@ -30,7 +30,11 @@ def up_main(argv: list[str]) -> int:
     parser.add_argument("--cluster", default="default")
     parser.add_argument("--runtime-dir", default=None)
     parser.add_argument("--tcp", default=None, help="also serve on this tcp endpoint (auth token required)")
-    parser.add_argument("--segment-mib", type=int, default=0, help="host-tier shared memory to create (MiB)")
+    parser.add_argument("--host-mib", type=int, default=1024,
+                        help="the host tier's byte budget (MiB); the first engine's Configure sizes the arena within it")
+    parser.add_argument("--lease-ttl", type=float, default=30.0, help="seconds before a forgotten lease is reclaimed")
+    parser.add_argument("--handoff-ttl", type=float, default=300.0,
+                        help="seconds before a forgotten hand-off is reclaimed")
     parser.add_argument("--log-level", default="info")
     parser.add_argument("--shutdown-deadline", type=float, default=5.0)
     args = parser.parse_args(argv)
@@ -38,7 +42,7 @@ def up_main(argv: list[str]) -> int:
 
     from kvproc.runtime.launcher import RoleConfig, launch
 
-    options = {"segment_bytes": args.segment_mib << 20} if args.segment_mib else {}
+    options = {"host_bytes": args.host_mib << 20, "lease_ttl_s": args.lease_ttl, "handoff_ttl_s": args.handoff_ttl}
     cluster = launch(
         [RoleConfig("host_tier", tcp=args.tcp, options=options)],
         cluster_name=args.cluster,

@@ -64,6 +64,10 @@ class _Waiter:
 
 class HostTierRole(Role):
     name = "host_tier"
+    # Index work is short dict operations under `self.lock`, and the waits defer at once: run them on the socket
+    # thread (no handler-pool hop). Configure (creates a segment) and stats stay on the pool.
+    inline = frozenset({m.Query, m.ReleaseLease, m.RevokeHandoff, m.ReserveSave, m.CommitSave, m.AbortSave,
+                        m.WaitSettled, m.WaitKey})
 
     def __init__(self, env: RoleEnv) -> None:
         super().__init__(env)
