@@ -74,6 +74,10 @@ class CopyWorkerRole(Role):
     name = "copy_worker"
     needs_torch = True  # preloaded in the forkserver: a restart forks in milliseconds instead of importing torch
     restartable = True
+    # Loads sit on a resolve's critical path (and device copies between two steps): run them on the socket thread,
+    # saving two thread hand-offs per order. A copy is not cancellable anyway, and this process's only client is its
+    # store. Saves are background work and may be large: they stay on the handler pool.
+    inline = frozenset({m.Load, m.DeviceCopy})
 
     def __init__(self, env: RoleEnv) -> None:
         super().__init__(env)
