@@ -24,7 +24,9 @@ import torch
 
 from kvproc.contract import ArenaLayout, KvArena, KvContractError, KvModel, validate_layout
 from kvproc.ipc import messages as m
+from kvproc.ipc.client import RpcClient
 from kvproc.ipc.segment import Segment, SegmentBusyError
+from kvproc.runtime import manifest as mf
 from kvproc.runtime.config import RoleConfig
 from kvproc.runtime.launcher import Cluster, launch
 from kvproc.store import KvStore
@@ -54,6 +56,21 @@ def fingerprint(model: KvModel, layout: ArenaLayout) -> str:
             f"groups={groups} arenas={arenas}")
 
 
+def _connect_external_tier(runtime_dir: str, timeout: float) -> RpcClient:
+    manifest = mf.read_manifest(mf.find_runtime_dir(runtime_dir=runtime_dir))
+    tiers = [p for p in manifest.processes if p.role == "host_tier" and p.state == "up"]
+    if not tiers:
+        raise RuntimeError(f"no running host tier in the cluster at {runtime_dir} (start one with `kvproc up`)")
+    client = RpcClient(tiers[0].endpoint, token=mf.read_token(manifest.runtime_dir), name="engine",
+                       peer=f"shared host tier ({manifest.cluster})")
+    try:
+        client.connect(timeout)
+    except BaseException:
+        client.close()
+        raise
+    return client
+
+
 class ClusterStore:
     def __init__(self, cluster: Cluster, host_bytes: int, ranks: int, *, copy_timeout_s: float,
                  shutdown_deadline_s: float) -> None:
@@ -71,24 +88,45 @@ class ClusterStore:
         self._segment_names: list[str] = []
         self._closed = False
         self._finalizer = weakref.finalize(self, _unlink_all, self._segment_names)
+        # A host tier this store does not own (`kvproc up`, shared by several engines): reached through its manifest,
+        # watched by heartbeats (no sentinel to wait on), and never shut down by this store.
+        self._external_tier: RpcClient | None = None
 
     @classmethod
     def start(cls, host_bytes: int, *, name: str | None = None, ranks: int = 1, lease_ttl_s: float = 30.0,
               handoff_ttl_s: float = 300.0, save_ttl_s: float = 60.0, reap_interval_s: float = 1.0,
               copy_timeout_s: float = 120.0, ready_timeout_s: float = 15.0, shutdown_deadline_s: float = 5.0,
-              runtime_dir: str | None = None, max_restarts: int = 3) -> "ClusterStore":
-        """Launch the host tier (if `host_bytes`) and one copy worker per rank; wait until all are up."""
+              runtime_dir: str | None = None, max_restarts: int = 3,
+              tier_runtime_dir: str | None = None) -> "ClusterStore":
+        """Launch the host tier (if `host_bytes`) and one copy worker per rank; wait until all are up.
+
+        `tier_runtime_dir` attaches to a running shared host tier instead (`kvproc up`, found through its manifest);
+        `host_bytes` is then the budget this engine asks of it."""
         if ranks < 1:
             raise ValueError(f"ranks must be >= 1, got {ranks}")
+        external: RpcClient | None = None
+        if tier_runtime_dir is not None:
+            external = _connect_external_tier(tier_runtime_dir, ready_timeout_s)
+            host_bytes = host_bytes or 1
         name = name or f"cs{os.getpid()}x{next(_names)}"
         roles: list[RoleConfig] = []
-        if host_bytes > 0:
+        if host_bytes > 0 and external is None:
             roles.append(RoleConfig("host_tier", options={
                 "host_bytes": host_bytes, "lease_ttl_s": lease_ttl_s, "handoff_ttl_s": handoff_ttl_s,
                 "save_ttl_s": save_ttl_s, "reap_interval_s": reap_interval_s}))
         roles += [RoleConfig("copy_worker", r, max_restarts=max_restarts) for r in range(ranks)]
-        cluster = launch(roles, cluster_name=name, runtime_dir=runtime_dir, ready_timeout_s=ready_timeout_s)
-        return cls(cluster, host_bytes, ranks, copy_timeout_s=copy_timeout_s, shutdown_deadline_s=shutdown_deadline_s)
+        try:
+            cluster = launch(roles, cluster_name=name, runtime_dir=runtime_dir, ready_timeout_s=ready_timeout_s)
+        except BaseException:
+            if external is not None:
+                external.close()
+            raise
+        cs = cls(cluster, host_bytes, ranks, copy_timeout_s=copy_timeout_s, shutdown_deadline_s=shutdown_deadline_s)
+        cs._external_tier = external
+        return cs
+
+    def _tier_client(self) -> RpcClient:
+        return self._external_tier if self._external_tier is not None else self.cluster.client("host_tier")
 
     # ---- arenas ----
 
@@ -141,12 +179,12 @@ class ClusterStore:
         if self.host_bytes > 0:
             planned = HostLayout.plan(layouts[0], self.host_bytes, bounded_fraction)
             required = [g.name for g in layouts[0].spec.restorable_bounded_groups if not g.optional]
-            conf = self.cluster.client("host_tier").request(
+            conf = self._tier_client().request(
                 m.Configure(fingerprint(model, layouts[0]), layout_to_wire(planned), required),
                 timeout=attach_timeout_s)
             host_wire, self.host_segment = conf.layout, conf.segment
             self.host_layout = layout_from_wire(conf.layout)  # a joined tier's layout wins over our plan
-            self.tier = RemoteTier(lambda: self.cluster.client("host_tier"), self.host_layout)
+            self.tier = RemoteTier(self._tier_client, self.host_layout)
         for r, layout in enumerate(layouts):
             msg = m.AttachArenas(self._arena_refs(layout), self.host_segment, host_wire, repack or "",
                                  layout.spec.page_tokens)
@@ -172,6 +210,8 @@ class ClusterStore:
                 c.close()
             if self.tier is not None:
                 self.tier.close()
+            if self._external_tier is not None:
+                self._external_tier.close()
         finally:
             self.cluster.shutdown(self.shutdown_deadline_s)
             for seg in self._segments:

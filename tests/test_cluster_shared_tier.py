@@ -1,0 +1,63 @@
+"""Two engines' stores share one standalone host tier (`kvproc up`): a P/D hand-off crosses it bit for bit, the
+producer's Handoff lease is consumed by the decode side's load, and nothing outlives `kvproc down`."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import torch
+
+from kvproc import RequestKv
+from kvproc.cluster import ClusterStore
+from kvproc.handoff import handoff_resolve_policy, padded_chain
+from kvproc.ipc.segment import list_segments
+from kvproc.store_types import SaveClass, SealCursor
+from tests.store_fixtures import BytesModel
+
+
+class SharedMemoryModel(BytesModel):
+    """The store fixtures' byte model with its arenas re-allocated through a ClusterStore."""
+
+    def __init__(self, allocator) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(16, bounded=True)
+        for i, (g, a) in enumerate(self._arenas):
+            t = allocator(a.name, a.tensor.numel())
+            self._arenas[i] = (g, type(a)(a.name, t, a.num_blocks, a.bytes_per_block, a.block_stride))
+
+
+def test_handoff_between_two_engines_through_a_shared_kvproc_up_tier():
+    rd = f"/tmp/kvup-sh{os.getpid()}"
+    up = subprocess.Popen([sys.executable, "-m", "kvproc", "up", "--cluster", "sharedt", "--runtime-dir", rd,
+                           "--host-mib", "8"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert "up; manifest" in (up.stdout.readline() if up.stdout else "")
+        with ClusterStore.start(1 << 20, tier_runtime_dir=rd) as P, ClusterStore.start(1 << 20, tier_runtime_dir=rd) as D:
+            mp, md = SharedMemoryModel(P.allocator), SharedMemoryModel(D.allocator)
+            sp, sd = P.attach_model(mp, live_slots=2), D.attach_model(md, live_slots=2)
+            toks = list(range(1, 11))
+            kv = RequestKv(sp.pools[0], "prod", toks, 4)
+            assert kv.try_admit()
+            kv.schedule(10)
+            want = {}
+            for b in kv.block_ids:
+                mp.block(0, b)[:] = torch.randint(0, 256, (256,), dtype=torch.uint8)
+            kv.apply()
+            kv.pad_to_boundary()
+            sp.execute_copies(0, kv.seal_by_copy())
+            for h, b in zip(kv.page_hashes, kv.block_ids):
+                want[h] = mp.block(0, b).clone()
+            sp.retire(0, kv, SealCursor.after_prefix(0), SaveClass.HANDOFF)
+            pre = sd.resolve_prefix_sync(0, "dec", padded_chain(toks, 10, 4), policy=handoff_resolve_policy("prod", 5))
+            assert pre.host_tokens == 12 and pre.device_tokens == 0
+            for h, b in zip(pre.hold.hashes, pre.hold.block_ids):
+                assert torch.equal(md.block(0, b), want[h])
+            pre.hold.release()
+            tier = sd.stats()["tier"]
+            assert tier["handoffs_consumed"] == 1 and tier["open_handoffs"] == 0
+    finally:
+        subprocess.run([sys.executable, "-m", "kvproc", "down", "--runtime-dir", rd, "--timeout", "10"], check=False,
+                       capture_output=True)
+        up.wait(10)
+    assert not list_segments("sharedt") and not os.path.exists(rd)
