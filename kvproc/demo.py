@@ -10,13 +10,18 @@ writes JSON (`--json`) and a TTFT-per-turn plot (`--plot`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import math
+import os
 import sys
+import tempfile
 import time
 from dataclasses import asdict
-from typing import Sequence, TextIO
+from typing import Iterator, Sequence, TextIO
 
+import structlog
 import torch
 
 from kvproc.engine.engine import Engine
@@ -27,7 +32,7 @@ from kvproc.engine.workload import TurnRecord, WorkloadSpec, drive
 from kvproc.store_types import StoreConfig
 
 PAGE_TOKENS = 16
-DEFAULT_SCALE = 0.25  # keeps `make demo` (three runs) well under 3 minutes on a 2-core machine
+DEFAULT_SCALE = 0.5  # `make demo` (three runs, store processes included) takes ~80 s on a 2-core machine
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -46,14 +51,18 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--chunk-tokens", type=int, default=512, help="token budget of one engine step")
     p.add_argument("--checkpoint-every-pages", type=int, default=8, help="bounded checkpoint / seal cadence")
-    p.add_argument("--device-factor", type=float, default=2.0,
-                   help="device pool = this x the concurrent working set (concurrency x longest turn)")
+    p.add_argument("--device-factor", type=float, default=1.0,
+                   help="device pool = this x the peak concurrent working set (every client in its longest turn);"
+                        " 1.0 holds a third of all conversations' KV")
     p.add_argument("--pin-fraction", type=float, default=StoreConfig().cacheable_pin_fraction,
                    help="StoreConfig.cacheable_pin_fraction: share of the pool cacheable saves may pin")
     p.add_argument("--runs", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--plot", metavar="PATH", help="write a PNG of TTFT per turn index")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--in-process", action="store_true",
+                   help="host tier and copy path inside this process (default: their own processes, kvproc.cluster)")
+    p.add_argument("--log", metavar="PATH", help="where the store processes' logs go (default: a temporary file)")
     return p
 
 
@@ -117,7 +126,8 @@ def _warm_up(topo: Topology, chunk_tokens: int, batch: int) -> None:
 def run_one(mode: str, args: argparse.Namespace, spec: WorkloadSpec, sizes: PoolSizes,
             stream: TextIO | None) -> tuple[RunSummary, list[TurnRecord], dict[str, object]]:
     config = StoreConfig(cacheable_pin_fraction=args.pin_fraction)
-    with make_store(mode, args.model, sizes, seed=args.seed, config=config) as topo:
+    with make_store(mode, args.model, sizes, seed=args.seed, config=config,
+                    processes=not args.in_process) as topo:
         _warm_up(topo, args.chunk_tokens, spec.concurrency)
         engine = Engine(topo.model, topo.store, max_batch=spec.concurrency, chunk_tokens=args.chunk_tokens,
                         checkpoint_every_pages=args.checkpoint_every_pages, prefix_cache=topo.prefix_cache)
@@ -161,6 +171,30 @@ def _plot(path: str, by_turn: dict[str, list[float]]) -> None:
     plt.close(fig)
 
 
+@contextlib.contextmanager
+def _quiet_store_logs(path: str) -> Iterator[TextIO]:
+    """Send the store processes' info logs to `path` instead of the terminal; yields the real stderr.
+
+    KVPROC-GAP: `ClusterStore.start` has no log-level option (children always log at info, to the inherited fd 2),
+    so the demo points fd 2 at a file while the clusters run and writes its progress bar to a duplicate of the
+    real stderr. Our own process's structlog output (launcher events) is filtered to warnings meanwhile."""
+    sys.stderr.flush()
+    saved_fd = os.dup(2)
+    real = os.fdopen(os.dup(saved_fd), "w")
+    saved_config = structlog.get_config()
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    with open(path, "a") as log:
+        os.dup2(log.fileno(), 2)
+        try:
+            yield real
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved_fd, 2)
+            os.close(saved_fd)
+            real.close()
+            structlog.configure(**saved_config)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     modes = [m.strip() for m in args.runs.split(",") if m.strip()]
@@ -178,12 +212,14 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{spec.concurrency} (scale {args.scale:g})")
     print(f"  device pool {sizes.device_blocks} blocks of {PAGE_TOKENS} tokens ({args.device_factor:g}x the "
           f"concurrent working set, {share:.0%} of all conversations), host tier {sizes.host_bytes >> 20} MiB")
-    stream = None if args.no_progress else sys.stderr
     summaries: dict[str, RunSummary] = {}
     records: dict[str, list[TurnRecord]] = {}
     stats: dict[str, dict[str, object]] = {}
-    for mode in modes:
-        summaries[mode], records[mode], stats[mode] = run_one(mode, args, spec, sizes, stream)
+    log_path = args.log or os.path.join(tempfile.gettempdir(), f"kvproc-demo-{os.getpid()}.log")
+    with _quiet_store_logs(log_path) as stderr:
+        stream = None if args.no_progress else stderr
+        for mode in modes:
+            summaries[mode], records[mode], stats[mode] = run_one(mode, args, spec, sizes, stream)
     identical = outputs_identical(list(records.values()))
     print()
     print(format_table(summaries))
@@ -201,6 +237,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             json.dump(out, f, indent=2)
     if args.plot:
         _plot(args.plot, by_turn)
+    if not args.in_process:
+        print(f"store process logs: {log_path}")
     return 0
 
 

@@ -111,3 +111,15 @@ def test_request_whose_lifetime_exceeds_the_pool_is_rejected_not_hung() -> None:
         eng.run([req, ok])
     assert req.failed is not None and req.output == []
     assert ok.failed is None and len(ok.output) == 8
+
+
+def test_mla_restores_from_host_tier_across_processes_through_the_workers_repack() -> None:
+    """The process topology the demo runs: host tier and copy worker as processes, MLA's latent wire layout
+    repacked in the worker (by the importable hook), same tokens and logits as the uncached run."""
+    with _topo("no_cache", "mla", 64) as t:
+        ref = _alternating_conversations(t, 3)
+    sizes = PoolSizes(device_blocks=12, live_slots=2, staging_slots=8, host_bytes=32 << 20)
+    with make_store("kvproc", "mla", sizes, seed=3, processes=True) as t:
+        got = _alternating_conversations(t, 3)
+    assert all(r.host_hit_tokens > 0 for r in got[3:])
+    _assert_same(ref, got)

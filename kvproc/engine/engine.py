@@ -81,6 +81,7 @@ class Engine:
             fut = self.store.submit_resolve(self.rank, req.req_id, req.prompt, self.scope)
             self._resolving[req.req_id] = (req, fut)
         else:
+            req.ready_at = req.submitted_at
             self._inbox.append(_Ready(req, None))
 
     @property
@@ -123,6 +124,7 @@ class Engine:
             except Exception:  # noqa: BLE001 - resolve never raises for a degrade; anything else: compute it all
                 self.counters["resolve_errors"] += 1
                 prefix = None
+            req.ready_at = self.clock()
             self._inbox.append(_Ready(req, prefix))
 
     def _admit(self) -> list[Request]:
@@ -166,6 +168,7 @@ class Engine:
             req.host_hit_tokens = hit - req.device_hit_tokens
         cursor = SealCursor.after_prefix(hit // self.page_tokens) if self.prefix_cache else None
         turn_end = self.policy.turn_end_pages(req.prompt_tokens, req.max_output_tokens)
+        req.admitted_at = self.clock()
         self._running[req.req_id] = _Active(req, kv, cursor, turn_end)
         self.counters["admitted"] += 1
 

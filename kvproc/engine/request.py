@@ -22,6 +22,8 @@ class Request:
     keep_logits: bool = False  # tests compare the logits of every sampled token across runs
     # -- observed -------------------------------------------------------------------------------------------------
     submitted_at: float = 0.0
+    ready_at: float | None = None  # resolve finished (or no resolve): entered the inbox
+    admitted_at: float | None = None
     first_token_at: float | None = None
     finished_at: float | None = None
     output: list[int] = field(default_factory=list)

@@ -5,7 +5,10 @@ Modes:
 - `device_only`: prefix caching from the device pool only (no tier).
 - `kvproc`: the device pool plus the host tier and its copy path.
 
-Switching the `kvproc`/`device_only` runs to the multi-process topology (`kvproc.cluster`) is a change here only.
+With `processes=True` (what `kvproc demo` runs) the `device_only` and `kvproc` stores are `kvproc.cluster`
+stores: the copy worker (and, for `kvproc`, the host tier) run as their own processes, the model's arenas live in
+shared memory the scheduler owns. `processes=False` keeps everything in this process (`build_local_store`): the
+tests use it, being faster to start.
 """
 
 from __future__ import annotations
@@ -53,9 +56,11 @@ class Topology:
 
 
 def make_store(mode: str, model_name: str, sizes: PoolSizes, *, seed: int = 0,
-               config: StoreConfig = StoreConfig()) -> Topology:
+               config: StoreConfig = StoreConfig(), processes: bool = False) -> Topology:
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose one of {MODES}")
+    if processes and mode != "no_cache":
+        return _cluster_topology(mode, model_name, sizes, seed, config)
     model = build_model(model_name, num_blocks=sizes.device_blocks, num_slots=sizes.live_slots + sizes.staging_slots,
                         page_tokens=sizes.page_tokens, seed=seed)
     if mode == "kvproc":
@@ -70,6 +75,25 @@ def make_store(mode: str, model_name: str, sizes: PoolSizes, *, seed: int = 0,
         topo._closers.append(c.close)
     if store.tier is not None:
         topo._closers.append(store.tier.close)
+    return topo
+
+
+def _cluster_topology(mode: str, model_name: str, sizes: PoolSizes, seed: int, config: StoreConfig) -> Topology:
+    from kvproc.cluster import ClusterStore
+    from kvproc.engine.repack import REPACK_PATHS
+
+    cs = ClusterStore.start(host_bytes=sizes.host_bytes if mode == "kvproc" else 0)
+    try:
+        model = build_model(model_name, num_blocks=sizes.device_blocks,
+                            num_slots=sizes.live_slots + sizes.staging_slots, page_tokens=sizes.page_tokens,
+                            seed=seed, allocator=cs.allocator)
+        store = cs.attach_model(model, live_slots=sizes.live_slots, config=config,
+                                repack=REPACK_PATHS.get(model_name))
+    except BaseException:
+        cs.close()
+        raise
+    topo = Topology(mode, model, store, prefix_cache=True)
+    topo._closers.append(cs.close)
     return topo
 
 
