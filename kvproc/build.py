@@ -30,7 +30,8 @@ def build_local_store(model: KvModel, *, live_slots: int, host_bytes: int | None
     """A store for one rank whose host tier (if `host_bytes`) lives in this process."""
     layout = validate_layout(model.spec(), model.arenas(0))
     if not host_bytes:
-        return KvStore([layout], live_slots=live_slots, config=config)
+        # No tier, but bounded seal/restore copies still need a copy path (device -> device).
+        return KvStore([layout], live_slots=live_slots, copiers=[LocalCopier(CopyExecutor(layout))], config=config)
     host_layout = HostLayout.plan(layout, host_bytes, bounded_fraction)
     required = [g.name for g in layout.spec.restorable_bounded_groups if not g.optional]
     tier = LocalTier(host_layout, required)

@@ -246,6 +246,9 @@ class KvStore:
         calls this between steps, and the next step must not write the live slots before it returns)."""
         if not orders:
             return
+        if rank >= len(self.copiers):
+            raise RuntimeError(f"rank {rank} has no copier: build the store with one (bounded groups need slot copies "
+                               "even without a tier)")
         pool = self.pools[rank]
         copies = [SlotCopy(o.group, o.src_slot, o.dst_slot) for o in orders]
         fut = self._loop.submit(self.copiers[rank].device_copy(copies))
