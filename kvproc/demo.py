@@ -18,16 +18,29 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict
-from typing import Iterator, Sequence, TextIO
+from typing import Any, TextIO
 
 import structlog
 import torch
 
 from kvproc.engine.engine import Engine
-from kvproc.engine.metrics import RunSummary, first_difference, outputs_identical, summarize, ttft_by_turn
+from kvproc.engine.metrics import (
+    RunSummary,
+    first_difference,
+    outputs_identical,
+    summarize,
+    ttft_by_turn,
+)
 from kvproc.engine.models import MODEL_NAMES, SeqBatchItem
-from kvproc.engine.topology import MODES, PoolSizes, Topology, make_store, per_page_bytes
+from kvproc.engine.topology import (
+    MODES,
+    PoolSizes,
+    Topology,
+    make_store,
+    per_page_bytes,
+)
 from kvproc.engine.workload import TurnRecord, WorkloadSpec, drive
 from kvproc.store_types import StoreConfig
 
@@ -124,7 +137,7 @@ def _warm_up(topo: Topology, chunk_tokens: int, batch: int) -> None:
 
 
 def run_one(mode: str, args: argparse.Namespace, spec: WorkloadSpec, sizes: PoolSizes,
-            stream: TextIO | None) -> tuple[RunSummary, list[TurnRecord], dict[str, object]]:
+            stream: TextIO | None) -> tuple[RunSummary, list[TurnRecord], dict[str, Any]]:
     config = StoreConfig(cacheable_pin_fraction=args.pin_fraction)
     with make_store(mode, args.model, sizes, seed=args.seed, config=config,
                     processes=not args.in_process) as topo:
@@ -214,7 +227,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"concurrent working set, {share:.0%} of all conversations), host tier {sizes.host_bytes >> 20} MiB")
     summaries: dict[str, RunSummary] = {}
     records: dict[str, list[TurnRecord]] = {}
-    stats: dict[str, dict[str, object]] = {}
+    stats: dict[str, dict[str, Any]] = {}
     log_path = args.log or os.path.join(tempfile.gettempdir(), f"kvproc-demo-{os.getpid()}.log")
     with _quiet_store_logs(log_path) as stderr:
         stream = None if args.no_progress else stderr

@@ -17,7 +17,7 @@ from kvproc.engine.workload import TurnRecord, WorkloadSpec, drive
 # Tiny shapes: 3 turns, first prompt 64 tokens, +32 user and 8 output tokens per turn -> the longest turn is
 # 64 + 2 * 40 + 8 = 152 tokens = 10 pages of 16.
 FIRST, NEW, OUT, TURNS = 64, 32, 8, 3
-TOL = dict(rtol=1e-4, atol=1e-4)  # chunked vs one-shot prefill differ by ~1e-5 in float32
+TOL = {"rtol": 1e-4, "atol": 1e-4}  # chunked vs one-shot prefill differ by ~1e-5 in float32
 
 
 def _topo(mode: str, model: str, blocks: int, *, staging: int = 8, live: int = 2) -> Topology:

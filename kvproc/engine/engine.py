@@ -17,10 +17,11 @@ Everything about KV (blocks, slots, checkpoints, cursors, saves) is kvproc's; th
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import time
 from collections import Counter, deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable
 
 import torch
 
@@ -280,7 +281,8 @@ class Engine:
         if futs:
             concurrent.futures.wait(futs, timeout=0.05, return_when=concurrent.futures.FIRST_COMPLETED)
         elif self._inbox:
-            self.store.flush_saves(self.rank, timeout=1.0)
+            with contextlib.suppress(concurrent.futures.TimeoutError):
+                self.store.flush_saves(self.rank, timeout=1.0)
 
     # -- observe --------------------------------------------------------------------------------------------------
     def stats(self) -> dict[str, int]:

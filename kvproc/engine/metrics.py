@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Sequence
 
 import numpy as np
 
@@ -67,7 +67,7 @@ def outputs_identical(runs: Sequence[Sequence[TurnRecord]]) -> bool:
     return all(m == maps[0] for m in maps[1:])
 
 
-def first_difference(runs: dict[str, Sequence[TurnRecord]]) -> str | None:
+def first_difference(runs: Mapping[str, Sequence[TurnRecord]]) -> str | None:
     """A human-readable description of the first turn whose outputs differ between runs (for the report)."""
     names = list(runs)
     base = {(r.conversation, r.turn): r.output for r in runs[names[0]]}

@@ -6,8 +6,8 @@ in kvproc (`RequestKv`, `SealCursor`, `KvPrefix`), never here: the engine keeps 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -33,7 +33,7 @@ class Request:
     failed: str | None = None  # why the request was rejected (admission can never honour it)
 
     @classmethod
-    def make(cls, req_id: str, prompt: Sequence[int] | np.ndarray, max_output_tokens: int, **kw: object) -> "Request":
+    def make(cls, req_id: str, prompt: Sequence[int] | np.ndarray, max_output_tokens: int, **kw: object) -> Request:
         arr = np.asarray(prompt, dtype=np.int64).reshape(-1)
         if arr.size == 0:
             raise ValueError(f"request {req_id!r}: empty prompt")

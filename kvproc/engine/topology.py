@@ -14,8 +14,9 @@ tests use it, being faster to start.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Self
 
 from kvproc.contract import GroupKind, validate_layout
 from kvproc.engine.models import TinyModel, build_model
@@ -48,7 +49,7 @@ class Topology:
                 c()
         self._closers.clear()
 
-    def __enter__(self) -> "Topology":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -56,9 +57,10 @@ class Topology:
 
 
 def make_store(mode: str, model_name: str, sizes: PoolSizes, *, seed: int = 0,
-               config: StoreConfig = StoreConfig(), processes: bool = False) -> Topology:
+               config: StoreConfig | None = None, processes: bool = False) -> Topology:
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose one of {MODES}")
+    config = config or StoreConfig()
     if processes and mode != "no_cache":
         return _cluster_topology(mode, model_name, sizes, seed, config)
     model = build_model(model_name, num_blocks=sizes.device_blocks, num_slots=sizes.live_slots + sizes.staging_slots,

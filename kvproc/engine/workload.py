@@ -15,8 +15,8 @@ every conversation, not only the ones running: that is what a device pool cannot
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 import torch
@@ -35,7 +35,7 @@ class WorkloadSpec:
     concurrency: int = 16
     seed: int = 0
 
-    def scaled(self, scale: float) -> "WorkloadSpec":
+    def scaled(self, scale: float) -> WorkloadSpec:
         """Token counts times `scale` (conversations, turns and concurrency unchanged)."""
         def s(n: int) -> int:
             return max(1, round(n * scale))
