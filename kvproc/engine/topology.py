@@ -18,7 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Self
 
-from kvproc.contract import GroupKind, validate_layout
+from kvproc.build import build_local_store
+from kvproc.contract import GroupKind
 from kvproc.engine.models import TinyModel, build_model
 from kvproc.store import KvStore
 from kvproc.store_types import StoreConfig
@@ -65,12 +66,9 @@ def make_store(mode: str, model_name: str, sizes: PoolSizes, *, seed: int = 0,
         return _cluster_topology(mode, model_name, sizes, seed, config)
     model = build_model(model_name, num_blocks=sizes.device_blocks, num_slots=sizes.live_slots + sizes.staging_slots,
                         page_tokens=sizes.page_tokens, seed=seed)
-    if mode == "kvproc":
-        from kvproc.build import build_local_store
-
-        store = build_local_store(model, live_slots=sizes.live_slots, host_bytes=sizes.host_bytes, config=config)
-    else:
-        store = _device_store(model, sizes.live_slots, config)
+    # no_cache / device_only: no tier (bounded seal/restore copies still get a device copy path).
+    store = build_local_store(model, live_slots=sizes.live_slots,
+                              host_bytes=sizes.host_bytes if mode == "kvproc" else None, config=config)
     topo = Topology(mode, model, store, prefix_cache=mode != "no_cache")
     topo._closers.append(store.close)
     for c in store.copiers:
@@ -97,19 +95,6 @@ def _cluster_topology(mode: str, model_name: str, sizes: PoolSizes, seed: int, c
     topo = Topology(mode, model, store, prefix_cache=True)
     topo._closers.append(cs.close)
     return topo
-
-
-def _device_store(model: TinyModel, live_slots: int, config: StoreConfig) -> KvStore:
-    layout = validate_layout(model.spec(), model.arenas(0))
-    if not any(g.kind is GroupKind.BOUNDED for g in layout.spec.groups):
-        return KvStore([layout], live_slots=live_slots, config=config)
-    # KVPROC-GAP: `build_local_store(model, host_bytes=None)` builds a store without a copier, so
-    # `KvStore.execute_copies` (bounded SEAL/RESTORE slot copies, needed with or without a tier) fails with an
-    # IndexError on `self.copiers[rank]`. A device-only copier (no host region) is all it takes.
-    from kvproc.tiers.local import LocalCopier
-    from kvproc.workers.copy_exec import CopyExecutor
-
-    return KvStore([layout], live_slots=live_slots, copiers=[LocalCopier(CopyExecutor(layout))], config=config)
 
 
 def per_page_bytes(model: TinyModel) -> tuple[int, int]:
