@@ -106,6 +106,8 @@ class Resolver:
         """Await `aw` until the deadline, waking early on cancellation (the token's listener sets an event)."""
         remaining = deadline - time.monotonic()
         if remaining <= 0:
+            if asyncio.iscoroutine(aw):
+                aw.close()  # never started: close it rather than leave an un-awaited coroutine behind
             raise _Degrade(f"deadline_{what}")
         task = asyncio.ensure_future(aw)
         waiters: list[asyncio.Future[Any]] = [task]

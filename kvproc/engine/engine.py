@@ -12,6 +12,12 @@ by copy (fenced here, before the next step writes the live slots) and hand seale
 so two runs of the same requests are comparable token for token.
 
 Everything about KV (blocks, slots, checkpoints, cursors, saves) is kvproc's; the engine only calls it.
+
+P/D hand-off (reference design section 6): a `handoff_out` request is prefilled only: its first sampled token is the
+anchor, the partial last page is padded, every group checkpointed and everything sealed with `SaveClass.HANDOFF`, and
+the request finishes with an `envelope`. A `handoff_in` request is checked against this engine's fingerprint at
+intake, resolves the producer's padded chain in full-hit mode, is rejected before admission when the hit is short,
+and adopts the chain with copy-on-restore of the padded page; it then only decodes.
 """
 
 from __future__ import annotations
@@ -26,13 +32,15 @@ from dataclasses import dataclass
 import torch
 
 from kvproc.bounded import CopyOrder
+from kvproc.contract import validate_layout
 from kvproc.engine.checkpoints import CheckpointPolicy
+from kvproc.handoff import HandoffEnvelope, check_fingerprint, fingerprint, handoff_resolve_policy, padded_chain
 from kvproc.engine.models import SeqBatchItem, TinyModel
 from kvproc.engine.request import Request
 from kvproc.hashing import DEFAULT_SCOPE, HashScope
 from kvproc.request_kv import RequestKv
 from kvproc.store import KvStore
-from kvproc.store_types import KvPrefix, SealCursor
+from kvproc.store_types import KvPrefix, SaveClass, SealCursor
 
 
 @dataclass(eq=False)  # identity: entries are removed from the inbox by identity
@@ -55,7 +63,8 @@ class _Active:
 class Engine:
     def __init__(self, model: TinyModel, store: KvStore, *, rank: int = 0, max_batch: int = 16,
                  chunk_tokens: int = 512, checkpoint_every_pages: int = 8, prefix_cache: bool = True,
-                 scope: HashScope = DEFAULT_SCOPE, clock: Callable[[], float] = time.perf_counter) -> None:
+                 scope: HashScope = DEFAULT_SCOPE, clock: Callable[[], float] = time.perf_counter,
+                 handoff_barrier: bool = False, handoff_deadline_s: float = 15.0) -> None:
         if max_batch <= 0 or chunk_tokens < max_batch:
             raise ValueError(f"need max_batch > 0 and chunk_tokens >= max_batch, got {max_batch}, {chunk_tokens}")
         self.model, self.store, self.rank = model, store, rank
@@ -71,6 +80,15 @@ class Engine:
         self._inbox: deque[_Ready] = deque()
         self._running: dict[str, _Active] = {}
         self.counters: Counter[str] = Counter()
+        # P/D: equal fingerprints mean the other engine's KV can be restored here (shape, layout, page, hashing).
+        self.fingerprint = fingerprint(model.name, validate_layout(model.spec(), model.arenas(rank)),
+                                       self.pool.hasher.algorithm)
+        # "KV ready" barrier: emit a hand-off only once its Handoff saves are visible in the tier (else at once, and
+        # the decode side waits for them in full-hit mode).
+        self.handoff_barrier = handoff_barrier
+        self.handoff_deadline_s = handoff_deadline_s
+        self._handing_off: list[tuple[Request, SealCursor]] = []
+        self._finished_at_intake: list[Request] = []
 
     # -- intake ---------------------------------------------------------------------------------------------------
     def submit(self, req: Request) -> None:
@@ -78,6 +96,9 @@ class Engine:
         if req.req_id in self._resolving or req.req_id in self._running:
             raise ValueError(f"request {req.req_id!r} is already in the engine")
         req.submitted_at = self.clock()
+        if req.handoff_in is not None:
+            self._submit_handoff(req, req.handoff_in)
+            return
         if self.prefix_cache:
             fut = self.store.submit_resolve(self.rank, req.req_id, req.prompt, self.scope)
             self._resolving[req.req_id] = (req, fut)
@@ -85,9 +106,26 @@ class Engine:
             req.ready_at = req.submitted_at
             self._inbox.append(_Ready(req, None))
 
+    def _submit_handoff(self, req: Request, env: HandoffEnvelope) -> None:
+        """Decode side: reject a producer we cannot restore (both fingerprints in the error, no fallback to
+        recompute), finish at once when the anchor was EOS, else resolve the padded chain in full-hit mode."""
+        if not self.prefix_cache:
+            raise ValueError(f"request {req.req_id!r}: a hand-off needs prefix caching (this engine has it off)")
+        check_fingerprint(self.fingerprint, env.fingerprint)
+        if env.anchor_token_id is None or req.max_output_tokens <= 1:
+            self.store.revoke_handoff(env.producer_req_id)  # nobody will read it
+            if env.anchor_token_id is not None:
+                req.output.append(env.anchor_token_id)
+            req.first_token_at = req.finished_at = self.clock()
+            self._finished_at_intake.append(req)
+            return
+        chain = padded_chain(req.prompt, env.committed_len, self.page_tokens)
+        policy = handoff_resolve_policy(env.producer_req_id, self.handoff_deadline_s)
+        self._resolving[req.req_id] = (req, self.store.submit_resolve(self.rank, req.req_id, chain, self.scope, policy))
+
     @property
     def has_work(self) -> bool:
-        return bool(self._resolving or self._inbox or self._running)
+        return bool(self._resolving or self._inbox or self._running or self._handing_off or self._finished_at_intake)
 
     def run(self, requests: Iterable[Request]) -> list[Request]:
         """Submit every request now and step until all are done (tests and simple drivers)."""
@@ -102,7 +140,10 @@ class Engine:
     def step(self) -> list[Request]:
         """One iteration; returns the requests that finished (completed or rejected) in it."""
         self._collect_resolved()
-        done = self._admit()
+        done = self._admit() + self._emit_handoffs()
+        if self._finished_at_intake:
+            done += self._finished_at_intake
+            self._finished_at_intake = []
         plan = self._plan()
         if not plan:
             self._idle_wait()
@@ -133,9 +174,23 @@ class Engine:
         while self._inbox and len(self._running) < self.max_batch:
             head = self._inbox[0]
             req = head.req
+            if req.handoff_in is not None and head.kv is None and not self._handoff_hit_is_full(head):
+                # Short hit: reject before taking a slot; the router can retry through prefill.
+                got = head.prefix.hold.num_tokens if head.prefix is not None else 0
+                self._inbox.popleft()
+                self._drop(head)
+                self.store.revoke_handoff(req.handoff_in.producer_req_id)
+                req.failed = (f"handoff: short hit ({got} of {req.handoff_in.committed_len} tokens in the store):"
+                              " retry through prefill")
+                req.finished_at = self.clock()
+                self.counters["handoffs_rejected"] += 1
+                rejected.append(req)
+                continue
             if head.kv is None:
-                head.kv = RequestKv(self.pool, req.req_id, req.prompt, req.max_output_tokens, scope=self.scope)
+                head.kv = self._request_kv(req)
             credit = head.prefix.hold.num_blocks if head.prefix is not None else 0
+            if req.handoff_in is not None and req.handoff_in.committed_len % self.page_tokens:
+                credit -= 1  # the padded page is replaced by a private copy: one block of slack for it
             if not head.kv.try_admit(credit):
                 self.counters["admission_waits"] += 1
                 if self._unblock_admission():
@@ -153,11 +208,34 @@ class Engine:
             self._start(head)
         return rejected
 
+    def _handoff_hit_is_full(self, r: _Ready) -> bool:
+        assert r.req.handoff_in is not None
+        need = -(-r.req.handoff_in.committed_len // self.page_tokens)
+        return r.prefix is not None and r.prefix.hold.num_blocks == need
+
+    def _request_kv(self, req: Request) -> RequestKv:
+        if req.handoff_in is None:
+            return RequestKv(self.pool, req.req_id, req.prompt, req.max_output_tokens, scope=self.scope)
+        env = req.handoff_in
+        assert env.anchor_token_id is not None
+        # The decode side's request: the committed prompt plus the anchor (sampled by prefill, its KV not yet
+        # computed); it generates the rest of the output.
+        tokens = list(req.prompt[: env.committed_len]) + [env.anchor_token_id]
+        return RequestKv(self.pool, req.req_id, tokens, req.max_output_tokens - 1, scope=self.scope)
+
     def _start(self, r: _Ready) -> None:
         kv, req = r.kv, r.req
         assert kv is not None
         orders: list[CopyOrder] = []
-        if r.prefix is not None:
+        if r.prefix is not None and req.handoff_in is not None:
+            env = req.handoff_in
+            orders = kv.adopt_handoff_prefix(r.prefix.hold, env.committed_len)
+            assert env.anchor_token_id is not None
+            req.output.append(env.anchor_token_id)
+            if r.prefix.host_tokens == 0:  # no load consumed the producer's lease: release it at admission
+                self.store.release_handoff(env.producer_req_id)
+            self.counters["handoffs_adopted"] += 1
+        elif r.prefix is not None:
             orders = kv.match_and_add_prefix(r.prefix.hold)
         # Zeros are every model's initial bounded state; a restore then overwrites the slot with the checkpoint.
         for group, slot in kv.live_slots.items():
@@ -230,6 +308,19 @@ class Engine:
             kv, req = a.kv, a.req
             before = kv.num_computed
             emits = before + n == kv.num_tokens
+            if emits and req.handoff_out:
+                # Prefill side of a hand-off: the sampled token is the anchor, not part of the KV; name the partial
+                # last page (pad) and checkpoint the bounded state at that boundary; retire seals it all (Handoff).
+                tok = int(sampled[i])
+                kv.apply()
+                req.output.append(tok)
+                req.first_token_at = now
+                self.counters["prefill_tokens"] += n
+                kv.pad_to_boundary()
+                if self._bounded:
+                    copy_orders.extend(kv.seal_by_copy())
+                finished.append(a)
+                continue
             if emits:
                 tok = int(sampled[i])
                 kv.apply([tok])
@@ -263,11 +354,20 @@ class Engine:
             self.counters["checkpoint_copies"] += len(copy_orders)
         for a in to_seal:
             assert a.cursor is not None
-            self.store.seal(self.rank, a.kv, a.cursor)
+            # A hand-off's pages must all be leased to the consumer, the ones sealed along the way included.
+            self.store.seal(self.rank, a.kv, a.cursor, SaveClass.HANDOFF if a.req.handoff_out else
+                            SaveClass.CACHEABLE)
         done = []
         for a in finished:
             del self._running[a.req.req_id]
-            if a.cursor is not None:
+            if a.req.handoff_out:
+                assert a.cursor is not None
+                self.store.retire(self.rank, a.kv, a.cursor, SaveClass.HANDOFF)  # parks until the saves settle
+                if self.handoff_barrier:
+                    self._handing_off.append((a.req, a.cursor))  # emitted once its saves are visible
+                    continue
+                self._seal_envelope(a.req)
+            elif a.cursor is not None:
                 self.store.retire(self.rank, a.kv, a.cursor)
             else:
                 a.kv.release()
@@ -275,11 +375,31 @@ class Engine:
             done.append(a.req)
         return done
 
+    def _seal_envelope(self, req: Request) -> None:
+        tok = req.output[0]
+        eos = req.stop_on_eos and tok == self.model.eos_token_id
+        req.envelope = HandoffEnvelope(req.req_id, self.fingerprint, committed_len=req.prompt_tokens,
+                                       anchor_token_id=None if eos else tok)
+        self.counters["handoffs_emitted"] += 1
+
+    def _emit_handoffs(self) -> list[Request]:
+        """With the KV-ready barrier: emit the hand-offs whose Handoff saves have all settled."""
+        out = []
+        for req, cursor in list(self._handing_off):
+            if cursor.settled.is_set():
+                self._handing_off.remove((req, cursor))
+                self._seal_envelope(req)
+                req.finished_at = self.clock()
+                out.append(req)
+        return out
+
     def _idle_wait(self) -> None:
         """Nothing to compute: wait for a resolve to land or a save to unpin blocks, instead of spinning."""
         futs = [f for _, f in self._resolving.values()]
         if futs:
             concurrent.futures.wait(futs, timeout=0.05, return_when=concurrent.futures.FIRST_COMPLETED)
+        elif self._handing_off:
+            self._handing_off[0][1].settled.wait(0.05)
         elif self._inbox:
             with contextlib.suppress(concurrent.futures.TimeoutError):
                 self.store.flush_saves(self.rank, timeout=1.0)

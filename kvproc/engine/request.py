@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from kvproc.handoff import HandoffEnvelope
+
 
 @dataclass(eq=False)  # identity: a request is one object moving through the engine
 class Request:
@@ -31,6 +33,10 @@ class Request:
     device_hit_tokens: int = 0
     host_hit_tokens: int = 0
     failed: str | None = None  # why the request was rejected (admission can never honour it)
+    # -- P/D hand-off (kvproc/handoff.py) ----------------------------------------------------------------------
+    handoff_out: bool = False  # prefill side: stop after the first token, pad, seal with Handoff, emit `envelope`
+    handoff_in: HandoffEnvelope | None = None  # decode side: continue from the producer's KV, never recompute it
+    envelope: HandoffEnvelope | None = None  # set by the prefill side when the hand-off is emitted
 
     @classmethod
     def make(cls, req_id: str, prompt: Sequence[int] | np.ndarray, max_output_tokens: int, **kw: object) -> Request:

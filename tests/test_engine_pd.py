@@ -1,0 +1,123 @@
+"""P/D hand-off through the store with the reference engine: a prefill engine and a decode engine (each with its own
+ClusterStore: copy worker process, arenas in shared memory) share one host tier started with `kvproc up`.
+
+For every model shape the P/D run equals a single-engine run token for token; a fingerprint mismatch is rejected at
+intake; a missing page rejects before a slot is taken; a cancelled request's hand-off is revoked.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from kvproc.build import build_local_store
+from kvproc.cluster import ClusterStore
+from kvproc.engine.engine import Engine
+from kvproc.engine.models import build_model
+from kvproc.engine.pd import PdRouter
+from kvproc.engine.repack import REPACK_PATHS
+from kvproc.engine.request import Request
+from kvproc.engine.workload import WorkloadSpec, drive
+from kvproc.handoff import FingerprintMismatch, HandoffEnvelope
+from kvproc.ipc.segment import list_segments
+
+SPEC = WorkloadSpec(conversations=2, turns=2, first_input=45, new_per_turn=20, output_per_turn=6, concurrency=2)
+BLOCKS, LIVE, STAGING, PAGE = 48, 2, 8, 16
+
+
+@pytest.fixture()
+def shared_tier() -> Iterator[str]:
+    """A fresh `kvproc up` per test: a host tier serves one model shape (its first Configure fixes the layout)."""
+    rd = f"/tmp/kvup-pd{os.getpid()}"
+    up = subprocess.Popen([sys.executable, "-m", "kvproc", "up", "--cluster", "pdeng", "--runtime-dir", rd,
+                           "--host-mib", "64"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert up.stdout is not None and "up; manifest" in up.stdout.readline()
+        yield rd
+    finally:
+        subprocess.run([sys.executable, "-m", "kvproc", "down", "--runtime-dir", rd, "--timeout", "10"],
+                       check=False, capture_output=True)
+        up.wait(10)
+    assert not list_segments("pdeng")
+
+
+def engine_on(cs: ClusterStore, name: str, **kw: object) -> Engine:
+    model = build_model(name, num_blocks=BLOCKS, num_slots=LIVE + STAGING, page_tokens=PAGE, seed=0,
+                        allocator=cs.allocator)
+    store = cs.attach_model(model, live_slots=LIVE, repack=REPACK_PATHS.get(name))
+    return Engine(model, store, max_batch=LIVE, chunk_tokens=64, checkpoint_every_pages=2, **kw)  # type: ignore[arg-type]
+
+
+def single_engine_outputs(name: str) -> list[tuple[int, int, tuple[int, ...]]]:
+    model = build_model(name, num_blocks=BLOCKS, num_slots=LIVE + STAGING, page_tokens=PAGE, seed=0)
+    store = build_local_store(model, live_slots=LIVE, host_bytes=16 << 20)
+    try:
+        engine = Engine(model, store, max_batch=LIVE, chunk_tokens=64, checkpoint_every_pages=2)
+        recs = drive(engine, SPEC, model.vocab_size)
+    finally:
+        store.close()
+    return sorted((r.conversation, r.turn, r.output) for r in recs)
+
+
+@pytest.mark.parametrize("name", ["dense", "mla", "hybrid", "swa"])
+def test_a_pd_run_equals_a_single_engine_run(shared_tier: str, name: str) -> None:
+    want = single_engine_outputs(name)
+    with ClusterStore.start(16 << 20, tier_runtime_dir=shared_tier) as P, \
+            ClusterStore.start(16 << 20, tier_runtime_dir=shared_tier) as D:
+        prefill, decode = engine_on(P, name), engine_on(D, name)
+        router = PdRouter(prefill, decode)
+        recs = drive(router, SPEC, prefill.model.vocab_size)
+        assert all(r.failed is None for r in recs), [r.failed for r in recs]
+        assert router.counters["handoffs_completed"] == SPEC.total_turns
+        assert sorted((r.conversation, r.turn, r.output) for r in recs) == want
+        assert decode.counters["handoffs_adopted"] == SPEC.total_turns
+        assert sum(r.host_hit_tokens for r in recs) > 0  # later turns' prefill hit what decode sealed
+        tier = D.store.stats()["tier"] if D.store else {}
+        assert tier["open_handoffs"] == 0 and tier["open_leases"] == 0
+
+
+def test_a_fingerprint_mismatch_is_rejected_at_intake_with_both_strings(shared_tier: str) -> None:
+    with ClusterStore.start(16 << 20, tier_runtime_dir=shared_tier) as D:
+        decode = engine_on(D, "dense")
+        env = HandoffEnvelope("p1", "kvproc-handoff/v1 model=other", committed_len=20, anchor_token_id=5)
+        req = Request.make("d1", np.arange(2, 22), 4, handoff_in=env)
+        with pytest.raises(FingerprintMismatch) as e:
+            decode.submit(req)
+        assert env.fingerprint in str(e.value) and decode.fingerprint in str(e.value)
+
+
+def test_a_missing_page_rejects_before_a_slot_is_taken(shared_tier: str) -> None:
+    with ClusterStore.start(16 << 20, tier_runtime_dir=shared_tier) as D:
+        decode = engine_on(D, "dense", handoff_deadline_s=0.3)
+        env = HandoffEnvelope("never-prefilled", decode.fingerprint, committed_len=40, anchor_token_id=5)
+        req = Request.make("d2", np.arange(2, 42), 4, handoff_in=env)
+        decode.submit(req)
+        done: list[Request] = []
+        while decode.has_work:
+            done += decode.step()
+        assert done == [req] and req.failed is not None and "short hit" in req.failed
+        assert decode.counters["handoffs_rejected"] == 1 and decode.counters["admitted"] == 0
+        assert decode.store.pools[0].stats()["admitted_requests"] == 0
+
+
+def test_a_cancelled_requests_handoff_entry_is_revoked(shared_tier: str) -> None:
+    with ClusterStore.start(16 << 20, tier_runtime_dir=shared_tier) as P:
+        prefill = engine_on(P, "dense")
+        req = Request.make("p3", np.arange(2, 50), 1, handoff_out=True)
+        prefill.run([req])
+        assert req.envelope is not None and req.envelope.committed_len == 48
+        prefill.store.flush_saves(0)
+        assert P.store is not None and P.store.stats()["tier"]["open_handoffs"] >= 1
+        before = P.store.stats()["tier"].get("handoffs_revoked", 0)
+        prefill.store.revoke_handoff(req.envelope.producer_req_id)  # the client went away: nobody will read it
+        deadline = time.monotonic() + 5
+        while P.store.stats()["tier"].get("handoffs_revoked", 0) == before and time.monotonic() < deadline:
+            time.sleep(0.02)
+        tier = P.store.stats()["tier"]
+        assert tier["handoffs_revoked"] == before + 1 and tier["open_handoffs"] == 0
