@@ -76,6 +76,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--in-process", action="store_true",
                    help="host tier and copy path inside this process (default: their own processes, kvproc.cluster)")
     p.add_argument("--log", metavar="PATH", help="where the store processes' logs go (default: a temporary file)")
+    p.add_argument("--pd", action="store_true",
+                   help="prefill/decode disaggregation: a prefill and a decode engine (separate processes) sharing a"
+                        " `kvproc up` host tier, beside a single-engine kvproc run of the same workload")
     return p
 
 
@@ -210,6 +213,8 @@ def _quiet_store_logs(path: str) -> Iterator[TextIO]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.pd:
+        return _main_pd(args)
     modes = [m.strip() for m in args.runs.split(",") if m.strip()]
     if not modes or any(m not in MODES for m in modes):
         print(f"kvproc demo: --runs must name some of {MODES}, got {args.runs!r}", file=sys.stderr)
@@ -253,6 +258,58 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.in_process:
         print(f"store process logs: {log_path}")
     return 0
+
+
+def _main_pd(args: argparse.Namespace) -> int:
+    """`--pd`: single-engine kvproc, then P/D without and with the KV-ready barrier; outputs compared turn by turn."""
+    from kvproc.engine.models import build_model
+    from kvproc.pd_demo import run_pd
+
+    torch.manual_seed(args.seed)
+    spec = WorkloadSpec(args.conversations, args.turns, args.first_input, args.new_per_turn, args.output_per_turn,
+                        args.concurrency, args.seed).scaled(args.scale)
+    sizes = pool_sizes(spec, args.model, args.device_factor, args.checkpoint_every_pages)
+    vocab = build_model(args.model, num_blocks=2, num_slots=2, page_tokens=PAGE_TOKENS).vocab_size
+    print(f"kvproc demo --pd: model {args.model}, {spec.conversations} conversations x {spec.turns} turns, first "
+          f"turn {spec.first_input} tokens, +{spec.new_per_turn}/turn, {spec.output_per_turn} out/turn, concurrency "
+          f"{spec.concurrency} (scale {args.scale:g}); prefill and decode engines share one `kvproc up` host tier")
+    summaries: dict[str, RunSummary] = {}
+    records: dict[str, list[TurnRecord]] = {}
+    stats: dict[str, dict[str, Any]] = {}
+    log_path = args.log or os.path.join(tempfile.gettempdir(), f"kvproc-demo-{os.getpid()}.log")
+    with _quiet_store_logs(log_path) as stderr, open(log_path, "a") as log:
+        stream = None if args.no_progress else stderr
+        summaries["kvproc"], records["kvproc"], stats["kvproc"] = run_one("kvproc", args, spec, sizes, stream)
+        for name, barrier in (("pd", False), ("pd_barrier", True)):
+            def bar(name: str = name) -> Progress:
+                return Progress(name, spec.total_turns, stream)
+
+            summaries[name], records[name], stats[name] = run_pd(args, spec, sizes, vocab, barrier, bar, log)
+    identical = outputs_identical([records["kvproc"], records["pd"], records["pd_barrier"]])
+    pd_counts = {n: stats[n]["router"] for n in ("pd", "pd_barrier")}
+    print()
+    print(format_table(summaries))
+    for n, c in pd_counts.items():
+        print(f"{n:<12} hand-offs completed {c.get('handoffs_completed', 0)}, rejected "
+              f"{c.get('handoffs_rejected', 0)}, retried {c.get('handoffs_retried', 0)}")
+    print(f"\nP/D outputs identical to the single-engine run: {identical}")
+    diff = None if identical else first_difference(records)
+    if diff:
+        print(f"  first difference: {diff}")
+    if args.json:
+        out = {"runs": {m: s.as_dict() for m, s in summaries.items()},
+               "handoffs_completed": pd_counts["pd"].get("handoffs_completed", 0),
+               "handoffs_rejected": pd_counts["pd"].get("handoffs_rejected", 0),
+               "handoffs_retried": pd_counts["pd"].get("handoffs_retried", 0),
+               "barrier": {k: pd_counts["pd_barrier"].get(k, 0) for k in
+                           ("handoffs_completed", "handoffs_rejected", "handoffs_retried")},
+               "pd_outputs_identical": identical, "first_difference": diff, "model": args.model,
+               "workload": asdict(spec), "scale": args.scale, "sizes": asdict(sizes),
+               "stats": json.loads(json.dumps(stats, default=str))}
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+    print(f"store and engine process logs: {log_path}")
+    return 0 if identical and all(s.turns_failed == 0 for s in summaries.values()) else 1
 
 
 if __name__ == "__main__":

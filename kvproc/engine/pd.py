@@ -178,8 +178,9 @@ class EngineProcess:
     def __init__(self, spec: EngineSpec, start_timeout_s: float = 120.0) -> None:
         ctx = mp.get_context("spawn")  # a clean interpreter: no inherited threads, sockets or forkservers
         self._conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=engine_process_main, args=(spec, child), name=f"engine-{spec.role}",
-                                daemon=True)
+        # Not a daemon: the engine launches its own children (its copy worker). It still dies with us: close()
+        # stops it, and its children follow their launcher out.
+        self.proc = ctx.Process(target=engine_process_main, args=(spec, child), name=f"engine-{spec.role}")
         self.proc.start()
         child.close()
         if not self._conn.poll(start_timeout_s):
