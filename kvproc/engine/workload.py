@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvproc.engine.engine import Engine
+from kvproc.engine.pd import EngineLike
 from kvproc.engine.request import Request
 
 
@@ -94,7 +94,7 @@ def make_conversations(spec: WorkloadSpec, vocab_size: int) -> list[_Conversatio
     return out
 
 
-def drive(engine: Engine, spec: WorkloadSpec, vocab_size: int,
+def drive(engine: EngineLike, spec: WorkloadSpec, vocab_size: int,
           on_turn: Callable[[TurnRecord], None] | None = None, keep_logits: bool = False) -> list[TurnRecord]:
     """Run the whole workload through `engine`; returns one record per turn (failed ones included)."""
     convs = make_conversations(spec, vocab_size)
