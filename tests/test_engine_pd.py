@@ -7,6 +7,7 @@ intake; a missing page rejects before a slot is taken; a cancelled request's han
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -121,3 +122,60 @@ def test_a_cancelled_requests_handoff_entry_is_revoked(shared_tier: str) -> None
             time.sleep(0.02)
         tier = P.store.stats()["tier"]
         assert tier["handoffs_revoked"] == before + 1 and tier["open_handoffs"] == 0
+
+
+def test_killing_the_decode_engine_mid_load_leaves_no_lease_or_segment_behind(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import signal
+
+    import psutil
+
+    from kvproc.engine.pd import EngineProcess, EngineSpec
+    from kvproc.ipc import messages as m
+    from kvproc.ipc.client import RpcClient
+    from kvproc.runtime import manifest as mf
+
+    rd = f"/tmp/kvup-pk{os.getpid()}"
+    up = subprocess.Popen([sys.executable, "-m", "kvproc", "up", "--cluster", "pdkill", "--runtime-dir", rd,
+                           "--host-mib", "64", "--lease-ttl", "0.5"], stdout=subprocess.PIPE, text=True)
+    tier = None
+    try:
+        assert up.stdout is not None and "up; manifest" in up.stdout.readline()
+        tier = RpcClient(f"ipc://{rd}/host_tier-0.sock", token=mf.read_token(rd), peer="tier")
+        tier.connect(5)
+        with ClusterStore.start(16 << 20, tier_runtime_dir=rd) as P:
+            prefill = engine_on(P, "dense")
+            req = Request.make("p", np.arange(2, 600), 1, handoff_out=True)
+            prefill.run([req])
+            assert req.envelope is not None
+            decode = EngineProcess(EngineSpec("decode", "dense", BLOCKS * 2, LIVE, STAGING, 16 << 20, rd, PAGE))
+            try:
+                workers = psutil.Process(decode.proc.pid).children(recursive=True)
+                for w in workers:  # hold every load: the decode side's copy worker is stopped
+                    w.send_signal(signal.SIGSTOP)
+                decode.submit(Request.make("d", np.arange(2, 600), 4, handoff_in=req.envelope))
+                deadline = time.monotonic() + 10
+                while tier.request(m.TierStats(), timeout=5).counters.get("query_hit", 0) == 0:
+                    assert time.monotonic() < deadline, "the decode side never queried the tier"
+                    time.sleep(0.05)
+                assert tier.request(m.TierStats(), timeout=5).counters["open_leases"] == 1  # mid-load
+                os.kill(decode.proc.pid, signal.SIGKILL)
+                for w in workers:
+                    with contextlib.suppress(psutil.NoSuchProcess):
+                        w.send_signal(signal.SIGCONT)
+                decode.proc.join(10)
+                assert [r.failed for r in decode.step()] == ["engine process died (exit code -9)"]
+            finally:
+                decode.close()
+            psutil.wait_procs(workers, timeout=10)
+            assert not [s for s in list_segments() if f".{decode.proc.pid}." in s]
+            deadline = time.monotonic() + 10
+            while (c := tier.request(m.TierStats(), timeout=5).counters)["open_leases"]:
+                assert time.monotonic() < deadline, c
+                time.sleep(0.1)
+            assert c["leases_reclaimed_by_ttl"] >= 1
+    finally:
+        if tier is not None:
+            tier.close()
+        subprocess.run([sys.executable, "-m", "kvproc", "down", "--runtime-dir", rd, "--timeout", "10"],
+                       check=False, capture_output=True)
+        up.wait(10)

@@ -19,6 +19,7 @@ from multiprocessing.connection import Connection
 from typing import Any, Protocol
 
 from kvproc.engine.request import Request
+from kvproc.ipc.segment import sweep_dead_segments
 
 
 class EngineLike(Protocol):
@@ -183,11 +184,13 @@ class EngineProcess:
         self.proc = ctx.Process(target=engine_process_main, args=(spec, child), name=f"engine-{spec.role}")
         self.proc.start()
         child.close()
+        self._reaped = False
         if not self._conn.poll(start_timeout_s):
             self.close()
             raise RuntimeError(f"the {spec.role} engine did not come up within {start_timeout_s}s")
         kind, self.fingerprint = self._conn.recv()
         self._inflight: dict[str, Request] = {}
+        self._reaped = False
         self.stats: dict[str, Any] = {}
 
     @property
@@ -200,19 +203,30 @@ class EngineProcess:
 
     def step(self) -> list[Request]:
         out = []
-        if self._conn.poll(0.005):
-            while self._conn.poll(0):
-                kind, got = self._conn.recv()
-                if kind == "done":
-                    mine = self._inflight.pop(got.req_id)
-                    got.prompt = mine.prompt
-                    out.append(got)
-        if not self.proc.is_alive() and self._inflight:
+        try:
+            if self._conn.poll(0.005):
+                while self._conn.poll(0):
+                    kind, got = self._conn.recv()
+                    if kind == "done":
+                        mine = self._inflight.pop(got.req_id)
+                        got.prompt = mine.prompt
+                        out.append(got)
+        except (EOFError, OSError):  # the engine is gone: its pipe closed
+            self.proc.join(5)
+        if not self.proc.is_alive():
+            self._reap()
             for req in self._inflight.values():
                 req.failed = f"engine process died (exit code {self.proc.exitcode})"
                 out.append(req)
             self._inflight.clear()
         return out
+
+    def _reap(self) -> None:
+        """A dead engine cannot unlink its arena segments: sweep the ones its pid owns (its leases on the shared
+        tier are reclaimed by the tier's TTL, counted there)."""
+        if self.proc.pid is not None and not self._reaped:
+            self._reaped = True
+            sweep_dead_segments(pids=[self.proc.pid])
 
     def close(self, timeout: float = 30.0) -> None:
         if self.proc.is_alive():
@@ -226,4 +240,5 @@ class EngineProcess:
         if self.proc.is_alive():
             self.proc.terminate()
             self.proc.join(5)
+        self._reap()
         self._conn.close()
