@@ -155,7 +155,9 @@ class Resolver:
                 raise _Degrade(f"tier_{type(e).__name__}") from None
             if isinstance(res, Miss):
                 if not policy.wait_for_full_hit:
-                    if self.breaker.miss(scope):
+                    # Only a cold miss (nothing on the device either) counts: a multi-turn request whose history
+                    # hit the device always misses on its new tokens, and that says nothing about the tier.
+                    if dev == 0 and self.breaker.miss(scope):
                         store.counters["breaker_opened"] += 1
                     return 0
                 await self._wait(tier.wait_key(want[-1], timeout=deadline - time.monotonic()), deadline, cancel,

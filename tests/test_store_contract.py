@@ -341,3 +341,18 @@ def test_seal_skips_prefix_hit_blocks():
         store.flush_saves(0)
         st = tier.index.stats()
         assert st["pages_saved"] == 6 and st["save_dedup_pages"] == 0
+
+
+def test_the_miss_breaker_counts_only_cold_misses_and_skips_the_tier_while_open():
+    store, model, tier, _ = make_store(config=StoreConfig(breaker_misses=2, breaker_cooldown_s=60))
+    with store:
+        kv, cur, _, _ = compute(store, model, "a", list(range(9)))  # cold miss number 1
+        store.retire(0, kv, cur)
+        for i in range(3):  # device hits whose new tokens miss on the tier: warm misses, not counted
+            store.resolve_prefix_sync(0, f"w{i}", list(range(8)) + [100 + i] * 8).hold.release()
+        assert store.stats()["store"].get("breaker_opened", 0) == 0
+        store.resolve_prefix_sync(0, "c", [200] * 17).hold.release()  # cold miss number 2: the breaker opens
+        assert store.stats()["store"]["breaker_opened"] == 1
+        calls = tier.query_gate.calls
+        store.resolve_prefix_sync(0, "skipped", [300] * 17).hold.release()
+        assert tier.query_gate.calls == calls and store.stats()["store"]["breaker_skips"] == 1
