@@ -97,7 +97,7 @@ class ClusterStore:
               handoff_ttl_s: float = 300.0, save_ttl_s: float = 60.0, reap_interval_s: float = 1.0,
               copy_timeout_s: float = 120.0, ready_timeout_s: float = 15.0, shutdown_deadline_s: float = 5.0,
               runtime_dir: str | None = None, max_restarts: int = 3,
-              tier_runtime_dir: str | None = None) -> "ClusterStore":
+              tier_runtime_dir: str | None = None, log_level: str = "info") -> "ClusterStore":
         """Launch the host tier (if `host_bytes`) and one copy worker per rank; wait until all are up.
 
         `tier_runtime_dir` attaches to a running shared host tier instead (`kvproc up`, found through its manifest);
@@ -111,10 +111,10 @@ class ClusterStore:
         name = name or f"cs{os.getpid()}x{next(_names)}"
         roles: list[RoleConfig] = []
         if host_bytes > 0 and external is None:
-            roles.append(RoleConfig("host_tier", options={
+            roles.append(RoleConfig("host_tier", log_level=log_level, options={
                 "host_bytes": host_bytes, "lease_ttl_s": lease_ttl_s, "handoff_ttl_s": handoff_ttl_s,
                 "save_ttl_s": save_ttl_s, "reap_interval_s": reap_interval_s}))
-        roles += [RoleConfig("copy_worker", r, max_restarts=max_restarts) for r in range(ranks)]
+        roles += [RoleConfig("copy_worker", r, max_restarts=max_restarts, log_level=log_level) for r in range(ranks)]
         try:
             cluster = launch(roles, cluster_name=name, runtime_dir=runtime_dir, ready_timeout_s=ready_timeout_s)
         except BaseException:

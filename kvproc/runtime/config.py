@@ -24,6 +24,7 @@ class RoleConfig:
     workers: int = 4  # handler threads
     max_in_flight: int = 256
     max_frame_bytes: int = 1 << 20
+    log_level: str = "info"  # the child's structlog level (its JSON lines go to the inherited stderr)
 
     @property
     def class_path(self) -> str:

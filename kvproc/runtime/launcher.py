@@ -177,6 +177,7 @@ class Cluster:
         return ChildSpec(
             self.name, cfg.role, cfg.rank, cfg.class_path, self.runtime_dir, tuple(endpoints), self.token,
             os.getpid(), dict(cfg.options), cfg.workers, cfg.max_in_flight, cfg.max_frame_bytes,
+            log_level=cfg.log_level,
         )  # fmt: skip
 
     def _start_child(self, cfg: RoleConfig) -> tuple[ChildHandle, Connection]:
