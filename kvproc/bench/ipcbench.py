@@ -11,6 +11,10 @@ round trip measured in the same run.
 - seal: `retire` of a request with fresh pages until its save has landed (`flush_saves`): ReserveSave, Save order,
   commit; overhead likewise against the in-process Save copy.
 - resolves/s: 16 threads resolving distinct host-resident prompts of 16 blocks concurrently.
+- loop call: one `Ping` (answered on the host tier's socket thread) awaited on the store's loop, through the loop's
+  own socket (`AsyncRpcClient`, what the store uses) and through the sync client's I/O thread (the former path).
+- `--ab N`: the same comparison for whole host-hit resolves (1 and 16 blocks), in this process, alternating batches
+  of 10 resolves between the two paths (N batches each): on a shared host, runs minutes apart are not comparable.
 Medians. A page is 2 arenas x 2 KiB (4 KiB per block, 16 tokens).
 """
 
@@ -186,6 +190,52 @@ class _Bench:
         return time.perf_counter() - t
 
 
+def _loop_calls(b: _Bench, n: int) -> dict[str, float]:
+    """Median Ping round trip awaited on the store's loop: its own socket vs the sync client's I/O thread."""
+    from kvproc.ipc import messages as m
+    from kvproc.tiers.remote import _call
+
+    tier: Any = b.store.tier
+    sync = b.cs.cluster.client("host_tier")
+
+    async def run() -> dict[str, float]:
+        own = tier._link.get(sync)
+        times: dict[str, list[float]] = {"own_socket": [], "io_thread": []}
+        for i in range(n + 20):
+            for kind in ("own_socket", "io_thread") if i % 2 else ("io_thread", "own_socket"):
+                t = time.perf_counter()
+                await (own.call(m.Ping(), timeout=5) if kind == "own_socket" else _call(sync, m.Ping(), 5))
+                if i >= 20:
+                    times[kind].append(time.perf_counter() - t)
+        return {k: round(_median_us(v), 1) for k, v in times.items()}
+
+    return b.store._loop.submit(run()).result(60)
+
+
+def _ab(b: _Bench, batches: int) -> dict[str, dict[str, float]]:
+    """Median host-hit resolve, store loop's own sockets vs the sync clients' I/O threads, in alternating batches."""
+    links = [getattr(b.store.tier, "_link")] + [getattr(c, "_link") for c in b.store.copiers]
+    out: dict[str, dict[str, float]] = {}
+    for blocks in (1, 16):
+        prompts = [b.prompt(blocks) for _ in range(batches * 20)]
+        for p in prompts:
+            b.seal(p)
+        it = iter(prompts)
+        times: dict[str, list[float]] = {"own_socket": [], "io_thread": []}
+        for i in range(batches * 2):
+            kind = ("own_socket", "io_thread")[(i + i // 2) % 2]  # ABBA: neither path always goes first
+            for link in links:
+                if kind == "io_thread":
+                    link.get = lambda sync=None: None  # off the loop's sockets: the sync client's I/O thread
+                else:
+                    link.__dict__.pop("get", None)
+            times[kind] += [b.resolve(next(it), blocks) for _ in range(10)]
+        for link in links:
+            link.__dict__.pop("get", None)
+        out[str(blocks)] = {k: round(_median_us(v), 1) for k, v in times.items()}
+    return out
+
+
 def _concurrent(b: _Bench, per_thread: int, blocks: int) -> float:
     prompts = [[b.prompt(blocks) for _ in range(per_thread)] for _ in range(CONCURRENCY)]
     for ps in prompts:
@@ -218,12 +268,14 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--n", type=int, default=200, help="timed operations per cell")
     ap.add_argument("--quick", action="store_true", help="a few operations per cell (smoke test)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--ab", type=int, default=0, metavar="N",
+                    help="also compare resolves on the loop's own sockets vs the client I/O threads (N batches each)")
     args = ap.parse_args(argv)
     n = 5 if args.quick else args.n
     sizes = [1, 16, 256]
     raw_us, stop_raw = _raw_rtt(200 if args.quick else 3000)
     per_thread = 2 if args.quick else 20
-    host_pages = n * sum(sizes) * 2 + CONCURRENCY * per_thread * 16 + 1024
+    host_pages = n * sum(sizes) * 2 + CONCURRENCY * per_thread * 16 + args.ab * 20 * 17 + 1024
     host_bytes = host_pages * 2 * ARENA_BLOCK + (1 << 20)
     results: list[dict[str, Any]] = []
     seals: list[dict[str, Any]] = []
@@ -252,6 +304,8 @@ def main(argv: list[str]) -> int:
                               "seal_rtt_overhead": round((seal_us - save_us) / raw_us, 2)})
             print("  ipc bench: 16 concurrent resolvers ...", file=sys.stderr, flush=True)
             rps = _concurrent(b, per_thread, 16)
+            loop_calls = _loop_calls(b, 50 if args.quick else 1000)
+            ab = _ab(b, args.ab) if args.ab else {}
         finally:
             b.close()
     finally:
@@ -265,9 +319,17 @@ def main(argv: list[str]) -> int:
         print(f"| {r['blocks']} | {r['resolve_us']:.0f} | {r['copy_us']:.0f} | {r['resolve_rtt_overhead']:.2f} | "
               f"{s['seal_us']:.0f} | {s['copy_us']:.0f} | {s['seal_rtt_overhead']:.2f} |")
     print(f"resolves/s with {CONCURRENCY} concurrent resolvers (16 blocks each): {rps:.0f}")
+    print(f"Ping awaited on the store loop: own socket {loop_calls['own_socket']:.0f} us, "
+          f"via the client I/O thread {loop_calls['io_thread']:.0f} us")
+    for size, r in ab.items():
+        print(f"A/B host-hit resolve of {size} blocks, {args.ab} x 10 each, alternating: own socket "
+              f"{r['own_socket']:.0f} us, via the client I/O threads {r['io_thread']:.0f} us")
     if args.json:
-        Path(args.json).write_text(json.dumps({"results": results, "seal": seals, "resolves_per_s": round(rps, 1),
-                                               "raw_rtt_us": round(raw_us, 1)}, indent=2))
+        doc = {"results": results, "seal": seals, "resolves_per_s": round(rps, 1), "raw_rtt_us": round(raw_us, 1),
+               "loop_call_us": loop_calls}
+        if ab:
+            doc["ab_resolve_us"] = ab
+        Path(args.json).write_text(json.dumps(doc, indent=2))
     return 0
 
 

@@ -21,7 +21,7 @@ import queue
 import threading
 import time
 from concurrent.futures import InvalidStateError, Future
-from typing import Any
+from typing import Any, Callable
 
 import msgspec
 import structlog
@@ -77,6 +77,8 @@ class RpcClient:
         self._lock = threading.Lock()
         self._pending: dict[int, _Pending] = {}
         self._dead: str | None = None
+        self._death_listeners: list[Callable[[str], None]] = []
+        self._pending_sources: list[Callable[[], int]] = []  # loop-owned clients that follow this one (aclient.py)
         self._closing = False
         self._outbox: queue.SimpleQueue[tuple[bytes, int, float]] = queue.SimpleQueue()
         self._waker = Waker()
@@ -126,12 +128,53 @@ class RpcClient:
                 return
             self._dead = reason
             pending, self._pending = self._pending, {}
+            listeners, self._death_listeners = self._death_listeners, []
         self._direct.signal_death()
         if not self._welcome.done():
             self._welcome.set_exception(PeerDeadError(reason))
         for call_id, entry in pending.items():
             self._resolve(entry, m.PeerDead(call_id, reason))
         self._waker.wake()
+        for fn in listeners:
+            try:
+                fn(reason)
+            except Exception:  # one listener's bug must not stop the others (or the supervisor)
+                log.exception("death_listener_failed", peer=self.peer)
+
+    def add_death_listener(self, fn: Callable[[str], None]) -> Callable[[], None]:
+        """Call `fn(reason)` once when this client is declared dead (at once, here, if it already is), from whichever
+        thread declares it (keep `fn` short and thread-safe, e.g. `loop.call_soon_threadsafe`). Returns a function
+        that unsubscribes `fn`."""
+        with self._lock:
+            dead = self._dead
+            if dead is None:
+                self._death_listeners.append(fn)
+        if dead is not None:
+            fn(dead)
+
+        def remove() -> None:
+            with self._lock:
+                try:
+                    self._death_listeners.remove(fn)
+                except ValueError:
+                    pass
+
+        return remove
+
+    def add_pending_source(self, count: Callable[[], int]) -> Callable[[], None]:
+        """Count `count()` (calls in flight on another socket to the same peer) in `pending_count`; returns a
+        function that removes it."""
+        with self._lock:
+            self._pending_sources.append(count)
+
+        def remove() -> None:
+            with self._lock:
+                try:
+                    self._pending_sources.remove(count)
+                except ValueError:
+                    pass
+
+        return remove
 
     @property
     def alive(self) -> bool:
@@ -143,7 +186,12 @@ class RpcClient:
 
     @property
     def pending_count(self) -> int:
-        return len(self._pending)
+        """Calls in flight to this peer: this client's, and those of the sources added with `add_pending_source`
+        (the event-loop-owned clients that follow this one)."""
+        n = len(self._pending)
+        for source in tuple(self._pending_sources):
+            n += source()
+        return n
 
     # ---- calling (any thread) ----
 

@@ -1,10 +1,13 @@
 """`RemoteTier` and `RemoteCopier`: the store's `Tier` / `Copier` protocols over kvproc's RPC to the host-tier and
 copy-worker processes. Same semantics as `kvproc.tiers.local` (the reference), with the process boundary's rules:
 
-- Every awaited call is `asyncio.wrap_future(client.call(...))` with the caller's timeout as the call's deadline;
-  the reply is exactly one of Ok / Failed / Cancelled / PeerDead.
-- Fire-and-forget calls (release, commit, abort, revoke) never raise: a failure is counted and logged; a dead tier's
-  state dies with it, a live tier's TTL reaper is the backstop.
+- Every call made on the store's loop goes through the loop's own socket to the peer (`_LoopLink`: an
+  `AsyncRpcClient` per incarnation, read by the loop itself; no client I/O thread, no cross-thread future), with the
+  caller's timeout as the call's deadline; the reply is exactly one of Ok / Failed / Cancelled / PeerDead. The sync
+  `RpcClient` stays the incarnation's identity and liveness: its death (the launcher's supervisor, heartbeats,
+  `Goodbye`) fails the async client's calls at once and closes its socket. Off the loop, calls use the sync client.
+- Fire-and-forget calls (release, commit, abort, revoke) never raise: their replies are still read; a failure is
+  counted and logged; a dead tier's state dies with it, a live tier's TTL reaper is the backstop.
 - `RemoteTier.available` is False once the tier's peer is dead: the store then degrades to device-only caching.
 - A copy order is not cancellable: it is sent with a long deadline (`copy_timeout_s`, a hung-worker bound, not a
   latency target) and no cancel token, and its future ends with the worker's real outcome or PeerDead (raised).
@@ -21,6 +24,7 @@ from typing import Any, Callable, Sequence
 import structlog
 
 from kvproc.ipc import messages as m
+from kvproc.ipc.aclient import AsyncRpcClient
 from kvproc.ipc.client import RpcClient
 from kvproc.ipc.errors import RemoteError
 from kvproc.tiers.host_index import Hit, Loading, Miss, QueryResult, SaveClass, SaveTicket, Shed
@@ -32,8 +36,56 @@ log = structlog.get_logger("kvproc.remote")
 ClientSource = Callable[[], RpcClient]  # the current incarnation's client (e.g. lambda: cluster.client(role, rank))
 
 
+class _LoopLink:
+    """The store loop's own socket to one peer: an `AsyncRpcClient` following the peer's current incarnation (made on
+    the loop at first use, replaced when `source()` returns a new incarnation's client; the old one closed its socket
+    when that incarnation died). `get` returns None off the loop that owns it: callers then use the sync client."""
+
+    def __init__(self, source: ClientSource) -> None:
+        self._source = source
+        self._ac: AsyncRpcClient | None = None
+        self._closed = False
+
+    def get(self, sync: RpcClient | None = None) -> AsyncRpcClient | None:
+        if sync is None:
+            sync = self._source()
+        ac = self._ac
+        if ac is not None and ac.follows is sync and ac.alive and ac.on_owner_thread:
+            return ac
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return None
+        if self._closed:
+            return None
+        if ac is not None:
+            if not ac.on_owner_thread:
+                return None  # made on another loop's thread: never touch its socket from here
+            if ac.follows is sync and not sync.alive:
+                return ac  # a dead incarnation: its calls fail with PeerDead at once, no new socket
+            ac.close()  # a replaced incarnation (or a failed handshake to a live one: try again)
+        self._ac = ac = AsyncRpcClient.for_client(sync)
+        return ac
+
+    def close(self) -> None:
+        self._closed = True
+        ac, self._ac = self._ac, None
+        if ac is not None:
+            ac.close()
+
+
+async def _acall(link: _LoopLink, sync: RpcClient, msg: m.RequestBody, timeout: float) -> Any:
+    """Await one call on the loop's own socket to `sync`'s incarnation (or through `sync` off the loop): the payload,
+    or the reply's typed exception (RemoteError, PeerDeadError, CallCancelled)."""
+    ac = link.get(sync)
+    if ac is None:
+        return await _call(sync, msg, timeout)
+    return await ac.call(msg, timeout=max(timeout, 0.001))
+
+
 async def _call(client: RpcClient, msg: m.RequestBody, timeout: float) -> Any:
-    """Await one call; the payload, or the reply's typed exception (RemoteError, PeerDeadError, CallCancelled).
+    """Await one call through the sync client's I/O thread (the fallback off the store's loop); the payload, or the
+    reply's typed exception (RemoteError, PeerDeadError, CallCancelled).
 
     Not `asyncio.wrap_future`: cancelling its wrapper (the store cancels a wait at its deadline) cancels the client's
     concurrent future, and the client's I/O thread would then fail on `set_result` of a cancelled future. Here a
@@ -65,6 +117,7 @@ class RemoteTier:
         self.oneway_timeout_s = oneway_timeout_s
         self.counters: Counter[str] = Counter()
         self._closed = False
+        self._link = _LoopLink(client)
 
     @property
     def available(self) -> bool:
@@ -73,7 +126,7 @@ class RemoteTier:
     # ---- awaited calls ----
 
     async def query(self, req_id: str, hashes: Sequence[bytes], *, timeout: float) -> QueryResult:
-        res = await _call(self._client(), m.Query(req_id, list(hashes)), timeout)
+        res = await _acall(self._link, self._client(), m.Query(req_id, list(hashes)), timeout)
         if isinstance(res, m.TierHit):
             return Hit(res.pages, res.lease_id, tuple(res.page_slots), dict(res.bounded_slots))
         if isinstance(res, m.TierLoading):
@@ -92,7 +145,7 @@ class RemoteTier:
         # misbehaving tier cannot turn the resolver's loop into a busy one.
         t0 = time.monotonic()
         try:
-            return bool((await _call(self._client(), msg, timeout)).ok)
+            return bool((await _acall(self._link, self._client(), msg, timeout)).ok)
         except RemoteError as e:
             if e.code != "deadline_exceeded":
                 self.counters[f"wait_failed_{e.code}"] += 1
@@ -104,14 +157,14 @@ class RemoteTier:
     async def reserve_save(self, req_id: str, keys: Sequence[bytes], bounded_groups: Sequence[str],
                            save_class: SaveClass, *, timeout: float) -> SaveTicket | Shed:
         msg = m.ReserveSave(req_id, list(keys), list(bounded_groups), save_class.value)
-        res = await _call(self._client(), msg, timeout)
+        res = await _acall(self._link, self._client(), msg, timeout)
         if isinstance(res, m.TierShed):
             return Shed(res.reason)
         return SaveTicket(res.save_id, res.req_id, SaveClass(res.save_class), tuple(res.keys), tuple(res.page_slots),
                           dict(res.bounded_slots), res.expires)
 
     async def stats(self) -> dict[str, int]:
-        res = await _call(self._client(), m.TierStats(), self.oneway_timeout_s)
+        res = await _acall(self._link, self._client(), m.TierStats(), self.oneway_timeout_s)
         return dict(res.counters)
 
     # ---- fire-and-forget ----
@@ -130,24 +183,29 @@ class RemoteTier:
 
     def _oneway(self, msg: m.RequestBody) -> None:
         what = type(msg).__name__
+
+        def done(reply: Any) -> None:  # the terminal reply (or an exception, e.g. a refused handshake)
+            if not isinstance(reply, m.Ok):
+                self.counters[f"oneway_failed_{what}"] += 1
+                log.warning("tier_oneway_failed", request=what, reply=type(reply).__name__,
+                            detail=getattr(reply, "message", getattr(reply, "reason", str(reply))))
+
         try:
-            fut = self._client().call(msg, timeout=self.oneway_timeout_s)
+            sync = self._client()
+            ac = self._link.get(sync)
+            if ac is not None:  # on the store's loop: its own socket; the reply is read there and dropped
+                ac.call_nowait(msg, timeout=self.oneway_timeout_s, on_reply=done)
+                return
+            fut = sync.call(msg, timeout=self.oneway_timeout_s)
         except Exception as e:  # noqa: BLE001 - never raise from a fire-and-forget call
             self.counters[f"oneway_failed_{what}"] += 1
             log.warning("tier_oneway_failed", request=what, error=repr(e))
             return
-
-        def done(f: Any) -> None:
-            reply = f.result()
-            if not isinstance(reply, m.Ok):
-                self.counters[f"oneway_failed_{what}"] += 1
-                log.warning("tier_oneway_failed", request=what, reply=type(reply).__name__,
-                            detail=getattr(reply, "message", getattr(reply, "reason", "")))
-
-        fut.add_done_callback(done)
+        fut.add_done_callback(lambda f: done(f.result()))
 
     def close(self) -> None:
         self._closed = True
+        self._link.close()
 
 
 class RemoteCopier:
@@ -161,6 +219,7 @@ class RemoteCopier:
         self.attach_timeout_s = attach_timeout_s
         self._attached_to: RpcClient | None = None
         self._attach_lock: asyncio.Lock | None = None  # created on the store's loop at first use
+        self._link = _LoopLink(client)
         self.attaches = 0
 
     def attach_now(self, timeout: float) -> None:
@@ -179,14 +238,14 @@ class RemoteCopier:
         async with self._attach_lock:
             client = self._client()
             if client is not self._attached_to:
-                await _call(client, self.attach_msg, self.attach_timeout_s)  # raises PeerDeadError on a dead one
+                await _acall(self._link, client, self.attach_msg, self.attach_timeout_s)  # PeerDeadError on a dead one
                 self._attached_to = client
                 self.attaches += 1
         return client
 
     async def _order(self, msg: m.RequestBody) -> int:
         client = await self.ensure_attached()
-        res = await _call(client, msg, self.copy_timeout_s)
+        res = await _acall(self._link, client, msg, self.copy_timeout_s)
         return int(res.nbytes)
 
     async def save(self, order: SaveOrder) -> int:
@@ -200,3 +259,4 @@ class RemoteCopier:
 
     def close(self) -> None:
         self._attached_to = None
+        self._link.close()
