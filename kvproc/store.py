@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import threading
 import time
 from collections import Counter
 from typing import Any, Sequence
@@ -66,6 +67,7 @@ class KvStore:
         self._loads: list[set[asyncio.Future[Any]]] = [set() for _ in self.layouts]
         self._parked: list[dict[str, RequestKv]] = [{} for _ in self.layouts]
         self._cacheable_pinned = [0] * len(self.layouts)
+        self._acct = threading.Lock()  # cacheable pin budget and seal cursors: touched by engine threads and the loop
         self._resolver = Resolver(self)
         self._closed = False
 
@@ -112,38 +114,36 @@ class KvStore:
         start = cursor.pages
         if end <= start:
             return
-        keys = kv.page_hashes[start:end]
-        ids = kv.block_ids[start:end]
-        staging = {}
-        with pool.lock:
-            for g in self.spec.restorable_bounded_groups:
-                slot = pool.checkpoints.get(keys[-1], g.name)
-                if slot is not None:
-                    staging[g.name] = slot
         required = [g.name for g in self.spec.restorable_bounded_groups if not g.optional]
-        if save_class is SaveClass.CACHEABLE:
-            budget = int(pool.paged.num_blocks * self.config.cacheable_pin_fraction)
-            # A save larger than the whole budget still goes when nothing else is pinned, or it would never go.
-            if self._cacheable_pinned[rank] and self._cacheable_pinned[rank] + len(ids) > budget:
-                self.counters["save_shed_pin_pressure"] += 1
-                self.outcomes.record("save", kv.req_id, "shed", "pin_pressure")
-                return  # the cursor does not advance: a later seal retries
-        if required and not all(g in staging for g in required):
-            # Pages past the last bounded checkpoint are useless on their own (one index at checkpoint granularity);
-            # save only up to the deepest boundary with a complete checkpoint.
+        if required:
+            # Pages past the last complete bounded checkpoint are useless on their own (one index at checkpoint
+            # granularity): save only up to the deepest boundary where every required group has a sealed copy.
             end = self._deepest_checkpoint(pool, kv.page_hashes, start, end, required)
             if end <= start:
                 return
-            keys, ids = keys[: end - start], ids[: end - start]
-            with pool.lock:
-                staging = {g.name: s for g in self.spec.restorable_bounded_groups
-                           if (s := pool.checkpoints.get(keys[-1], g.name)) is not None}
-        pin = pool.pin(ids, kv.block_generations()[start:end], staging)
-        if save_class is SaveClass.CACHEABLE:
-            self._cacheable_pinned[rank] += len(ids)
-        cursor.pages = end
-        cursor.pending += 1
-        cursor.settled.clear()
+        keys = kv.page_hashes[start:end]
+        ids = kv.block_ids[start:end]
+        with pool.lock:
+            staging = {g.name: s for g in self.spec.restorable_bounded_groups
+                       if (s := pool.checkpoints.get(keys[-1], g.name)) is not None}
+        with self._acct:
+            if save_class is SaveClass.CACHEABLE:
+                budget = int(pool.paged.num_blocks * self.config.cacheable_pin_fraction)
+                pinned = self._cacheable_pinned[rank]
+                # A save larger than the whole budget still goes when nothing else is pinned, or it never would.
+                if pinned and pinned + len(ids) > budget:
+                    self.counters["save_shed_pin_pressure"] += 1
+                    self.outcomes.record("save", kv.req_id, "shed", "pin_pressure")
+                    return  # the cursor does not advance: a later seal retries
+                self._cacheable_pinned[rank] += len(ids)
+            cursor.pages = end
+            cursor.pending += 1
+            cursor.settled.clear()
+        try:
+            pin = pool.pin(ids, kv.block_generations()[start:end], staging)
+        except Exception:
+            self._settle_accounting(rank, len(ids), save_class, cursor, start, shed=True)
+            raise
         self._loop.call(self._start_save, rank, kv.req_id, keys, ids, staging, pin, save_class, cursor, start)
 
     @staticmethod
@@ -188,19 +188,28 @@ class KvStore:
                 self.tier.abort_save(ticket.save_id)
         finally:
             pin.release()
-            if save_class is SaveClass.CACHEABLE:
-                self._cacheable_pinned[rank] -= len(ids)
-            if state == "shed" and cursor.pages > start:
-                cursor.pages = start  # a later seal retries
             if state == "failed" and save_class is SaveClass.HANDOFF:
                 self.counters["handoff_save_failed"] += 1
                 log.error("handoff save failed", req_id=req_id, reason=reason, pages=len(keys))
             self.counters[f"save_{state}"] += 1
             self.outcomes.record("save", req_id, state, reason)
-            cursor.pending -= 1
-            if cursor.pending == 0:
-                cursor.settled.set()
+            if self._settle_accounting(rank, len(ids), save_class, cursor, start, shed=state == "shed"):
                 self._unpark(rank, req_id)
+
+    def _settle_accounting(self, rank: int, n: int, save_class: SaveClass, cursor: SealCursor, start: int, *,
+                           shed: bool) -> bool:
+        """A save ended: give back its pin budget, rewind a shed save's cursor; True when the request has no save
+        left in flight. Under `_acct`: seals (engine threads) and settlements (the loop) race on these counts."""
+        with self._acct:
+            if save_class is SaveClass.CACHEABLE:
+                self._cacheable_pinned[rank] -= n
+            if shed and cursor.pages > start:
+                cursor.pages = start  # a later seal retries
+            cursor.pending -= 1
+            if cursor.pending:
+                return False
+            cursor.settled.set()
+            return True
 
     # -- retire ---------------------------------------------------------------------------------------------------
     def retire(self, rank: int, kv: RequestKv, cursor: SealCursor, save_class: SaveClass = SaveClass.CACHEABLE) -> None:
