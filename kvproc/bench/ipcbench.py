@@ -21,6 +21,7 @@ Medians. A page is 2 arenas x 2 KiB (4 KiB per block, 16 tokens).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -177,8 +178,8 @@ class _Bench:
     def copy_times(self) -> tuple[float, float]:
         """Median in-process time of the Load and Save orders recorded since the last call (same segments)."""
         loads, saves = self.orders["load"], self.orders["save"]
-        lt = [self._timed(lambda o=o: self.local.load(o)) for o in loads]
-        st = [self._timed(lambda o=o: self.local.save(o)) for o in saves]
+        lt = [self._timed(functools.partial(self.local.load, o)) for o in loads]
+        st = [self._timed(functools.partial(self.local.save, o)) for o in saves]
         loads.clear()
         saves.clear()
         return _median_us(lt), _median_us(st)

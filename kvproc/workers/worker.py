@@ -44,7 +44,7 @@ def import_callable(path: str) -> Callable[..., Any]:
         obj = getattr(obj, part)
     if not callable(obj):
         raise TypeError(f"repack path {path!r} names a {type(obj).__name__}, not a callable")
-    return obj  # type: ignore[no-any-return]
+    return obj
 
 
 def device_arena_view(seg: Segment, ref: m.ArenaRef) -> torch.Tensor:
