@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable, Generic, TypeVar
 
 import numpy as np
 
@@ -62,16 +62,49 @@ class _PinState:
     released: bool = False
 
 
+S = TypeVar("S", _HoldState, _ReservationState, _PinState)
+
+
 def _finalizer(pool: "BlockPool", state: object) -> Callable[[], None]:
     return lambda: pool._defer_release(state)
 
 
-class PrefixHold:
+class _Handle(Generic[S]):
+    """Owns one state object's pool references until they are taken (moved elsewhere) or released."""
+
+    _gone = "this handle was already consumed or released"
+
+    def __init__(self, pool: "BlockPool", state: S) -> None:
+        self._pool = pool
+        self._state: S | None = state
+        self._finalize: weakref.finalize[[], Any] = weakref.finalize(self, _finalizer(pool, state))
+
+    def _live(self) -> S:
+        if self._state is None:
+            raise HoldConsumedError(self._gone)
+        return self._state
+
+    def _take(self) -> S:
+        """Move the references out of the handle (for the pool and `RequestKv` only)."""
+        state = self._live()
+        self._state = None
+        self._finalize.detach()
+        return state
+
+    def release(self) -> None:
+        """Give the references back. Idempotent; a consumed handle has nothing left to release."""
+        if self._state is not None:
+            self._pool._release_state(self._take())
+
+
+class PrefixHold(_Handle[_HoldState]):
     """The matched prefix of a probe: references on its blocks (and on the bounded checkpoint slots), no allocation.
 
     It survives eviction pressure until consumed by `RequestKv.match_and_add_prefix` or released. After either, any
     use raises `HoldConsumedError`: the references have moved or gone, so the hold cannot be used twice.
     """
+
+    _gone = "this prefix hold was already consumed or released"
 
     def __init__(
         self,
@@ -82,17 +115,10 @@ class PrefixHold:
         matched_pages: int,
         page_tokens: int,
     ) -> None:
-        self._pool = pool
-        self._state: _HoldState | None = state
+        super().__init__(pool, state)
         self.reason = reason
         self.matched_pages = matched_pages  # paged-index match before caps and checkpoint alignment
         self.page_tokens = page_tokens
-        self._finalize = weakref.finalize(self, _finalizer(pool, state))
-
-    def _live(self) -> _HoldState:
-        if self._state is None:
-            raise HoldConsumedError("this prefix hold was already consumed or released")
-        return self._state
 
     @property
     def num_blocks(self) -> int:
@@ -122,37 +148,17 @@ class PrefixHold:
     def consumed(self) -> bool:
         return self._state is None
 
-    def _take(self) -> _HoldState:
-        """Move the references out of the hold (for the pool and `RequestKv` only)."""
-        state = self._live()
-        self._state = None
-        self._finalize.detach()
-        return state
-
-    def release(self) -> None:
-        """Give the references back. Idempotent; a consumed hold has nothing left to release."""
-        if self._state is None:
-            return
-        self._pool._release_hold_state(self._take())
-
     def __repr__(self) -> str:
         if self._state is None:
             return "PrefixHold(consumed)"
         return f"PrefixHold(blocks={self.num_blocks}, reason={self.reason.value})"
 
 
-class Reservation:
-    """Destination blocks (and staging slots) reserved for a load; the load's copy owns it until it settles."""
+class Reservation(_Handle[_ReservationState]):
+    """Destination blocks (and staging slots) reserved for a load; the load's copy owns it until it settles.
+    `release()` aborts it (the load failed or was not needed)."""
 
-    def __init__(self, pool: "BlockPool", state: _ReservationState) -> None:
-        self._pool = pool
-        self._state: _ReservationState | None = state
-        self._finalize = weakref.finalize(self, _finalizer(pool, state))
-
-    def _live(self) -> _ReservationState:
-        if self._state is None:
-            raise HoldConsumedError("this reservation was already committed or released")
-        return self._state
+    _gone = "this reservation was already committed or released"
 
     @property
     def block_ids(self) -> list[int]:
@@ -170,35 +176,14 @@ class Reservation:
     def settled(self) -> bool:
         return self._state is None
 
-    def _take(self) -> _ReservationState:
-        state = self._live()
-        self._state = None
-        self._finalize.detach()
-        return state
 
-    def release(self) -> None:
-        """Abort: the load failed or was not needed. Idempotent."""
-        if self._state is None:
-            return
-        self._pool._release_reservation_state(self._take())
-
-
-class Pin:
+class Pin(_Handle[_PinState]):
     """Blocks (and staging slots) pinned by an in-flight save: they cannot be evicted or reused until unpinned."""
 
     def __init__(self, pool: "BlockPool", state: _PinState) -> None:
-        self._pool = pool
-        self._state: _PinState | None = state
+        super().__init__(pool, state)
         self.num_blocks = len(state.ids)
-        self._finalize = weakref.finalize(self, _finalizer(pool, state))
 
     @property
     def block_ids(self) -> list[int]:
         return [] if self._state is None else list(self._state.ids)
-
-    def release(self) -> None:
-        if self._state is None:
-            return
-        state, self._state = self._state, None
-        self._finalize.detach()
-        self._pool._release_pin_state(state)

@@ -131,9 +131,13 @@ class BlockPool:
             except queue.Empty:
                 return n
             n += 1
-            with self.lock:
-                self._release_any_locked(state)
-            self._notify_capacity()
+            self._release_state(state)
+
+    def _release_state(self, state: object) -> None:
+        """Release a handle's references (hold, reservation, pin or request state) and wake capacity waiters."""
+        with self.lock:
+            self._release_any_locked(state)
+        self._notify_capacity()
 
     def _release_any_locked(self, state: object) -> None:
         from kvproc.request_kv import _KvState
@@ -264,7 +268,7 @@ class BlockPool:
         res = reservation._take()
         missing = [g for g in self.checkpoints.required if hashes and g not in res.staging]
         if len(hashes) != len(res.ids) or missing or not hashes:
-            self._release_reservation_state(res)
+            self._release_state(res)
             if not hashes:
                 return  # nothing was loaded: the reservation (and any staging slot) simply goes back
             raise ValueError(
@@ -293,11 +297,6 @@ class BlockPool:
                     hs.artifacts[group] = (slot, int(slab.generation[slot]))
             self.counters["committed_loaded_blocks"] += len(final)
 
-    def _release_reservation_state(self, state: _ReservationState) -> None:
-        with self.lock:
-            self._release_reservation_locked(state)
-        self._notify_capacity()
-
     def _release_reservation_locked(self, state: _ReservationState) -> None:
         if state.released:
             return
@@ -307,11 +306,6 @@ class BlockPool:
             self.slabs[group].release(slot)
 
     # -- holds ----------------------------------------------------------------------------------------------------
-    def _release_hold_state(self, state: _HoldState) -> None:
-        with self.lock:
-            self._release_hold_locked(state)
-        self._notify_capacity()
-
     def _release_hold_locked(self, state: _HoldState) -> None:
         if state.released:
             return
@@ -340,11 +334,6 @@ class BlockPool:
                 self.slabs[group].acquire(slot)
             self._pinned += len(ids)
         return Pin(self, _PinState(ids, dict(staging or {})))
-
-    def _release_pin_state(self, state: _PinState) -> None:
-        with self.lock:
-            self._release_pin_locked(state)
-        self._notify_capacity()
 
     def _release_pin_locked(self, state: _PinState) -> None:
         if state.released:
