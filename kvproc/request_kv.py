@@ -417,6 +417,16 @@ class RequestKv:
                 orders.append(order)
         return orders
 
+    def checkpoint_sealed(self) -> bool:
+        """Every required (non-optional) restorable bounded group has a fenced copy at the current boundary: the
+        checkpoint here is complete (trivially true for paged-only models, page boundaries being checkpoints)."""
+        P, pool = self.page_tokens, self.pool
+        if self.num_computed == 0 or self.num_computed % P:
+            return not pool.checkpoints.required
+        key = self._hashes[self.num_computed // P - 1]
+        with pool.lock:
+            return all(pool.checkpoints.get(key, g) is not None for g in pool.checkpoints.required)
+
     # -- end ------------------------------------------------------------------------------------------------------
     def release(self) -> None:
         """Give back every block and slot (idempotent). Sealed pages stay matchable (inactive) until evicted."""

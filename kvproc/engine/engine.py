@@ -88,6 +88,8 @@ class Engine:
         self.handoff_barrier = handoff_barrier
         self.handoff_deadline_s = handoff_deadline_s
         self._handing_off: list[tuple[Request, SealCursor]] = []
+        self._checkpointing: list[_Active] = []  # hand-offs waiting for a staging slot for their boundary copy
+        self._emitted: list[Request] = []
         self._finished_at_intake: list[Request] = []
 
     # -- intake ---------------------------------------------------------------------------------------------------
@@ -100,8 +102,7 @@ class Engine:
             self._submit_handoff(req, req.handoff_in)
             return
         if self.prefix_cache:
-            fut = self.store.submit_resolve(self.rank, req.req_id, req.prompt, self.scope)
-            self._resolving[req.req_id] = (req, fut)
+            self._resolve(req)
         else:
             req.ready_at = req.submitted_at
             self._inbox.append(_Ready(req, None))
@@ -119,13 +120,24 @@ class Engine:
             req.first_token_at = req.finished_at = self.clock()
             self._finished_at_intake.append(req)
             return
-        chain = padded_chain(req.prompt, env.committed_len, self.page_tokens)
-        policy = handoff_resolve_policy(env.producer_req_id, self.handoff_deadline_s)
-        self._resolving[req.req_id] = (req, self.store.submit_resolve(self.rank, req.req_id, chain, self.scope, policy))
+        self._resolve(req)
+
+    def _resolve(self, req: Request) -> None:
+        """Start (or restart) a request's resolve: its prompt, or for a hand-off the producer's padded chain in
+        full-hit mode."""
+        env = req.handoff_in
+        if env is None:
+            fut = self.store.submit_resolve(self.rank, req.req_id, req.prompt, self.scope)
+        else:
+            chain = padded_chain(req.prompt, env.committed_len, self.page_tokens)
+            policy = handoff_resolve_policy(env.producer_req_id, self.handoff_deadline_s)
+            fut = self.store.submit_resolve(self.rank, req.req_id, chain, self.scope, policy)
+        self._resolving[req.req_id] = (req, fut)
 
     @property
     def has_work(self) -> bool:
-        return bool(self._resolving or self._inbox or self._running or self._handing_off or self._finished_at_intake)
+        return bool(self._resolving or self._inbox or self._running or self._handing_off or self._finished_at_intake
+                    or self._checkpointing or self._emitted)
 
     def run(self, requests: Iterable[Request]) -> list[Request]:
         """Submit every request now and step until all are done (tests and simple drivers)."""
@@ -140,10 +152,11 @@ class Engine:
     def step(self) -> list[Request]:
         """One iteration; returns the requests that finished (completed or rejected) in it."""
         self._collect_resolved()
+        self._retry_checkpoints()
         done = self._admit() + self._emit_handoffs()
-        if self._finished_at_intake:
-            done += self._finished_at_intake
-            self._finished_at_intake = []
+        for waiting in (self._finished_at_intake, self._emitted):
+            done += waiting
+            waiting.clear()
         plan = self._plan()
         if not plan:
             self._idle_wait()
@@ -260,8 +273,7 @@ class Engine:
         for r in behind:
             self._inbox.remove(r)
             self._drop(r)
-            self._resolving[r.req.req_id] = (r.req, self.store.submit_resolve(self.rank, r.req.req_id, r.req.prompt,
-                                                                              self.scope))
+            self._resolve(r.req)
             self.counters["holds_released_for_admission"] += 1
         return bool(behind)
 
@@ -361,19 +373,39 @@ class Engine:
         for a in finished:
             del self._running[a.req.req_id]
             if a.req.handoff_out:
-                assert a.cursor is not None
-                self.store.retire(self.rank, a.kv, a.cursor, SaveClass.HANDOFF)  # parks until the saves settle
-                if self.handoff_barrier:
-                    self._handing_off.append((a.req, a.cursor))  # emitted once its saves are visible
+                if self._bounded and not a.kv.checkpoint_sealed():
+                    # No staging slot was free for the boundary copy (they are pinned by saves in flight). A hand-off
+                    # must be delivered, so retry at the next steps instead of emitting an envelope no decode side
+                    # could ever satisfy; the live slot is not written again meanwhile (prefill is done).
+                    self._checkpointing.append(a)
+                    self.counters["handoff_checkpoint_retries"] += 1
                     continue
-                self._seal_envelope(a.req)
-            elif a.cursor is not None:
+                self._hand_off(a)  # done once emitted (now, or after the barrier)
+                continue
+            if a.cursor is not None:
                 self.store.retire(self.rank, a.kv, a.cursor)
             else:
                 a.kv.release()
             a.req.finished_at = now
             done.append(a.req)
         return done
+
+    def _hand_off(self, a: _Active) -> None:
+        assert a.cursor is not None
+        self.store.retire(self.rank, a.kv, a.cursor, SaveClass.HANDOFF)  # parks until the saves settle
+        if self.handoff_barrier:
+            self._handing_off.append((a.req, a.cursor))  # emitted once its saves are visible
+            return
+        self._seal_envelope(a.req)
+        a.req.finished_at = self.clock()
+        self._emitted.append(a.req)
+
+    def _retry_checkpoints(self) -> None:
+        for a in list(self._checkpointing):
+            self.store.execute_copies(self.rank, a.kv.seal_by_copy())
+            if a.kv.checkpoint_sealed():
+                self._checkpointing.remove(a)
+                self._hand_off(a)
 
     def _seal_envelope(self, req: Request) -> None:
         tok = req.output[0]
@@ -400,6 +432,9 @@ class Engine:
             concurrent.futures.wait(futs, timeout=0.05, return_when=concurrent.futures.FIRST_COMPLETED)
         elif self._handing_off:
             self._handing_off[0][1].settled.wait(0.05)
+        elif self._checkpointing:
+            with contextlib.suppress(concurrent.futures.TimeoutError):
+                self.store.flush_saves(self.rank, timeout=0.05)  # saves settling unpin staging slots
         elif self._inbox:
             with contextlib.suppress(concurrent.futures.TimeoutError):
                 self.store.flush_saves(self.rank, timeout=1.0)
