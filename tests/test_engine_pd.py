@@ -179,3 +179,34 @@ def test_killing_the_decode_engine_mid_load_leaves_no_lease_or_segment_behind(tm
         subprocess.run([sys.executable, "-m", "kvproc", "down", "--runtime-dir", rd, "--timeout", "10"],
                        check=False, capture_output=True)
         up.wait(10)
+
+
+def test_a_handoff_waits_for_a_staging_slot_instead_of_emitting_an_unsatisfiable_envelope() -> None:
+    model = build_model("hybrid", num_blocks=BLOCKS, num_slots=2, page_tokens=PAGE, seed=0)  # 1 live + 1 staging
+    store = build_local_store(model, live_slots=1, host_bytes=16 << 20)
+    try:
+        engine = Engine(model, store, max_batch=1, chunk_tokens=64, checkpoint_every_pages=64)
+        pool = store.pools[0]
+        with pool.lock:
+            taken = pool._take_staging_locked("linear")  # the only staging slot, held as if by a save in flight
+        assert taken is not None
+        req = Request.make("p", np.arange(2, 42), 1, handoff_out=True)
+        engine.submit(req)
+        for _ in range(20):
+            engine.step()
+            if engine.counters["handoff_checkpoint_retries"]:
+                break
+        assert engine.counters["handoff_checkpoint_retries"] == 1 and req.envelope is None
+        engine.step()
+        assert req.envelope is None  # still waiting: no envelope without its bounded checkpoint
+        with pool.lock:
+            pool.slabs["linear"].release(taken[0])
+        done: list[Request] = []
+        while engine.has_work:
+            done += engine.step()
+        assert done == [req] and req.envelope is not None and req.envelope.committed_len == 40
+        store.flush_saves(0)
+        stats = store.stats()["tier"]
+        assert stats["open_handoffs"] == 1  # the padded chain and its checkpoint are leased for the consumer
+    finally:
+        store.close()
