@@ -188,7 +188,7 @@ class KvStore:
                 self.tier.abort_save(ticket.save_id)
         finally:
             pin.release()
-            if state == "failed" and save_class is SaveClass.HANDOFF:
+            if state != "ok" and save_class is SaveClass.HANDOFF:  # undelivered: the consumer will see a short hit
                 self.counters["handoff_save_failed"] += 1
                 log.error("handoff save failed", req_id=req_id, reason=reason, pages=len(keys))
             self.counters[f"save_{state}"] += 1
