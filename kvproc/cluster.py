@@ -192,6 +192,7 @@ class ClusterStore:
             copier.attach_now(attach_timeout_s)  # fail here (bad repack path, bad arena) rather than at first copy
             self.copiers.append(copier)
         self.store = KvStore(layouts, live_slots=live_slots, tier=self.tier, copiers=self.copiers, config=config)
+        self.cluster.counter_providers.append(self.store.counters_flat)  # `kvproc console status` shows them
         return self.store
 
     def _copy_client(self, rank: int) -> Any:

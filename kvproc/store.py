@@ -303,6 +303,16 @@ class KvStore:
                 out["tier"] = {"error": repr(e)}
         return out
 
+    def counters_flat(self) -> dict[str, int]:
+        """The store's counters, its outcomes and every pool's stats as one flat {name: int} (for the console; no
+        call to the tier, unlike `stats()`)."""
+        out = {f"store.{k}": int(v) for k, v in list(self.counters.items())}
+        out.update({f"outcome.{k}": int(v) for k, v in list(self.outcomes.counts.items())})
+        for r, pool in enumerate(self.pools):
+            out.update({f"rank{r}.{k}": int(v) for k, v in pool.stats().items()})
+            out[f"rank{r}.parked"] = len(self._parked[r])
+        return out
+
     def close(self) -> None:
         if self._closed:
             return

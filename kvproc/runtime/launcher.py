@@ -26,7 +26,7 @@ import threading
 import time
 import weakref
 from multiprocessing.connection import Connection, wait
-from typing import Any, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import structlog
 
@@ -80,6 +80,9 @@ class Cluster:
         self._supervisor = Supervisor(self._on_exit)
         self._control: Any = None
         self.control_endpoint = ""
+        # Counters of what the launcher's process embeds (the store), shown by `kvproc console status` with the
+        # launcher's own: each provider returns a flat {name: int}.
+        self.counter_providers: list[Callable[[], Mapping[str, int]]] = []
         self._finalizer = weakref.finalize(self, _kill_leftovers, self._children, runtime_dir)
 
     # ---- public API ----
@@ -357,12 +360,18 @@ class Cluster:
         return mf.write_manifest(self.runtime_dir, manifest)
 
     def counters(self) -> dict[str, int]:
-        return {
+        out = {
             "children_up": sum(1 for k in self._order if self.available(*k)),
             "children": len(self._order),
             "restarts": sum(self._restarts.values()),
             "crashes": sum(1 for e in self.events if e.what == "crashed"),
         }
+        for provider in list(self.counter_providers):
+            try:
+                out.update(provider())
+            except Exception as e:  # noqa: BLE001 - a broken provider must not break the console
+                log.warning("counter_provider_failed", error=repr(e))
+        return out
 
 
 def launch(
