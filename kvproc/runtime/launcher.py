@@ -99,7 +99,8 @@ class Cluster:
         return self._state.get((role, rank)) == "up" and child is not None and bool(child.client and child.client.alive)
 
     def state(self, role: str, rank: int = 0) -> str:
-        return self._state[(role, rank)]
+        with self._cond:  # a state is visible only once the manifest says it too (see _set_state)
+            return self._state[(role, rank)]
 
     def pid(self, role: str, rank: int = 0) -> int:
         return self._children[(role, rank)].pid
@@ -316,11 +317,13 @@ class Cluster:
         self.events.append(PeerEvent(key[0], key[1], pid, what, detail, time.time()))
 
     def _set_state(self, key: tuple[str, int], state: str) -> None:
+        # The manifest is rewritten under the same lock, so whoever sees the new state (console, tests) also finds
+        # it in the manifest.
         with self._cond:
             self._state[key] = state
+            if not self._stopping:
+                self.write_manifest()
             self._cond.notify_all()
-        if not self._stopping:
-            self.write_manifest()
 
     @staticmethod
     def _wait_exited(children: Sequence[ChildHandle], until: float) -> None:
