@@ -237,20 +237,28 @@ class RequestKv:
             raise ValueError(f"request {self.req_id!r} was admitted with credit {s.pending_credit}, hold has {k}")
         if k and hold.hashes[-1] != self._hashes[k - 1]:
             raise ValueError(f"request {self.req_id!r}: the hold is for another prompt or scope")
-        state = hold._take()
-        orders: list[CopyOrder] = []
         with pool.lock:
-            before = s.contribution
-            s.block_ids = list(state.ids)
-            s.pending_credit = 0
-            pool.entitled += s.contribution - before
-            state.released = True  # its references now belong to this request (blocks) and the orders (slots)
-            for group, (slot, gen) in state.artifacts.items():
-                order = pool._new_order(CopyKind.RESTORE, group, slot, s.live[group], gen, None, s, self.req_id)
-                s.open_orders[order.order_id] = order
-                orders.append(order)
+            orders = self._adopt_locked(hold)
         self.num_computed = k * self.page_tokens
         self._registered = k
+        return orders
+
+    def _adopt_locked(self, hold: PrefixHold) -> list[CopyOrder]:
+        """Move the hold's references into this request (under the pool lock): its blocks become the block table,
+        the entitlement drops to what is left to draw, and each bounded artifact becomes a RESTORE order (which now
+        owns that staging slot's reference until it is fenced)."""
+        s, pool = self._s, self.pool
+        state = hold._take()
+        before = s.contribution
+        s.block_ids = list(state.ids)
+        s.pending_credit = 0
+        pool.entitled += s.contribution - before
+        state.released = True
+        orders: list[CopyOrder] = []
+        for group, (slot, gen) in state.artifacts.items():
+            order = pool._new_order(CopyKind.RESTORE, group, slot, s.live[group], gen, None, s, self.req_id)
+            s.open_orders[order.order_id] = order
+            orders.append(order)
         return orders
 
     def adopt_handoff_prefix(self, hold: PrefixHold, committed_len: int) -> list[CopyOrder]:
@@ -275,18 +283,8 @@ class RequestKv:
                              "page is replaced by a private copy")
         if full and hold.hashes[full - 1] != self._hashes[full - 1]:
             raise ValueError(f"request {self.req_id!r}: the hold is for another prompt or scope")
-        state = hold._take()
-        orders: list[CopyOrder] = []
         with pool.lock:
-            before = s.contribution
-            s.block_ids = list(state.ids)
-            s.pending_credit = 0
-            pool.entitled += s.contribution - before  # a padded hand-off frees one block of slack for the copy
-            state.released = True
-            for group, (slot, gen) in state.artifacts.items():
-                order = pool._new_order(CopyKind.RESTORE, group, slot, s.live[group], gen, None, s, self.req_id)
-                s.open_orders[order.order_id] = order
-                orders.append(order)
+            orders = self._adopt_locked(hold)
             if padded:
                 shared = s.block_ids[-1]
                 # The draw is covered by the one block of slack the credit left (entitled already went down by one).
