@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import torch
-
 from kvproc.contract import GroupKind, GroupSpec, KvSpec, Sharding
 from kvproc.engine.models.base import (
     Allocator,
-    PreparedItem,
-    TinyModel,
     default_allocator,
 )
 from kvproc.engine.models.layers import (
@@ -17,11 +13,11 @@ from kvproc.engine.models.layers import (
     LmHead,
     Mlp,
     PagedGqaLayer,
-    StepCtx,
 )
+from kvproc.engine.models.stack import StackModel
 
 
-class DenseModel(TinyModel):
+class DenseModel(StackModel):
     name = "dense"
     GROUP = "attn"
 
@@ -39,13 +35,3 @@ class DenseModel(TinyModel):
             proj = GqaProj(rng, hidden, heads, kv_heads, head_dim, gain)
             arena = self._alloc(self.GROUP, f"dense.L{i}.kv", num_blocks, page_tokens * proj.row_floats)
             self.blocks.append(Block(PagedGqaLayer(proj, arena, page_tokens), Mlp(rng, hidden, mlp, gain)))
-
-    def spec(self) -> KvSpec:
-        return self._spec
-
-    def _forward(self, items: list[PreparedItem]) -> torch.Tensor:
-        ctx = StepCtx.build(items)
-        x = self.head.embed_tokens(ctx)
-        for block in self.blocks:
-            x = block(x, ctx)
-        return self.head.logits(self.head.final_hidden(x[ctx.last_rows()]))

@@ -16,9 +16,7 @@ import torch.nn.functional as F
 from kvproc.contract import GroupKind, GroupSpec, KvSpec, Sharding
 from kvproc.engine.models.base import (
     Allocator,
-    PreparedItem,
     Rng,
-    TinyModel,
     default_allocator,
 )
 from kvproc.engine.models.layers import (
@@ -30,6 +28,7 @@ from kvproc.engine.models.layers import (
     StepCtx,
     rms_norm,
 )
+from kvproc.engine.models.stack import StackModel
 
 _SUB_CHUNK = 64  # tokens per step of the chunkwise recurrence: O(T * 64) work instead of a per-token loop
 
@@ -102,7 +101,7 @@ class LinearRecurrentLayer:
         return rms_norm(out, self.out_ln).flatten(1) @ self.w_o
 
 
-class HybridModel(TinyModel):
+class HybridModel(StackModel):
     name = "hybrid"
     ATTN, LINEAR = "attn", "linear"
 
@@ -140,13 +139,3 @@ class HybridModel(TinyModel):
                 mixer = LinearRecurrentLayer(rng, hidden, linear_heads, linear_head_dim, conv_kernel, gain,
                                              state[:, j], conv[:, j], self.LINEAR)
             self.blocks.append(Block(mixer, Mlp(rng, hidden, mlp, gain)))
-
-    def spec(self) -> KvSpec:
-        return self._spec
-
-    def _forward(self, items: list[PreparedItem]) -> torch.Tensor:
-        ctx = StepCtx.build(items)
-        x = self.head.embed_tokens(ctx)
-        for block in self.blocks:
-            x = block(x, ctx)
-        return self.head.logits(self.head.final_hidden(x[ctx.last_rows()]))

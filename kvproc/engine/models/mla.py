@@ -22,7 +22,6 @@ from kvproc.engine.models.base import (
     Allocator,
     PreparedItem,
     Rng,
-    TinyModel,
     default_allocator,
 )
 from kvproc.engine.models.layers import (
@@ -37,6 +36,7 @@ from kvproc.engine.models.layers import (
     paged_write_read,
     rms_norm,
 )
+from kvproc.engine.models.stack import StackModel
 
 
 class MlaAttention:
@@ -104,7 +104,7 @@ class MlaAttention:
         return torch.einsum("bths,bth->bts", s, iw) * (1.0 / self.idx_dim**0.5)
 
 
-class MlaModel(TinyModel):
+class MlaModel(StackModel):
     name = "mla"
     LATENT, INDEXER, MTP, DRAFTER = "latent", "indexer", "mtp", "drafter"
 
@@ -153,9 +153,6 @@ class MlaModel(TinyModel):
         self.last_mtp_draft: torch.Tensor | None = None
         self.last_drafter_draft: torch.Tensor | None = None
 
-    def spec(self) -> KvSpec:
-        return self._spec
-
     def repack(self, group: str, direction: RepackDirection, src: torch.Tensor, dst: torch.Tensor) -> None:
         if group == self.LATENT:
             wire.repack_latent(RepackDirection(direction), src, dst)
@@ -163,10 +160,7 @@ class MlaModel(TinyModel):
             super().repack(group, direction, src, dst)
 
     def _forward(self, items: list[PreparedItem]) -> torch.Tensor:
-        ctx = StepCtx.build(items)
-        x = self.head.embed_tokens(ctx)
-        for block in self.blocks:
-            x = block(x, ctx)
+        x, ctx = self._hidden(items)
         last = ctx.last_rows()
         hf = self.head.final_hidden(x)
         if self.mtp_block is not None:

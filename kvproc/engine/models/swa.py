@@ -12,8 +12,6 @@ import torch
 from kvproc.contract import GroupKind, GroupSpec, KvSpec, Sharding
 from kvproc.engine.models.base import (
     Allocator,
-    PreparedItem,
-    TinyModel,
     default_allocator,
 )
 from kvproc.engine.models.layers import (
@@ -25,6 +23,7 @@ from kvproc.engine.models.layers import (
     StepCtx,
     attend,
 )
+from kvproc.engine.models.stack import StackModel
 
 _Q_BLOCK = 128  # long chunks attend in query blocks: each needs only the ring and the last `window` chunk keys
 _NOWHERE = -(2**40)  # position given to ring entries not yet written: always outside every query's window
@@ -58,7 +57,7 @@ class RingGqaLayer:
         return out.flatten(1) @ self.proj.w_o
 
 
-class SwaModel(TinyModel):
+class SwaModel(StackModel):
     name = "swa"
     GLOBAL, LOCAL = "global", "swa"
 
@@ -88,13 +87,3 @@ class SwaModel(TinyModel):
                 ring = self._alloc(self.LOCAL, f"swa.L{i}.ring", num_slots, window * proj.row_floats)
                 mixer = RingGqaLayer(proj, ring.view(num_slots, window, proj.row_floats), window, self.LOCAL)
             self.blocks.append(Block(mixer, Mlp(rng, hidden, mlp, gain)))
-
-    def spec(self) -> KvSpec:
-        return self._spec
-
-    def _forward(self, items: list[PreparedItem]) -> torch.Tensor:
-        ctx = StepCtx.build(items)
-        x = self.head.embed_tokens(ctx)
-        for block in self.blocks:
-            x = block(x, ctx)
-        return self.head.logits(self.head.final_hidden(x[ctx.last_rows()]))
