@@ -30,22 +30,10 @@ import zmq
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from kvproc.bench.ipcbench import RAW_ECHO  # noqa: E402  (the raw DEALER/ROUTER echo, one definition)
 from kvproc.ipc import messages as m  # noqa: E402
 from kvproc.ipc.client import RpcClient  # noqa: E402
 from kvproc.runtime import RoleConfig, launch  # noqa: E402
-
-RAW_ECHO = """
-import sys, zmq
-s = zmq.Context.instance().socket(zmq.ROUTER)
-s.setsockopt(zmq.LINGER, 0)
-s.bind(sys.argv[1])
-print("ready", flush=True)
-while True:
-    frames = s.recv_multipart()
-    if frames[1] == b"stop":
-        break
-    s.send_multipart(frames)
-"""
 
 
 def timed(fn: Callable[[], object], n: int) -> list[float]:
