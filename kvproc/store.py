@@ -31,6 +31,7 @@ from kvproc.loopthread import LoopThread
 from kvproc.pool import BlockPool
 from kvproc.request_kv import RequestKv
 from kvproc.store_resolve import Resolver
+from kvproc.store_resolve_blocking import BlockingResolver
 from kvproc.store_types import KvPrefix, Outcomes, ResolvePolicy, SaveClass, SealCursor, StoreConfig
 from kvproc.tiers.api import Copier, Tier
 from kvproc.tiers.host_index import SaveTicket, Shed
@@ -62,14 +63,23 @@ class KvStore:
         self.copiers = tuple(copiers or ())
         self.outcomes = Outcomes(config.outcome_history)
         self.counters: Counter[str] = Counter()
+        self._count_lock = threading.Lock()
         self._loop = LoopThread()
         self._saves: list[set[asyncio.Task[None]]] = [set() for _ in self.layouts]
-        self._loads: list[set[asyncio.Future[Any]]] = [set() for _ in self.layouts]
+        # Loads a resolve stopped waiting for (asyncio futures from the loop path, concurrent ones from the blocking
+        # path), until they settle.
+        self._loads: list[set[Any]] = [set() for _ in self.layouts]
         self._parked: list[dict[str, RequestKv]] = [{} for _ in self.layouts]
         self._cacheable_pinned = [0] * len(self.layouts)
         self._acct = threading.Lock()  # cacheable pin budget and seal cursors: touched by engine threads and the loop
         self._resolver = Resolver(self)
+        self._blocking = BlockingResolver(self, self._resolver)
         self._closed = False
+
+    def count(self, name: str, n: int = 1) -> None:
+        """Bump a store counter (engine threads, resolving threads and the loop all count)."""
+        with self._count_lock:
+            self.counters[name] += n
 
     # -- resolve --------------------------------------------------------------------------------------------------
     async def resolve_prefix(
@@ -99,7 +109,10 @@ class KvStore:
     def resolve_prefix_sync(self, rank: int, req_id: str, tokens: Sequence[int] | np.ndarray,
                             scope: HashScope = DEFAULT_SCOPE, policy: ResolvePolicy = ResolvePolicy(),
                             cancel: CancelToken | None = None) -> KvPrefix:
-        return self.submit_resolve(rank, req_id, tokens, scope, policy, cancel).result()
+        """Blocking `resolve_prefix`, same result and rules. A host hit that needs no waiting runs on the calling
+        thread (`store_resolve_blocking.py`: two round trips, no hand-off to the store's loop); the rest (Loading,
+        full-hit waits, pool pressure, a cancel token) continues on the loop. Not from the store's own loop."""
+        return self._blocking.resolve(rank, req_id, tokens, scope, policy, cancel)
 
     # -- seal -----------------------------------------------------------------------------------------------------
     def seal(self, rank: int, kv: RequestKv, cursor: SealCursor, save_class: SaveClass = SaveClass.CACHEABLE) -> None:
@@ -132,7 +145,7 @@ class KvStore:
                 pinned = self._cacheable_pinned[rank]
                 # A save larger than the whole budget still goes when nothing else is pinned, or it never would.
                 if pinned and pinned + len(ids) > budget:
-                    self.counters["save_shed_pin_pressure"] += 1
+                    self.count("save_shed_pin_pressure")
                     self.outcomes.record("save", kv.req_id, "shed", "pin_pressure")
                     return  # the cursor does not advance: a later seal retries
                 self._cacheable_pinned[rank] += len(ids)
@@ -189,9 +202,9 @@ class KvStore:
         finally:
             pin.release()
             if state != "ok" and save_class is SaveClass.HANDOFF:  # undelivered: the consumer will see a short hit
-                self.counters["handoff_save_failed"] += 1
+                self.count("handoff_save_failed")
                 log.error("handoff save failed", req_id=req_id, reason=reason, pages=len(keys))
-            self.counters[f"save_{state}"] += 1
+            self.count(f"save_{state}")
             self.outcomes.record("save", req_id, state, reason)
             if self._settle_accounting(rank, len(ids), save_class, cursor, start, shed=state == "shed"):
                 self._unpark(rank, req_id)
@@ -217,7 +230,7 @@ class KvStore:
         self.seal(rank, kv, cursor, save_class)
         if save_class is SaveClass.HANDOFF and cursor.pending:
             self._parked[rank][kv.req_id] = kv
-            self.counters["retire_parked"] += 1
+            self.count("retire_parked")
             self._loop.call(self._unpark_if_settled, rank, kv.req_id, cursor)
             return
         kv.release()
@@ -240,13 +253,13 @@ class KvStore:
     def release_handoff(self, producer_req_id: str) -> None:
         """The consumer has the hand-off's KV without a load (a device hit): release the producer's entries."""
         if self.tier is not None and self.tier.available:
-            self.counters["handoff_released_at_admission"] += 1
+            self.count("handoff_released_at_admission")
             self._loop.call(self.tier.revoke_handoff, producer_req_id)
 
     def revoke_handoff(self, producer_req_id: str) -> None:
         """Nobody will read this hand-off (the request was cancelled or rejected): release it now, not at TTL."""
         if self.tier is not None and self.tier.available:
-            self.counters["handoff_revoked"] += 1
+            self.count("handoff_revoked")
             self._loop.call(self.tier.revoke_handoff, producer_req_id)
 
     # -- bounded copies through the worker ------------------------------------------------------------------------
@@ -282,7 +295,7 @@ class KvStore:
         """Block until loads abandoned by a resolve deadline have settled (their reservations freed)."""
         async def _wait() -> None:
             while self._loads[rank]:
-                await asyncio.gather(*list(self._loads[rank]), return_exceptions=True)
+                await asyncio.gather(*map(asyncio.wrap_future, list(self._loads[rank])), return_exceptions=True)
         self._loop.submit(_wait()).result(timeout)
 
     def pinned_blocks(self, rank: int) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Awaitable, Sequence
 
 import numpy as np
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
     from kvproc.store import KvStore
 
 
-class _Degrade(Exception):
+class Degrade(Exception):
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
         self.reason = reason
@@ -45,7 +46,7 @@ class MissBreaker:
         if until is None:
             return True
         if time.monotonic() >= until:
-            del self._open_until[scope]
+            self._open_until.pop(scope, None)  # pop: resolving threads and the loop may both get here
             self._misses[scope] = 0
             return True
         return False
@@ -62,13 +63,27 @@ class MissBreaker:
         self._misses[scope] = 0
 
 
+@dataclass
+class Started:
+    """A resolve that needs the tier: its device hit so far, the hashes and how far the tier may extend it."""
+
+    prefix: KvPrefix
+    hashes: list[bytes]
+    dev: int  # pages held on the device
+    cap: int  # pages the prompt may reuse
+    deadline: float
+    page_tokens: int
+
+
 class Resolver:
     def __init__(self, store: "KvStore") -> None:
         self.store = store
         self.breaker = MissBreaker(store.config.breaker_misses, store.config.breaker_cooldown_s)
 
-    async def resolve(self, rank: int, req_id: str, tokens: Sequence[int] | np.ndarray, scope: HashScope,
-                      policy: ResolvePolicy, cancel: CancelToken | None) -> KvPrefix:
+    def begin(self, rank: int, req_id: str, tokens: Sequence[int] | np.ndarray, scope: HashScope,
+              policy: ResolvePolicy, cancel: CancelToken | None) -> KvPrefix | Started:
+        """Everything before the tier (any thread): the finished prefix when the tier has nothing to add, else the
+        device hit (held) and what to ask the tier for."""
         store = self.store
         pool = store.pools[rank]
         deadline = time.monotonic() + (policy.deadline_s or store.config.resolve_deadline_s)
@@ -90,17 +105,36 @@ class Resolver:
             store.outcomes.record("resolve", req_id, "degraded", "tier_unavailable")
             return prefix
         if not policy.wait_for_full_hit and not self.breaker.allows(scope):
-            store.counters["breaker_skips"] += 1
+            store.count("breaker_skips")
             store.outcomes.record("resolve", req_id, "ok", "breaker_open")
             return prefix
+        return Started(prefix, hashes, dev_pages, cap, deadline, P)
+
+    def finish(self, req_id: str, st: Started, pages: int | Degrade) -> KvPrefix:
+        """Record the resolve's one outcome and return its prefix (`pages` restored from the tier, or a degrade)."""
+        if isinstance(pages, Degrade):
+            self.store.count(f"resolve_degraded_{pages.reason}")
+            self.store.outcomes.record("resolve", req_id, "degraded", pages.reason)
+        else:
+            st.prefix.host_tokens = pages * st.page_tokens
+            self.store.outcomes.record("resolve", req_id, "ok")
+        return st.prefix
+
+    async def resolve(self, rank: int, req_id: str, tokens: Sequence[int] | np.ndarray, scope: HashScope,
+                      policy: ResolvePolicy, cancel: CancelToken | None) -> KvPrefix:
+        st = self.begin(rank, req_id, tokens, scope, policy, cancel)
+        if isinstance(st, KvPrefix):
+            return st
+        return await self.resolve_started(rank, req_id, st, scope, policy, cancel)
+
+    async def resolve_started(self, rank: int, req_id: str, st: Started, scope: HashScope, policy: ResolvePolicy,
+                              cancel: CancelToken | None) -> KvPrefix:
         try:
-            prefix.host_tokens = await self._from_tier(rank, req_id, hashes, hold, dev_pages, cap, scope, policy,
-                                                       cancel, deadline) * P
-            store.outcomes.record("resolve", req_id, "ok")
-        except _Degrade as d:
-            store.counters[f"resolve_degraded_{d.reason}"] += 1
-            store.outcomes.record("resolve", req_id, "degraded", d.reason)
-        return prefix
+            pages: int | Degrade = await self._from_tier(rank, req_id, st.hashes, st.prefix.hold, st.dev, st.cap,
+                                                          scope, policy, cancel, st.deadline)
+        except Degrade as d:
+            pages = d
+        return self.finish(req_id, st, pages)
 
     async def _wait(self, aw: Awaitable[Any], deadline: float, cancel: CancelToken | None, what: str) -> Any:
         """Await `aw` until the deadline, waking early on cancellation (the token's listener sets an event)."""
@@ -108,7 +142,7 @@ class Resolver:
         if remaining <= 0:
             if asyncio.iscoroutine(aw):
                 aw.close()  # never started: close it rather than leave an un-awaited coroutine behind
-            raise _Degrade(f"deadline_{what}")
+            raise Degrade(f"deadline_{what}")
         task = asyncio.ensure_future(aw)
         waiters: list[asyncio.Future[Any]] = [task]
         cancel_ev: asyncio.Event | None = None
@@ -131,8 +165,8 @@ class Resolver:
             return task.result()
         task.cancel()
         if cancel_ev is not None and cancel_ev.is_set():
-            raise _Degrade("cancelled")
-        raise _Degrade(f"deadline_{what}")
+            raise Degrade("cancelled")
+        raise Degrade(f"deadline_{what}")
 
     async def _from_tier(self, rank: int, req_id: str, hashes: list[bytes], hold: Any, dev: int, cap: int,
                          scope: HashScope, policy: ResolvePolicy, cancel: CancelToken | None,
@@ -145,20 +179,20 @@ class Resolver:
         staging_groups = [g.name for g in store.spec.restorable_bounded_groups]
         while True:
             if cancel is not None and cancel.cancelled:
-                raise _Degrade("cancelled")
+                raise Degrade("cancelled")
             remaining = deadline - time.monotonic()
             try:
                 res = await self._wait(tier.query(req_id, want, timeout=remaining), deadline, cancel, "query")
-            except _Degrade:
+            except Degrade:
                 raise
             except Exception as e:  # noqa: BLE001 - PeerDead / RemoteError / TierUnavailable
-                raise _Degrade(f"tier_{type(e).__name__}") from None
+                raise Degrade(f"tier_{type(e).__name__}") from None
             if isinstance(res, Miss):
                 if not policy.wait_for_full_hit:
                     # Only a cold miss (nothing on the device either) counts: a multi-turn request whose history
                     # hit the device always misses on its new tokens, and that says nothing about the tier.
                     if dev == 0 and self.breaker.miss(scope):
-                        store.counters["breaker_opened"] += 1
+                        store.count("breaker_opened")
                     return 0
                 await self._wait(tier.wait_key(want[-1], timeout=deadline - time.monotonic()), deadline, cancel,
                                  "full_hit")
@@ -179,7 +213,7 @@ class Resolver:
                 # A pool that cannot hold the prefix could not admit the request either: wait for capacity
                 # (released lease first, so the tier can evict meanwhile), then query again.
                 tier.release_lease(res.lease_id)
-                store.counters["resolve_waited_for_pool"] += 1
+                store.count("resolve_waited_for_pool")
                 await self._wait(self._capacity(pool), deadline, cancel, "pool_pressure")
                 continue
             pages = await self._load(rank, req_id, hashes, hold, dev, res, reservation, policy, cancel, deadline)
@@ -215,8 +249,8 @@ class Resolver:
 
         try:
             await self._wait(asyncio.shield(load), deadline, cancel, "load")
-        except _Degrade:
-            store.counters["loads_abandoned"] += 1
+        except Degrade:
+            store.count("loads_abandoned")
             store._loads[rank].add(load)
             load.add_done_callback(settle_abandoned)
             raise
@@ -224,7 +258,7 @@ class Resolver:
             reservation.release()
             tier.release_lease(res.lease_id)
             store.outcomes.record("load", req_id, "failed", type(e).__name__)
-            raise _Degrade("load_failed") from None
+            raise Degrade("load_failed") from None
         pool = store.pools[rank]
         pool.commit_loaded_blocks(reservation, hold, hashes[dev : dev + res.pages])
         tier.release_lease(res.lease_id, consume_handoff=policy.consume_handoff_of)

@@ -16,6 +16,7 @@ import pytest
 from kvproc.ipc import messages as m
 from kvproc.ipc.cancel import new_token
 from kvproc.ipc.client import RpcClient
+from kvproc.ipc.direct import LATE
 from kvproc.ipc.errors import CallCancelled, HandshakeRefused, PeerDeadError, RemoteError
 from kvproc.ipc.sockets import ipc_endpoint
 from kvproc.runtime.child import ChildSpec, child_main
@@ -210,3 +211,65 @@ def test_asyncio_awaits_a_call_through_wrap_future(client: RpcClient) -> None:
         return [r.unwrap().data for r in replies]
 
     assert asyncio.run(main()) == [b"%d" % i for i in range(20)]
+
+
+def test_request_with_wait_until_returns_late_and_hands_the_real_reply_over_later(client: RpcClient) -> None:
+    got: list[Any] = []
+    arrived = threading.Event()
+
+    def on_late(reply: Any) -> None:
+        got.append(reply)
+        arrived.set()
+
+    client.request(m.Ping(), timeout=5)  # this thread has its own socket now
+    t0 = time.monotonic()
+    res = client.request(m.Sleep(0.3), timeout=5, wait_until=time.monotonic() + 0.05, on_late=on_late)
+    assert res is LATE and time.monotonic() - t0 < 0.25 and not got
+    assert arrived.wait(5)
+    assert isinstance(got[0], m.Ok) and time.monotonic() - t0 >= 0.3
+    # the late call's socket went to its reaper: this thread's next call opens a new one and works
+    assert client.request(m.Ping(b"x"), timeout=5).data == b"x"
+
+
+def test_a_late_call_whose_peer_is_declared_dead_reports_peer_dead(served: Served) -> None:
+    c = served.client()
+    got: list[Any] = []
+    arrived = threading.Event()
+    res = c.request(m.Sleep(10.0), timeout=10, wait_until=time.monotonic() + 0.05,
+                    on_late=lambda r: (got.append(r), arrived.set()))
+    assert res is LATE
+    c.mark_dead("declared dead by the test")
+    assert arrived.wait(2) and isinstance(got[0], m.PeerDead)
+    c.close()
+
+
+def test_oneway_on_the_threads_socket_is_answered_at_its_next_call(client: RpcClient) -> None:
+    got: list[Any] = []
+    client.request(m.Ping(), timeout=5)
+    client.send_oneway(m.Fail("nope", code="oneway_test"), timeout=5, on_reply=got.append)
+    time.sleep(0.05)
+    assert got == []  # nobody read the socket yet
+    client.request(m.Ping(), timeout=5)
+    assert len(got) == 1 and isinstance(got[0], m.Failed) and got[0].code == "oneway_test"
+
+
+def test_oneway_replies_still_unread_at_close_are_reported(served: Served) -> None:
+    c = served.client()
+    got: list[Any] = []
+    c.request(m.Ping(), timeout=5)
+    c.send_oneway(m.Sleep(0.5), timeout=5, on_reply=got.append)
+    c.close()
+    assert len(got) == 1 and isinstance(got[0], m.PeerDead) and "before the reply was read" in got[0].reason
+
+
+def test_oneway_from_a_thread_without_a_socket_goes_through_the_io_thread(client: RpcClient) -> None:
+    got: list[Any] = []
+    done = threading.Event()
+
+    def fresh_thread() -> None:
+        client.send_oneway(m.Fail("x", code="io_path"), timeout=5, on_reply=lambda r: (got.append(r), done.set()))
+
+    t = threading.Thread(target=fresh_thread)
+    t.start()
+    t.join(5)
+    assert done.wait(5) and isinstance(got[0], m.Failed) and got[0].code == "io_path"

@@ -127,6 +127,13 @@ class _Bench:
         copier: Any = store.copiers[0]
         for kind in ("load", "save"):
             setattr(copier, kind, self._recording(getattr(copier, kind), self.orders[kind]))
+        blocking_load = copier.load_blocking
+
+        def record_blocking(order: Any, **kw: Any) -> Any:
+            self.orders["load"].append(order)
+            return blocking_load(order, **kw)
+
+        copier.load_blocking = record_blocking
 
     @staticmethod
     def _recording(fn: Callable[[Any], Any], into: list[Any]) -> Callable[[Any], Any]:

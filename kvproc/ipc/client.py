@@ -29,7 +29,7 @@ import zmq
 
 from kvproc.ipc import messages as m
 from kvproc.ipc.cancel import CancelToken
-from kvproc.ipc.direct import DirectCalls
+from kvproc.ipc.direct import LATE, DirectCalls
 from kvproc.ipc.errors import CallCancelled, DeadlineExceeded, HandshakeRefused, PeerDeadError
 from kvproc.ipc.sockets import configure_socket
 from kvproc.ipc.wake import Waker
@@ -234,8 +234,14 @@ class RpcClient:
         deadline: float | None = None,
         timeout: float | None = None,
         cancel_token: CancelToken | None = None,
+        wait_until: float | None = None,
+        on_late: Callable[[Any], None] | None = None,
     ) -> Any:
-        """Blocking form of `call`: returns the payload or raises RemoteError / CallCancelled / PeerDeadError."""
+        """Blocking form of `call`: returns the payload or raises RemoteError / CallCancelled / PeerDeadError.
+
+        With `wait_until` (before the deadline) and `on_late`: if no reply has come by `wait_until`, returns `LATE`
+        and the call's one terminal reply (Ok / Failed / Cancelled / PeerDead) goes to `on_late` when it comes, on
+        another thread. For a call that cannot be taken back, e.g. a copy order whose destination stays reserved."""
         if deadline is None:
             deadline = time.monotonic() + (self.default_timeout_s if timeout is None else timeout)
         if self._dead is not None:
@@ -243,15 +249,34 @@ class RpcClient:
         if cancel_token is not None and cancel_token.cancelled:
             raise CallCancelled(cancel_token.id)
         if self.server_pid and not self._closing:  # handshake done (a Future.done() would take a lock)
-            reply = self._direct.request(msg, deadline, cancel_token)  # this thread's own socket: no hand-off
+            # this thread's own socket: no hand-off
+            reply = self._direct.request(msg, deadline, cancel_token, wait_until, on_late)
+            if reply is LATE:
+                return LATE
             if reply is not None:
                 return reply.unwrap()
         fut = self.call(msg, deadline=deadline, cancel_token=cancel_token)
         try:
-            reply = fut.result(max(0.0, deadline - time.monotonic()) + self._grace + 5.0)
+            if on_late is not None and wait_until is not None and wait_until < deadline:
+                try:
+                    reply = fut.result(max(0.0, wait_until - time.monotonic()))
+                except TimeoutError:
+                    fut.add_done_callback(lambda f: on_late(f.result()))  # at once if it ended meanwhile
+                    return LATE
+            else:
+                reply = fut.result(max(0.0, deadline - time.monotonic()) + self._grace + 5.0)
         except TimeoutError:
             raise DeadlineExceeded(f"{self.peer}: no reply to {type(msg).__name__} (client I/O stalled)") from None
         return reply.unwrap()
+
+    def send_oneway(self, msg: m.RequestBody, *, timeout: float, on_reply: Callable[[Any], None]) -> None:
+        """Fire-and-forget: send `msg`; its one terminal reply (Ok / Failed / Cancelled / PeerDead) goes to
+        `on_reply` later. On the calling thread's own socket when it has one (`direct.py`: no I/O-thread wake-up;
+        the reply is read at that thread's next call), else through the I/O thread. Never raises."""
+        deadline = time.monotonic() + timeout
+        if self.server_pid and not self._closing and self._direct.oneway(msg, deadline, on_reply):
+            return
+        self.call(msg, deadline=deadline).add_done_callback(lambda f: on_reply(f.result()))
 
     def cancel(self, token_id: int) -> None:
         """Send `Cancel(token_id)` to this peer (normally done for you when a passed CancelToken is cancelled)."""

@@ -10,6 +10,17 @@ Guarantees are the I/O thread path's: exactly one outcome (the reply, PeerDead, 
 whole client dead; a cancelled token sends `Cancel` through the I/O thread (the server's cancel registry is per
 process, so any connection may carry it). Replies to an earlier call that timed out locally are recognised by call
 id and dropped.
+
+A fire-and-forget call from a thread that already owns a socket (`oneway`: a resolve releasing its lease as its last
+step) is one send on that socket, with no I/O-thread wake-up, whose GIL and CPU time would land on the resolve's
+next steps; its reply is read, and handed to its callback, during the thread's next call on the socket (or when the
+socket closes: then it is reported as PeerDead "closed before the reply was read").
+
+A caller that must stop waiting before the call's own deadline but still needs its outcome (a resolve whose deadline
+passes during a copy order, which is not cancellable and keeps its destination reserved until it ends) passes
+`wait_until` and `on_late`: if no reply has come by `wait_until`, the thread gives the socket up -- it is handed,
+with the one call pending on it, to a reaper thread that waits for that reply (or the peer's death, or the call's
+deadline backstop), hands it to `on_late` and closes the socket -- and the caller's next call opens a new one.
 """
 
 from __future__ import annotations
@@ -17,9 +28,10 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import msgspec
+import structlog
 import zmq
 
 from kvproc.ipc import messages as m
@@ -30,14 +42,26 @@ if TYPE_CHECKING:
     from kvproc.ipc.cancel import CancelToken
     from kvproc.ipc.client import RpcClient
 
+log = structlog.get_logger(__name__)
 _TERMINAL = (m.Ok, m.Failed, m.Cancelled, m.PeerDead)
 
 
+class _Late:
+    """The `request` result when the caller stopped waiting at `wait_until`: the outcome goes to `on_late`."""
+
+    def __repr__(self) -> str:
+        return "LATE"
+
+
+LATE = _Late()
+
+
 class _Owned:
-    __slots__ = ("sock", "poller", "busy")
+    __slots__ = ("sock", "poller", "busy", "oneways")
 
     def __init__(self, sock: zmq.Socket[Any], poller: zmq.Poller) -> None:
         self.sock, self.poller, self.busy = sock, poller, False
+        self.oneways: dict[int, Callable[[Any], None]] = {}  # fire-and-forget calls whose reply is not read yet
 
 
 class DirectCalls:
@@ -60,11 +84,13 @@ class DirectCalls:
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            for owned in self._owned:
-                if not owned.busy:  # a busy socket is closed by its own thread on the way out
-                    owned.sock.close(linger=0)
+            idle = [o for o in self._owned if not o.busy]  # a busy socket is closed by its own thread on the way out
+            for owned in idle:
+                owned.sock.close(linger=0)
             self._owned = [o for o in self._owned if o.busy]
             self._release_fd()
+        for owned in idle:
+            _unread(owned)
 
     def _release_fd(self) -> None:
         # Under self._lock. The death fd is closed by whoever is last: close() or the last busy caller.
@@ -129,16 +155,25 @@ class DirectCalls:
                     self._client.mark_dead(f"{self._client.peer}: said goodbye: {msg.reason}")
                     return None
                 kind = type(msg)
+                if kind in _TERMINAL and owned.oneways:
+                    done = owned.oneways.pop(msg.call_id, None)
+                    if done is not None:
+                        _report(done, msg)
+                        continue
                 if call_id:
                     if kind in _TERMINAL and msg.call_id == call_id:
                         return msg
                 elif kind is m.Welcome or kind is m.Refused:
                     return msg
 
-    def request(self, msg: m.RequestBody, deadline: float, token: CancelToken | None) -> Any:
-        """One terminal reply (a Reply struct), or None when this path cannot be used (caller falls back)."""
+    def request(self, msg: m.RequestBody, deadline: float, token: CancelToken | None,
+                wait_until: float | None = None, on_late: Callable[[Any], None] | None = None) -> Any:
+        """One terminal reply (a Reply struct); None when this path cannot be used (caller falls back); `LATE` when
+        `wait_until` passed first and `on_late` will receive the reply (see the module docstring)."""
         client = self._client
-        owned = self._socket(deadline)
+        # A new socket's handshake waits no longer than the caller does (a hung peer: the I/O-thread path then
+        # returns LATE at once).
+        owned = self._socket(min(deadline, wait_until) if on_late is not None and wait_until is not None else deadline)
         if owned is None:
             return None
         with self._lock:  # against a concurrent close(): a socket marked busy is never closed under its owner
@@ -147,27 +182,92 @@ class DirectCalls:
             owned.busy = True
         call_id = next(client._ids)
         listener = client._send_cancel if token is not None else None
+        late = False
         try:
             data = m.encode(m.Call(call_id, int(deadline * 1e9), msg, token.id if token is not None else 0))
             owned.sock.send(data)
             if token is not None and not token.add_listener(client._send_cancel):
                 client._send_cancel(token.id)
-            reply = self._wait(owned, call_id, deadline + client._grace)
+            if on_late is not None and wait_until is not None and wait_until < deadline:
+                reply = self._wait(owned, call_id, wait_until)
+                late = reply is None and client._dead is None and not self._closed
+            else:
+                reply = self._wait(owned, call_id, deadline + client._grace)
         finally:
-            owned.busy = False
-            if token is not None:
-                token.remove_listener(listener)  # type: ignore[arg-type]
-            if self._closed:
-                with self._lock:
-                    owned.sock.close(linger=0)
-                    if owned in self._owned:
-                        self._owned.remove(owned)
-                    self._release_fd()
+            if late:
+                self._local.owned = None  # the socket goes to the reaper, with the call still on it
+            else:
+                owned.busy = False
+                if token is not None:
+                    token.remove_listener(listener)  # type: ignore[arg-type]
+                if self._closed:
+                    self._drop(owned)
+        if late:
+            assert on_late is not None
+            threading.Thread(target=self._reap, args=(owned, call_id, deadline, token, listener, on_late),
+                             name=f"kvproc-late-{client.peer}", daemon=True).start()
+            return LATE
         if reply is not None:
             return reply
+        return self._no_reply(call_id)
+
+    def oneway(self, msg: m.RequestBody, deadline: float, on_reply: Callable[[Any], None]) -> bool:
+        """Send a fire-and-forget call on this thread's socket, if it has one (False: use the I/O thread). Its
+        terminal reply goes to `on_reply` when this thread next reads the socket (module docstring)."""
+        owned: _Owned | None = getattr(self._local, "owned", None)
+        if owned is None or self._closed or self._client._dead is not None:
+            return False
+        call_id = next(self._client._ids)
+        owned.oneways[call_id] = on_reply
+        try:
+            owned.sock.send(m.encode(m.Call(call_id, int(deadline * 1e9), msg, 0)), zmq.NOBLOCK)
+        except zmq.ZMQError:  # at the high-water mark (or closing): the I/O thread path reports it
+            owned.oneways.pop(call_id, None)
+            return False
+        return True
+
+    def _no_reply(self, call_id: int) -> Any:
+        client = self._client
         if client._dead is not None:
             return m.PeerDead(call_id, client._dead)
         return m.Failed(call_id, "deadline_exceeded", "DeadlineExceeded", f"{client.peer}: no reply (local backstop)")
 
+    def _reap(self, owned: _Owned, call_id: int, deadline: float, token: CancelToken | None,
+              listener: Callable[[int], None] | None, on_late: Callable[[Any], None]) -> None:
+        """A late call's own thread: wait for its one outcome, hand it over, close the socket."""
+        try:
+            reply = self._wait(owned, call_id, deadline + self._client._grace)
+            outcome = reply if reply is not None else self._no_reply(call_id)
+        finally:
+            if token is not None:
+                token.remove_listener(listener)  # type: ignore[arg-type]
+            self._drop(owned)
+        on_late(outcome)
 
-__all__ = ["DirectCalls", "PeerDeadError"]
+    def _drop(self, owned: _Owned) -> None:
+        """Close a socket its thread no longer uses (the client closed under it, or a late call settled)."""
+        with self._lock:
+            owned.busy = False
+            owned.sock.close(linger=0)
+            if owned in self._owned:
+                self._owned.remove(owned)
+            if self._closed:
+                self._release_fd()
+        _unread(owned)
+
+
+def _report(done: Callable[[Any], None], reply: Any) -> None:
+    try:
+        done(reply)
+    except Exception:  # a callback's bug must not break the caller's wait
+        log.exception("oneway_callback_failed")
+
+
+def _unread(owned: _Owned) -> None:
+    """The socket closed with fire-and-forget replies unread: each reports PeerDead (its effect is unknown)."""
+    oneways, owned.oneways = owned.oneways, {}
+    for call_id, done in oneways.items():
+        _report(done, m.PeerDead(call_id, "socket closed before the reply was read"))
+
+
+__all__ = ["LATE", "DirectCalls", "PeerDeadError"]

@@ -9,7 +9,7 @@ by its TTL or dies with it.
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 from kvproc.tiers.host_index import QueryResult, SaveClass, SaveTicket, Shed
 from kvproc.tiers.layout import HostLayout
@@ -63,3 +63,19 @@ class Copier(Protocol):
     async def device_copy(self, copies: Sequence[SlotCopy]) -> int: ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class BlockingTier(Protocol):
+    """Optional: a tier that can answer a query on the calling thread (the store's blocking resolve path)."""
+
+    def query_blocking(self, req_id: str, hashes: Sequence[bytes], *, deadline: float) -> QueryResult: ...
+
+
+@runtime_checkable
+class BlockingCopier(Protocol):
+    """Optional: a copier that can run a load from the calling thread. Returns the bytes copied, or
+    `kvproc.ipc.direct.LATE` when `wait_until` passed first: the order still runs, and its terminal reply
+    (Ok / Failed / PeerDead) goes to `on_late` when it ends."""
+
+    def load_blocking(self, order: LoadOrder, *, wait_until: float, on_late: Callable[[Any], None]) -> Any: ...

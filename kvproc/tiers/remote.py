@@ -12,11 +12,16 @@ copy-worker processes. Same semantics as `kvproc.tiers.local` (the reference), w
 - A copy order is not cancellable: it is sent with a long deadline (`copy_timeout_s`, a hung-worker bound, not a
   latency target) and no cancel token, and its future ends with the worker's real outcome or PeerDead (raised).
 - The copy worker is restartable: the copier re-sends `AttachArenas` to a new incarnation before its next order.
+- Blocking forms for a resolve that runs on the caller's thread (`query_blocking`, `load_blocking`: the
+  `BlockingTier` / `BlockingCopier` protocols): `RpcClient.request` on a socket the calling thread owns, so a host-hit
+  resolve costs its two round trips and no hand-off to the store's loop and back. A load whose resolve deadline
+  passes first returns `LATE`; its real outcome reaches `on_late` when the worker answers.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections import Counter
 from typing import Any, Callable, Sequence
@@ -26,6 +31,7 @@ import structlog
 from kvproc.ipc import messages as m
 from kvproc.ipc.aclient import AsyncRpcClient
 from kvproc.ipc.client import RpcClient
+from kvproc.ipc.direct import LATE
 from kvproc.ipc.errors import RemoteError
 from kvproc.tiers.host_index import Hit, Loading, Miss, QueryResult, SaveClass, SaveTicket, Shed
 from kvproc.tiers.layout import HostLayout
@@ -110,6 +116,14 @@ async def _call(client: RpcClient, msg: m.RequestBody, timeout: float) -> Any:
     return reply.unwrap()
 
 
+def _query_result(res: Any) -> QueryResult:
+    if isinstance(res, m.TierHit):
+        return Hit(res.pages, res.lease_id, tuple(res.page_slots), dict(res.bounded_slots))
+    if isinstance(res, m.TierLoading):
+        return Loading(res.ready_pages, res.save_id)
+    return Miss()
+
+
 class RemoteTier:
     def __init__(self, client: ClientSource, layout: HostLayout, *, oneway_timeout_s: float = 5.0) -> None:
         self._client = client
@@ -126,12 +140,11 @@ class RemoteTier:
     # ---- awaited calls ----
 
     async def query(self, req_id: str, hashes: Sequence[bytes], *, timeout: float) -> QueryResult:
-        res = await _acall(self._link, self._client(), m.Query(req_id, list(hashes)), timeout)
-        if isinstance(res, m.TierHit):
-            return Hit(res.pages, res.lease_id, tuple(res.page_slots), dict(res.bounded_slots))
-        if isinstance(res, m.TierLoading):
-            return Loading(res.ready_pages, res.save_id)
-        return Miss()
+        return _query_result(await _acall(self._link, self._client(), m.Query(req_id, list(hashes)), timeout))
+
+    def query_blocking(self, req_id: str, hashes: Sequence[bytes], *, deadline: float) -> QueryResult:
+        """`query` on the calling thread's own socket; raises what the call raises (the resolver degrades)."""
+        return _query_result(self._client().request(m.Query(req_id, list(hashes)), deadline=deadline))
 
     async def wait_settled(self, save_id: int, *, timeout: float) -> bool:
         return await self._wait(m.WaitSettled(save_id), timeout)
@@ -196,12 +209,10 @@ class RemoteTier:
             if ac is not None:  # on the store's loop: its own socket; the reply is read there and dropped
                 ac.call_nowait(msg, timeout=self.oneway_timeout_s, on_reply=done)
                 return
-            fut = sync.call(msg, timeout=self.oneway_timeout_s)
+            sync.send_oneway(msg, timeout=self.oneway_timeout_s, on_reply=done)  # the caller's socket if it has one
         except Exception as e:  # noqa: BLE001 - never raise from a fire-and-forget call
             self.counters[f"oneway_failed_{what}"] += 1
             log.warning("tier_oneway_failed", request=what, error=repr(e))
-            return
-        fut.add_done_callback(lambda f: done(f.result()))
 
     def close(self) -> None:
         self._closed = True
@@ -220,6 +231,7 @@ class RemoteCopier:
         self._attached_to: RpcClient | None = None
         self._attach_lock: asyncio.Lock | None = None  # created on the store's loop at first use
         self._link = _LoopLink(client)
+        self._sync_attach = threading.Lock()  # attaches made from resolving threads (load_blocking)
         self.attaches = 0
 
     def attach_now(self, timeout: float) -> None:
@@ -256,6 +268,20 @@ class RemoteCopier:
 
     async def device_copy(self, copies: Sequence[SlotCopy]) -> int:
         return await self._order(m.DeviceCopy(list(copies)))
+
+    def load_blocking(self, order: LoadOrder, *, wait_until: float, on_late: Callable[[Any], None]) -> int | Any:
+        """`load` on the calling thread's own socket: the bytes copied, or `LATE` once `wait_until` passes (the
+        worker's terminal reply then goes to `on_late`: Ok(Copied) / Failed / PeerDead). Raises like `load`."""
+        client = self._client()
+        if client is not self._attached_to:
+            with self._sync_attach:  # a new incarnation (restart): attach it first; a second attach is harmless
+                client = self._client()
+                if client is not self._attached_to:
+                    client.request(self.attach_msg, timeout=self.attach_timeout_s)
+                    self._attached_to = client
+                    self.attaches += 1
+        res = client.request(m.Load(order), timeout=self.copy_timeout_s, wait_until=wait_until, on_late=on_late)
+        return res if res is LATE else int(res.nbytes)
 
     def close(self) -> None:
         self._attached_to = None

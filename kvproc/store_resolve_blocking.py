@@ -1,0 +1,132 @@
+"""The blocking read path behind `KvStore.resolve_prefix_sync`: a host-hit resolve run on the caller's thread.
+
+Why: the loop path (`store_resolve.py`) hands the resolve to the store's event loop and the result back, and each of
+its tier calls wakes the loop; on a 2-vCPU host every wake-up costs tens of microseconds plus cold caches for the
+code after it. A caller that blocks for the result anyway can do the common case itself, with the tier and the copy
+worker reached over sockets its own thread owns (`RpcClient.request`): hash, probe, Query, reserve, Load, commit.
+
+The common case only. Anything that has to wait goes to the loop path, which waits without a thread per wait:
+a tier that answers Loading, a full-hit policy not yet satisfied, a pool that cannot take the load right now, a tier
+or copier without blocking forms (`BlockingTier` / `BlockingCopier`), and calls with a cancel token (the loop path
+wakes on cancellation mid-wait; this one would only notice between steps). The lease of a declined hit is released
+first, so the loop path starts clean (it queries again: one more round trip, on a path that waits anyway).
+
+Same rules as the loop path: one deadline for the whole resolve; degrade reasons in stats, never in the result; the
+lease released on every path that does not consume it; a load is not cancellable: when the deadline passes during
+it, the resolve degrades to the device hit and the load is abandoned -- counted, its reservation and lease kept
+until the worker's reply arrives (on another thread: `on_late`), and `flush_loads` waits for it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from typing import TYPE_CHECKING, Any, Sequence
+
+import numpy as np
+
+from kvproc.hashing import HashScope
+from kvproc.ipc import messages as m
+from kvproc.ipc.cancel import CancelToken
+from kvproc.ipc.direct import LATE
+from kvproc.store_resolve import Degrade, Resolver, Started
+from kvproc.store_types import KvPrefix, ResolvePolicy
+from kvproc.tiers.api import BlockingCopier, BlockingTier
+from kvproc.tiers.host_index import Hit, Miss
+from kvproc.workers.orders import BoundedCopy, LoadOrder
+
+if TYPE_CHECKING:
+    from kvproc.store import KvStore
+
+
+class _UseLoop(Exception):
+    """This resolve has to wait for something: the loop path takes it over (nothing is held on the tier)."""
+
+
+class BlockingResolver:
+    def __init__(self, store: "KvStore", resolver: Resolver) -> None:
+        self.store = store
+        self.resolver = resolver  # shares the miss-breaker, the outcomes and the front half (`begin`)
+        # Decided once (the store is frozen after build; an isinstance on a runtime Protocol costs ~20 us a call).
+        self.capable = isinstance(store.tier, BlockingTier) and bool(store.copiers) and all(
+            isinstance(c, BlockingCopier) for c in store.copiers)
+
+    def resolve(self, rank: int, req_id: str, tokens: Sequence[int] | np.ndarray, scope: HashScope,
+                policy: ResolvePolicy, cancel: CancelToken | None) -> KvPrefix:
+        store = self.store
+        st = self.resolver.begin(rank, req_id, tokens, scope, policy, cancel)
+        if isinstance(st, KvPrefix):
+            return st
+        if cancel is None and self.capable:
+            pages: int | Degrade | None
+            try:
+                pages = self._from_tier(rank, req_id, st, store.tier, store.copiers[rank], scope, policy)
+            except Degrade as d:
+                pages = d
+            except _UseLoop:
+                pages = None
+            if pages is not None:
+                return self.resolver.finish(req_id, st, pages)
+        store.count("resolve_via_loop")
+        return store._loop.submit(self.resolver.resolve_started(rank, req_id, st, scope, policy, cancel)).result()
+
+    def _from_tier(self, rank: int, req_id: str, st: Started, tier: Any, copier: Any, scope: HashScope,
+                   policy: ResolvePolicy) -> int:
+        store = self.store
+        want = st.hashes[st.dev : st.cap]
+        try:
+            res = tier.query_blocking(req_id, want, deadline=st.deadline)
+        except Exception as e:  # noqa: BLE001 - PeerDead / RemoteError / a local deadline: the prefix stays as is
+            if time.monotonic() >= st.deadline:
+                raise Degrade("deadline_query") from None
+            raise Degrade(f"tier_{type(e).__name__}") from None
+        if isinstance(res, Miss):
+            if policy.wait_for_full_hit:
+                raise _UseLoop
+            if st.dev == 0 and self.resolver.breaker.miss(scope):  # cold misses only, as on the loop path
+                store.count("breaker_opened")
+            return 0
+        if not isinstance(res, Hit):
+            raise _UseLoop  # Loading: the loop waits for the tier's notification
+        if policy.wait_for_full_hit and res.pages < len(want):
+            tier.release_lease(res.lease_id)
+            raise _UseLoop
+        pool = store.pools[rank]
+        groups = [g.name for g in store.spec.restorable_bounded_groups if g.name in res.bounded_slots]
+        reservation = pool.reserve_loaded_blocks(res.pages, groups)
+        if reservation is None:
+            tier.release_lease(res.lease_id)
+            raise _UseLoop  # pool pressure: the loop waits on the pool's capacity waiter
+        staging = reservation.staging
+        order = LoadOrder(req_id, list(res.page_slots), reservation.block_ids,
+                          [BoundedCopy(g, staging[g][0], res.bounded_slots[g]) for g in staging])
+        late: concurrent.futures.Future[None] = concurrent.futures.Future()
+        loads = store._loads[rank]
+
+        def settle_abandoned(reply: Any) -> None:  # the worker's reply to a load the resolve stopped waiting for
+            reservation.release()
+            tier.release_lease(res.lease_id)
+            store.outcomes.record("load", req_id, "ok" if isinstance(reply, m.Ok) else "failed", "abandoned")
+            loads.discard(late)
+            late.set_result(None)
+
+        loads.add(late)  # before the order goes out: flush_loads must see it from the moment it can be abandoned
+        try:
+            copied = copier.load_blocking(order, wait_until=st.deadline, on_late=settle_abandoned)
+        except Exception as e:  # noqa: BLE001 - the copy failed (or its worker died): nothing was committed
+            loads.discard(late)
+            late.set_result(None)
+            reservation.release()
+            tier.release_lease(res.lease_id)
+            store.outcomes.record("load", req_id, "failed", type(e).__name__)
+            raise Degrade("load_failed") from None
+        if copied is LATE:
+            store.count("loads_abandoned")
+            raise Degrade("deadline_load")
+        loads.discard(late)
+        late.set_result(None)
+        pool.commit_loaded_blocks(reservation, st.prefix.hold, st.hashes[st.dev : st.dev + res.pages])
+        tier.release_lease(res.lease_id, consume_handoff=policy.consume_handoff_of)
+        store.outcomes.record("load", req_id, "ok")
+        self.resolver.breaker.hit(scope)
+        return int(res.pages)

@@ -1,0 +1,119 @@
+"""`resolve_prefix_sync`'s blocking path (`store_resolve_blocking.py`) across real processes: a host hit on the calling
+thread's own sockets, a load that outlives the deadline (abandoned, reservation and lease kept until the worker
+answers), a worker killed mid-load, and the cases it hands to the store's loop."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from kvproc.ipc.cancel import new_token
+from kvproc.store_types import FULL_HIT, ResolvePolicy, StoreConfig
+from tests.test_cluster_fixtures import churn, cluster_store, compute, stopped, wait_for
+
+pytestmark = pytest.mark.timeout(60)
+CONFIG = StoreConfig(resolve_deadline_s=3.0)
+
+
+def _saved(store, model, rid: str, toks: list[int]):  # type: ignore[no-untyped-def]
+    kv, cur, _, written = compute(store, model, rid, toks)
+    store.retire(0, kv, cur)
+    store.flush_saves(0, 10)
+    churn(store)
+    return written
+
+
+def test_a_host_hit_restores_the_bytes_on_the_calling_thread_and_releases_the_lease() -> None:
+    with cluster_store(config=CONFIG) as (cs, store, model):
+        toks = list(range(17))
+        written = _saved(store, model, "a", toks)
+        model.zero()
+        pre = store.resolve_prefix_sync(0, "b", toks)
+        assert pre.host_tokens == 16 and pre.device_tokens == 0
+        for h, b in zip(pre.hold.hashes, pre.hold.block_ids):
+            assert torch.equal(model.block(0, b), written[h][0]) and torch.equal(model.block(1, b), written[h][1])
+        assert store.counters["resolve_via_loop"] == 0
+        assert store.outcomes.for_request("b")[-1].state == "ok"
+        pre.hold.release()
+        wait_for(lambda: store.stats()["tier"]["open_leases"] == 0, what="the lease released")
+        assert store.stats()["rank0"]["active_blocks"] == 0
+
+
+@pytest.mark.parametrize("thread", ["with_a_socket", "fresh"])
+def test_a_load_past_the_deadline_is_abandoned_and_keeps_its_reservation_until_the_worker_answers(thread: str) -> None:
+    """`fresh`: the resolving thread has no socket to the worker yet, so its handshake meets the hung worker too."""
+    with cluster_store(config=CONFIG) as (cs, store, model):
+        toks = list(range(17))
+        _saved(store, model, "a", toks)
+        worker = cs.cluster.pid("copy_worker")
+        with stopped(worker):
+            t0 = time.monotonic()
+            policy = ResolvePolicy(deadline_s=0.3)
+            if thread == "fresh":
+                out: list = []
+                t = threading.Thread(target=lambda: out.append(store.resolve_prefix_sync(0, "b", toks, policy=policy)))
+                t.start()
+                t.join(5)
+                pre = out[0]
+            else:
+                pre = store.resolve_prefix_sync(0, "b", toks, policy=policy)
+            took = time.monotonic() - t0
+            assert 0.25 < took < 0.9 and pre.hit_tokens == 0
+            assert store.outcomes.for_request("b")[-1].reason == "deadline_load", (store.outcomes.for_request("b"), dict(store.counters))
+            st = store.stats()
+            assert st["store"]["loads_abandoned"] == 1 and st["rank0"]["loads_abandoned_in_flight"] == 1
+            assert st["rank0"]["active_blocks"] == 4  # the load's destination blocks stay reserved
+            pre.hold.release()
+        store.flush_loads(0, 5)  # the worker runs again: its reply settles the abandoned load
+        assert store.stats()["rank0"]["active_blocks"] == 0
+        assert [o.reason for o in store.outcomes.for_request("b") if o.op == "load"] == ["abandoned"]
+        wait_for(lambda: store.stats()["tier"]["open_leases"] == 0, what="the lease released")
+        pre = store.resolve_prefix_sync(0, "c", toks)  # and the path works again, on a new socket
+        assert pre.host_tokens == 16
+        pre.hold.release()
+
+
+def test_a_worker_killed_during_a_blocking_load_degrades_frees_everything_and_service_resumes() -> None:
+    with cluster_store(config=CONFIG) as (cs, store, model):
+        toks = list(range(17))
+        _saved(store, model, "a", toks)
+        worker = cs.cluster.pid("copy_worker")
+        out: list = []
+        with stopped(worker):
+            t = threading.Thread(target=lambda: out.append(store.resolve_prefix_sync(0, "b", toks)))
+            t.start()
+            wait_for(lambda: bool(store._loads[0]), what="the load order in flight")
+            os.kill(worker, signal.SIGKILL)
+            t.join(5)
+        assert out and out[0].hit_tokens == 0
+        assert store.outcomes.for_request("b")[-1].reason == "load_failed"
+        out[0].hold.release()
+        assert store.stats()["rank0"]["active_blocks"] == 0 and not store._loads[0]
+        wait_for(lambda: store.stats()["tier"]["open_leases"] == 0, what="the lease released")
+        cs.cluster.wait_available("copy_worker", timeout=15)
+        pre = store.resolve_prefix_sync(0, "c", toks)  # the blocking path attaches the new incarnation itself
+        assert pre.host_tokens == 16 and store.copiers[0].attaches == 2  # type: ignore[attr-defined]
+        pre.hold.release()
+
+
+def test_resolves_that_must_wait_or_carry_a_cancel_token_continue_on_the_loop() -> None:
+    with cluster_store(config=CONFIG) as (cs, store, model):
+        toks = list(range(17))
+        _saved(store, model, "a", toks)
+        pre = store.resolve_prefix_sync(0, "tok", toks, cancel=new_token())
+        assert pre.host_tokens == 16 and store.counters["resolve_via_loop"] == 1
+        pre.hold.release()
+        churn(store)
+        # a full-hit policy whose last page was never saved: the loop waits for the producer, here until the deadline
+        policy = ResolvePolicy(FULL_HIT.reuse, wait_for_full_hit=True, deadline_s=0.3)
+        pre = store.resolve_prefix_sync(0, "full", list(range(20)), policy=policy)
+        assert pre.hit_tokens == 0 and store.counters["resolve_via_loop"] == 2
+        assert store.outcomes.for_request("full")[-1].reason.startswith("deadline_")
+        pre.hold.release()
+        wait_for(lambda: store.stats()["tier"]["open_leases"] == 0, what="every declined lease released")
+        assert store.stats()["rank0"]["active_blocks"] == 0
