@@ -125,13 +125,14 @@ class BlockPool:
     def drain_deferred(self) -> int:
         """Release the references of garbage-collected handles. Called at the start of every locked operation."""
         n = 0
-        while True:
+        while not self._deferred.empty():  # checked first: an empty get_nowait() raises, on every locked call
             try:
                 state = self._deferred.get_nowait()
             except queue.Empty:
-                return n
+                break
             n += 1
             self._release_state(state)
+        return n
 
     def _release_state(self, state: object) -> None:
         """Release a handle's references (hold, reservation, pin or request state) and wake capacity waiters."""

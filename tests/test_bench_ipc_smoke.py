@@ -14,9 +14,12 @@ def test_ipc_bench_runs_and_writes_the_documented_json(tmp_path):
     out = tmp_path / "ipc.json"
     assert main(["--quick", "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
-    assert [r["blocks"] for r in doc["results"]] == [1, 16, 256]
+    assert [r["blocks"] for r in doc["results"]] == [1, 16, 64, 256]
     for r in doc["results"]:
-        assert {"blocks", "resolve_us", "raw_rtt_us", "resolve_rtt_overhead"} <= set(r)
-        assert r["resolve_us"] > 0 and r["raw_rtt_us"] > 0
+        for path in ("blocking", "loop"):
+            assert {f"resolve_{path}_us", f"{path}_overhead_beyond_2_rtts", f"{path}_overhead_total_rtts"} <= set(r)
+            assert r[f"resolve_{path}_us"] > 0
+        assert r["raw_rtt_us"] > 0
     assert doc["resolves_per_s"] > 0
+    assert doc["resolves_via_loop"] == 0  # every host hit of the blocking path stayed on the calling thread
     assert not set(list_segments()) - before  # the bench's cluster and arenas are gone

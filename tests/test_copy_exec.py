@@ -3,10 +3,12 @@
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvproc import GroupKind, GroupSpec, KvArena, KvSpec, RepackDirection, validate_layout
 from kvproc.tiers.layout import HostLayout
-from kvproc.workers.copy_exec import CopyError, CopyExecutor, runs
+from kvproc.workers.copy_exec import CopyError, CopyExecutor, _runs_numpy, runs
 from kvproc.workers.orders import BoundedCopy, LoadOrder, SaveOrder, SlotCopy
 
 
@@ -14,6 +16,20 @@ def test_runs_coalesce_only_where_both_sides_advance_together():
     src = np.array([3, 4, 5, 9, 10, 2])
     dst = np.array([0, 1, 7, 8, 9, 3])
     assert runs(src, dst) == [(3, 0, 2), (5, 7, 1), (9, 8, 2), (2, 3, 1)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40)), max_size=80))
+def test_runs_small_list_path_and_numpy_path_agree_and_cover_every_pair(pairs):
+    """Up to SMALL_ORDER pairs `runs` loops in Python, above it numpy: both must give the same maximal runs."""
+    src = [s for s, _ in pairs]
+    dst = [d for _, d in pairs]
+    got = runs(src, dst)
+    assert got == _runs_numpy(src, dst) == runs(np.asarray(src), np.asarray(dst))
+    expanded = [(s0 + i, d0 + i) for s0, d0, k in got for i in range(k)]
+    assert expanded == list(zip(src, dst))  # every pair, in order
+    for (s0, d0, k), (s1, d1, _) in zip(got, got[1:]):
+        assert not (s1 == s0 + k and d1 == d0 + k)  # maximal: no two neighbours could merge
 
 
 def layout(nb=8, bpb=32, stride=48, slots=4, stored=None):
@@ -45,6 +61,34 @@ def test_save_then_load_into_other_ids_is_bit_exact_for_every_arena():
         else:
             for src, dst in zip([0, 1, 2, 6], [4, 5, 3, 7]):
                 assert torch.equal(block(a, dst), before[a.name][src])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_any_mix_of_runs_and_scattered_ids_moves_exactly_the_right_bytes(data):
+    """Long runs go as slice copies, the rest as one gather per arena (`split_runs`): for any id pattern, small
+    (Python planning) or large (numpy planning), every block lands where its order says, and the strided arena's
+    padding between blocks is never written."""
+    nb = 96
+    lay = layout(nb=nb, slots=4)
+    hl = HostLayout.plan(lay, 1 << 20)
+    ex = CopyExecutor(lay, np.zeros(hl.total_bytes, dtype=np.uint8), hl)
+    def distinct(hi: int, n: int) -> list[int]:
+        return data.draw(st.lists(st.integers(0, hi - 1), min_size=n, max_size=n, unique=True))
+
+    n = data.draw(st.integers(0, 48))
+    ids = list(range(n)) if data.draw(st.booleans()) else distinct(nb, n)
+    slots = list(range(10, 10 + n)) if data.draw(st.booleans()) else distinct(hl.page_slots, n)
+    dest = list(range(nb - n, nb)) if data.draw(st.booleans()) else distinct(nb, n)
+    k0 = lay.arenas[0][1]
+    before = {a.name: [block(a, i).clone() for i in range(a.num_blocks)] for _, a in lay.arenas[:2]}
+    pads = k0.byte_view().view(nb, 48)[:, 32:].clone()
+    ex.save(SaveOrder("r", ids, slots))
+    ex.load(LoadOrder("r", slots, dest))
+    for _, a in lay.arenas[:2]:
+        for src, dst in zip(ids, dest):
+            assert torch.equal(block(a, dst), before[a.name][src])
+    assert torch.equal(k0.byte_view().view(nb, 48)[:, 32:], pads)
 
 
 def test_stride_padding_is_not_copied():

@@ -1,20 +1,23 @@
-"""`kvproc bench ipc`: the control path's cost in round trips. A host-hit `resolve_prefix` and a seal/retire of 1, 16
-and 256 blocks through a real `ClusterStore` (host tier and copy worker processes), against a raw pyzmq DEALER/ROUTER
-round trip measured in the same run.
+"""`kvproc bench ipc`: the control path's cost in round trips. A host-hit `resolve_prefix` and a seal/retire of 1, 16,
+64 and 256 blocks through a real `ClusterStore` (host tier and copy worker processes), against a raw pyzmq
+DEALER/ROUTER round trip measured in the same run.
 
 - raw: 64 B DEALER send + recv against a ROUTER echo loop in its own process (the transport's floor);
 - resolve: `resolve_prefix_sync` of a prompt whose pages are on the host tier only (the device pool is churned
-  before each one, outside the timing): hashing, probe, Query, reserve, Load order, commit, lease release;
+  before each one, outside the timing): hashing, probe, Query, reserve, Load order, commit, lease release. Two paths,
+  alternating in batches of 10 (ABBA) so both see the same machine: `blocking` (the default for a blocking caller:
+  the calling thread's own sockets) and `loop` (`submit_resolve(...).result()`: the store's event loop);
 - copy: the very Load orders the store sent, replayed in this process by a `CopyExecutor` over the same segments
   (the bytes' cost, including ids that do not coalesce);
-- overhead = (resolve - copy) / raw: the control path in raw round trips. Target: <= 3.
+- overhead, in raw round trips: `beyond 2` = (resolve - copy - 2 raw) / raw, i.e. beyond the two round trips a host
+  hit needs (Query, Load): the issue's measure, target <= 3; `total` = (resolve - copy) / raw.
 - seal: `retire` of a request with fresh pages until its save has landed (`flush_saves`): ReserveSave, Save order,
-  commit; overhead likewise against the in-process Save copy.
-- resolves/s: 16 threads resolving distinct host-resident prompts of 16 blocks concurrently.
+  commit; overhead (seal - copy) / raw against the in-process Save copy.
+- resolves/s: 16 threads resolving distinct host-resident prompts of 16 blocks concurrently (blocking path).
 - loop call: one `Ping` (answered on the host tier's socket thread) awaited on the store's loop, through the loop's
-  own socket (`AsyncRpcClient`, what the store uses) and through the sync client's I/O thread (the former path).
-- `--ab N`: the same comparison for whole host-hit resolves (1 and 16 blocks), in this process, alternating batches
-  of 10 resolves between the two paths (N batches each): on a shared host, runs minutes apart are not comparable.
+  own socket (`AsyncRpcClient`, what the loop path uses) and through the sync client's I/O thread.
+- `--ab N`: on the loop path, the store loop's own sockets vs the sync clients' I/O threads, for whole host-hit
+  resolves (1 and 16 blocks), alternating batches of 10 resolves (N batches each).
 Medians. A page is 2 arenas x 2 KiB (4 KiB per block, 16 tokens).
 """
 
@@ -85,33 +88,39 @@ def _median_us(xs: list[float]) -> float:
     return statistics.median(xs) * 1e6
 
 
-def _raw_rtt(n: int) -> tuple[float, Callable[[], None]]:
-    tmp = tempfile.mkdtemp(prefix="kvb-", dir="/tmp")
-    ep = f"ipc://{tmp}/raw.sock"
-    server = subprocess.Popen([sys.executable, "-c", RAW_ECHO, ep], stdout=subprocess.PIPE, text=True)
-    assert server.stdout is not None and server.stdout.readline().strip() == "ready"
-    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(ep)
-    data = b"x" * 64
+class _RawEcho:
+    """The transport's floor: a raw pyzmq DEALER against a ROUTER echo loop in its own process (64 B frames)."""
 
-    def once() -> float:
+    def __init__(self) -> None:
+        self._tmp = tempfile.mkdtemp(prefix="kvb-", dir="/tmp")
+        ep = f"ipc://{self._tmp}/raw.sock"
+        self._server = subprocess.Popen([sys.executable, "-c", RAW_ECHO, ep], stdout=subprocess.PIPE, text=True)
+        assert self._server.stdout is not None and self._server.stdout.readline().strip() == "ready"
+        self._sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(ep)
+        self._data = b"x" * 64
+
+    def round_trips(self, k: int = 1) -> float:
+        """Seconds for `k` back-to-back round trips."""
+        sock, data = self._sock, self._data
         t = time.perf_counter()
-        sock.send(data)
-        sock.recv()
+        for _ in range(k):
+            sock.send(data)
+            sock.recv()
         return time.perf_counter() - t
 
-    for _ in range(max(50, n // 10)):
-        once()
-    median = _median_us([once() for _ in range(n)])
+    def hot_median_us(self, n: int) -> float:
+        """Median of `n` round trips in a tight loop (after a warm-up): the classic figure."""
+        for _ in range(max(50, n // 10)):
+            self.round_trips()
+        return _median_us([self.round_trips() for _ in range(n)])
 
-    def stop() -> None:
-        sock.send(b"stop")
-        sock.close()
-        server.wait(5)
-        shutil.rmtree(tmp, ignore_errors=True)
-
-    return median, stop
+    def stop(self) -> None:
+        self._sock.send(b"stop")
+        self._sock.close()
+        self._server.wait(5)
+        shutil.rmtree(self._tmp, ignore_errors=True)
 
 
 class _Bench:
@@ -172,10 +181,18 @@ class _Bench:
         self.store.flush_saves(0, 30)
         return time.perf_counter() - t
 
-    def resolve(self, tokens: list[int], blocks: int) -> float:
+    def raw_pair(self, raw: _RawEcho) -> float:
+        """Two raw round trips after the same churn a timed resolve gets (same cache state, same machine moment)."""
+        self.churn()
+        return raw.round_trips(2)
+
+    def resolve(self, tokens: list[int], blocks: int, path: str = "blocking") -> float:
         self.churn()
         t = time.perf_counter()
-        pre = self.store.resolve_prefix_sync(0, f"r{self._next}", tokens)
+        if path == "blocking":
+            pre = self.store.resolve_prefix_sync(0, f"r{self._next}", tokens)
+        else:
+            pre = self.store.submit_resolve(0, f"r{self._next}", tokens).result()
         dt = time.perf_counter() - t
         if pre.host_tokens != blocks * PAGE:
             raise RuntimeError(f"expected a host hit of {blocks} blocks, got {pre}")
@@ -237,7 +254,7 @@ def _ab(b: _Bench, batches: int) -> dict[str, dict[str, float]]:
                     link.get = lambda sync=None: None  # off the loop's sockets: the sync client's I/O thread
                 else:
                     link.__dict__.pop("get", None)
-            times[kind] += [b.resolve(next(it), blocks) for _ in range(10)]
+            times[kind] += [b.resolve(next(it), blocks, "loop") for _ in range(10)]
         for link in links:
             link.__dict__.pop("get", None)
         out[str(blocks)] = {k: round(_median_us(v), 1) for k, v in times.items()}
@@ -280,10 +297,12 @@ def main(argv: list[str]) -> int:
                     help="also compare resolves on the loop's own sockets vs the client I/O threads (N batches each)")
     args = ap.parse_args(argv)
     n = 5 if args.quick else args.n
-    sizes = [1, 16, 256]
-    raw_us, stop_raw = _raw_rtt(200 if args.quick else 3000)
+    sizes = [1, 16, 64, 256]
+    raw = _RawEcho()
+    raw_us = raw.hot_median_us(200 if args.quick else 3000)
     per_thread = 2 if args.quick else 20
-    host_pages = n * sum(sizes) * 2 + CONCURRENCY * per_thread * 16 + args.ab * 20 * 17 + 1024
+    batches = max(1, (n + 9) // 10)  # each arm gets 2 x 5 samples per batch: >= n in all
+    host_pages = (batches * 20 + 3) * 2 * sum(sizes) + CONCURRENCY * per_thread * 16 + args.ab * 20 * 17 + 1024
     host_bytes = host_pages * 2 * ARENA_BLOCK + (1 << 20)
     results: list[dict[str, Any]] = []
     seals: list[dict[str, Any]] = []
@@ -299,42 +318,68 @@ def main(argv: list[str]) -> int:
                 b.orders["load"].clear()
                 b.orders["save"].clear()
                 seal_t = [b.seal(b.prompt(blocks)) for _ in range(n + warm)][warm:]
-                prompts = [b.prompt(blocks) for _ in range(n + warm)]
+                prompts = [b.prompt(blocks) for _ in range(batches * 20 + warm)]
                 for p in prompts:
                     b.seal(p)
-                res_t = [b.resolve(p, blocks) for p in prompts][warm:]
+                for p in prompts[:warm]:
+                    b.resolve(p, blocks)
+                it = iter(prompts[warm:])
+                res_t: dict[str, list[float]] = {"blocking": [], "loop": [], "raw2": []}
+                arms = ("blocking", "loop", "raw2")
+                for i in range(batches * 2):
+                    order = arms if i % 2 == 0 else arms[::-1]  # ABC CBA: no arm always goes first
+                    for path in order:
+                        if path == "raw2":  # the two round trips a host hit needs, after the same churn
+                            res_t[path] += [b.raw_pair(raw) for _ in range(5)]
+                        else:
+                            res_t[path] += [b.resolve(next(it), blocks, path) for _ in range(5)]
                 load_us, save_us = b.copy_times()
-                resolve_us, seal_us = _median_us(res_t), _median_us(seal_t)
-                results.append({"blocks": blocks, "resolve_us": round(resolve_us, 1), "raw_rtt_us": round(raw_us, 1),
-                                "resolve_rtt_overhead": round((resolve_us - load_us) / raw_us, 2),
-                                "copy_us": round(load_us, 1)})
+                seal_us = _median_us(seal_t)
+                needed_us = _median_us(res_t.pop("raw2"))
+                rtt_us = needed_us / 2  # one raw round trip under the resolve's own conditions
+                row: dict[str, Any] = {"blocks": blocks, "raw_rtt_us": round(raw_us, 1), "copy_us": round(load_us, 1),
+                                       "raw_rtt_same_conditions_us": round(rtt_us, 1)}
+                for path, ts in res_t.items():
+                    us = _median_us(ts)
+                    row[f"resolve_{path}_us"] = round(us, 1)
+                    row[f"{path}_overhead_beyond_2_rtts"] = round((us - load_us - needed_us) / rtt_us, 2)
+                    row[f"{path}_overhead_total_rtts"] = round((us - load_us) / raw_us, 2)
+                results.append(row)
                 seals.append({"blocks": blocks, "seal_us": round(seal_us, 1), "copy_us": round(save_us, 1),
                               "seal_rtt_overhead": round((seal_us - save_us) / raw_us, 2)})
             print("  ipc bench: 16 concurrent resolvers ...", file=sys.stderr, flush=True)
             rps = _concurrent(b, per_thread, 16)
             loop_calls = _loop_calls(b, 50 if args.quick else 1000)
             ab = _ab(b, args.ab) if args.ab else {}
+            via_loop = int(store.counters["resolve_via_loop"])
         finally:
             b.close()
     finally:
         cs.close()
-        stop_raw()
+        raw.stop()
     load = os.getloadavg()[0]
-    print(f"# control path, median of {n}, raw 64 B round trip {raw_us:.0f} us, load {load:.2f}")
-    print("| blocks | resolve (us) | copy (us) | resolve overhead (raw RTTs) | seal (us) | copy (us) | seal overhead |")
-    print("|---|---|---|---|---|---|---|")
+    print(f"# control path, median of >= {n} per arm, raw 64 B round trip {raw_us:.0f} us hot (tight loop), "
+          f"load {load:.2f}")
+    print("| blocks | copy (us) | raw RTT, same conditions (us) | resolve, blocking (us) | overhead beyond its 2 RTTs "
+          "| total overhead (hot RTTs) | resolve, loop (us) | overhead beyond its 2 RTTs | seal (us) | seal copy (us) "
+          "| seal overhead (hot RTTs) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r, s in zip(results, seals):
-        print(f"| {r['blocks']} | {r['resolve_us']:.0f} | {r['copy_us']:.0f} | {r['resolve_rtt_overhead']:.2f} | "
-              f"{s['seal_us']:.0f} | {s['copy_us']:.0f} | {s['seal_rtt_overhead']:.2f} |")
-    print(f"resolves/s with {CONCURRENCY} concurrent resolvers (16 blocks each): {rps:.0f}")
+        print(f"| {r['blocks']} | {r['copy_us']:.0f} | {r['raw_rtt_same_conditions_us']:.0f} | "
+              f"{r['resolve_blocking_us']:.0f} | **{r['blocking_overhead_beyond_2_rtts']:.2f}** | "
+              f"{r['blocking_overhead_total_rtts']:.2f} | {r['resolve_loop_us']:.0f} | "
+              f"{r['loop_overhead_beyond_2_rtts']:.2f} | {s['seal_us']:.0f} | {s['copy_us']:.0f} | "
+              f"{s['seal_rtt_overhead']:.2f} |")
+    print(f"resolves/s with {CONCURRENCY} concurrent resolvers (16 blocks each, blocking path): {rps:.0f}; "
+          f"resolves the blocking path handed to the loop: {via_loop}")
     print(f"Ping awaited on the store loop: own socket {loop_calls['own_socket']:.0f} us, "
           f"via the client I/O thread {loop_calls['io_thread']:.0f} us")
     for size, r in ab.items():
-        print(f"A/B host-hit resolve of {size} blocks, {args.ab} x 10 each, alternating: own socket "
+        print(f"A/B loop-path host-hit resolve of {size} blocks, {args.ab} x 10 each, alternating: own socket "
               f"{r['own_socket']:.0f} us, via the client I/O threads {r['io_thread']:.0f} us")
     if args.json:
         doc = {"results": results, "seal": seals, "resolves_per_s": round(rps, 1), "raw_rtt_us": round(raw_us, 1),
-               "loop_call_us": loop_calls}
+               "loop_call_us": loop_calls, "resolves_via_loop": via_loop}
         if ab:
             doc["ab_resolve_us"] = ab
         Path(args.json).write_text(json.dumps(doc, indent=2))

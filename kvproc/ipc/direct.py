@@ -28,7 +28,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, cast
 
 import msgspec
 import structlog
@@ -133,38 +133,38 @@ class DirectCalls:
         the deadline passes."""
         sock = owned.sock
         while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or self._client._dead is not None:
-                return None
-            events = owned.poller.poll(int(left * 1000) + 1)
-            if not events:
-                continue
-            if len(events) > 1 or events[0][0] is not sock:
-                return None  # the death fd
-            while True:
-                try:
-                    frame = sock.recv(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                try:
-                    msg = self._decoder.decode(frame)
-                except (msgspec.DecodeError, msgspec.ValidationError):
-                    self._client.frame_errors += 1
-                    continue
-                if type(msg) is m.Goodbye:
-                    self._client.mark_dead(f"{self._client.peer}: said goodbye: {msg.reason}")
+            # Read what is already there first (ZMQ_EVENTS: no poll syscall, and no zmq.Again exception, which costs
+            # tens of microseconds to build); poll only when nothing is waiting.
+            if not cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                left = deadline - time.monotonic()
+                if left <= 0 or self._client._dead is not None:
                     return None
-                kind = type(msg)
-                if kind in _TERMINAL and owned.oneways:
-                    done = owned.oneways.pop(msg.call_id, None)
-                    if done is not None:
-                        _report(done, msg)
-                        continue
-                if call_id:
-                    if kind in _TERMINAL and msg.call_id == call_id:
-                        return msg
-                elif kind is m.Welcome or kind is m.Refused:
+                events = owned.poller.poll(int(left * 1000) + 1)
+                if not events:
+                    continue
+                if len(events) > 1 or events[0][0] is not sock:
+                    return None  # the death fd
+                continue
+            frame = sock.recv(zmq.NOBLOCK)
+            try:
+                msg = self._decoder.decode(frame)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                self._client.frame_errors += 1
+                continue
+            kind = type(msg)
+            if kind is m.Goodbye:
+                self._client.mark_dead(f"{self._client.peer}: said goodbye: {msg.reason}")
+                return None
+            if kind in _TERMINAL and owned.oneways:
+                done = owned.oneways.pop(msg.call_id, None)
+                if done is not None:
+                    _report(done, msg)
+                    continue
+            if call_id:
+                if kind in _TERMINAL and msg.call_id == call_id:
                     return msg
+            elif kind is m.Welcome or kind is m.Refused:
+                return msg
 
     def request(self, msg: m.RequestBody, deadline: float, token: CancelToken | None,
                 wait_until: float | None = None, on_late: Callable[[Any], None] | None = None) -> Any:

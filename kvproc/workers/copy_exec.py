@@ -1,9 +1,12 @@
 """The copy path: move blocks between device arenas and the host arena, coalesced and vectorised.
 
-Pairs (device id, host slot) are split into runs where both sides are consecutive (one numpy diff), and each run is
-one slice copy per arena: contiguous host units and, when the arena packs its blocks (stride == bytes), contiguous
-device bytes, i.e. one memcpy. There is no per-block Python loop. Large batches are split across two threads (numpy
-copies release the GIL), which is what reaches the memory-bandwidth limit on this class of machine.
+Pairs (device id, host slot) are split into runs where both sides are consecutive (one numpy diff). A run of at
+least `LONG_RUN` blocks is one slice copy per arena: contiguous host units and, when the arena packs its blocks
+(stride == bytes), contiguous device bytes, i.e. one memcpy. The blocks of all shorter runs (scattered ids) move in
+one fancy-index copy per arena (`dst[ids] = src[slots]`, gather + scatter in C): a Python call per scattered block
+would cost more than the copy of a small block itself. There is no per-block Python loop. Large batches are split
+across two threads (numpy copies release the GIL), which is what reaches the memory-bandwidth limit on this class of
+machine.
 
 Where the model's stored layout differs (`repack`), each run goes through the hook in (run, bytes) row batches.
 
@@ -42,14 +45,78 @@ class _Arena:
     repack: bool  # stored layout differs from the execution layout
 
 
-def runs(src: np.ndarray, dst: np.ndarray) -> list[tuple[int, int, int]]:
-    """(src_start, dst_start, length) of maximal runs where both sides advance by one."""
-    if src.size == 0:
+SMALL_ORDER = 32  # blocks: below this, planning in plain Python beats numpy's fixed per-call cost (see `runs`)
+
+
+def runs(src: Sequence[int] | np.ndarray, dst: Sequence[int] | np.ndarray) -> list[tuple[int, int, int]]:
+    """(src_start, dst_start, length) of maximal runs where both sides advance by one.
+
+    Up to `SMALL_ORDER` pairs it is one pass over two short lists (~3 us for 32); numpy's version costs ~8 calls at
+    1-3 us each whatever the size, so it takes over only where its per-element speed pays (a resolve's typical load
+    is a few blocks; `kvproc bench copy` / `bench ipc` measure both ends)."""
+    n = len(src)
+    if n == 0:
         return []
-    brk = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
+    if n <= SMALL_ORDER:
+        s = src.tolist() if isinstance(src, np.ndarray) else list(src)
+        d = dst.tolist() if isinstance(dst, np.ndarray) else list(dst)
+        out = []
+        s0, d0, k = s[0], d[0], 1
+        for i in range(1, n):
+            if s[i] == s0 + k and d[i] == d0 + k:
+                k += 1
+            else:
+                out.append((s0, d0, k))
+                s0, d0, k = s[i], d[i], 1
+        out.append((s0, d0, k))
+        return out
+    return _runs_numpy(src, dst)
+
+
+def _runs_numpy(src: Sequence[int] | np.ndarray, dst: Sequence[int] | np.ndarray) -> list[tuple[int, int, int]]:
+    sa = np.asarray(src, dtype=np.int64)
+    da = np.asarray(dst, dtype=np.int64)
+    if sa.size == 0:
+        return []
+    brk = np.flatnonzero((np.diff(sa) != 1) | (np.diff(da) != 1)) + 1
     starts = np.concatenate(([0], brk))
-    lens = np.diff(np.concatenate((starts, [src.size])))
-    return list(zip(src[starts].tolist(), dst[starts].tolist(), lens.tolist()))
+    lens = np.diff(np.concatenate((starts, [sa.size])))
+    return list(zip(sa[starts].tolist(), da[starts].tolist(), lens.tolist()))
+
+
+LONG_RUN = 4  # blocks: a run at least this long is one slice copy; shorter runs' blocks go into one gather
+
+
+def split_runs(src: Sequence[int], dst: Sequence[int]) -> tuple[list[tuple[int, int, int]], np.ndarray, np.ndarray]:
+    """(long runs as (src_start, dst_start, length), src ids and dst ids of every block in a shorter run)."""
+    n = len(src)
+    if n <= SMALL_ORDER:
+        long_runs: list[tuple[int, int, int]] = []
+        gs: list[int] = []
+        gd: list[int] = []
+        for s0, d0, k in runs(src, dst):
+            if k >= LONG_RUN:
+                long_runs.append((s0, d0, k))
+            else:
+                gs.extend(range(s0, s0 + k))
+                gd.extend(range(d0, d0 + k))
+        return long_runs, np.asarray(gs, dtype=np.int64), np.asarray(gd, dtype=np.int64)
+    sa = np.asarray(src, dtype=np.int64)
+    da = np.asarray(dst, dtype=np.int64)
+    starts = np.concatenate(([0], np.flatnonzero((np.diff(sa) != 1) | (np.diff(da) != 1)) + 1))
+    lens = np.diff(np.concatenate((starts, [n])))
+    long = lens >= LONG_RUN
+    in_short = np.repeat(~long, lens)  # per block: does it belong to a short run
+    ls = starts[long]
+    return (list(zip(sa[ls].tolist(), da[ls].tolist(), lens[long].tolist())), sa[in_short], da[in_short])
+
+
+def _bounds(ids: Sequence[int]) -> tuple[int, int]:
+    """(min, max) of a non-empty id list: builtins on a short list, one numpy reduction pair on a long one."""
+    if len(ids) <= SMALL_ORDER:
+        return min(ids), max(ids)
+    a = np.asarray(ids, dtype=np.int64)
+    return int(a.min()), int(a.max())
 
 
 class CopyExecutor:
@@ -110,28 +177,35 @@ class CopyExecutor:
               to_host: bool) -> list[Callable[[], int]]:
         if len(device) != len(host):
             raise CopyError(f"{len(device)} device blocks against {len(host)} host slots")
-        d = np.asarray(device, dtype=np.int64)
-        h = np.asarray(host, dtype=np.int64)
         jobs: list[Callable[[], int]] = []
-        page_runs = runs(d, h)
+        long_runs, gather_d, gather_h = split_runs(device, host)
+        bounds = (*_bounds(device), *_bounds(host)) if len(device) else None  # once per order, not per arena
         for a in self.arenas:
             if a.host is None:
                 continue
             if a.paged:
-                self._check(a, d, h)
-                for d0, h0, k in page_runs:
+                if bounds is not None:
+                    self._check(a, *bounds)
+                if a.repack:  # the hook takes contiguous row batches: every run is its own call
+                    for d0, h0, k in runs(device, host):
+                        jobs.append(self._job(a, d0, h0, k, to_host))
+                    continue
+                for d0, h0, k in long_runs:
                     jobs.append(self._job(a, d0, h0, k, to_host))
+                if gather_d.size:
+                    jobs += _gather_copies(a.host, gather_h, a.rows, gather_d) if to_host else \
+                        _gather_copies(a.rows, gather_d, a.host, gather_h)
             else:
                 for group, dslot, hslot in bounded:
                     if group == a.group:
-                        self._check(a, np.asarray([dslot]), np.asarray([hslot]))
+                        self._check(a, dslot, dslot, hslot, hslot)
                         jobs.append(self._job(a, dslot, hslot, 1, to_host))
         return jobs
 
     @staticmethod
-    def _check(a: _Arena, d: np.ndarray, h: np.ndarray) -> None:
+    def _check(a: _Arena, dmin: int, dmax: int, hmin: int, hmax: int) -> None:
         assert a.host is not None
-        if d.size and (d.min() < 0 or d.max() >= a.rows.shape[0] or h.min() < 0 or h.max() >= a.host.shape[0]):
+        if dmin < 0 or dmax >= a.rows.shape[0] or hmin < 0 or hmax >= a.host.shape[0]:
             raise CopyError(f"arena {a.name}: ids out of range (device < {a.rows.shape[0]}, host < {a.host.shape[0]})")
 
     def _job(self, a: _Arena, d0: int, h0: int, k: int, to_host: bool) -> Callable[[], int]:
@@ -161,7 +235,7 @@ class CopyExecutor:
         return run
 
     def _run(self, jobs: list[Callable[[], int]]) -> int:
-        total = sum(j.nbytes for j in jobs if isinstance(j, _SliceCopy))
+        total = sum(j.nbytes for j in jobs if isinstance(j, (_SliceCopy, _GatherCopy)))
         if self._pool is None or total < PARALLEL_BYTES:
             n = sum(j() for j in jobs)
         else:
@@ -192,6 +266,32 @@ class _SliceCopy:
         return self.nbytes
 
 
+@dataclass(frozen=True)
+class _GatherCopy:
+    """dst[dst_ids] = src[src_ids] over (rows, bytes) views: one gather and one scatter, both in C."""
+
+    dst: np.ndarray
+    dst_ids: np.ndarray
+    src: np.ndarray
+    src_ids: np.ndarray
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.src_ids.size) * self.src.shape[1]
+
+    def __call__(self) -> int:
+        self.dst[self.dst_ids] = self.src[self.src_ids]
+        return self.nbytes
+
+
+GATHER_CHUNK_BYTES = 4 << 20  # bounds the gather's temporary, and gives the two copy threads pieces to share
+
+
+def _gather_copies(dst: np.ndarray, dst_ids: np.ndarray, src: np.ndarray, src_ids: np.ndarray) -> list[_GatherCopy]:
+    per = max(1, GATHER_CHUNK_BYTES // max(1, src.shape[1]))
+    return [_GatherCopy(dst, dst_ids[i : i + per], src, src_ids[i : i + per]) for i in range(0, dst_ids.size, per)]
+
+
 def _slice_copy(dst: np.ndarray, d0: int, src: np.ndarray, s0: int, k: int) -> _SliceCopy:
     return _SliceCopy(dst, d0, src, s0, k)
 
@@ -201,7 +301,7 @@ def _halve(jobs: list[Callable[[], int]], total: int) -> tuple[list[Callable[[],
     second: list[Callable[[], int]] = []
     acc = 0
     for j in jobs:
-        nb = j.nbytes if isinstance(j, _SliceCopy) else 0
+        nb = j.nbytes if isinstance(j, (_SliceCopy, _GatherCopy)) else 0
         if acc >= total // 2:
             second.append(j)
         elif isinstance(j, _SliceCopy) and acc + nb > total // 2 and j.k > 1:
