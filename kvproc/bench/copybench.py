@@ -2,7 +2,10 @@
 
 Both sides live in POSIX shared memory, pre-faulted (as kvproc's segments are), so neither run pays first-touch page
 faults. The baseline is one `np.copyto` of the whole batch, contiguous: the physical limit for that byte volume in the
-same run. "scattered" permutes the device block ids (and host slots), so nothing coalesces: one copy per block.
+same run. "scattered" permutes the device block ids (and host slots), so nothing coalesces: below
+`GATHER_MAX_BLOCK_BYTES` those blocks move in one fancy-index gather per arena, from it on in one slice copy each.
+For the small block size the same orders are also run with the gather switched off ("scattered, per-block"): the
+per-block path's cost in the same run.
 """
 
 from __future__ import annotations
@@ -19,10 +22,11 @@ import torch
 
 from kvproc.contract import GroupKind, GroupSpec, KvArena, KvSpec, validate_layout
 from kvproc.tiers.layout import HostLayout
+from kvproc.workers import copy_exec
 from kvproc.workers.copy_exec import CopyExecutor
 from kvproc.workers.orders import LoadOrder, SaveOrder
 
-SIZES = {"64KiB": 64 << 10, "1MiB": 1 << 20, "16MiB": 16 << 20}
+SIZES = {"4KiB": 4 << 10, "64KiB": 64 << 10, "1MiB": 1 << 20, "16MiB": 16 << 20}
 
 
 def _best(fn: Callable[[], object], repeats: int) -> float:
@@ -49,25 +53,40 @@ def measure(block_bytes: int, batch_bytes: int, repeats: int, seed: int = 0) -> 
     dst_a = host[: n * block_bytes]
     memcpy_s = _best(lambda: np.copyto(dst_a, src_a), repeats)
     out: list[dict[str, Any]] = []
-    for layout_name in ("contiguous", "scattered"):
+    layouts = ["contiguous", "scattered"]
+    if block_bytes < copy_exec.GATHER_MAX_BLOCK_BYTES:
+        layouts.append("scattered, per-block")
+    scattered = rng.permutation(2 * n)[:n].tolist(), rng.permutation(min(hl.page_slots, 2 * n))[:n].tolist()
+    for layout_name in layouts:
         if layout_name == "contiguous":
             ids, slots = list(range(n)), list(range(n))
         else:
-            ids = rng.permutation(2 * n)[:n].tolist()
-            slots = rng.permutation(min(hl.page_slots, 2 * n))[:n].tolist()
-        for op in ("save", "load"):
-            if op == "save":
-                order = SaveOrder("bench", ids, slots)
-                t = _best(lambda: ex.save(order), repeats)
-            else:
-                lorder = LoadOrder("bench", slots, ids)
-                t = _best(lambda: ex.load(lorder), repeats)
-            gbps = n * block_bytes / t / 1e9
-            mgbps = n * block_bytes / memcpy_s / 1e9
-            out.append({"op": op, "block_bytes": block_bytes, "layout": layout_name, "gbps": round(gbps, 2),
-                        "memcpy_gbps": round(mgbps, 2), "ratio_vs_memcpy": round(gbps / mgbps, 3)})
+            ids, slots = scattered
+        # "per-block": the gather switched off, i.e. the slice-copy-per-run path for the same orders
+        saved_limit = copy_exec.GATHER_MAX_BLOCK_BYTES
+        if layout_name == "scattered, per-block":
+            copy_exec.GATHER_MAX_BLOCK_BYTES = 0
+        try:
+            _measure_ops(ex, ids, slots, n, block_bytes, memcpy_s, repeats, layout_name, out)
+        finally:
+            copy_exec.GATHER_MAX_BLOCK_BYTES = saved_limit
     ex.close()
     return out
+
+
+def _measure_ops(ex: CopyExecutor, ids: list[int], slots: list[int], n: int, block_bytes: int, memcpy_s: float,
+                 repeats: int, layout_name: str, out: list[dict[str, Any]]) -> None:
+    for op in ("save", "load"):
+        if op == "save":
+            order = SaveOrder("bench", ids, slots)
+            t = _best(lambda: ex.save(order), repeats)
+        else:
+            lorder = LoadOrder("bench", slots, ids)
+            t = _best(lambda: ex.load(lorder), repeats)
+        gbps = n * block_bytes / t / 1e9
+        mgbps = n * block_bytes / memcpy_s / 1e9
+        out.append({"op": op, "block_bytes": block_bytes, "layout": layout_name, "gbps": round(gbps, 2),
+                    "memcpy_gbps": round(mgbps, 2), "ratio_vs_memcpy": round(gbps / mgbps, 3)})
 
 
 def main(argv: list[str]) -> int:
@@ -80,13 +99,13 @@ def main(argv: list[str]) -> int:
     batch = (4 << 20) if args.quick else args.batch_mib << 20
     repeats = 1 if args.quick else args.repeats
     rows: list[dict[str, Any]] = []
-    sizes = {"64KiB": 64 << 10, "1MiB": 1 << 20} if args.quick else SIZES
+    sizes = {"4KiB": 4 << 10, "64KiB": 64 << 10} if args.quick else SIZES
     for name, size in sizes.items():
         print(f"  copy bench: {name} blocks ...", file=sys.stderr, flush=True)
         rows += measure(size, batch, repeats)
-    print(f"{'op':<5} {'block':>8} {'layout':<11} {'GB/s':>7} {'memcpy GB/s':>12} {'ratio':>6}")
+    print(f"{'op':<5} {'block':>8} {'layout':<20} {'GB/s':>7} {'memcpy GB/s':>12} {'ratio':>6}")
     for r in rows:
-        print(f"{r['op']:<5} {r['block_bytes']:>8} {r['layout']:<11} {r['gbps']:>7} {r['memcpy_gbps']:>12} "
+        print(f"{r['op']:<5} {r['block_bytes']:>8} {r['layout']:<20} {r['gbps']:>7} {r['memcpy_gbps']:>12} "
               f"{r['ratio_vs_memcpy']:>6}")
     if args.json:
         Path(args.json).write_text(json.dumps({"results": rows}, indent=2))

@@ -2,9 +2,10 @@
 
 Pairs (device id, host slot) are split into runs where both sides are consecutive (one numpy diff). A run of at
 least `LONG_RUN` blocks is one slice copy per arena: contiguous host units and, when the arena packs its blocks
-(stride == bytes), contiguous device bytes, i.e. one memcpy. The blocks of all shorter runs (scattered ids) move in
-one fancy-index copy per arena (`dst[ids] = src[slots]`, gather + scatter in C): a Python call per scattered block
-would cost more than the copy of a small block itself. There is no per-block Python loop. Large batches are split
+(stride == bytes), contiguous device bytes, i.e. one memcpy. In an arena of small blocks (< `GATHER_MAX_BLOCK_BYTES`)
+the blocks of all shorter runs (scattered ids) move in one fancy-index copy (`dst[ids] = src[slots]`, gather +
+scatter in C): there a Python call per block would cost more than the block's bytes. Bigger blocks keep one slice
+copy each, since the gather's second pass over the bytes would cost more than the call (`kvproc bench copy`). There is no per-block Python loop. Large batches are split
 across two threads (numpy copies release the GIL), which is what reaches the memory-bandwidth limit on this class of
 machine.
 
@@ -85,6 +86,11 @@ def _runs_numpy(src: Sequence[int] | np.ndarray, dst: Sequence[int] | np.ndarray
 
 
 LONG_RUN = 4  # blocks: a run at least this long is one slice copy; shorter runs' blocks go into one gather
+# Up to this block size a scattered block is cheaper in a gather (two C passes over its bytes) than in its own slice
+# copy (~3-5 us of Python and numpy call overhead: 2 KiB blocks move ~20x faster gathered); from 64 KiB on the
+# second pass costs more than the call saves (measured: 64 KiB 0.50-0.67x memcpy either way, 1 MiB 0.7x gathered
+# vs 1.1-1.2x per-block slices).
+GATHER_MAX_BLOCK_BYTES = 16 << 10
 
 
 def split_runs(src: Sequence[int], dst: Sequence[int]) -> tuple[list[tuple[int, int, int]], np.ndarray, np.ndarray]:
@@ -187,6 +193,10 @@ class CopyExecutor:
                 if bounds is not None:
                     self._check(a, *bounds)
                 if a.repack:  # the hook takes contiguous row batches: every run is its own call
+                    for d0, h0, k in runs(device, host):
+                        jobs.append(self._job(a, d0, h0, k, to_host))
+                    continue
+                if a.rows.shape[1] >= GATHER_MAX_BLOCK_BYTES:  # big blocks: a slice copy per run, however short
                     for d0, h0, k in runs(device, host):
                         jobs.append(self._job(a, d0, h0, k, to_host))
                     continue
