@@ -227,12 +227,17 @@ class BlockPool:
             self.paged.check(ids, np.asarray(gens))
 
     # -- opportunistic reservation for loads ----------------------------------------------------------------------
-    def reserve_loaded_blocks(self, n: int, staging_groups: Iterable[str] = ()) -> Reservation | None:
+    def reserve_loaded_blocks(self, n: int, staging_groups: Iterable[str] = (), *,
+                              free_only: bool = False) -> Reservation | None:
         """Reserve `n` destination blocks (plus one staging slot per named bounded group) for a load, only above the
-        admission floor (`available >= n + entitled`). None if the pool cannot: the caller waits or degrades."""
+        admission floor (`available >= n + entitled`). None if the pool cannot: the caller waits or degrades.
+        `free_only`: only from free blocks, evicting nothing (a reservation made before the hit is known)."""
         self.drain_deferred()
         groups = list(staging_groups)
         with self.lock:
+            if free_only and len(self.paged.free) < n:
+                self.counters["reserve_early_declined"] += 1
+                return None
             if self.paged.available < n + self.entitled or any(
                 self.slabs[g].staging_available < 1 for g in groups
             ):
@@ -247,6 +252,18 @@ class BlockPool:
             gens = self.paged.generations(ids)
             self.counters["reserve_ok"] += 1
         return Reservation(self, _ReservationState(ids, gens, staging))
+
+    def trim_reservation(self, reservation: Reservation, keep: int) -> None:
+        """Give back all but the first `keep` blocks of a reservation (the hit was shorter than reserved for)."""
+        state = reservation._live()
+        if keep >= len(state.ids):
+            return
+        with self.lock:
+            extra = state.ids[keep:]
+            state.ids = state.ids[:keep]
+            state.gens = state.gens[:keep]
+            self.paged.release(extra)
+        self._notify_capacity()
 
     def _take_staging_locked(self, group: str) -> tuple[int, int] | None:
         slab = self.slabs[group]

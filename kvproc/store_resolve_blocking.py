@@ -44,6 +44,10 @@ class _UseLoop(Exception):
 
 
 class BlockingResolver:
+    # Reserve a full hit's blocks (free ones only) while the query flies; False reserves after the answer (A/B knob
+    # of `kvproc bench ipc --ab`).
+    reserve_in_flight = True
+
     def __init__(self, store: "KvStore", resolver: Resolver) -> None:
         self.store = store
         self.resolver = resolver  # shares the miss-breaker, the outcomes and the front half (`begin`)
@@ -73,30 +77,55 @@ class BlockingResolver:
     def _from_tier(self, rank: int, req_id: str, st: Started, tier: Any, copier: Any, scope: HashScope,
                    policy: ResolvePolicy) -> int:
         store = self.store
-        want = st.hashes[st.dev : st.cap]
-        try:
-            res = tier.query_blocking(req_id, want, deadline=st.deadline)
-        except Exception as e:  # noqa: BLE001 - PeerDead / RemoteError / a local deadline: the prefix stays as is
-            if time.monotonic() >= st.deadline:
-                raise Degrade("deadline_query") from None
-            raise Degrade(f"tier_{type(e).__name__}") from None
-        if isinstance(res, Miss):
-            if policy.wait_for_full_hit:
-                raise _UseLoop
-            if st.dev == 0 and self.resolver.breaker.miss(scope):  # cold misses only, as on the loop path
-                store.count("breaker_opened")
-            return 0
-        if not isinstance(res, Hit):
-            raise _UseLoop  # Loading: the loop waits for the tier's notification
-        if policy.wait_for_full_hit and res.pages < len(want):
-            tier.release_lease(res.lease_id)
-            raise _UseLoop
         pool = store.pools[rank]
-        groups = [g.name for g in store.spec.restorable_bounded_groups if g.name in res.bounded_slots]
-        reservation = pool.reserve_loaded_blocks(res.pages, groups)
-        if reservation is None:
-            tier.release_lease(res.lease_id)
-            raise _UseLoop  # pool pressure: the loop waits on the pool's capacity waiter
+        want = st.hashes[st.dev : st.cap]
+        early: list[Any] = []  # the reservation made while the query is in flight, if any
+
+        def reserve_early() -> None:
+            # Fill the query's round trip: reserve the destination blocks of a full hit now, from free blocks only (a
+            # miss must not have evicted anything). Paged-only specs: a staging slot depends on the answer.
+            if self.reserve_in_flight and not store.spec.restorable_bounded_groups:
+                r = pool.reserve_loaded_blocks(len(want), free_only=True)
+                if r is not None:
+                    early.append(r)
+
+        try:
+            try:
+                res = tier.query_blocking(req_id, want, deadline=st.deadline, overlap=reserve_early)
+            except Exception as e:  # noqa: BLE001 - PeerDead / RemoteError / a local deadline: the prefix stays
+                if time.monotonic() >= st.deadline:
+                    raise Degrade("deadline_query") from None
+                raise Degrade(f"tier_{type(e).__name__}") from None
+            if isinstance(res, Miss):
+                if policy.wait_for_full_hit:
+                    raise _UseLoop
+                if st.dev == 0 and self.resolver.breaker.miss(scope):  # cold misses only, as on the loop path
+                    store.count("breaker_opened")
+                return 0
+            if not isinstance(res, Hit):
+                raise _UseLoop  # Loading: the loop waits for the tier's notification
+            if policy.wait_for_full_hit and res.pages < len(want):
+                tier.release_lease(res.lease_id)
+                raise _UseLoop
+            if early:
+                reservation = early.pop()
+                pool.trim_reservation(reservation, res.pages)
+                store.count("resolve_reserved_in_flight")
+            else:
+                groups = [g.name for g in store.spec.restorable_bounded_groups if g.name in res.bounded_slots]
+                reservation = pool.reserve_loaded_blocks(res.pages, groups)
+            if reservation is None:
+                tier.release_lease(res.lease_id)
+                raise _UseLoop  # pool pressure: the loop waits on the pool's capacity waiter
+            return self._load(rank, req_id, st, tier, copier, scope, policy, res, reservation)
+        finally:
+            for r in early:  # not used: a miss, a declined hit or a failure
+                r.release()
+
+    def _load(self, rank: int, req_id: str, st: Started, tier: Any, copier: Any, scope: HashScope,
+              policy: ResolvePolicy, res: Hit, reservation: Any) -> int:
+        store = self.store
+        pool = store.pools[rank]
         staging = reservation.staging
         order = LoadOrder(req_id, list(res.page_slots), reservation.block_ids,
                           [BoundedCopy(g, staging[g][0], res.bounded_slots[g]) for g in staging])

@@ -117,3 +117,28 @@ def test_resolves_that_must_wait_or_carry_a_cancel_token_continue_on_the_loop() 
         pre.hold.release()
         wait_for(lambda: store.stats()["tier"]["open_leases"] == 0, what="every declined lease released")
         assert store.stats()["rank0"]["active_blocks"] == 0
+
+
+def test_a_shorter_hit_trims_the_reservation_made_while_the_query_flew() -> None:
+    with cluster_store(config=CONFIG) as (cs, store, model):
+        written = _saved(store, model, "a", list(range(9)))  # two pages on the host tier
+        pre = store.resolve_prefix_sync(0, "b", list(range(9)) + [500 + i for i in range(8)])  # asks for four
+        assert pre.host_tokens == 8 and store.counters["resolve_reserved_in_flight"] == 1
+        for h, b in zip(pre.hold.hashes, pre.hold.block_ids):
+            assert torch.equal(model.block(0, b), written[h][0])
+        assert store.stats()["rank0"]["active_blocks"] == 2  # the two held; the other two went back at once
+        pre.hold.release()
+        assert store.stats()["rank0"]["active_blocks"] == 0
+
+
+def test_a_miss_returns_the_in_flight_reservation_and_evicts_no_cached_block() -> None:
+    with cluster_store(config=CONFIG) as (cs, store, model):
+        kv, cur, _, _ = compute(store, model, "cached", [700 + i for i in range(9)])
+        kv.release()  # two pages cached on the device only (never sealed to the tier)
+        pre = store.resolve_prefix_sync(0, "miss", [900 + i for i in range(17)])
+        assert pre.hit_tokens == 0 and store.outcomes.for_request("miss")[-1].state == "ok"
+        pre.hold.release()
+        assert store.stats()["rank0"]["active_blocks"] == 0
+        again = store.resolve_prefix_sync(0, "again", [700 + i for i in range(9)])
+        assert again.device_tokens == 8  # still cached: the early reservation took free blocks only
+        again.hold.release()

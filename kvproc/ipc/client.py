@@ -236,8 +236,11 @@ class RpcClient:
         cancel_token: CancelToken | None = None,
         wait_until: float | None = None,
         on_late: Callable[[Any], None] | None = None,
+        overlap: Callable[[], None] | None = None,
     ) -> Any:
         """Blocking form of `call`: returns the payload or raises RemoteError / CallCancelled / PeerDeadError.
+        `overlap` (must not raise) runs once the request is sent, while its reply is awaited (unless the call fails
+        before it is sent).
 
         With `wait_until` (before the deadline) and `on_late`: if no reply has come by `wait_until`, returns `LATE`
         and the call's one terminal reply (Ok / Failed / Cancelled / PeerDead) goes to `on_late` when it comes, on
@@ -250,12 +253,14 @@ class RpcClient:
             raise CallCancelled(cancel_token.id)
         if self.server_pid and not self._closing:  # handshake done (a Future.done() would take a lock)
             # this thread's own socket: no hand-off
-            reply = self._direct.request(msg, deadline, cancel_token, wait_until, on_late)
+            reply = self._direct.request(msg, deadline, cancel_token, wait_until, on_late, overlap)
             if reply is LATE:
                 return LATE
             if reply is not None:
                 return reply.unwrap()
         fut = self.call(msg, deadline=deadline, cancel_token=cancel_token)
+        if overlap is not None:
+            overlap()
         try:
             if on_late is not None and wait_until is not None and wait_until < deadline:
                 try:

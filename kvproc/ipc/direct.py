@@ -167,9 +167,12 @@ class DirectCalls:
                 return msg
 
     def request(self, msg: m.RequestBody, deadline: float, token: CancelToken | None,
-                wait_until: float | None = None, on_late: Callable[[Any], None] | None = None) -> Any:
-        """One terminal reply (a Reply struct); None when this path cannot be used (caller falls back); `LATE` when
-        `wait_until` passed first and `on_late` will receive the reply (see the module docstring)."""
+                wait_until: float | None = None, on_late: Callable[[Any], None] | None = None,
+                overlap: Callable[[], None] | None = None) -> Any:
+        """One terminal reply (a Reply struct); None when this path cannot be used (caller falls back, and `overlap`
+        has not run); `LATE` when `wait_until` passed first and `on_late` will receive the reply (see the module
+        docstring). `overlap` runs once the request is on its way, before the wait: work that fills the round
+        trip (it must not raise)."""
         client = self._client
         # A new socket's handshake waits no longer than the caller does (a hung peer: the I/O-thread path then
         # returns LATE at once).
@@ -188,6 +191,8 @@ class DirectCalls:
             owned.sock.send(data)
             if token is not None and not token.add_listener(client._send_cancel):
                 client._send_cancel(token.id)
+            if overlap is not None:
+                overlap()
             if on_late is not None and wait_until is not None and wait_until < deadline:
                 reply = self._wait(owned, call_id, wait_until)
                 late = reply is None and client._dead is None and not self._closed

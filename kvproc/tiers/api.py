@@ -69,7 +69,10 @@ class Copier(Protocol):
 class BlockingTier(Protocol):
     """Optional: a tier that can answer a query on the calling thread (the store's blocking resolve path)."""
 
-    def query_blocking(self, req_id: str, hashes: Sequence[bytes], *, deadline: float) -> QueryResult: ...
+    def query_blocking(self, req_id: str, hashes: Sequence[bytes], *, deadline: float,
+                       overlap: Callable[[], None] | None = None) -> QueryResult:
+        """`overlap` (must not raise) runs once the query is on its way, before the wait for its answer."""
+        ...
 
 
 @runtime_checkable

@@ -142,9 +142,12 @@ class RemoteTier:
     async def query(self, req_id: str, hashes: Sequence[bytes], *, timeout: float) -> QueryResult:
         return _query_result(await _acall(self._link, self._client(), m.Query(req_id, list(hashes)), timeout))
 
-    def query_blocking(self, req_id: str, hashes: Sequence[bytes], *, deadline: float) -> QueryResult:
-        """`query` on the calling thread's own socket; raises what the call raises (the resolver degrades)."""
-        return _query_result(self._client().request(m.Query(req_id, list(hashes)), deadline=deadline))
+    def query_blocking(self, req_id: str, hashes: Sequence[bytes], *, deadline: float,
+                       overlap: Callable[[], None] | None = None) -> QueryResult:
+        """`query` on the calling thread's own socket; raises what the call raises (the resolver degrades).
+        `overlap` runs while the query is in flight (see `RpcClient.request`)."""
+        return _query_result(self._client().request(m.Query(req_id, list(hashes)), deadline=deadline,
+                                                    overlap=overlap))
 
     async def wait_settled(self, save_id: int, *, timeout: float) -> bool:
         return await self._wait(m.WaitSettled(save_id), timeout)
