@@ -117,7 +117,7 @@ class PagedBlocks:
         return zero.tolist()
 
     # -- the prefix index -----------------------------------------------------------------------------------------
-    def register(self, ids: Sequence[int], hashes: Sequence[bytes]) -> None:
+    def register(self, ids: Sequence[int] | np.ndarray, hashes: Sequence[bytes]) -> None:
         """Make sealed blocks matchable under their page hashes.
 
         If a hash is already indexed (the same prefix was computed twice, or restored while computed) the newest
@@ -144,9 +144,11 @@ class PagedBlocks:
 
     # -- generations ----------------------------------------------------------------------------------------------
     def generations(self, ids: Sequence[int]) -> np.ndarray:
-        return self.generation[np.asarray(ids, dtype=np.int64)].copy()
+        if not len(ids):
+            return np.empty(0, dtype=np.int64)  # a miss's hold: skip the fancy-index round trip
+        return self.generation[np.asarray(ids, dtype=np.int64)]  # fancy indexing already returns a copy
 
-    def check(self, ids: Sequence[int], gens: np.ndarray) -> None:
+    def check(self, ids: Sequence[int] | np.ndarray, gens: np.ndarray) -> None:
         idx = np.asarray(ids, dtype=np.int64)
         bad = self.generation[idx] != np.asarray(gens)
         if bad.any():

@@ -294,11 +294,12 @@ class BlockPool:
                 + (f" and no staging slot for bounded group(s) {missing}" if missing else "")
             )
         with self.lock:
-            self.paged.check(res.ids, res.gens)
-            self.paged.register(res.ids, hashes)
+            idx = np.asarray(res.ids, dtype=np.int64)  # once, for the check and the registration
+            self.paged.check(idx, res.gens)
+            self.paged.register(idx, hashes)
             final = res.ids
             hs.ids.extend(final)
-            hs.gens = self.paged.generations(hs.ids)
+            hs.gens = np.concatenate((hs.gens, res.gens))  # just checked: the reservation's generations are current
             hs.hashes.extend(hashes)
             if res.staging and hashes:
                 key = hashes[-1]

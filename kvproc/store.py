@@ -69,6 +69,7 @@ class KvStore:
         # Loads a resolve stopped waiting for (asyncio futures from the loop path, concurrent ones from the blocking
         # path), until they settle.
         self._loads: list[set[Any]] = [set() for _ in self.layouts]
+        self._late_lock = threading.Lock()  # a blocking load turning late vs its reply arriving on the reaper thread
         self._parked: list[dict[str, RequestKv]] = [{} for _ in self.layouts]
         self._cacheable_pinned = [0] * len(self.layouts)
         self._acct = threading.Lock()  # cacheable pin budget and seal cursors: touched by engine threads and the loop

@@ -129,31 +129,36 @@ class BlockingResolver:
         staging = reservation.staging
         order = LoadOrder(req_id, list(res.page_slots), reservation.block_ids,
                           [BoundedCopy(g, staging[g][0], res.bounded_slots[g]) for g in staging])
-        late: concurrent.futures.Future[None] = concurrent.futures.Future()
         loads = store._loads[rank]
+        late: list[concurrent.futures.Future[None]] = []  # made only if the resolve stops waiting (rare)
+        settled = [False]
 
         def settle_abandoned(reply: Any) -> None:  # the worker's reply to a load the resolve stopped waiting for
             reservation.release()
             tier.release_lease(res.lease_id)
             store.outcomes.record("load", req_id, "ok" if isinstance(reply, m.Ok) else "failed", "abandoned")
-            loads.discard(late)
-            late.set_result(None)
+            with store._late_lock:
+                settled[0] = True
+                fut = late[0] if late else None
+            if fut is not None:
+                loads.discard(fut)
+                fut.set_result(None)
 
-        loads.add(late)  # before the order goes out: flush_loads must see it from the moment it can be abandoned
         try:
             copied = copier.load_blocking(order, wait_until=st.deadline, on_late=settle_abandoned)
         except Exception as e:  # noqa: BLE001 - the copy failed (or its worker died): nothing was committed
-            loads.discard(late)
-            late.set_result(None)
             reservation.release()
             tier.release_lease(res.lease_id)
             store.outcomes.record("load", req_id, "failed", type(e).__name__)
             raise Degrade("load_failed") from None
         if copied is LATE:
             store.count("loads_abandoned")
+            fut: concurrent.futures.Future[None] = concurrent.futures.Future()
+            with store._late_lock:  # the reply may have come already: then there is nothing left to wait for
+                if not settled[0]:
+                    late.append(fut)
+                    loads.add(fut)  # flush_loads waits for it from now on
             raise Degrade("deadline_load")
-        loads.discard(late)
-        late.set_result(None)
         pool.commit_loaded_blocks(reservation, st.prefix.hold, st.hashes[st.dev : st.dev + res.pages])
         tier.release_lease(res.lease_id, consume_handoff=policy.consume_handoff_of)
         store.outcomes.record("load", req_id, "ok")

@@ -87,7 +87,9 @@ def test_a_worker_killed_during_a_blocking_load_degrades_frees_everything_and_se
         with stopped(worker):
             t = threading.Thread(target=lambda: out.append(store.resolve_prefix_sync(0, "b", toks)))
             t.start()
-            wait_for(lambda: bool(store._loads[0]), what="the load order in flight")
+            # the destination blocks are reserved while the query flies and the Load goes out right after its answer
+            wait_for(lambda: store.stats()["rank0"]["active_blocks"] == 4, what="the load's reservation")
+            time.sleep(0.1)
             os.kill(worker, signal.SIGKILL)
             t.join(5)
         assert out and out[0].hit_tokens == 0

@@ -44,13 +44,13 @@ from kvproc.ipc import messages as m
 from kvproc.ipc.cancel import CancelToken
 from kvproc.ipc.client import RpcClient
 from kvproc.ipc.errors import HandshakeRefused, PeerDeadError
-from kvproc.ipc.sockets import configure_socket
+from kvproc.ipc.sockets import EVENTS, NOBLOCK, POLLIN, configure_socket
 
 log = structlog.get_logger(__name__)
 _encode = m.encode
 _TERMINAL = m.TERMINAL_TYPES
-_POLLIN = zmq.POLLIN
-_NOBLOCK = zmq.NOBLOCK
+_POLLIN = POLLIN
+_NOBLOCK = NOBLOCK
 _Again = zmq.Again
 
 OnReply = Callable[[Any], None]  # receives the terminal reply (Ok / Failed / Cancelled / PeerDead) or an exception
@@ -279,7 +279,7 @@ class AsyncRpcClient:
             self._die(f"{self.peer}: send failed: {e}")
             return False
         self.msgs_out += 1
-        if cast(int, sock.getsockopt(zmq.EVENTS)) & _POLLIN:
+        if cast(int, sock.getsockopt(EVENTS)) & _POLLIN:
             self._loop.call_soon(self._drain)
         return True
 
@@ -294,7 +294,7 @@ class AsyncRpcClient:
             # ZMQ_EVENTS both answers "is a message waiting" and re-arms the FD's edge; cheaper than a recv that
             # ends in zmq.Again (an exception object per wake-up).
             try:
-                if not cast(int, sock.getsockopt(zmq.EVENTS)) & _POLLIN:
+                if not cast(int, sock.getsockopt(EVENTS)) & _POLLIN:
                     return
                 data = sock.recv(_NOBLOCK)
             except _Again:

@@ -31,7 +31,7 @@ from kvproc.ipc import messages as m
 from kvproc.ipc.cancel import CancelToken
 from kvproc.ipc.direct import LATE, DirectCalls
 from kvproc.ipc.errors import CallCancelled, DeadlineExceeded, HandshakeRefused, PeerDeadError
-from kvproc.ipc.sockets import configure_socket
+from kvproc.ipc.sockets import NOBLOCK, POLLIN, configure_socket
 from kvproc.ipc.wake import Waker
 
 log = structlog.get_logger(__name__)
@@ -329,8 +329,8 @@ class RpcClient:
     def _io_loop(self, sock: zmq.Socket[Any]) -> None:
         decoder = m.client_decoder()
         poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
-        poller.register(self._waker.fd, zmq.POLLIN)
+        poller.register(sock, POLLIN)
+        poller.register(self._waker.fd, POLLIN)
         deadlines: list[tuple[float, int]] = []
         hb_seq = 0
         last_heard = last_hb = time.monotonic()
@@ -350,7 +350,7 @@ class RpcClient:
             while not self._outbox.empty():
                 data, call_id, deadline = self._outbox.get_nowait()
                 try:
-                    sock.send(data, zmq.NOBLOCK)
+                    sock.send(data, NOBLOCK)
                     self.msgs_out += 1
                 except zmq.Again:  # at the high-water mark: fail this call now rather than queue without bound
                     if call_id:
@@ -372,14 +372,14 @@ class RpcClient:
                     hb_seq += 1
                     last_hb = now
                     try:
-                        sock.send(_encode(m.Heartbeat(hb_seq)), zmq.NOBLOCK)
+                        sock.send(_encode(m.Heartbeat(hb_seq)), NOBLOCK)
                     except zmq.Again:
                         pass
 
     def _read(self, sock: zmq.Socket[Any], decoder: msgspec.msgpack.Decoder[Any]) -> None:
         for _ in range(512):
             try:
-                data = sock.recv(zmq.NOBLOCK)
+                data = sock.recv(NOBLOCK)
             except zmq.Again:
                 return
             self.msgs_in += 1

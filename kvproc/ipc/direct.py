@@ -36,7 +36,7 @@ import zmq
 
 from kvproc.ipc import messages as m
 from kvproc.ipc.errors import HandshakeRefused, PeerDeadError
-from kvproc.ipc.sockets import configure_socket
+from kvproc.ipc.sockets import EVENTS, NOBLOCK, POLLIN, configure_socket
 
 if TYPE_CHECKING:
     from kvproc.ipc.cancel import CancelToken
@@ -108,8 +108,8 @@ class DirectCalls:
             sock = self._ctx.socket(zmq.DEALER)
             configure_socket(sock, hwm=self._hwm)
         poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
-        poller.register(self.death_fd, zmq.POLLIN)
+        poller.register(sock, POLLIN)
+        poller.register(self.death_fd, POLLIN)
         owned = _Owned(sock, poller)
         sock.connect(self._client.endpoint)
         sock.send(m.encode(m.Hello(m.PROTOCOL_VERSION, self._client._token, f"{self._client.name}/thread")))
@@ -135,7 +135,7 @@ class DirectCalls:
         while True:
             # Read what is already there first (ZMQ_EVENTS: no poll syscall, and no zmq.Again exception, which costs
             # tens of microseconds to build); poll only when nothing is waiting.
-            if not cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            if not cast(int, sock.getsockopt(EVENTS)) & POLLIN:
                 left = deadline - time.monotonic()
                 if left <= 0 or self._client._dead is not None:
                     return None
@@ -145,7 +145,7 @@ class DirectCalls:
                 if len(events) > 1 or events[0][0] is not sock:
                     return None  # the death fd
                 continue
-            frame = sock.recv(zmq.NOBLOCK)
+            frame = sock.recv(NOBLOCK)
             try:
                 msg = self._decoder.decode(frame)
             except (msgspec.DecodeError, msgspec.ValidationError):
@@ -225,7 +225,7 @@ class DirectCalls:
         call_id = next(self._client._ids)
         owned.oneways[call_id] = on_reply
         try:
-            owned.sock.send(m.encode(m.Call(call_id, int(deadline * 1e9), msg, 0)), zmq.NOBLOCK)
+            owned.sock.send(m.encode(m.Call(call_id, int(deadline * 1e9), msg, 0)), NOBLOCK)
         except zmq.ZMQError:  # at the high-water mark (or closing): the I/O thread path reports it
             owned.oneways.pop(call_id, None)
             return False

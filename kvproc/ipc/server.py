@@ -35,7 +35,7 @@ from kvproc.ipc.cancel import REGISTRY
 from kvproc.ipc.context import DEFERRED, CallContext
 from kvproc.ipc.errors import CallCancelled, DeadlineExceeded, HandlerError
 from kvproc.ipc.service import Service
-from kvproc.ipc.sockets import configure_socket
+from kvproc.ipc.sockets import EVENTS, NOBLOCK, POLLIN, RCVMORE, SNDMORE_NOBLOCK, configure_socket
 from kvproc.ipc.wake import Waker
 
 log = structlog.get_logger(__name__)
@@ -129,8 +129,8 @@ class RpcServer:
         """Run the socket loop in the calling thread until `stop()`; closes the socket on the way out."""
         self._io_ident = threading.get_ident()
         poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        poller.register(self._waker.fd, zmq.POLLIN)
+        poller.register(self._sock, POLLIN)
+        poller.register(self._waker.fd, POLLIN)
         try:
             while not self._stopping:
                 # The timeout is only a backstop for a lost wake-up; all work arrives as a poll event.
@@ -180,19 +180,19 @@ class RpcServer:
         for i in range(512):  # bounded batch so replies in the outbox are not starved by a flood of requests
             # The poll said readable, so the first message is there; after it, ask the socket (cheaper than
             # catching zmq.Again at the end of every batch).
-            if i and not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            if i and not sock.getsockopt(EVENTS) & POLLIN:
                 return
             # A ROUTER delivers [identity, body]; read the two frames by hand (recv_multipart costs more per call).
-            ident = sock.recv(zmq.NOBLOCK)
+            ident = sock.recv(NOBLOCK)
             self.msgs_in += 1
-            if not sock.getsockopt(zmq.RCVMORE):
+            if not sock.getsockopt(RCVMORE):
                 self._frame_error(ident, "malformed", "empty message")
                 continue
-            data = sock.recv(zmq.NOBLOCK)
-            if sock.getsockopt(zmq.RCVMORE):
+            data = sock.recv(NOBLOCK)
+            if sock.getsockopt(RCVMORE):
                 extra = 1
-                while sock.getsockopt(zmq.RCVMORE):
-                    sock.recv(zmq.NOBLOCK)
+                while sock.getsockopt(RCVMORE):
+                    sock.recv(NOBLOCK)
                     extra += 1
                 self._frame_error(ident, "malformed", f"expected 1 frame, got {extra + 1}")
                 continue
@@ -275,8 +275,8 @@ class RpcServer:
 
     def _send(self, ident: bytes, data: bytes) -> None:
         try:
-            self._sock.send(ident, zmq.SNDMORE | zmq.NOBLOCK)
-            self._sock.send(data, zmq.NOBLOCK)
+            self._sock.send(ident, SNDMORE_NOBLOCK)
+            self._sock.send(data, NOBLOCK)
             self.msgs_out += 1
         except zmq.ZMQError:  # peer gone (EHOSTUNREACH) or its queue is at the high-water mark (EAGAIN)
             self.dropped += 1

@@ -26,3 +26,13 @@ def ipc_endpoint(runtime_dir: str, name: str) -> str:
             "use a shorter runtime dir (e.g. under /tmp)"
         )
     return f"ipc://{path}"
+
+
+# pyzmq's constants are enum.IntFlag members: `events & zmq.POLLIN` goes through IntFlag.__rand__ and the enum
+# machinery (~2 us a time, far more on a cold cache) and `zmq.SNDMORE | zmq.NOBLOCK` likewise. The per-message paths
+# (server socket thread, direct calls, the loop's client) use these plain ints instead.
+POLLIN = int(zmq.POLLIN)
+NOBLOCK = int(zmq.NOBLOCK)
+SNDMORE_NOBLOCK = int(zmq.SNDMORE | zmq.NOBLOCK)
+EVENTS = int(zmq.EVENTS)
+RCVMORE = int(zmq.RCVMORE)
