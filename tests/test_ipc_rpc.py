@@ -273,3 +273,12 @@ def test_oneway_from_a_thread_without_a_socket_goes_through_the_io_thread(client
     t.start()
     t.join(5)
     assert done.wait(5) and isinstance(got[0], m.Failed) and got[0].code == "io_path"
+
+
+def test_a_thread_that_only_sends_oneways_still_gets_their_replies(client: RpcClient) -> None:
+    got: list[Any] = []
+    client.request(m.Ping(), timeout=5)
+    client.send_oneway(m.Fail("first", code="first"), timeout=5, on_reply=got.append)
+    time.sleep(0.1)
+    client.send_oneway(m.Fail("second", code="second"), timeout=5, on_reply=got.append)  # reads what is waiting first
+    assert [r.code for r in got] == ["first"]

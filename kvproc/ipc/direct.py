@@ -86,6 +86,8 @@ class DirectCalls:
             self._closed = True
             idle = [o for o in self._owned if not o.busy]  # a busy socket is closed by its own thread on the way out
             for owned in idle:
+                if owned.oneways:
+                    self._drain_ready(owned, closing=True)  # replies that did arrive are delivered, not "unread"
                 owned.sock.close(linger=0)
             self._owned = [o for o in self._owned if o.busy]
             self._release_fd()
@@ -222,6 +224,8 @@ class DirectCalls:
         owned: _Owned | None = getattr(self._local, "owned", None)
         if owned is None or self._closed or self._client._dead is not None:
             return False
+        if owned.oneways:
+            self._drain_ready(owned)  # a thread that only sends oneways still reads (and reports) their replies
         call_id = next(self._client._ids)
         owned.oneways[call_id] = on_reply
         try:
@@ -230,6 +234,25 @@ class DirectCalls:
             owned.oneways.pop(call_id, None)
             return False
         return True
+
+    def _drain_ready(self, owned: _Owned, closing: bool = False) -> None:
+        """Hand the replies already waiting on the socket to their oneway callbacks (no wait). `closing`: under
+        `self._lock`, on the way out: a Goodbye is not acted on (marking the client dead takes that lock)."""
+        sock = owned.sock
+        while cast(int, sock.getsockopt(EVENTS)) & POLLIN:
+            try:
+                msg = self._decoder.decode(sock.recv(NOBLOCK))
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                self._client.frame_errors += 1
+                continue
+            if type(msg) in _TERMINAL:
+                done = owned.oneways.pop(msg.call_id, None)
+                if done is not None:
+                    _report(done, msg)
+            elif type(msg) is m.Goodbye:
+                if not closing:
+                    self._client.mark_dead(f"{self._client.peer}: said goodbye: {msg.reason}")
+                return
 
     def _no_reply(self, call_id: int) -> Any:
         client = self._client
@@ -253,6 +276,8 @@ class DirectCalls:
         """Close a socket its thread no longer uses (the client closed under it, or a late call settled)."""
         with self._lock:
             owned.busy = False
+            if owned.oneways:
+                self._drain_ready(owned, closing=True)
             owned.sock.close(linger=0)
             if owned in self._owned:
                 self._owned.remove(owned)
