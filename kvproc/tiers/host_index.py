@@ -142,18 +142,21 @@ class HostIndex:
             self.counters["query_miss"] += 1
             return Miss()
         keys = list(hashes[:depth])
-        for k in keys:
+        lru_pop = self.lru.pop
+        slots = []
+        for k in keys:  # one pass: take each entry out of the LRU, reference it, collect its slot
             e = entries[k]
-            if e.refs == 0:
-                self.lru.pop(k, None)
+            if not e.refs:
+                lru_pop(k, None)
             e.refs += 1
+            slots.append(e.page_slot)
         lease_id = next(self._ids)
         last = entries[keys[-1]]
         self.leases[lease_id] = _Lease(req_id, keys, keys[-1] if last.bounded else None,
                                        self.clock() + self.lease_ttl_s)
         self.counters["query_hit"] += 1
         self.counters["query_hit_pages"] += depth
-        return Hit(depth, lease_id, tuple(entries[k].page_slot for k in keys), dict(last.bounded))
+        return Hit(depth, lease_id, tuple(slots), dict(last.bounded))
 
     def _deepest_complete(self, hashes: Sequence[bytes], n: int) -> int:
         if not self.required:
@@ -177,13 +180,14 @@ class HostIndex:
 
     def _unref(self, keys: Sequence[bytes]) -> None:
         # Tail first into the LRU, so a chain's tail is evicted before its shared head.
+        get, lru = self.entries.get, self.lru
         for k in reversed(keys):
-            e = self.entries.get(k)
+            e = get(k)
             if e is None:
                 continue
             e.refs -= 1
-            if e.evictable:
-                self.lru[k] = None
+            if not e.refs and not e.handoff_owners:  # `evictable`, inlined: this loop runs once per page
+                lru[k] = None
 
     # -- saves ----------------------------------------------------------------------------------------------------
     def reserve_save(
