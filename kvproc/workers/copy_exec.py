@@ -86,11 +86,11 @@ def _runs_numpy(src: Sequence[int] | np.ndarray, dst: Sequence[int] | np.ndarray
 
 
 LONG_RUN = 4  # blocks: a run at least this long is one slice copy; shorter runs' blocks go into one gather
-# Up to this block size a scattered block is cheaper in a gather (two C passes over its bytes) than in its own slice
-# copy (~3-5 us of Python and numpy call overhead: 2 KiB blocks move ~20x faster gathered); from 64 KiB on the
-# second pass costs more than the call saves (measured: 64 KiB 0.50-0.67x memcpy either way, 1 MiB 0.7x gathered
-# vs 1.1-1.2x per-block slices).
-GATHER_MAX_BLOCK_BYTES = 16 << 10
+# Below this block size a scattered block is cheaper in a gather (two C passes over its bytes) than in its own slice
+# copy (~3-5 us of Python and numpy call overhead per block). Measured (`kvproc bench copy`, 128 MiB batches, same
+# run): 4 KiB 0.44-0.54x memcpy gathered vs 0.04-0.05x per block; 64 KiB 0.70-0.77x vs 0.40-0.45x; 128 KiB 0.65-0.70x
+# vs 0.64-0.91x; 256 KiB 0.71-0.74x vs 1.03-1.07x; 1 MiB 0.7x vs 1.2-1.3x.
+GATHER_MAX_BLOCK_BYTES = 128 << 10
 
 
 def split_runs(src: Sequence[int], dst: Sequence[int]) -> tuple[list[tuple[int, int, int]], np.ndarray, np.ndarray]:
