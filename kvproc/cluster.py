@@ -168,6 +168,13 @@ class ClusterStore:
         run where the model's stored layout differs from its execution layout (required then)."""
         if self.store is not None:
             raise RuntimeError("attach_model was already called: one store per ClusterStore")
+        if self.ranks > 1 and self.host_bytes > 0:
+            # The host index keys entries by page hash alone and its layout is planned from rank 0's arenas: a second
+            # rank's shard would dedupe against (and later load) rank 0's bytes. Refuse rather than corrupt.
+            raise KvContractError(
+                f"{self.ranks} ranks cannot share one host tier yet (its index has no rank in its keys, so one rank's "
+                "shard would be served to another): use one ClusterStore per rank, or host_bytes=0 for device-only "
+                "prefix caching across ranks")
         layouts = [validate_layout(model.spec(), model.arenas(r)) for r in range(self.ranks)]
         differs = [a.name for _, a in layouts[0].arenas if a.stored_bytes != a.bytes_per_block]
         if differs and not repack:
