@@ -7,14 +7,15 @@ worker reached over sockets its own thread owns (`RpcClient.request`): hash, pro
 
 The common case only. Anything that has to wait goes to the loop path, which waits without a thread per wait:
 a tier that answers Loading, a full-hit policy not yet satisfied, a pool that cannot take the load right now, a tier
-or copier without blocking forms (`BlockingTier` / `BlockingCopier`), and calls with a cancel token (the loop path
-wakes on cancellation mid-wait; this one would only notice between steps). The lease of a declined hit is released
-first, so the loop path starts clean (it queries again: one more round trip, on a path that waits anyway).
+or copier without blocking forms (`BlockingTier` / `BlockingCopier`). The lease of a declined hit is released
+first, so the loop path starts clean (it queries again: one more round trip, on a path that waits anyway). A cancel
+token ends either wait at once (`direct.py`: its listener wakes the poll), like the loop path's.
 
 Same rules as the loop path: one deadline for the whole resolve; degrade reasons in stats, never in the result; the
-lease released on every path that does not consume it; a load is not cancellable: when the deadline passes during
-it, the resolve degrades to the device hit and the load is abandoned -- counted, its reservation and lease kept
-until the worker's reply arrives (on another thread: `on_late`), and `flush_loads` waits for it.
+lease released on every path that does not consume it (a query answered after the resolve stopped waiting included:
+its late Hit's lease is released when it arrives); a load is not cancellable: when the deadline passes or the token
+fires during it, the resolve degrades to the device hit and the load is abandoned -- counted, its reservation and
+lease kept until the worker's reply arrives (on another thread: `on_late`), and `flush_loads` waits for it.
 """
 
 from __future__ import annotations
@@ -61,10 +62,10 @@ class BlockingResolver:
         st = self.resolver.begin(rank, req_id, tokens, scope, policy, cancel)
         if isinstance(st, KvPrefix):
             return st
-        if cancel is None and self.capable:
+        if self.capable:
             pages: int | Degrade | None
             try:
-                pages = self._from_tier(rank, req_id, st, store.tier, store.copiers[rank], scope, policy)
+                pages = self._from_tier(rank, req_id, st, store.tier, store.copiers[rank], scope, policy, cancel)
             except Degrade as d:
                 pages = d
             except _UseLoop:
@@ -79,7 +80,7 @@ class BlockingResolver:
         return store._loop.submit(self.resolver.resolve_started(rank, req_id, st, scope, policy, cancel)).result()
 
     def _from_tier(self, rank: int, req_id: str, st: Started, tier: Any, copier: Any, scope: HashScope,
-                   policy: ResolvePolicy) -> int:
+                   policy: ResolvePolicy, cancel: CancelToken | None) -> int:
         store = self.store
         pool = store.pools[rank]
         want = st.hashes[st.dev : st.cap]
@@ -95,11 +96,17 @@ class BlockingResolver:
 
         try:
             try:
-                res = tier.query_blocking(req_id, want, deadline=st.deadline, overlap=reserve_early)
-            except Exception as e:  # noqa: BLE001 - PeerDead / RemoteError / a local deadline: the prefix stays
+                res = tier.query_blocking(req_id, want, deadline=st.deadline, cancel=cancel, overlap=reserve_early)
+            except Exception as e:  # noqa: BLE001 - PeerDead / RemoteError / abandoned: the prefix stays as it is
+                if cancel is not None and cancel.cancelled:
+                    raise Degrade("cancelled") from None
                 if time.monotonic() >= st.deadline:
                     raise Degrade("deadline_query") from None
                 raise Degrade(f"tier_{type(e).__name__}") from None
+            if cancel is not None and cancel.cancelled:
+                if isinstance(res, Hit):
+                    tier.release_lease(res.lease_id)
+                raise Degrade("cancelled")
             if isinstance(res, Miss):
                 if policy.wait_for_full_hit:
                     raise _UseLoop
@@ -121,13 +128,13 @@ class BlockingResolver:
             if reservation is None:
                 tier.release_lease(res.lease_id)
                 raise _UseLoop  # pool pressure: the loop waits on the pool's capacity waiter
-            return self._load(rank, req_id, st, tier, copier, scope, policy, res, reservation)
+            return self._load(rank, req_id, st, tier, copier, scope, policy, res, reservation, cancel)
         finally:
             for r in early:  # not used: a miss, a declined hit or a failure
                 r.release()
 
     def _load(self, rank: int, req_id: str, st: Started, tier: Any, copier: Any, scope: HashScope,
-              policy: ResolvePolicy, res: Hit, reservation: Any) -> int:
+              policy: ResolvePolicy, res: Hit, reservation: Any, cancel: CancelToken | None) -> int:
         store = self.store
         pool = store.pools[rank]
         staging = reservation.staging
@@ -149,7 +156,7 @@ class BlockingResolver:
                 fut.set_result(None)
 
         try:
-            copied = copier.load_blocking(order, wait_until=st.deadline, on_late=settle_abandoned)
+            copied = copier.load_blocking(order, wait_until=st.deadline, on_late=settle_abandoned, cancel=cancel)
         except Exception as e:  # noqa: BLE001 - the copy failed (or its worker died): nothing was committed
             reservation.release()
             tier.release_lease(res.lease_id)
@@ -162,7 +169,7 @@ class BlockingResolver:
                 if not settled[0]:
                     late.append(fut)
                     loads.add(fut)  # flush_loads waits for it from now on
-            raise Degrade("deadline_load")
+            raise Degrade("cancelled" if cancel is not None and cancel.cancelled else "deadline_load")
         pool.commit_loaded_blocks(reservation, st.prefix.hold, st.hashes[st.dev : st.dev + res.pages])
         tier.release_lease(res.lease_id, consume_handoff=policy.consume_handoff_of)
         store.outcomes.record("load", req_id, "ok")

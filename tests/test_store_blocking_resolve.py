@@ -103,18 +103,18 @@ def test_a_worker_killed_during_a_blocking_load_degrades_frees_everything_and_se
         pre.hold.release()
 
 
-def test_resolves_that_must_wait_or_carry_a_cancel_token_continue_on_the_loop() -> None:
+def test_a_resolve_that_must_wait_continues_on_the_loop_and_a_cancel_token_does_not_need_it() -> None:
     with cluster_store(config=CONFIG) as (cs, store, model):
         toks = list(range(17))
         _saved(store, model, "a", toks)
         pre = store.resolve_prefix_sync(0, "tok", toks, cancel=new_token())
-        assert pre.host_tokens == 16 and store.counters["resolve_via_loop"] == 1
+        assert pre.host_tokens == 16 and store.counters["resolve_via_loop"] == 0
         pre.hold.release()
         churn(store)
         # a full-hit policy whose last page was never saved: the loop waits for the producer, here until the deadline
         policy = ResolvePolicy(FULL_HIT.reuse, wait_for_full_hit=True, deadline_s=0.3)
         pre = store.resolve_prefix_sync(0, "full", list(range(20)), policy=policy)
-        assert pre.hit_tokens == 0 and store.counters["resolve_via_loop"] == 2
+        assert pre.hit_tokens == 0 and store.counters["resolve_via_loop"] == 1
         assert store.outcomes.for_request("full")[-1].reason.startswith("deadline_")
         pre.hold.release()
         wait_for(lambda: store.stats()["tier"]["open_leases"] == 0, what="every declined lease released")
@@ -144,3 +144,52 @@ def test_a_miss_returns_the_in_flight_reservation_and_evicts_no_cached_block() -
         again = store.resolve_prefix_sync(0, "again", [700 + i for i in range(9)])
         assert again.device_tokens == 8  # still cached: the early reservation took free blocks only
         again.hold.release()
+
+
+def test_cancelling_during_a_hung_load_returns_at_once_and_the_load_still_settles() -> None:
+    with cluster_store(config=CONFIG) as (cs, store, model):
+        toks = list(range(17))
+        _saved(store, model, "a", toks)
+        token = new_token()
+        with stopped(cs.cluster.pid("copy_worker")):
+            threading.Timer(0.2, token.cancel).start()
+            t0 = time.monotonic()
+            pre = store.resolve_prefix_sync(0, "b", toks, cancel=token)
+            assert time.monotonic() - t0 < 1.0 and pre.hit_tokens == 0  # long before the 3 s deadline
+            assert store.outcomes.for_request("b")[-1].reason == "cancelled"
+            assert store.stats()["rank0"]["loads_abandoned_in_flight"] == 1  # its blocks stay reserved meanwhile
+            pre.hold.release()
+        store.flush_loads(0, 5)
+        assert store.stats()["rank0"]["active_blocks"] == 0
+        wait_for(lambda: store.stats()["tier"]["open_leases"] == 0, what="the lease released")
+
+
+def test_cancelling_during_a_hung_query_returns_at_once_and_leaves_no_lease() -> None:
+    with cluster_store(config=CONFIG) as (cs, store, model):
+        toks = list(range(17))
+        _saved(store, model, "a", toks)
+        token = new_token()
+        with stopped(cs.cluster.pid("host_tier")):
+            threading.Timer(0.2, token.cancel).start()
+            t0 = time.monotonic()
+            pre = store.resolve_prefix_sync(0, "b", toks, cancel=token)
+            assert time.monotonic() - t0 < 1.0 and pre.hit_tokens == 0
+            assert store.outcomes.for_request("b")[-1].reason == "cancelled"
+            pre.hold.release()
+        # the tier runs again: it sees the Cancel first (no hit) or answers the Query first (a late hit, released)
+        wait_for(lambda: store.stats()["tier"]["open_leases"] == 0, what="no lease left")
+        assert store.stats()["rank0"]["active_blocks"] == 0
+
+
+def test_a_query_answered_after_the_deadline_gives_its_hits_lease_back() -> None:
+    with cluster_store(config=CONFIG) as (cs, store, model):
+        toks = list(range(17))
+        _saved(store, model, "a", toks)
+        with stopped(cs.cluster.pid("host_tier")):
+            pre = store.resolve_prefix_sync(0, "b", toks, policy=ResolvePolicy(deadline_s=0.3))
+            assert pre.hit_tokens == 0 and store.outcomes.for_request("b")[-1].reason == "deadline_query"
+            pre.hold.release()
+        # the query's own deadline runs a grace past the resolve's: the tier answers it with a Hit, read late
+        wait_for(lambda: store.tier.counters["late_hits_released"] == 1, what="the late hit")  # type: ignore[union-attr]
+        wait_for(lambda: store.stats()["tier"]["open_leases"] == 0, what="the late hit's lease released")
+        assert store.stats()["rank0"]["active_blocks"] == 0

@@ -20,7 +20,8 @@ A caller that must stop waiting before the call's own deadline but still needs i
 passes during a copy order, which is not cancellable and keeps its destination reserved until it ends) passes
 `wait_until` and `on_late`: if no reply has come by `wait_until`, the thread gives the socket up -- it is handed,
 with the one call pending on it, to a reaper thread that waits for that reply (or the peer's death, or the call's
-deadline backstop), hands it to `on_late` and closes the socket -- and the caller's next call opens a new one.
+deadline backstop), hands it to `on_late` and closes the socket -- and the caller's next call opens a new one. With a
+cancel token, cancelling it ends such a wait at once the same way.
 """
 
 from __future__ import annotations
@@ -196,7 +197,7 @@ class DirectCalls:
             if overlap is not None:
                 overlap()
             if on_late is not None and wait_until is not None and wait_until < deadline:
-                reply = self._wait(owned, call_id, wait_until)
+                reply = self._wait_or_cancel(owned, call_id, wait_until, token)
                 late = reply is None and client._dead is None and not self._closed
             else:
                 reply = self._wait(owned, call_id, deadline + client._grace)
@@ -217,6 +218,33 @@ class DirectCalls:
         if reply is not None:
             return reply
         return self._no_reply(call_id)
+
+    def _wait_or_cancel(self, owned: _Owned, call_id: int, until: float, token: CancelToken | None) -> Any:
+        """`_wait` that also stops when `token` is cancelled (a caller that may give up on a call it cannot take
+        back: its reply then goes to `on_late`). The token's listener writes an eventfd polled with the socket."""
+        if token is None:
+            return self._wait(owned, call_id, until)
+        efd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+        lock = threading.Lock()
+        open_ = [True]
+
+        def wake(_token_id: int) -> None:  # any thread (the canceller's)
+            with lock:
+                if open_[0]:
+                    os.eventfd_write(efd, 1)
+
+        if not token.add_listener(wake):
+            os.close(efd)
+            return None  # cancelled already
+        owned.poller.register(efd, POLLIN)
+        try:
+            return self._wait(owned, call_id, until)
+        finally:
+            owned.poller.unregister(efd)
+            token.remove_listener(wake)
+            with lock:
+                open_[0] = False
+                os.close(efd)
 
     def oneway(self, msg: m.RequestBody, deadline: float, on_reply: Callable[[Any], None]) -> bool:
         """Send a fire-and-forget call on this thread's socket, if it has one (False: use the I/O thread). Its

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
+from kvproc.ipc.cancel import CancelToken
 from kvproc.tiers.host_index import QueryResult, SaveClass, SaveTicket, Shed
 from kvproc.tiers.layout import HostLayout
 from kvproc.workers.orders import LoadOrder, SaveOrder, SlotCopy
@@ -70,8 +71,9 @@ class BlockingTier(Protocol):
     """Optional: a tier that can answer a query on the calling thread (the store's blocking resolve path)."""
 
     def query_blocking(self, req_id: str, hashes: Sequence[bytes], *, deadline: float,
-                       overlap: Callable[[], None] | None = None) -> QueryResult:
-        """`overlap` (must not raise) runs once the query is on its way, before the wait for its answer."""
+                       cancel: CancelToken | None = None, overlap: Callable[[], None] | None = None) -> QueryResult:
+        """Raises on failure, and once `deadline` passes or `cancel` fires (a late Hit's lease is then released by
+        the tier side's client). `overlap` (must not raise) runs once the query is on its way."""
         ...
 
 
@@ -81,4 +83,5 @@ class BlockingCopier(Protocol):
     `kvproc.ipc.direct.LATE` when `wait_until` passed first: the order still runs, and its terminal reply
     (Ok / Failed / PeerDead) goes to `on_late` when it ends."""
 
-    def load_blocking(self, order: LoadOrder, *, wait_until: float, on_late: Callable[[Any], None]) -> Any: ...
+    def load_blocking(self, order: LoadOrder, *, wait_until: float, on_late: Callable[[Any], None],
+                      cancel: CancelToken | None = None) -> Any: ...

@@ -30,6 +30,7 @@ import structlog
 
 from kvproc.ipc import messages as m
 from kvproc.ipc.aclient import AsyncRpcClient
+from kvproc.ipc.cancel import CancelToken
 from kvproc.ipc.client import RpcClient
 from kvproc.ipc.direct import LATE
 from kvproc.ipc.errors import RemoteError
@@ -124,6 +125,13 @@ def _query_result(res: Any) -> QueryResult:
     return Miss()
 
 
+LATE_REPLY_GRACE_S = 1.0  # a blocking query's message deadline past the resolve's: time for a late answer to come
+
+
+class QueryAbandoned(RuntimeError):
+    """A blocking query the resolve stopped waiting for (its deadline, or its cancel token)."""
+
+
 class RemoteTier:
     def __init__(self, client: ClientSource, layout: HostLayout, *, oneway_timeout_s: float = 5.0) -> None:
         self._client = client
@@ -143,11 +151,21 @@ class RemoteTier:
         return _query_result(await _acall(self._link, self._client(), m.Query(req_id, list(hashes)), timeout))
 
     def query_blocking(self, req_id: str, hashes: Sequence[bytes], *, deadline: float,
-                       overlap: Callable[[], None] | None = None) -> QueryResult:
-        """`query` on the calling thread's own socket; raises what the call raises (the resolver degrades).
-        `overlap` runs while the query is in flight (see `RpcClient.request`)."""
-        return _query_result(self._client().request(m.Query(req_id, list(hashes)), deadline=deadline,
-                                                    overlap=overlap))
+                       cancel: CancelToken | None = None, overlap: Callable[[], None] | None = None) -> QueryResult:
+        """`query` on the calling thread's own socket; raises what the call raises (the resolver degrades), and
+        `QueryAbandoned` when `deadline` passes or `cancel` fires first. An answer that comes after that is still
+        read: a late Hit's lease is released, never left to the TTL. `overlap` runs while the query is in flight."""
+        res = self._client().request(m.Query(req_id, list(hashes)), deadline=deadline + LATE_REPLY_GRACE_S,
+                                     wait_until=deadline, on_late=self._late_answer, cancel_token=cancel,
+                                     overlap=overlap)
+        if res is LATE:
+            raise QueryAbandoned("the resolve stopped waiting (deadline or cancellation)")
+        return _query_result(res)
+
+    def _late_answer(self, reply: Any) -> None:
+        if isinstance(reply, m.Ok) and isinstance(reply.payload, m.TierHit):
+            self.counters["late_hits_released"] += 1
+            self.release_lease(reply.payload.lease_id)
 
     async def wait_settled(self, save_id: int, *, timeout: float) -> bool:
         return await self._wait(m.WaitSettled(save_id), timeout)
@@ -272,9 +290,11 @@ class RemoteCopier:
     async def device_copy(self, copies: Sequence[SlotCopy]) -> int:
         return await self._order(m.DeviceCopy(list(copies)))
 
-    def load_blocking(self, order: LoadOrder, *, wait_until: float, on_late: Callable[[Any], None]) -> int | Any:
-        """`load` on the calling thread's own socket: the bytes copied, or `LATE` once `wait_until` passes (the
-        worker's terminal reply then goes to `on_late`: Ok(Copied) / Failed / PeerDead). Raises like `load`."""
+    def load_blocking(self, order: LoadOrder, *, wait_until: float, on_late: Callable[[Any], None],
+                      cancel: CancelToken | None = None) -> int | Any:
+        """`load` on the calling thread's own socket: the bytes copied, or `LATE` once `wait_until` passes or
+        `cancel` fires (the order is not cancellable: the worker's terminal reply then goes to `on_late`:
+        Ok(Copied) / Failed / PeerDead). Raises like `load`."""
         client = self._client()
         if client is not self._attached_to:
             with self._sync_attach:  # a new incarnation (restart): attach it first; a second attach is harmless
@@ -283,7 +303,8 @@ class RemoteCopier:
                     client.request(self.attach_msg, timeout=self.attach_timeout_s)
                     self._attached_to = client
                     self.attaches += 1
-        res = client.request(m.Load(order), timeout=self.copy_timeout_s, wait_until=wait_until, on_late=on_late)
+        res = client.request(m.Load(order), timeout=self.copy_timeout_s, wait_until=wait_until, on_late=on_late,
+                             cancel_token=cancel)
         return res if res is LATE else int(res.nbytes)
 
     def close(self) -> None:
