@@ -21,6 +21,7 @@ from kvproc.holds import ReusePolicy
 from kvproc.ipc.cancel import CancelToken
 from kvproc.store_types import KvPrefix, ResolvePolicy
 from kvproc.tiers.host_index import Hit, Loading, Miss
+from kvproc.tiers.api import LATE_REPLY_GRACE_S
 from kvproc.workers.orders import BoundedCopy, LoadOrder
 
 if TYPE_CHECKING:
@@ -182,7 +183,10 @@ class Resolver:
                 raise Degrade("cancelled")
             remaining = deadline - time.monotonic()
             try:
-                res = await self._wait(tier.query(req_id, want, timeout=remaining), deadline, cancel, "query")
+                # The message's own deadline runs a grace past the resolve's: an answer that comes just late is still
+                # read (a late Hit's lease goes back at once) rather than answered "deadline exceeded" by the tier.
+                res = await self._wait(tier.query(req_id, want, timeout=remaining + LATE_REPLY_GRACE_S), deadline,
+                                       cancel, "query")
             except Degrade:
                 raise
             except Exception as e:  # noqa: BLE001 - PeerDead / RemoteError / TierUnavailable

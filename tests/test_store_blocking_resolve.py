@@ -193,3 +193,15 @@ def test_a_query_answered_after_the_deadline_gives_its_hits_lease_back() -> None
         wait_for(lambda: store.tier.counters["late_hits_released"] == 1, what="the late hit")  # type: ignore[union-attr]
         wait_for(lambda: store.stats()["tier"]["open_leases"] == 0, what="the late hit's lease released")
         assert store.stats()["rank0"]["active_blocks"] == 0
+
+
+def test_on_the_loop_path_too_a_query_answered_after_the_deadline_gives_its_hits_lease_back() -> None:
+    with cluster_store(config=CONFIG) as (cs, store, model):
+        toks = list(range(17))
+        _saved(store, model, "a", toks)
+        with stopped(cs.cluster.pid("host_tier")):
+            pre = store.submit_resolve(0, "b", toks, policy=ResolvePolicy(deadline_s=0.3)).result(5)
+            assert pre.hit_tokens == 0 and store.outcomes.for_request("b")[-1].reason == "deadline_query"
+            pre.hold.release()
+        wait_for(lambda: store.tier.counters["late_hits_released"] == 1, what="the late hit")  # type: ignore[union-attr]
+        wait_for(lambda: store.stats()["tier"]["open_leases"] == 0, what="the late hit's lease released")

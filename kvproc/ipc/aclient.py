@@ -198,6 +198,23 @@ class AsyncRpcClient:
         reply = await fut
         return reply.unwrap()
 
+    async def call_keeping_late(self, msg: m.RequestBody, on_late: OnReply, *, timeout: float) -> Any:
+        """`call`, except that a reply arriving after the awaiting task was cancelled (its caller stopped waiting)
+        goes to `on_late` instead of being dropped: for answers that hold something, e.g. a Hit's lease."""
+        fut: asyncio.Future[Any] = self._loop.create_future()
+
+        def deliver(reply: Any) -> None:
+            if fut.done():  # nobody is waiting any more
+                on_late(reply)
+            elif isinstance(reply, BaseException):
+                fut.set_exception(reply)
+            else:
+                fut.set_result(reply)
+
+        self._start(msg, timeout, None, None, deliver)
+        reply = await fut
+        return reply.unwrap()
+
     def call_nowait(self, msg: m.RequestBody, *, timeout: float | None = None, deadline: float | None = None,
                     on_reply: OnReply | None = None) -> None:
         """Fire-and-forget: send `msg`; its reply is still read, handed to `on_reply` (the terminal reply struct, or

@@ -17,6 +17,11 @@ from kvproc.tiers.layout import HostLayout
 from kvproc.workers.orders import LoadOrder, SaveOrder, SlotCopy
 
 
+# A query's message deadline runs this far past the resolve's own: an answer that comes just after the resolve gave up
+# is still produced and read (a late Hit's lease then goes straight back) instead of being refused by the tier.
+LATE_REPLY_GRACE_S = 1.0
+
+
 class TierUnavailable(RuntimeError):
     """The tier is down (its process died or never came up): the store degrades to device-only prefix caching."""
 

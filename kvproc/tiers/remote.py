@@ -34,6 +34,7 @@ from kvproc.ipc.cancel import CancelToken
 from kvproc.ipc.client import RpcClient
 from kvproc.ipc.direct import LATE
 from kvproc.ipc.errors import RemoteError
+from kvproc.tiers.api import LATE_REPLY_GRACE_S
 from kvproc.tiers.host_index import Hit, Loading, Miss, QueryResult, SaveClass, SaveTicket, Shed
 from kvproc.tiers.layout import HostLayout
 from kvproc.workers.orders import LoadOrder, SaveOrder, SlotCopy
@@ -90,7 +91,8 @@ async def _acall(link: _LoopLink, sync: RpcClient, msg: m.RequestBody, timeout: 
     return await ac.call(msg, timeout=max(timeout, 0.001))
 
 
-async def _call(client: RpcClient, msg: m.RequestBody, timeout: float) -> Any:
+async def _call(client: RpcClient, msg: m.RequestBody, timeout: float,
+                on_late: Callable[[Any], None] | None = None) -> Any:
     """Await one call through the sync client's I/O thread (the fallback off the store's loop); the payload, or the
     reply's typed exception (RemoteError, PeerDeadError, CallCancelled).
 
@@ -105,6 +107,8 @@ async def _call(client: RpcClient, msg: m.RequestBody, timeout: float) -> Any:
     def settle(f: Any) -> None:
         if not afut.done():
             afut.set_result(f.result())
+        elif on_late is not None:  # the awaiter gave up: the answer still goes somewhere
+            on_late(f.result())
 
     def relay(f: Any) -> None:
         try:
@@ -123,9 +127,6 @@ def _query_result(res: Any) -> QueryResult:
     if isinstance(res, m.TierLoading):
         return Loading(res.ready_pages, res.save_id)
     return Miss()
-
-
-LATE_REPLY_GRACE_S = 1.0  # a blocking query's message deadline past the resolve's: time for a late answer to come
 
 
 class QueryAbandoned(RuntimeError):
@@ -148,7 +149,14 @@ class RemoteTier:
     # ---- awaited calls ----
 
     async def query(self, req_id: str, hashes: Sequence[bytes], *, timeout: float) -> QueryResult:
-        return _query_result(await _acall(self._link, self._client(), m.Query(req_id, list(hashes)), timeout))
+        """Awaited on the store's loop. If the awaiting resolve gives up (its deadline, its cancel token) and the answer
+        still comes, a late Hit's lease is released, not left to the TTL."""
+        msg = m.Query(req_id, list(hashes))
+        sync = self._client()
+        ac = self._link.get(sync)
+        if ac is None:
+            return _query_result(await _call(sync, msg, timeout, on_late=self._late_answer))
+        return _query_result(await ac.call_keeping_late(msg, self._late_answer, timeout=max(timeout, 0.001)))
 
     def query_blocking(self, req_id: str, hashes: Sequence[bytes], *, deadline: float,
                        cancel: CancelToken | None = None, overlap: Callable[[], None] | None = None) -> QueryResult:
