@@ -155,6 +155,10 @@ class BlockingResolver:
                 loads.discard(fut)
                 fut.set_result(None)
 
+        if cancel is not None and cancel.cancelled:  # cancelled since the query: no order goes out at all
+            reservation.release()
+            tier.release_lease(res.lease_id)
+            raise Degrade("cancelled")
         try:
             copied = copier.load_blocking(order, wait_until=st.deadline, on_late=settle_abandoned, cancel=cancel)
         except Exception as e:  # noqa: BLE001 - the copy failed (or its worker died): nothing was committed

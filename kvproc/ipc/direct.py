@@ -171,11 +171,12 @@ class DirectCalls:
 
     def request(self, msg: m.RequestBody, deadline: float, token: CancelToken | None,
                 wait_until: float | None = None, on_late: Callable[[Any], None] | None = None,
-                overlap: Callable[[], None] | None = None) -> Any:
+                overlap: Callable[[], None] | None = None, wake_on: CancelToken | None = None) -> Any:
         """One terminal reply (a Reply struct); None when this path cannot be used (caller falls back, and `overlap`
         has not run); `LATE` when `wait_until` passed first and `on_late` will receive the reply (see the module
         docstring). `overlap` runs once the request is on its way, before the wait: work that fills the round
-        trip (it must not raise)."""
+        trip (it must not raise). `wake_on`: a token that ends a `wait_until` wait without being sent to the server
+        (a call that cannot be taken back, e.g. a copy order, is still waited out by the reaper)."""
         client = self._client
         # A new socket's handshake waits no longer than the caller does (a hung peer: the I/O-thread path then
         # returns LATE at once).
@@ -197,7 +198,7 @@ class DirectCalls:
             if overlap is not None:
                 overlap()
             if on_late is not None and wait_until is not None and wait_until < deadline:
-                reply = self._wait_or_cancel(owned, call_id, wait_until, token)
+                reply = self._wait_or_cancel(owned, call_id, wait_until, wake_on or token)
                 late = reply is None and client._dead is None and not self._closed
             else:
                 reply = self._wait(owned, call_id, deadline + client._grace)

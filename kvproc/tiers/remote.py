@@ -311,8 +311,9 @@ class RemoteCopier:
                     client.request(self.attach_msg, timeout=self.attach_timeout_s)
                     self._attached_to = client
                     self.attaches += 1
+        # `cancel` only ends this thread's wait: a copy order is not cancellable, so the token is not sent along.
         res = client.request(m.Load(order), timeout=self.copy_timeout_s, wait_until=wait_until, on_late=on_late,
-                             cancel_token=cancel)
+                             wake_on=cancel)
         return res if res is LATE else int(res.nbytes)
 
     def close(self) -> None:
