@@ -85,6 +85,9 @@ def test_host_tier_killed_during_a_query_degrades_to_device_only_and_keeps_servi
         store.flush_saves(0, 10)
         tier_pid = cs.cluster.pid("host_tier")
         client = cs.cluster.client("host_tier")
+        # The save's CommitSave is fire-and-forget: let its reply come first, or it would pass for the query below
+        # (and the tier could die before the resolve even asks it: a "tier_unavailable" degrade instead).
+        wait_for(lambda: client.pending_count == 0, what="the save's commit answered")
         with stopped(tier_pid):
             t0 = time.monotonic()
             fut = store.submit_resolve(0, "b", list(range(17)))
