@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import signal
@@ -282,3 +283,19 @@ def test_a_thread_that_only_sends_oneways_still_gets_their_replies(client: RpcCl
     time.sleep(0.1)
     client.send_oneway(m.Fail("second", code="second"), timeout=5, on_reply=got.append)  # reads what is waiting first
     assert [r.code for r in got] == ["first"]
+
+
+def test_a_threads_own_socket_is_closed_when_the_thread_ends(served: Served) -> None:
+    c = served.client()
+    threads = [threading.Thread(target=lambda: c.request(m.Ping(), timeout=5)) for _ in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(5)
+    gc.collect()
+    deadline = time.monotonic() + 5
+    while c._direct._owned and time.monotonic() < deadline:  # a thread's locals go at its exit
+        time.sleep(0.01)
+    assert c._direct._owned == []  # a thread per request leaves no socket per request behind
+    assert c.request(m.Ping(b"still"), timeout=5).data == b"still"
+    c.close()

@@ -2,8 +2,9 @@
 
 A call through the client's I/O thread costs two extra thread wake-ups (caller -> I/O thread -> caller), which on
 a busy 2-core host doubles a ZeroMQ round trip. A thread that blocks for its reply anyway can own a socket itself:
-each such thread gets its own DEALER (created and handshaken on first use, then reused), sends, and polls that socket
-together with the client's death fd. One thread still owns each socket; nothing is shared but the death fd.
+each such thread gets its own DEALER (created and handshaken on first use, then reused; closed when the thread ends,
+through a finalizer on an object only that thread's locals hold), sends, and polls that socket together with the
+client's death fd. One thread still owns each socket; nothing is shared but the death fd.
 
 Guarantees are the I/O thread path's: exactly one outcome (the reply, PeerDead, or a local deadline backstop);
 `mark_dead` makes the death fd readable, which wakes every blocked caller at once; a `Goodbye` seen here marks the
@@ -29,6 +30,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import weakref
 from typing import TYPE_CHECKING, Any, Callable, cast
 
 import msgspec
@@ -58,11 +60,25 @@ LATE = _Late()
 
 
 class _Owned:
-    __slots__ = ("sock", "poller", "busy", "oneways")
+    __slots__ = ("sock", "poller", "busy", "oneways", "on_thread_exit")
 
     def __init__(self, sock: zmq.Socket[Any], poller: zmq.Poller) -> None:
         self.sock, self.poller, self.busy = sock, poller, False
         self.oneways: dict[int, Callable[[Any], None]] = {}  # fire-and-forget calls whose reply is not read yet
+        self.on_thread_exit: weakref.finalize[Any, Any] | None = None
+
+
+class _ThreadKeeper:
+    """Lives only in the owning thread's `threading.local`: when the thread ends, its locals go and this object's
+    finalizer closes the thread's socket (a thread per request must not leave a socket per request behind)."""
+
+    __slots__ = ("__weakref__",)
+
+
+def _thread_gone(calls_ref: weakref.ref[DirectCalls], owned: _Owned) -> None:
+    calls = calls_ref()
+    if calls is not None and not owned.busy and not owned.sock.closed:  # busy: a reaper owns it and closes it
+        calls._drop(owned)
 
 
 class DirectCalls:
@@ -128,7 +144,9 @@ class DirectCalls:
                 sock.close(linger=0)
                 return None
             self._owned.append(owned)
-        self._local.owned = owned
+        keeper = _ThreadKeeper()
+        owned.on_thread_exit = weakref.finalize(keeper, _thread_gone, weakref.ref(self), owned)
+        self._local.owned, self._local.keeper = owned, keeper
         return owned
 
     def _wait(self, owned: _Owned, call_id: int, deadline: float) -> Any:
@@ -204,7 +222,9 @@ class DirectCalls:
                 reply = self._wait(owned, call_id, deadline + client._grace)
         finally:
             if late:
-                self._local.owned = None  # the socket goes to the reaper, with the call still on it
+                if owned.on_thread_exit is not None:
+                    owned.on_thread_exit.detach()  # the reaper closes it now, not this thread's exit
+                self._local.owned = self._local.keeper = None  # the socket goes to the reaper, call and all
             else:
                 owned.busy = False
                 if token is not None:
