@@ -5,8 +5,8 @@
         store = cs.attach_model(model, live_slots=8)                 # a KvStore with RemoteTier + RemoteCopier
         ...
 
-Processes: `host_tier[0]` (only when `host_bytes > 0`) and `copy_worker[r]` for each rank, launched and supervised
-by `kvproc.runtime.launch`. Ownership: the scheduler owns the arena segments (`cs.allocator`), the host tier owns the
+Processes: `host_tier[r]` and `copy_worker[r]` for each rank (the tiers only when `host_bytes > 0`: `host_bytes` each,
+a rank's shard in its own tier), launched and supervised by `kvproc.runtime.launch`. Ownership: the scheduler owns the arena segments (`cs.allocator`), the host tier owns the
 host segment, the copy workers own nothing (they attach both). `close()` closes the store (flushing saves and
 abandoned loads), shuts the cluster down (message, SIGTERM, SIGKILL against one deadline) and unlinks the arena
 segments: nothing is left in /dev/shm and no process is left.
@@ -14,6 +14,7 @@ segments: nothing is left in /dev/shm and no process is left.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import weakref
@@ -80,10 +81,10 @@ class ClusterStore:
         self.copy_timeout_s = copy_timeout_s
         self.shutdown_deadline_s = shutdown_deadline_s
         self.store: KvStore | None = None
-        self.tier: RemoteTier | None = None
+        self.tiers: list[RemoteTier] = []  # one per rank
         self.copiers: list[RemoteCopier] = []
-        self.host_layout: HostLayout | None = None
-        self.host_segment = ""
+        self.host_layouts: list[HostLayout] = []  # per rank
+        self.host_segments: list[str] = []  # per rank
         self._segments: list[Segment] = []
         self._segment_names: list[str] = []
         self._closed = False
@@ -104,16 +105,19 @@ class ClusterStore:
         `host_bytes` is then the budget this engine asks of it."""
         if ranks < 1:
             raise ValueError(f"ranks must be >= 1, got {ranks}")
+        if ranks > 1 and tier_runtime_dir is not None:
+            raise ValueError("a shared host tier (`kvproc up`) serves one rank: a tier's index has no rank in its keys, "
+                             "and each rank needs its own tier")
         external: RpcClient | None = None
         if tier_runtime_dir is not None:
             external = _connect_external_tier(tier_runtime_dir, ready_timeout_s)
             host_bytes = host_bytes or 1
         name = name or f"cs{os.getpid()}x{next(_names)}"
         roles: list[RoleConfig] = []
-        if host_bytes > 0 and external is None:
-            roles.append(RoleConfig("host_tier", log_level=log_level, options={
+        if host_bytes > 0 and external is None:  # one host tier per rank, `host_bytes` each: ranks never share one
+            roles += [RoleConfig("host_tier", r, log_level=log_level, options={
                 "host_bytes": host_bytes, "lease_ttl_s": lease_ttl_s, "handoff_ttl_s": handoff_ttl_s,
-                "save_ttl_s": save_ttl_s, "reap_interval_s": reap_interval_s}))
+                "save_ttl_s": save_ttl_s, "reap_interval_s": reap_interval_s}) for r in range(ranks)]
         roles += [RoleConfig("copy_worker", r, max_restarts=max_restarts, log_level=log_level) for r in range(ranks)]
         try:
             cluster = launch(roles, cluster_name=name, runtime_dir=runtime_dir, ready_timeout_s=ready_timeout_s)
@@ -125,8 +129,21 @@ class ClusterStore:
         cs._external_tier = external
         return cs
 
-    def _tier_client(self) -> RpcClient:
-        return self._external_tier if self._external_tier is not None else self.cluster.client("host_tier")
+    def _tier_client(self, rank: int = 0) -> RpcClient:
+        return self._external_tier if self._external_tier is not None else self.cluster.client("host_tier", rank)
+
+    # Rank 0's tier, host layout and segment (a one-rank store's only ones); the lists hold every rank's.
+    @property
+    def tier(self) -> RemoteTier | None:
+        return self.tiers[0] if self.tiers else None
+
+    @property
+    def host_layout(self) -> HostLayout | None:
+        return self.host_layouts[0] if self.host_layouts else None
+
+    @property
+    def host_segment(self) -> str:
+        return self.host_segments[0] if self.host_segments else ""
 
     # ---- arenas ----
 
@@ -168,13 +185,6 @@ class ClusterStore:
         run where the model's stored layout differs from its execution layout (required then)."""
         if self.store is not None:
             raise RuntimeError("attach_model was already called: one store per ClusterStore")
-        if self.ranks > 1 and self.host_bytes > 0:
-            # The host index keys entries by page hash alone and its layout is planned from rank 0's arenas: a second
-            # rank's shard would dedupe against (and later load) rank 0's bytes. Refuse rather than corrupt.
-            raise KvContractError(
-                f"{self.ranks} ranks cannot share one host tier yet (its index has no rank in its keys, so one rank's "
-                "shard would be served to another): use one ClusterStore per rank, or host_bytes=0 for device-only "
-                "prefix caching across ranks")
         layouts = [validate_layout(model.spec(), model.arenas(r)) for r in range(self.ranks)]
         differs = [a.name for _, a in layouts[0].arenas if a.stored_bytes != a.bytes_per_block]
         if differs and not repack:
@@ -182,23 +192,26 @@ class ClusterStore:
                 f"{type(model).__name__}: arenas {differs} declare a stored layout different from the execution one,"
                 " so the copy workers need its repack: pass repack='package.module:function' (a (group, direction,"
                 " src, dst) callable importable in a worker process)")
-        host_wire: m.HostLayoutSpec | None = None
-        if self.host_bytes > 0:
-            planned = HostLayout.plan(layouts[0], self.host_bytes, bounded_fraction)
+        wires: list[m.HostLayoutSpec | None] = [None] * self.ranks
+        if self.host_bytes > 0:  # each rank's shard goes to its own tier, configured with that rank's arenas
             required = [g.name for g in layouts[0].spec.restorable_bounded_groups if not g.optional]
-            conf = self._tier_client().request(
-                m.Configure(fingerprint(model, layouts[0]), layout_to_wire(planned), required),
-                timeout=attach_timeout_s)
-            host_wire, self.host_segment = conf.layout, conf.segment
-            self.host_layout = layout_from_wire(conf.layout)  # a joined tier's layout wins over our plan
-            self.tier = RemoteTier(self._tier_client, self.host_layout)
+            for r, layout in enumerate(layouts):
+                planned = HostLayout.plan(layout, self.host_bytes, bounded_fraction)
+                conf = self._tier_client(r).request(
+                    m.Configure(fingerprint(model, layout), layout_to_wire(planned), required),
+                    timeout=attach_timeout_s)
+                wires[r] = conf.layout
+                self.host_segments.append(conf.segment)
+                self.host_layouts.append(layout_from_wire(conf.layout))  # a joined tier's layout wins over our plan
+                self.tiers.append(RemoteTier(functools.partial(self._tier_client, r), self.host_layouts[r]))
         for r, layout in enumerate(layouts):
-            msg = m.AttachArenas(self._arena_refs(layout), self.host_segment, host_wire, repack or "",
-                                 layout.spec.page_tokens)
+            msg = m.AttachArenas(self._arena_refs(layout), self.host_segments[r] if self.host_segments else "",
+                                 wires[r], repack or "", layout.spec.page_tokens)
             copier = RemoteCopier(self._copy_client(r), msg, copy_timeout_s=self.copy_timeout_s)
             copier.attach_now(attach_timeout_s)  # fail here (bad repack path, bad arena) rather than at first copy
             self.copiers.append(copier)
-        self.store = KvStore(layouts, live_slots=live_slots, tier=self.tier, copiers=self.copiers, config=config)
+        self.store = KvStore(layouts, live_slots=live_slots, tiers=self.tiers or None, copiers=self.copiers,
+                             config=config)
         self.cluster.counter_providers.append(self.store.counters_flat)  # `kvproc console status` shows them
         return self.store
 
@@ -216,8 +229,8 @@ class ClusterStore:
                 self.store.close()
             for c in self.copiers:
                 c.close()
-            if self.tier is not None:
-                self.tier.close()
+            for t in self.tiers:
+                t.close()
             if self._external_tier is not None:
                 self._external_tier.close()
         finally:

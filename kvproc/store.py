@@ -50,8 +50,20 @@ class KvStore:
         copiers: Sequence[Copier] | None = None,
         config: StoreConfig = StoreConfig(),
         pools: Sequence[BlockPool] | None = None,
+        tiers: Sequence[Tier] | None = None,
     ) -> None:
-        if tier is not None and (copiers is None or len(copiers) != len(layouts)):
+        """`tier`: the host tier of a one-rank store; `tiers`: one per rank (a tier's index has no rank in its keys,
+        so ranks never share one: each rank's shard lives in its own tier)."""
+        if tier is not None and tiers is not None:
+            raise ValueError("pass tier= (one rank) or tiers= (one per rank), not both")
+        if tiers is None:
+            if tier is not None and len(layouts) > 1:
+                raise ValueError(f"a store of {len(layouts)} ranks needs one tier per rank (tiers=[...]): ranks "
+                                 "sharing one tier would be served each other's shards")
+            tiers = [tier] if tier is not None else []
+        elif len(tiers) != len(layouts):
+            raise ValueError(f"{len(tiers)} tiers for {len(layouts)} ranks: one tier per rank")
+        if tiers and (copiers is None or len(copiers) != len(layouts)):
             raise ValueError("a store with a tier needs one copier per rank")
         self.config = config
         self.layouts = tuple(layouts)
@@ -59,7 +71,7 @@ class KvStore:
             BlockPool.from_layout(lay, live_slots=live_slots, rank=r) for r, lay in enumerate(layouts)
         )
         self.spec = self.layouts[0].spec
-        self.tier = tier
+        self.tiers: tuple[Tier, ...] = tuple(tiers)
         self.copiers = tuple(copiers or ())
         self.outcomes = Outcomes(config.outcome_history)
         self.counters: Counter[str] = Counter()
@@ -76,6 +88,14 @@ class KvStore:
         self._resolver = Resolver(self)
         self._blocking = BlockingResolver(self, self._resolver)
         self._closed = False
+
+    @property
+    def tier(self) -> Tier | None:
+        """Rank 0's tier (a one-rank store's only one); `tiers[rank]` for the others."""
+        return self.tiers[0] if self.tiers else None
+
+    def tier_of(self, rank: int) -> Tier | None:
+        return self.tiers[rank] if self.tiers else None
 
     def count(self, name: str, n: int = 1) -> None:
         """Bump a store counter (engine threads, resolving threads and the loop all count)."""
@@ -120,7 +140,7 @@ class KvStore:
         """Save the pages sealed since `cursor` (and the bounded checkpoint at the last one). Non-blocking: the save
         runs on the store's loop; its source pages stay pinned until the copy lands. Call only after the step that
         wrote them synchronized (i.e. after `kv.apply`)."""
-        if self.tier is None or not self.spec.prefix_caching:
+        if self.tier_of(rank) is None or not self.spec.prefix_caching:
             return
         pool = self.pools[rank]
         P = pool.page_tokens
@@ -179,13 +199,14 @@ class KvStore:
                     pin: Any, save_class: SaveClass, cursor: SealCursor, start: int) -> None:
         state, reason = "failed", "unknown"
         ticket: SaveTicket | Shed | None = None
+        tier = self.tier_of(rank)
         try:
-            assert self.tier is not None
-            if not self.tier.available:
+            assert tier is not None
+            if not tier.available:
                 state, reason = "shed", "tier_unavailable"
                 return
-            ticket = await self.tier.reserve_save(req_id, keys, sorted(staging), save_class,
-                                                  timeout=self.config.tier_call_timeout_s)
+            ticket = await tier.reserve_save(req_id, keys, sorted(staging), save_class,
+                                             timeout=self.config.tier_call_timeout_s)
             if isinstance(ticket, Shed):
                 state, reason = "shed", "tier_full"
                 return
@@ -194,12 +215,12 @@ class KvStore:
             if pairs or bounded:
                 order = SaveOrder(req_id, [b for b, _ in pairs], [s for _, s in pairs], bounded)
                 await self.copiers[rank].save(order)
-            self.tier.commit_save(ticket.save_id)
+            tier.commit_save(ticket.save_id)
             state, reason = "ok", ""
         except Exception as e:  # noqa: BLE001 - every failure becomes a recorded outcome
             reason = type(e).__name__
-            if isinstance(ticket, SaveTicket) and self.tier is not None:
-                self.tier.abort_save(ticket.save_id)
+            if isinstance(ticket, SaveTicket) and tier is not None:
+                tier.abort_save(ticket.save_id)
         finally:
             pin.release()
             if state != "ok" and save_class is SaveClass.HANDOFF:  # undelivered: the consumer will see a short hit
@@ -253,15 +274,18 @@ class KvStore:
     # -- hand-off leases -------------------------------------------------------------------------------------------
     def release_handoff(self, producer_req_id: str) -> None:
         """The consumer has the hand-off's KV without a load (a device hit): release the producer's entries."""
-        if self.tier is not None and self.tier.available:
-            self.count("handoff_released_at_admission")
-            self._loop.call(self.tier.revoke_handoff, producer_req_id)
+        self._revoke_everywhere(producer_req_id, "handoff_released_at_admission")
 
     def revoke_handoff(self, producer_req_id: str) -> None:
         """Nobody will read this hand-off (the request was cancelled or rejected): release it now, not at TTL."""
-        if self.tier is not None and self.tier.available:
-            self.count("handoff_revoked")
-            self._loop.call(self.tier.revoke_handoff, producer_req_id)
+        self._revoke_everywhere(producer_req_id, "handoff_revoked")
+
+    def _revoke_everywhere(self, producer_req_id: str, counter: str) -> None:
+        live = [t for t in self.tiers if t.available]  # every rank's shard of the hand-off
+        if live:
+            self.count(counter)
+        for t in live:
+            self._loop.call(t.revoke_handoff, producer_req_id)
 
     # -- bounded copies through the worker ------------------------------------------------------------------------
     def execute_copies(self, rank: int, orders: Sequence[Any]) -> None:
@@ -310,11 +334,13 @@ class KvStore:
                                               "loads_abandoned_in_flight": len(self._loads[r]),
                                               "cacheable_pinned": self._cacheable_pinned[r]}
         out["tier_available"] = bool(self.tier is not None and self.tier.available)
-        if self.tier is not None and self.tier.available:
-            try:
-                out["tier"] = self._loop.submit(self.tier.stats()).result(self.config.tier_call_timeout_s)
-            except Exception as e:  # noqa: BLE001
-                out["tier"] = {"error": repr(e)}
+        for r, tier in enumerate(self.tiers):  # "tier" is rank 0's (a one-rank store's), "tier1".. the others'
+            if tier.available:
+                key = "tier" if r == 0 else f"tier{r}"
+                try:
+                    out[key] = self._loop.submit(tier.stats()).result(self.config.tier_call_timeout_s)
+                except Exception as e:  # noqa: BLE001
+                    out[key] = {"error": repr(e)}
         return out
 
     def counters_flat(self) -> dict[str, int]:

@@ -98,7 +98,7 @@ class Resolver:
         cap = min(len(hashes), n_tokens // P) if policy.reuse is ReusePolicy.FULL_PAGES else (n_tokens - 1) // P
         dev_pages = hold.num_blocks
         prefix = KvPrefix(hold, device_tokens=dev_pages * P)
-        tier = store.tier
+        tier = store.tier_of(rank)
         if tier is None or dev_pages >= cap or not store.spec.prefix_caching:
             store.outcomes.record("resolve", req_id, "ok", "device_only" if tier is None else "")
             return prefix
@@ -173,7 +173,7 @@ class Resolver:
                          scope: HashScope, policy: ResolvePolicy, cancel: CancelToken | None,
                          deadline: float) -> int:
         store = self.store
-        tier = store.tier
+        tier = store.tier_of(rank)
         assert tier is not None
         pool = store.pools[rank]
         want = hashes[dev:cap]
@@ -236,7 +236,7 @@ class Resolver:
     async def _load(self, rank: int, req_id: str, hashes: list[bytes], hold: Any, dev: int, res: Hit,
                     reservation: Any, policy: ResolvePolicy, cancel: CancelToken | None, deadline: float) -> int:
         store = self.store
-        tier = store.tier
+        tier = store.tier_of(rank)
         assert tier is not None
         staging = reservation.staging
         order = LoadOrder(req_id, list(res.page_slots), reservation.block_ids,

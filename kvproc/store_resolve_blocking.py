@@ -53,8 +53,8 @@ class BlockingResolver:
         self.store = store
         self.resolver = resolver  # shares the miss-breaker, the outcomes and the front half (`begin`)
         # Decided once (the store is frozen after build; an isinstance on a runtime Protocol costs ~20 us a call).
-        self.capable = isinstance(store.tier, BlockingTier) and bool(store.copiers) and all(
-            isinstance(c, BlockingCopier) for c in store.copiers)
+        self.capable = bool(store.tiers) and all(isinstance(t, BlockingTier) for t in store.tiers) and bool(
+            store.copiers) and all(isinstance(c, BlockingCopier) for c in store.copiers)
 
     def resolve(self, rank: int, req_id: str, tokens: Sequence[int] | np.ndarray, scope: HashScope,
                 policy: ResolvePolicy, cancel: CancelToken | None) -> KvPrefix:
@@ -65,7 +65,8 @@ class BlockingResolver:
         if self.capable:
             pages: int | Degrade | None
             try:
-                pages = self._from_tier(rank, req_id, st, store.tier, store.copiers[rank], scope, policy, cancel)
+                pages = self._from_tier(rank, req_id, st, store.tiers[rank], store.copiers[rank], scope, policy,
+                                        cancel)
             except Degrade as d:
                 pages = d
             except _UseLoop:

@@ -1,25 +1,28 @@
-"""Several ranks in one ClusterStore: one copy worker process per rank. A shared host tier is refused (its index has
-no rank in its keys); device-only caching and bounded-free copies work per rank."""
+"""Several ranks in one ClusterStore: a copy worker and a host tier per rank (a tier's index has no rank in its keys, so
+each rank's shard lives in its own tier). Each rank's bytes come back to that rank, bit for bit."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kvproc import GroupKind, GroupSpec, KvArena, KvSpec, RequestKv
 from kvproc.cluster import ClusterStore
-from kvproc.contract import KvContractError
-from tests.test_cluster_fixtures import ShmBytesModel
+from kvproc.store import KvStore
+from kvproc.store_types import SealCursor
+from tests.test_cluster_fixtures import descendants
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(90)
+PAGE, BLOCK = 4, 64
 
 
 class PerRankModel:
-    """One paged group; each rank has its own arena in the scheduler's shared memory."""
+    """One paged group; each rank has its own arena (its shard) in the scheduler's shared memory."""
 
     def __init__(self, cs: ClusterStore, ranks: int, num_blocks: int = 16) -> None:
-        self._spec = KvSpec(4, (GroupSpec("kv", GroupKind.PAGED),))
-        self._arenas = {r: [("kv", KvArena(f"kv_r{r}", cs.allocator(f"kv_r{r}", num_blocks * 64), num_blocks, 64, 64))]
-                        for r in range(ranks)}
+        self._spec = KvSpec(PAGE, (GroupSpec("kv", GroupKind.PAGED),))
+        self._arenas = {r: [("kv", KvArena(f"kv_r{r}", cs.allocator(f"kv_r{r}", num_blocks * BLOCK), num_blocks,
+                                           BLOCK, BLOCK))] for r in range(ranks)}
 
     def spec(self) -> KvSpec:
         return self._spec
@@ -27,18 +30,58 @@ class PerRankModel:
     def arenas(self, rank: int) -> list[tuple[str, KvArena]]:
         return list(self._arenas[rank])
 
+    def block(self, rank: int, b: int) -> torch.Tensor:
+        return self._arenas[rank][0][1].tensor[b * BLOCK : (b + 1) * BLOCK]
 
-def test_two_ranks_sharing_one_host_tier_are_refused_at_attach() -> None:
+
+def _compute_and_retire(store: KvStore, model: PerRankModel, rank: int, toks: list[int]) -> dict[bytes, torch.Tensor]:
+    kv = RequestKv(store.pools[rank], f"a{rank}", toks, 1)
+    assert kv.try_admit(0)
+    kv.schedule(len(toks))
+    for b in kv.block_ids:
+        model.block(rank, b)[:] = torch.full((BLOCK,), 10 * rank + b % 7, dtype=torch.uint8)  # rank-specific bytes
+    kv.apply()
+    written = {h: model.block(rank, b).clone() for h, b in zip(kv.page_hashes, kv.block_ids[: len(toks) // PAGE])}
+    store.retire(rank, kv, SealCursor.after_prefix(0))
+    store.flush_saves(rank, 10)
+    return written
+
+
+def test_two_ranks_each_restore_their_own_shard_from_their_own_tier() -> None:
+    before = descendants()
     with ClusterStore.start(1 << 20, ranks=2) as cs:
-        with pytest.raises(KvContractError, match="cannot share one host tier"):
-            cs.attach_model(ShmBytesModel(cs.allocator, 8), live_slots=1)
+        assert len({cs.cluster.pid("host_tier", r) for r in range(2)}) == 2  # a tier process per rank
+        model = PerRankModel(cs, 2)
+        store = cs.attach_model(model, live_slots=1)
+        assert len(store.tiers) == 2 and store.tiers[0] is not store.tiers[1]
+        toks = list(range(9))  # the same prompt on both ranks: the same page hashes, different shards
+        written = {r: _compute_and_retire(store, model, r, toks) for r in range(2)}
+        for r in range(2):
+            with store.pools[r].lock:
+                ids = store.pools[r].paged.allocate(store.pools[r].paged.available)
+                store.pools[r].paged.release(ids)  # churn: the next resolve must come from the host tier
+            model._arenas[r][0][1].tensor.zero_()
+        for r in range(2):
+            pre = store.resolve_prefix_sync(r, f"b{r}", toks)
+            assert pre.host_tokens == 8, (r, pre)
+            for h, b in zip(pre.hold.hashes, pre.hold.block_ids):
+                assert torch.equal(model.block(r, b), written[r][h])  # rank r's bytes, not the other rank's
+            pre.hold.release()
+        stats = store.stats()
+        assert stats["tier"]["open_leases"] == 0 and stats["tier1"]["open_leases"] == 0
+    assert not descendants() - before
+
+
+def test_a_shared_tier_serves_one_rank_only(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ValueError, match="serves one rank"):
+        ClusterStore.start(1 << 20, ranks=2, tier_runtime_dir=str(tmp_path))
 
 
 def test_two_ranks_without_a_host_tier_each_get_a_worker_and_their_own_prefix_cache() -> None:
     with ClusterStore.start(0, ranks=2) as cs:
         model = PerRankModel(cs, 2)
         store = cs.attach_model(model, live_slots=1)
-        assert len(store.pools) == 2 and len({cs.cluster.pid("copy_worker", r) for r in range(2)}) == 2
+        assert len({cs.cluster.pid("copy_worker", r) for r in range(2)}) == 2 and store.tiers == ()
         toks = list(range(9))
         for r in range(2):
             kv = RequestKv(store.pools[r], f"a{r}", toks, 1)
@@ -49,7 +92,6 @@ def test_two_ranks_without_a_host_tier_each_get_a_worker_and_their_own_prefix_ca
         pre0 = store.resolve_prefix_sync(0, "b", toks)
         pre1 = store.resolve_prefix_sync(1, "b", toks)
         assert pre0.device_tokens == pre1.device_tokens == 8 and pre0.host_tokens == pre1.host_tokens == 0
-        # each rank's hold points into its own pool
         assert store.pools[0].stats()["active_blocks"] == 2 and store.pools[1].stats()["active_blocks"] == 2
         pre0.hold.release()
         pre1.hold.release()

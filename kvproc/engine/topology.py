@@ -73,8 +73,8 @@ def make_store(mode: str, model_name: str, sizes: PoolSizes, *, seed: int = 0,
     topo._closers.append(store.close)
     for c in store.copiers:
         topo._closers.append(c.close)
-    if store.tier is not None:
-        topo._closers.append(store.tier.close)
+    for t in store.tiers:
+        topo._closers.append(t.close)
     return topo
 
 
