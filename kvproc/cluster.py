@@ -6,10 +6,10 @@
         ...
 
 Processes: `host_tier[r]` and `copy_worker[r]` for each rank (the tiers only when `host_bytes > 0`: `host_bytes` each,
-a rank's shard in its own tier), launched and supervised by `kvproc.runtime.launch`. Ownership: the scheduler owns the arena segments (`cs.allocator`), the host tier owns the
-host segment, the copy workers own nothing (they attach both). `close()` closes the store (flushing saves and
-abandoned loads), shuts the cluster down (message, SIGTERM, SIGKILL against one deadline) and unlinks the arena
-segments: nothing is left in /dev/shm and no process is left.
+a rank's shard in its own tier), launched and supervised by `kvproc.runtime.launch`. Ownership: the scheduler owns
+the arena segments (`cs.allocator`), each host tier owns its host segment, the copy workers own nothing (they attach
+both). `close()` closes the store (flushing saves and abandoned loads), shuts the cluster down (message, SIGTERM,
+SIGKILL against one deadline) and unlinks the arena segments: nothing is left in /dev/shm and no process is left.
 """
 
 from __future__ import annotations
