@@ -74,14 +74,20 @@ def runs(src: Sequence[int] | np.ndarray, dst: Sequence[int] | np.ndarray) -> li
     return _runs_numpy(src, dst)
 
 
-def _runs_numpy(src: Sequence[int] | np.ndarray, dst: Sequence[int] | np.ndarray) -> list[tuple[int, int, int]]:
+def _run_arrays(src: Sequence[int] | np.ndarray,
+                dst: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(src ids, dst ids, run starts, run lengths) as arrays: the one vectorised run finder (`runs`, `split_runs`)."""
     sa = np.asarray(src, dtype=np.int64)
     da = np.asarray(dst, dtype=np.int64)
-    if sa.size == 0:
-        return []
-    brk = np.flatnonzero((np.diff(sa) != 1) | (np.diff(da) != 1)) + 1
-    starts = np.concatenate(([0], brk))
+    starts = np.concatenate(([0], np.flatnonzero((np.diff(sa) != 1) | (np.diff(da) != 1)) + 1))
     lens = np.diff(np.concatenate((starts, [sa.size])))
+    return sa, da, starts, lens
+
+
+def _runs_numpy(src: Sequence[int] | np.ndarray, dst: Sequence[int] | np.ndarray) -> list[tuple[int, int, int]]:
+    if len(src) == 0:
+        return []
+    sa, da, starts, lens = _run_arrays(src, dst)
     return list(zip(sa[starts].tolist(), da[starts].tolist(), lens.tolist()))
 
 
@@ -107,10 +113,7 @@ def split_runs(src: Sequence[int], dst: Sequence[int]) -> tuple[list[tuple[int, 
                 gs.extend(range(s0, s0 + k))
                 gd.extend(range(d0, d0 + k))
         return long_runs, np.asarray(gs, dtype=np.int64), np.asarray(gd, dtype=np.int64)
-    sa = np.asarray(src, dtype=np.int64)
-    da = np.asarray(dst, dtype=np.int64)
-    starts = np.concatenate(([0], np.flatnonzero((np.diff(sa) != 1) | (np.diff(da) != 1)) + 1))
-    lens = np.diff(np.concatenate((starts, [n])))
+    sa, da, starts, lens = _run_arrays(src, dst)
     long = lens >= LONG_RUN
     in_short = np.repeat(~long, lens)  # per block: does it belong to a short run
     ls = starts[long]
@@ -184,7 +187,9 @@ class CopyExecutor:
         if len(device) != len(host):
             raise CopyError(f"{len(device)} device blocks against {len(host)} host slots")
         jobs: list[Callable[[], int]] = []
-        long_runs, gather_d, gather_h = split_runs(device, host)
+        # Each plan is made once per order, at the first arena that needs it (arenas of one layout usually share one).
+        every_run: list[tuple[int, int, int]] | None = None
+        split: tuple[list[tuple[int, int, int]], np.ndarray, np.ndarray] | None = None
         bounds = (*_bounds(device), *_bounds(host)) if len(device) else None  # once per order, not per arena
         for a in self.arenas:
             if a.host is None:
@@ -192,14 +197,16 @@ class CopyExecutor:
             if a.paged:
                 if bounds is not None:
                     self._check(a, *bounds)
-                if a.repack:  # the hook takes contiguous row batches: every run is its own call
-                    for d0, h0, k in runs(device, host):
-                        jobs.append(self._job(a, d0, h0, k, to_host))
+                # The repack hook takes contiguous row batches, and big blocks copy best one slice each: a copy per
+                # run, however short. Small blocks: long runs as slices, the rest in one gather.
+                if a.repack or a.rows.shape[1] >= GATHER_MAX_BLOCK_BYTES:
+                    if every_run is None:
+                        every_run = runs(device, host)
+                    jobs += [self._job(a, d0, h0, k, to_host) for d0, h0, k in every_run]
                     continue
-                if a.rows.shape[1] >= GATHER_MAX_BLOCK_BYTES:  # big blocks: a slice copy per run, however short
-                    for d0, h0, k in runs(device, host):
-                        jobs.append(self._job(a, d0, h0, k, to_host))
-                    continue
+                if split is None:
+                    split = split_runs(device, host)
+                long_runs, gather_d, gather_h = split
                 for d0, h0, k in long_runs:
                     jobs.append(self._job(a, d0, h0, k, to_host))
                 if gather_d.size:
