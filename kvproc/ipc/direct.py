@@ -57,6 +57,7 @@ class _Late:
 
 
 LATE = _Late()
+_GONE = object()  # `_read`: the peer said Goodbye
 
 
 class _Owned:
@@ -166,26 +167,36 @@ class DirectCalls:
                 if len(events) > 1 or events[0][0] is not sock:
                     return None  # the death fd
                 continue
-            frame = sock.recv(NOBLOCK)
-            try:
-                msg = self._decoder.decode(frame)
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                self._client.frame_errors += 1
-                continue
-            kind = type(msg)
-            if kind is m.Goodbye:
-                self._client.mark_dead(f"{self._client.peer}: said goodbye: {msg.reason}")
+            msg = self._read(owned)
+            if msg is _GONE:
                 return None
-            if kind in _TERMINAL and owned.oneways:
-                done = owned.oneways.pop(msg.call_id, None)
-                if done is not None:
-                    _report(done, msg)
-                    continue
+            kind = type(msg)
             if call_id:
                 if kind in _TERMINAL and msg.call_id == call_id:
                     return msg
             elif kind is m.Welcome or kind is m.Refused:
                 return msg
+
+    def _read(self, owned: _Owned, closing: bool = False) -> Any:
+        """One waiting frame, decoded: None when it was consumed here (unreadable, or a oneway's reply handed to its
+        callback), `_GONE` on the peer's Goodbye (the client is marked dead unless `closing`: under `self._lock`,
+        which marking takes), else the message."""
+        try:
+            msg = self._decoder.decode(owned.sock.recv(NOBLOCK))
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            self._client.frame_errors += 1
+            return None
+        kind = type(msg)
+        if kind is m.Goodbye:
+            if not closing:
+                self._client.mark_dead(f"{self._client.peer}: said goodbye: {msg.reason}")
+            return _GONE
+        if kind in _TERMINAL and owned.oneways:
+            done = owned.oneways.pop(msg.call_id, None)
+            if done is not None:
+                _report(done, msg)
+                return None
+        return msg
 
     def request(self, msg: m.RequestBody, deadline: float, token: CancelToken | None,
                 wait_until: float | None = None, on_late: Callable[[Any], None] | None = None,
@@ -285,22 +296,9 @@ class DirectCalls:
         return True
 
     def _drain_ready(self, owned: _Owned, closing: bool = False) -> None:
-        """Hand the replies already waiting on the socket to their oneway callbacks (no wait). `closing`: under
-        `self._lock`, on the way out: a Goodbye is not acted on (marking the client dead takes that lock)."""
-        sock = owned.sock
-        while cast(int, sock.getsockopt(EVENTS)) & POLLIN:
-            try:
-                msg = self._decoder.decode(sock.recv(NOBLOCK))
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                self._client.frame_errors += 1
-                continue
-            if type(msg) in _TERMINAL:
-                done = owned.oneways.pop(msg.call_id, None)
-                if done is not None:
-                    _report(done, msg)
-            elif type(msg) is m.Goodbye:
-                if not closing:
-                    self._client.mark_dead(f"{self._client.peer}: said goodbye: {msg.reason}")
+        """Hand the replies already waiting on the socket to their oneway callbacks (no wait); others are dropped."""
+        while cast(int, owned.sock.getsockopt(EVENTS)) & POLLIN:
+            if self._read(owned, closing) is _GONE:
                 return
 
     def _no_reply(self, call_id: int) -> Any:
