@@ -34,6 +34,13 @@ class Degrade(Exception):
         self.reason = reason
 
 
+def load_order(req_id: str, res: Hit, reservation: Any) -> LoadOrder:
+    """A hit's page slots into the reservation's blocks, and its bounded artifacts into the reserved staging slots."""
+    staging = reservation.staging
+    return LoadOrder(req_id, list(res.page_slots), reservation.block_ids,
+                     [BoundedCopy(g, staging[g][0], res.bounded_slots[g]) for g in staging])
+
+
 class MissBreaker:
     """After `threshold` consecutive cold misses for a scope, stop asking the tier for `cooldown_s`."""
 
@@ -238,9 +245,7 @@ class Resolver:
         store = self.store
         tier = store.tier_of(rank)
         assert tier is not None
-        staging = reservation.staging
-        order = LoadOrder(req_id, list(res.page_slots), reservation.block_ids,
-                          [BoundedCopy(g, staging[g][0], res.bounded_slots[g]) for g in staging])
+        order = load_order(req_id, res, reservation)
         # Not cancellable once submitted: the reservation travels with the copy until it settles.
         load = asyncio.ensure_future(store.copiers[rank].load(order))
 

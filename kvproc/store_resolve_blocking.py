@@ -30,11 +30,10 @@ from kvproc.hashing import HashScope
 from kvproc.ipc import messages as m
 from kvproc.ipc.cancel import CancelToken
 from kvproc.ipc.direct import LATE
-from kvproc.store_resolve import Degrade, Resolver, Started
+from kvproc.store_resolve import Degrade, Resolver, Started, load_order
 from kvproc.store_types import KvPrefix, ResolvePolicy
 from kvproc.tiers.api import BlockingCopier, BlockingTier
 from kvproc.tiers.host_index import Hit, Miss
-from kvproc.workers.orders import BoundedCopy, LoadOrder
 
 if TYPE_CHECKING:
     from kvproc.store import KvStore
@@ -138,9 +137,7 @@ class BlockingResolver:
               policy: ResolvePolicy, res: Hit, reservation: Any, cancel: CancelToken | None) -> int:
         store = self.store
         pool = store.pools[rank]
-        staging = reservation.staging
-        order = LoadOrder(req_id, list(res.page_slots), reservation.block_ids,
-                          [BoundedCopy(g, staging[g][0], res.bounded_slots[g]) for g in staging])
+        order = load_order(req_id, res, reservation)
         loads = store._loads[rank]
         late: list[concurrent.futures.Future[None]] = []  # made only if the resolve stops waiting (rare)
         settled = [False]
