@@ -17,7 +17,7 @@ import pytest
 from kvproc.ipc import messages as m
 from kvproc.ipc.cancel import new_token
 from kvproc.ipc.client import RpcClient
-from kvproc.ipc.direct import LATE
+from kvproc.ipc.direct import LATE, ONEWAY_SETTLE_S
 from kvproc.ipc.errors import CallCancelled, HandshakeRefused, PeerDeadError, RemoteError
 from kvproc.ipc.sockets import ipc_endpoint
 from kvproc.runtime.child import ChildSpec, child_main
@@ -255,12 +255,43 @@ def test_oneway_on_the_threads_socket_is_answered_at_its_next_call(client: RpcCl
 
 
 def test_oneway_replies_still_unread_at_close_are_reported(served: Served) -> None:
+    """A close waits `ONEWAY_SETTLE_S` for fire-and-forget replies; one that takes longer is reported, not lost."""
     c = served.client()
     got: list[Any] = []
     c.request(m.Ping(), timeout=5)
-    c.send_oneway(m.Sleep(0.5), timeout=5, on_reply=got.append)
+    c.send_oneway(m.Sleep(ONEWAY_SETTLE_S + 1.5), timeout=5, on_reply=got.append)
+    t = time.monotonic()
     c.close()
+    assert ONEWAY_SETTLE_S - 0.05 <= time.monotonic() - t < ONEWAY_SETTLE_S + 1.0  # bounded: no hang on a slow peer
     assert len(got) == 1 and isinstance(got[0], m.PeerDead) and "before the reply was read" in got[0].reason
+
+
+def test_a_oneway_answered_soon_after_close_gets_its_real_reply(served: Served) -> None:
+    c = served.client()
+    got: list[Any] = []
+    c.request(m.Ping(), timeout=5)
+    c.send_oneway(m.Fail("last act", code="settled"), timeout=5, on_reply=got.append)
+    c.close()
+    assert len(got) == 1 and isinstance(got[0], m.Failed) and got[0].code == "settled"
+
+
+def test_a_oneway_sent_as_a_threads_last_act_gets_its_real_reply(served: Served) -> None:
+    """A resolving thread that ends right after releasing its lease: the release's reply is still read (no false
+    "unread" failure, which the store would log as a lost release)."""
+    c = served.client()
+    got: list[Any] = []
+    done = threading.Event()
+
+    def last_act() -> None:
+        c.request(m.Ping(), timeout=5)  # the thread owns a socket now
+        c.send_oneway(m.Fail("bye", code="last_act"), timeout=5, on_reply=lambda r: (got.append(r), done.set()))
+
+    t = threading.Thread(target=last_act)
+    t.start()
+    t.join(5)
+    gc.collect()
+    assert done.wait(5) and isinstance(got[0], m.Failed) and got[0].code == "last_act"
+    c.close()
 
 
 def test_oneway_from_a_thread_without_a_socket_goes_through_the_io_thread(client: RpcClient) -> None:

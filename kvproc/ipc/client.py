@@ -111,10 +111,12 @@ class RpcClient:
         return welcome
 
     def close(self) -> None:
-        """Fail whatever is pending with PeerDead("client closed") and stop the I/O thread."""
+        """Fail whatever is pending with PeerDead("client closed") and stop the I/O thread. The calling threads' own
+        sockets close first, while the peer is still reachable: their fire-and-forget replies are read (bounded by
+        `direct.ONEWAY_SETTLE_S`), not reported unread."""
+        self._direct.close()
         self.mark_dead(f"{self.peer}: client closed")
         self._closing = True
-        self._direct.close()
         self._waker.wake()
         if self._thread is None:
             self._waker.close()  # never connected: no I/O thread to close it

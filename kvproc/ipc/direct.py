@@ -14,8 +14,11 @@ id and dropped.
 
 A fire-and-forget call from a thread that already owns a socket (`oneway`: a resolve releasing its lease as its last
 step) is one send on that socket, with no I/O-thread wake-up, whose GIL and CPU time would land on the resolve's
-next steps; its reply is read, and handed to its callback, during the thread's next call on the socket (or when the
-socket closes: then it is reported as PeerDead "closed before the reply was read").
+next steps; its reply is read, and handed to its callback, during the thread's next call on the socket, or when the
+socket closes (the thread ended, or the client closed): then its pending replies are waited for, at most
+`ONEWAY_SETTLE_S` (a release sent as a thread's last act is answered within a round trip; calling it "unread" would
+log a failure that did not happen); what still has no reply then is reported as PeerDead "closed before the reply
+was read".
 
 A caller that must stop waiting before the call's own deadline but still needs its outcome (a resolve whose deadline
 passes during a copy order, which is not cancellable and keeps its destination reserved until it ends) passes
@@ -47,6 +50,7 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger(__name__)
 _TERMINAL = (m.Ok, m.Failed, m.Cancelled, m.PeerDead)
+ONEWAY_SETTLE_S = 0.5  # how long a closing socket waits for the replies of its fire-and-forget calls
 
 
 class _Late:
@@ -104,13 +108,36 @@ class DirectCalls:
             self._closed = True
             idle = [o for o in self._owned if not o.busy]  # a busy socket is closed by its own thread on the way out
             for owned in idle:
+                owned.busy = True  # claimed: its thread's exit finalizer leaves it to this close
+        until = time.monotonic() + ONEWAY_SETTLE_S  # one bound for all of them, not one per socket
+        for owned in idle:
+            self._settle_oneways(owned, until)  # outside the lock: no other path touches a claimed socket
+        with self._lock:
+            for owned in idle:
                 if owned.oneways:
                     self._drain_ready(owned, closing=True)  # replies that did arrive are delivered, not "unread"
                 owned.sock.close(linger=0)
-            self._owned = [o for o in self._owned if o.busy]
+                owned.busy = False
+            self._owned = [o for o in self._owned if o not in idle]
             self._release_fd()
         for owned in idle:
             _unread(owned)
+
+    def _settle_oneways(self, owned: _Owned, until: float) -> None:
+        """Before a socket closes: read the replies of its fire-and-forget calls as they arrive, until none is
+        pending, `until` passes, the peer dies or says goodbye."""
+        sock = owned.sock
+        while owned.oneways and self._client._dead is None:
+            if cast(int, sock.getsockopt(EVENTS)) & POLLIN:
+                if self._read(owned, closing=True) is _GONE:
+                    return
+                continue
+            left = until - time.monotonic()
+            if left <= 0:
+                return
+            events = owned.poller.poll(int(left * 1000) + 1)
+            if events and (len(events) > 1 or events[0][0] is not sock):
+                return  # the death fd
 
     def _release_fd(self) -> None:
         # Under self._lock. The death fd is closed by whoever is last: close() or the last busy caller.
@@ -320,7 +347,9 @@ class DirectCalls:
         on_late(outcome)
 
     def _drop(self, owned: _Owned) -> None:
-        """Close a socket its thread no longer uses (the client closed under it, or a late call settled)."""
+        """Close a socket its thread no longer uses (the thread ended, the client closed under it, or a late call
+        settled), once its fire-and-forget replies are read (bounded)."""
+        self._settle_oneways(owned, time.monotonic() + ONEWAY_SETTLE_S)
         with self._lock:
             owned.busy = False
             if owned.oneways:
