@@ -8,7 +8,7 @@ TORCH   := torch==2.13.0
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py kvproc/_native.c
 	test -x $(PY) || python3 -m venv .venv
 	$(PY) -m pip install -q --upgrade pip
 	# CPU wheel first, so nothing below pulls a multi-GB CUDA build of torch.
@@ -26,4 +26,4 @@ bench: $(STAMP)
 	$(PY) -m kvproc bench all
 
 clean:
-	rm -rf .venv build *.egg-info
+	rm -rf .venv build *.egg-info kvproc/*.so

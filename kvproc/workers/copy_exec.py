@@ -1,6 +1,8 @@
 """The copy path: move blocks between device arenas and the host arena, coalesced and vectorised.
 
-Pairs (device id, host slot) are split into runs where both sides are consecutive (one numpy diff). A run of at
+Pairs (device id, host slot) are split into runs where both sides are consecutive: one pass in C where
+`kvproc._native` is built (a 64-block order plans in ~3 us), else a Python loop for short orders and numpy for long
+ones (~80 us of fixed per-call cost at 64 blocks: more than copying 256 KiB). A run of at
 least `LONG_RUN` blocks is one slice copy per arena: contiguous host units and, when the arena packs its blocks
 (stride == bytes), contiguous device bytes, i.e. one memcpy. In an arena of small blocks (< `GATHER_MAX_BLOCK_BYTES`)
 the blocks of all shorter runs (scattered ids) move in one fancy-index copy (`dst[ids] = src[slots]`, gather +
@@ -25,6 +27,7 @@ import numpy as np
 import torch
 
 from kvproc.contract import ArenaLayout, GroupKind, RepackDirection
+from kvproc.native import NATIVE
 from kvproc.tiers.layout import HostLayout
 from kvproc.workers.orders import LoadOrder, SaveOrder, SlotCopy
 
@@ -52,12 +55,14 @@ SMALL_ORDER = 32  # blocks: below this, planning in plain Python beats numpy's f
 def runs(src: Sequence[int] | np.ndarray, dst: Sequence[int] | np.ndarray) -> list[tuple[int, int, int]]:
     """(src_start, dst_start, length) of maximal runs where both sides advance by one.
 
-    Up to `SMALL_ORDER` pairs it is one pass over two short lists (~3 us for 32); numpy's version costs ~8 calls at
+    One C pass where `kvproc._native` is built. Without it: up to `SMALL_ORDER` pairs it is one pass over two short lists (~3 us for 32); numpy's version costs ~8 calls at
     1-3 us each whatever the size, so it takes over only where its per-element speed pays (a resolve's typical load
     is a few blocks; `kvproc bench copy` / `bench ipc` measure both ends)."""
     n = len(src)
     if n == 0:
         return []
+    if NATIVE is not None:
+        return NATIVE.copy_plan(src, dst, 1)[0]
     if n <= SMALL_ORDER:
         s = src.tolist() if isinstance(src, np.ndarray) else list(src)
         d = dst.tolist() if isinstance(dst, np.ndarray) else list(dst)
@@ -99,22 +104,46 @@ LONG_RUN = 4  # blocks: a run at least this long is one slice copy; shorter runs
 GATHER_MAX_BLOCK_BYTES = 128 << 10
 
 
-def split_runs(src: Sequence[int], dst: Sequence[int]) -> tuple[list[tuple[int, int, int]], np.ndarray, np.ndarray]:
-    """(long runs as (src_start, dst_start, length), src ids and dst ids of every block in a shorter run)."""
+Bounds = tuple[int, int, int, int]  # (src min, src max, dst min, dst max)
+
+
+def plan_runs(src: Sequence[int], dst: Sequence[int], long_run: int = LONG_RUN
+              ) -> tuple[list[tuple[int, int, int]], np.ndarray, np.ndarray, Bounds | None]:
+    """`split_runs` with `long_run` as the threshold, plus the ids' bounds (None for an empty order): what a copy
+    plan needs, in one C pass where `kvproc._native` is built. `long_run=1` returns every run as long."""
+    if NATIVE is not None:
+        long_runs, gs, gd, bounds = NATIVE.copy_plan(src, dst, long_run)
+        return (long_runs, np.asarray(gs, dtype=np.int64) if gs else _NO_IDS,
+                np.asarray(gd, dtype=np.int64) if gd else _NO_IDS, bounds)
+    if len(src) != len(dst):
+        raise ValueError(f"{len(src)} source ids against {len(dst)} destination ids")
+    bounds = (*_bounds(src), *_bounds(dst)) if len(src) else None
+    if long_run <= 1:
+        return runs(src, dst), _NO_IDS, _NO_IDS, bounds
+    return (*split_runs(src, dst, long_run), bounds)
+
+
+_NO_IDS = np.zeros(0, dtype=np.int64)
+
+
+def split_runs(src: Sequence[int], dst: Sequence[int], long_run: int = LONG_RUN
+               ) -> tuple[list[tuple[int, int, int]], np.ndarray, np.ndarray]:
+    """(long runs as (src_start, dst_start, length), src ids and dst ids of every block in a shorter run): the
+    pure-Python form (`plan_runs` uses C where it is built)."""
     n = len(src)
     if n <= SMALL_ORDER:
         long_runs: list[tuple[int, int, int]] = []
         gs: list[int] = []
         gd: list[int] = []
         for s0, d0, k in runs(src, dst):
-            if k >= LONG_RUN:
+            if k >= long_run:
                 long_runs.append((s0, d0, k))
             else:
                 gs.extend(range(s0, s0 + k))
                 gd.extend(range(d0, d0 + k))
         return long_runs, np.asarray(gs, dtype=np.int64), np.asarray(gd, dtype=np.int64)
     sa, da, starts, lens = _run_arrays(src, dst)
-    long = lens >= LONG_RUN
+    long = lens >= long_run
     in_short = np.repeat(~long, lens)  # per block: does it belong to a short run
     ls = starts[long]
     return (list(zip(sa[ls].tolist(), da[ls].tolist(), lens[long].tolist())), sa[in_short], da[in_short])
@@ -153,6 +182,8 @@ class CopyExecutor:
             kind = layout.spec.group(group).kind
             arenas.append(_Arena(a.name, group, kind is GroupKind.PAGED, rows, hview, a.stored_bytes != a.bytes_per_block))
         self.arenas = tuple(arenas)
+        # Whether any paged arena moves short runs in a gather (else every plan is one copy per run).
+        self._any_gather = any(a.host is not None and a.paged and not self._per_run(a) for a in self.arenas)
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvproc-copy") if threads > 1 else None
         self.bytes_copied = 0
 
@@ -187,25 +218,30 @@ class CopyExecutor:
         if len(device) != len(host):
             raise CopyError(f"{len(device)} device blocks against {len(host)} host slots")
         jobs: list[Callable[[], int]] = []
-        # Each plan is made once per order, at the first arena that needs it (arenas of one layout usually share one).
+        # Each plan is made once per order, at the first arena that needs it (arenas of one layout usually share one);
+        # the bounds come with the first plan (every order needs one: all its arenas are checked).
         every_run: list[tuple[int, int, int]] | None = None
         split: tuple[list[tuple[int, int, int]], np.ndarray, np.ndarray] | None = None
-        bounds = (*_bounds(device), *_bounds(host)) if len(device) else None  # once per order, not per arena
+        bounds: Bounds | None = None
+        if len(device):
+            if self._any_gather:
+                long_runs, gather_d, gather_h, bounds = plan_runs(device, host)
+                split = (long_runs, gather_d, gather_h)
+            else:
+                every_run, _, _, bounds = plan_runs(device, host, 1)
         for a in self.arenas:
             if a.host is None:
                 continue
             if a.paged:
-                if bounds is not None:
-                    self._check(a, *bounds)
-                # The repack hook takes contiguous row batches, and big blocks copy best one slice each: a copy per
-                # run, however short. Small blocks: long runs as slices, the rest in one gather.
-                if a.repack or a.rows.shape[1] >= GATHER_MAX_BLOCK_BYTES:
+                if bounds is None:
+                    continue  # no pages in this order
+                self._check(a, *bounds)
+                if self._per_run(a):
                     if every_run is None:
                         every_run = runs(device, host)
                     jobs += [self._job(a, d0, h0, k, to_host) for d0, h0, k in every_run]
                     continue
-                if split is None:
-                    split = split_runs(device, host)
+                assert split is not None  # planned above: this arena is paged, small-block and not repacked
                 long_runs, gather_d, gather_h = split
                 for d0, h0, k in long_runs:
                     jobs.append(self._job(a, d0, h0, k, to_host))
@@ -218,6 +254,12 @@ class CopyExecutor:
                         self._check(a, dslot, dslot, hslot, hslot)
                         jobs.append(self._job(a, dslot, hslot, 1, to_host))
         return jobs
+
+    @staticmethod
+    def _per_run(a: _Arena) -> bool:
+        """A copy per run, however short: the repack hook takes contiguous row batches, and big blocks copy best one
+        slice each. Otherwise long runs go as slices and the rest in one gather."""
+        return a.repack or a.rows.shape[1] >= GATHER_MAX_BLOCK_BYTES
 
     @staticmethod
     def _check(a: _Arena, dmin: int, dmax: int, hmin: int, hmax: int) -> None:

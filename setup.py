@@ -1,0 +1,13 @@
+"""Only the optional compiled helpers; everything else is in pyproject.toml.
+
+`kvproc._native` (kvproc/_native.c) is optional: where no C compiler is found the build skips it and kvproc uses its
+pure-Python forms (slower hashing and copy planning, same results).
+"""
+
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=[
+        Extension("kvproc._native", ["kvproc/_native.c"], optional=True, extra_compile_args=["-O3"]),
+    ],
+)

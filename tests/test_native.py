@@ -1,0 +1,187 @@
+"""`kvproc._native` (the compiled hash chain and copy planner) agrees with hashlib and with plain-Python reference
+loops on any input, and rejects bad input with an error instead of reading out of bounds."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvproc import native
+from kvproc.hashing import BlockHasher, HashScope, tokens_to_bytes
+from kvproc.workers.copy_exec import plan_runs
+
+# CI builds the module (gcc is part of the machine); a missing build must fail loudly there, not fall back silently.
+if native._native is None and os.environ.get("KVPROC_ALLOW_PURE_PYTHON") != "1":
+    pytest.fail("kvproc._native is not built (set KVPROC_ALLOW_PURE_PYTHON=1 where no C compiler exists)",
+                pytrace=False)
+N = native._native
+needs_native = pytest.mark.skipif(N is None, reason="kvproc._native not built")
+
+
+def reference_chain(data: bytes, page_bytes: int, seed: bytes) -> list[bytes]:
+    h, out = seed, []
+    for i in range(len(data) // page_bytes):
+        h = hashlib.blake2b(h + data[i * page_bytes : (i + 1) * page_bytes], digest_size=16).digest()
+        out.append(h)
+    return out
+
+
+def reference_plan(src: list[int], dst: list[int], long_run: int):
+    long_runs, gs, gd = [], [], []
+    i = 0
+    while i < len(src):
+        k = 1
+        while i + k < len(src) and src[i + k] == src[i] + k and dst[i + k] == dst[i] + k:
+            k += 1
+        if k >= long_run:
+            long_runs.append((src[i], dst[i], k))
+        else:
+            gs += src[i : i + k]
+            gd += dst[i : i + k]
+        i += k
+    bounds = (min(src), max(src), min(dst), max(dst)) if src else None
+    return long_runs, gs, gd, bounds
+
+
+@needs_native
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=700), st.integers(1, 64))
+def test_blake2b_equals_hashlib_at_every_length_and_digest_size(data, size):
+    assert N.b2b(data, size) == hashlib.blake2b(data, digest_size=size).digest()
+
+
+@needs_native
+def test_blake2b_block_boundaries():
+    for n in (0, 1, 111, 112, 127, 128, 129, 255, 256, 257, 1024):
+        data = os.urandom(n)
+        assert N.b2b(data, 16) == hashlib.blake2b(data, digest_size=16).digest(), n
+
+
+@needs_native
+@settings(max_examples=100, deadline=None)
+@given(st.binary(max_size=2000), st.sampled_from([4, 16, 64, 128, 256, 1024]), st.binary(min_size=16, max_size=16))
+def test_chain_equals_the_hashlib_chain_for_any_page_size_and_parent(data, page_bytes, seed):
+    assert N.blake2b_chain(data, page_bytes, seed) == reference_chain(data, page_bytes, seed)
+
+
+@needs_native
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 2**31 - 1), max_size=300), st.sampled_from([1, 4, 16, 32]),
+       st.text(max_size=8))
+def test_hasher_gives_the_same_hashes_as_the_pure_python_chain(tokens, page_tokens, salt):
+    """What `BlockHasher.hash_prompt` returns with the native chain is byte-for-byte the hashlib chain (hashes saved
+    by a store built without the module stay valid with it, and the other way round)."""
+    hasher = BlockHasher(page_tokens)
+    scope = HashScope(cache_salt=salt)
+    want = reference_chain(tokens_to_bytes(tokens), 4 * page_tokens, hasher.seed(scope))
+    assert hasher.hash_prompt(tokens, scope) == want
+    half = (len(tokens) // page_tokens // 2) * page_tokens
+    if half:  # a chain continued from a parent, as a running request extends it
+        head = hasher.hash_prompt(tokens[:half], scope)
+        assert head + hasher.hash_prompt(tokens[half:], scope, parent=head[-1]) == want
+
+
+@needs_native
+def test_chain_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="seed must be 16 bytes"):
+        N.blake2b_chain(b"x" * 64, 64, b"short")
+    with pytest.raises(ValueError, match="page_bytes must be positive"):
+        N.blake2b_chain(b"x" * 64, 0, b"s" * 16)
+    with pytest.raises(TypeError):
+        N.blake2b_chain("not bytes", 64, b"s" * 16)
+    assert N.blake2b_chain(b"x" * 63, 64, b"s" * 16) == []  # no full page
+
+
+@needs_native
+def test_chain_runs_without_the_gil_and_stays_correct_across_threads():
+    data = os.urandom(64 * 2000)
+    want = reference_chain(data, 64, b"\0" * 16)
+    got: list[list[bytes]] = []
+
+    def run() -> None:
+        got.append(N.blake2b_chain(data, 64, b"\0" * 16))
+
+    threads = [threading.Thread(target=run) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == [want] * 4
+
+
+@needs_native
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_copy_plan_equals_the_reference_split(data):
+    n = data.draw(st.integers(0, 80))
+    contiguous = data.draw(st.booleans())
+    src = list(range(7, 7 + n)) if contiguous else data.draw(st.lists(st.integers(0, 200), min_size=n, max_size=n))
+    dst = data.draw(st.lists(st.integers(0, 200), min_size=n, max_size=n)) if data.draw(st.booleans()) else \
+        list(range(3, 3 + n))
+    long_run = data.draw(st.integers(1, 6))
+    want = reference_plan(src, dst, long_run)
+    assert N.copy_plan(src, dst, long_run) == want
+    runs_, gs, gd, bounds = plan_runs(src, dst, long_run)  # the wrapper the copy executor calls
+    assert (runs_, gs.tolist(), gd.tolist(), bounds) == want
+    assert gs.dtype == np.int64 and gd.dtype == np.int64
+
+
+@needs_native
+def test_copy_plan_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="3 source ids against 2"):
+        N.copy_plan([1, 2, 3], [1, 2], 4)
+    with pytest.raises(TypeError):
+        N.copy_plan([1, "x"], [1, 2], 4)
+    with pytest.raises(TypeError):
+        N.copy_plan(5, [1], 4)
+    with pytest.raises(OverflowError):
+        N.copy_plan([2**70], [1], 4)
+    assert N.copy_plan(np.arange(5), np.arange(5), 4) == ([(0, 0, 5)], [], [], (0, 4, 0, 4))
+
+
+def test_describe_names_the_form_in_use():
+    assert native.describe() in ("native", "pure-python (turned off)", "pure-python (not built)")
+    assert (native.NATIVE is None) == native.describe().startswith("pure-python")
+
+
+@needs_native
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 2**31 - 1), max_size=200))
+def test_pack_tokens_equals_little_endian_uint32(tokens):
+    assert N.pack_tokens(tokens, 2**31 - 1) == np.asarray(tokens, dtype="<u4").tobytes()
+    assert tokens_to_bytes(tokens) == np.asarray(tokens, dtype="<i4").tobytes()
+
+
+@needs_native
+def test_pack_tokens_rejects_out_of_range_and_non_ints_and_the_hasher_names_it():
+    for bad in ([1, -1], [2**31], [2**80], [1, 2.0], [True, "x"]):
+        with pytest.raises((ValueError, TypeError)):
+            N.pack_tokens(bad, 2**31 - 1)
+    with pytest.raises(ValueError, match="token ids must lie in"):
+        tokens_to_bytes([5, -3])
+    with pytest.raises(ValueError, match="must be integers"):
+        tokens_to_bytes([5, 2.5])
+
+
+def test_the_pure_python_fallback_passes_the_hashing_and_copy_tests_and_hashes_the_same():
+    """Where the module is not built (or `KVPROC_PURE_PYTHON=1`), the same tests pass, and a prompt hashes to the same
+    bytes as with the module: a store built without it reads a tier filled with it, and the other way round."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, KVPROC_PURE_PYTHON="1")
+    tests = ["tests/test_hashing.py", "tests/test_copy_exec.py"]
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    code = ("from kvproc import native; from kvproc.hashing import BlockHasher; assert native.NATIVE is None; "
+            "print(b''.join(BlockHasher(16).hash_prompt(list(range(5000)))).hex())")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == b"".join(BlockHasher(16).hash_prompt(list(range(5000)))).hex()
