@@ -4,6 +4,8 @@
  *   depends on the one before, so Python pays a hashlib call per page (~1.2 us, most of it call overhead); here a
  *   page of 16 tokens is one BLAKE2b compression (~0.2 us) and the loop runs without the GIL.
  * - pack_tokens: a token list as little-endian uint32 bytes, range-checked, in one pass (what the hash reads).
+ * - paged_*: the per-block loops of `kvproc.paged.PagedBlocks` (refcounts, generations, the prefix index), one
+ *   pass each where numpy needs several calls of fixed overhead on a resolve's few dozen ids.
  * - copy_plan: the run split of a copy order (`kvproc.workers.copy_exec.split_runs` + `_bounds`) in one pass over
  *   the two id lists, where numpy's version costs ~25 calls of fixed overhead whatever the order's size.
  *
@@ -303,12 +305,345 @@ done:
     return result;
 }
 
+/* ---- paged block book-keeping ------------------------------------------------------------------------------- */
+/* The per-block loops of `kvproc.paged.PagedBlocks` over its numpy arrays (refcount int32, generation int64, hashed
+ * bool, the LRU's stamp int64), written through the buffer protocol. numpy does each of these as several calls of
+ * 1-4 us fixed cost (a 64-id list alone takes ~4 us to become an array); here each is one pass. Every function checks
+ * all ids first and changes nothing when one is bad, like the numpy forms. Callers hold the pool's lock. */
+
+typedef struct {
+    Py_buffer view;
+    Py_ssize_t n;
+} Arr;
+
+static int get_arr(PyObject *obj, Arr *a, Py_ssize_t itemsize, const char *what) {
+    if (PyObject_GetBuffer(obj, &a->view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return -1;
+    if (a->view.itemsize != itemsize || a->view.ndim != 1) {
+        PyErr_Format(PyExc_TypeError, "%s: expected a 1-d array of %zd-byte items", what, itemsize);
+        PyBuffer_Release(&a->view);
+        return -1;
+    }
+    a->n = a->view.shape ? a->view.shape[0] : a->view.len / itemsize;
+    return 0;
+}
+
+/* ids (any int sequence) into a new array, each checked to lie in [0, limit). */
+static int64_t *read_ids_in(PyObject *obj, Py_ssize_t limit, Py_ssize_t *n_out) {
+    int64_t *ids = read_ids(obj, n_out);
+    if (!ids) return NULL;
+    for (Py_ssize_t i = 0; i < *n_out; i++) {
+        if (ids[i] < 0 || ids[i] >= limit) {
+            PyErr_Format(PyExc_IndexError, "block id %lld out of range [0, %zd)", (long long)ids[i], limit);
+            PyMem_Free(ids);
+            return NULL;
+        }
+    }
+    return ids;
+}
+
+static PyObject *first_ids(const int64_t *ids, const uint8_t *bad, Py_ssize_t n) {
+    PyObject *l = PyList_New(0); /* at most 8 offending ids, for the error message */
+    if (!l) return NULL;
+    for (Py_ssize_t i = 0; i < n && PyList_GET_SIZE(l) < 8; i++)
+        if (bad[i] && append_int(l, ids[i])) {
+            Py_DECREF(l);
+            return NULL;
+        }
+    return l;
+}
+
+/* paged_take(refcount, generation, ids): hand the blocks out: refcount 1, generation + 1. */
+static PyObject *paged_take(PyObject *self, PyObject *args) {
+    PyObject *rc_o, *gen_o, *ids_o;
+    if (!PyArg_ParseTuple(args, "OOO", &rc_o, &gen_o, &ids_o)) return NULL;
+    Arr rc, gen;
+    if (get_arr(rc_o, &rc, 4, "refcount")) return NULL;
+    if (get_arr(gen_o, &gen, 8, "generation")) {
+        PyBuffer_Release(&rc.view);
+        return NULL;
+    }
+    Py_ssize_t n;
+    int64_t *ids = read_ids_in(ids_o, rc.n < gen.n ? rc.n : gen.n, &n);
+    if (ids) {
+        int32_t *r = rc.view.buf;
+        int64_t *g = gen.view.buf;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            r[ids[i]] = 1;
+            g[ids[i]] += 1;
+        }
+        PyMem_Free(ids);
+    }
+    PyBuffer_Release(&rc.view);
+    PyBuffer_Release(&gen.view);
+    if (!ids) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* paged_gens(generation, ids) -> bytearray of int64: the blocks' generations (np.frombuffer makes it an array). */
+static PyObject *paged_gens(PyObject *self, PyObject *args) {
+    PyObject *gen_o, *ids_o;
+    if (!PyArg_ParseTuple(args, "OO", &gen_o, &ids_o)) return NULL;
+    Arr gen;
+    if (get_arr(gen_o, &gen, 8, "generation")) return NULL;
+    Py_ssize_t n;
+    int64_t *ids = read_ids_in(ids_o, gen.n, &n);
+    PyObject *out = NULL;
+    if (ids) {
+        out = PyByteArray_FromStringAndSize(NULL, 8 * n);
+        if (out) {
+            int64_t *o = (int64_t *)PyByteArray_AS_STRING(out);
+            const int64_t *g = gen.view.buf;
+            for (Py_ssize_t i = 0; i < n; i++) o[i] = g[ids[i]];
+        }
+        PyMem_Free(ids);
+    }
+    PyBuffer_Release(&gen.view);
+    return out;
+}
+
+/* paged_check(generation, ids, gens) -> list of (at most 8) ids whose generation differs from `gens` (int64). */
+static PyObject *paged_check(PyObject *self, PyObject *args) {
+    PyObject *gen_o, *ids_o, *want_o;
+    if (!PyArg_ParseTuple(args, "OOO", &gen_o, &ids_o, &want_o)) return NULL;
+    Arr gen;
+    if (get_arr(gen_o, &gen, 8, "generation")) return NULL;
+    Py_buffer want;
+    if (PyObject_GetBuffer(want_o, &want, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyBuffer_Release(&gen.view);
+        return NULL;
+    }
+    PyObject *out = NULL;
+    Py_ssize_t n = 0;
+    int64_t *ids = NULL;
+    uint8_t *bad = NULL;
+    if (want.itemsize != 8) {
+        PyErr_SetString(PyExc_TypeError, "gens: expected int64 items");
+        goto done;
+    }
+    ids = read_ids_in(ids_o, gen.n, &n);
+    if (!ids) goto done;
+    if (n != want.len / 8) {
+        PyErr_Format(PyExc_ValueError, "%zd ids against %zd generations", n, want.len / 8);
+        goto done;
+    }
+    bad = PyMem_Calloc((size_t)(n ? n : 1), 1);
+    if (!bad) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    const int64_t *g = gen.view.buf, *w = want.buf;
+    for (Py_ssize_t i = 0; i < n; i++) bad[i] = g[ids[i]] != w[i];
+    out = first_ids(ids, bad, n);
+done:
+    PyMem_Free(bad);
+    PyMem_Free(ids);
+    PyBuffer_Release(&want);
+    PyBuffer_Release(&gen.view);
+    return out;
+}
+
+/* paged_acquire(refcount, hashed, stamp, ids) -> (blocks taken out of the LRU, list of free blocks asked for).
+ * A block with no reference leaves the LRU (stamp -1); every block gains one reference. If any block is free (no
+ * reference and no hash) nothing changes and the second item names them (the caller raises). */
+static PyObject *paged_acquire(PyObject *self, PyObject *args) {
+    PyObject *rc_o, *hashed_o, *stamp_o, *ids_o;
+    if (!PyArg_ParseTuple(args, "OOOO", &rc_o, &hashed_o, &stamp_o, &ids_o)) return NULL;
+    Arr rc, hashed, stamp;
+    if (get_arr(rc_o, &rc, 4, "refcount")) return NULL;
+    if (get_arr(hashed_o, &hashed, 1, "hashed")) {
+        PyBuffer_Release(&rc.view);
+        return NULL;
+    }
+    if (get_arr(stamp_o, &stamp, 8, "stamp")) {
+        PyBuffer_Release(&rc.view);
+        PyBuffer_Release(&hashed.view);
+        return NULL;
+    }
+    PyObject *out = NULL;
+    Py_ssize_t n = 0, limit = rc.n;
+    if (hashed.n < limit) limit = hashed.n;
+    if (stamp.n < limit) limit = stamp.n;
+    int64_t *ids = read_ids_in(ids_o, limit, &n);
+    uint8_t *bad = NULL;
+    if (!ids) goto done;
+    int32_t *r = rc.view.buf;
+    const uint8_t *h = hashed.view.buf;
+    int64_t *st = stamp.view.buf;
+    int any_bad = 0;
+    bad = PyMem_Calloc((size_t)(n ? n : 1), 1);
+    if (!bad) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (r[ids[i]] == 0 && !h[ids[i]]) bad[i] = any_bad = 1;
+    if (any_bad) {
+        PyObject *l = first_ids(ids, bad, n);
+        if (l) out = Py_BuildValue("(nN)", (Py_ssize_t)0, l);
+        goto done;
+    }
+    Py_ssize_t removed = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t b = ids[i];
+        if (r[b] == 0 && st[b] >= 0) {
+            st[b] = -1;
+            removed++;
+        }
+        r[b] += 1;
+    }
+    out = Py_BuildValue("(nN)", removed, PyList_New(0));
+done:
+    PyMem_Free(bad);
+    PyMem_Free(ids);
+    PyBuffer_Release(&rc.view);
+    PyBuffer_Release(&hashed.view);
+    PyBuffer_Release(&stamp.view);
+    return out;
+}
+
+/* paged_release(refcount, hashed, ids) -> (hashed, unhashed, underflow): drop one reference from each block, last id
+ * first (a chain's tail goes into the LRU before its head); the blocks that became unreferenced, split by whether
+ * they carry a hash (-> LRU) or not (-> free list). If any block would go below zero nothing changes and `underflow`
+ * names them (the caller raises). */
+static PyObject *paged_release(PyObject *self, PyObject *args) {
+    PyObject *rc_o, *hashed_o, *ids_o;
+    if (!PyArg_ParseTuple(args, "OOO", &rc_o, &hashed_o, &ids_o)) return NULL;
+    Arr rc, hashed;
+    if (get_arr(rc_o, &rc, 4, "refcount")) return NULL;
+    if (get_arr(hashed_o, &hashed, 1, "hashed")) {
+        PyBuffer_Release(&rc.view);
+        return NULL;
+    }
+    PyObject *out = NULL, *hz = NULL, *uz = NULL;
+    Py_ssize_t n = 0;
+    int64_t *ids = read_ids_in(ids_o, rc.n < hashed.n ? rc.n : hashed.n, &n);
+    uint8_t *bad = NULL;
+    if (!ids) goto done;
+    int32_t *r = rc.view.buf;
+    const uint8_t *h = hashed.view.buf;
+    int any_bad = 0;
+    bad = PyMem_Calloc((size_t)(n ? n : 1), 1);
+    hz = PyList_New(0);
+    uz = PyList_New(0);
+    if (!bad || !hz || !uz) {
+        if (!bad) PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (r[ids[i]] <= 0) bad[i] = any_bad = 1;
+    if (any_bad) {
+        PyObject *l = first_ids(ids, bad, n);
+        if (l) out = Py_BuildValue("(OON)", hz, uz, l);
+        goto done;
+    }
+    for (Py_ssize_t i = n - 1; i >= 0; i--) {
+        int64_t b = ids[i];
+        if (--r[b] == 0 && append_int(h[b] ? hz : uz, b)) goto done;
+    }
+    out = Py_BuildValue("(OOO)", hz, uz, Py_None);
+done:
+    Py_XDECREF(hz);
+    Py_XDECREF(uz);
+    PyMem_Free(bad);
+    PyMem_Free(ids);
+    PyBuffer_Release(&rc.view);
+    PyBuffer_Release(&hashed.view);
+    return out;
+}
+
+/* paged_register(hashed, block_hash, index, ids, hashes) -> blocks registered: each block not hashed yet takes its
+ * hash (block_hash[id] = h, hashed[id] = True) and the index entry (index[h] = id: the newest block wins). */
+static PyObject *paged_register(PyObject *self, PyObject *args) {
+    PyObject *hashed_o, *bh, *index, *ids_o, *hashes_o;
+    if (!PyArg_ParseTuple(args, "OO!O!OO", &hashed_o, &PyList_Type, &bh, &PyDict_Type, &index, &ids_o, &hashes_o))
+        return NULL;
+    Arr hashed;
+    if (get_arr(hashed_o, &hashed, 1, "hashed")) return NULL;
+    PyObject *hs = NULL, *out = NULL;
+    Py_ssize_t n = 0, limit = hashed.n < PyList_GET_SIZE(bh) ? hashed.n : PyList_GET_SIZE(bh);
+    int64_t *ids = read_ids_in(ids_o, limit, &n);
+    if (!ids) goto done;
+    hs = PySequence_Fast(hashes_o, "hashes must be a sequence of bytes");
+    if (!hs) goto done;
+    if (PySequence_Fast_GET_SIZE(hs) != n) {
+        PyErr_Format(PyExc_ValueError, "%zd blocks against %zd hashes", n, PySequence_Fast_GET_SIZE(hs));
+        goto done;
+    }
+    PyObject **items = PySequence_Fast_ITEMS(hs);
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (!PyBytes_Check(items[i])) {
+            PyErr_Format(PyExc_TypeError, "hash %zd is a %.100s, not bytes", i, Py_TYPE(items[i])->tp_name);
+            goto done;
+        }
+    uint8_t *h = hashed.view.buf;
+    Py_ssize_t done_n = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t b = ids[i];
+        if (h[b]) continue;
+        PyObject *id = PyLong_FromLongLong(b);
+        if (!id) goto done;
+        int rc = PyDict_SetItem(index, items[i], id);
+        Py_DECREF(id);
+        if (rc) goto done;
+        Py_INCREF(items[i]);
+        PyList_SetItem(bh, b, items[i]); /* steals the new reference, drops the old item */
+        h[b] = 1;
+        done_n++;
+    }
+    out = PyLong_FromSsize_t(done_n);
+done:
+    Py_XDECREF(hs);
+    PyMem_Free(ids);
+    PyBuffer_Release(&hashed.view);
+    return out;
+}
+
+/* paged_unhash(hashed, block_hash, index, ids): evicted blocks lose their hash, and their index entry where they still
+ * own it (a displaced duplicate does not: that entry belongs to the newer block). */
+static PyObject *paged_unhash(PyObject *self, PyObject *args) {
+    PyObject *hashed_o, *bh, *index, *ids_o;
+    if (!PyArg_ParseTuple(args, "OO!O!O", &hashed_o, &PyList_Type, &bh, &PyDict_Type, &index, &ids_o)) return NULL;
+    Arr hashed;
+    if (get_arr(hashed_o, &hashed, 1, "hashed")) return NULL;
+    PyObject *out = NULL;
+    Py_ssize_t n = 0, limit = hashed.n < PyList_GET_SIZE(bh) ? hashed.n : PyList_GET_SIZE(bh);
+    int64_t *ids = read_ids_in(ids_o, limit, &n);
+    if (!ids) goto done;
+    uint8_t *h = hashed.view.buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t b = ids[i];
+        PyObject *key = PyList_GET_ITEM(bh, b);
+        if (key != Py_None) {
+            PyObject *owner = PyDict_GetItemWithError(index, key); /* borrowed */
+            if (!owner && PyErr_Occurred()) goto done;
+            if (owner && PyLong_Check(owner) && PyLong_AsLongLong(owner) == b && PyDict_DelItem(index, key)) goto done;
+            Py_INCREF(Py_None);
+            PyList_SetItem(bh, b, Py_None);
+        }
+        h[b] = 0;
+    }
+    Py_INCREF(Py_None);
+    out = Py_None;
+done:
+    PyMem_Free(ids);
+    PyBuffer_Release(&hashed.view);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"blake2b_chain", blake2b_chain, METH_VARARGS, "blake2b_chain(data, page_bytes, seed) -> list of 16-byte hashes"},
     {"b2b", b2b, METH_VARARGS, "b2b(data, digest_size) -> BLAKE2b digest (tests)"},
     {"pack_tokens", pack_tokens, METH_VARARGS, "pack_tokens(tokens, max_id) -> little-endian uint32 bytes"},
     {"copy_plan", copy_plan, METH_VARARGS,
      "copy_plan(src, dst, long_run) -> (long_runs, short_src, short_dst, bounds or None)"},
+    {"paged_take", paged_take, METH_VARARGS, "paged_take(refcount, generation, ids)"},
+    {"paged_gens", paged_gens, METH_VARARGS, "paged_gens(generation, ids) -> bytearray of int64"},
+    {"paged_check", paged_check, METH_VARARGS, "paged_check(generation, ids, gens) -> stale ids (<= 8)"},
+    {"paged_acquire", paged_acquire, METH_VARARGS, "paged_acquire(refcount, hashed, stamp, ids) -> (left LRU, free)"},
+    {"paged_release", paged_release, METH_VARARGS,
+     "paged_release(refcount, hashed, ids) -> (hashed zeros, unhashed zeros, underflow ids or None)"},
+    {"paged_register", paged_register, METH_VARARGS, "paged_register(hashed, block_hash, index, ids, hashes) -> n"},
+    {"paged_unhash", paged_unhash, METH_VARARGS, "paged_unhash(hashed, block_hash, index, ids)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -54,6 +54,10 @@ class RunLru:
         self._count -= int(present.sum())
         self.stamp[arr] = -1
 
+    def removed(self, n: int) -> None:
+        """`n` blocks were taken out by resetting their stamps directly (`kvproc._native.paged_acquire`)."""
+        self._count -= n
+
     def pop_oldest(self, n: int) -> list[int]:
         out: list[np.ndarray] = []
         need = n

@@ -4,8 +4,11 @@ Not thread-safe by itself: `BlockPool` calls it under its one lock. Every block 
 each time the block is handed out again, so a handle that crossed a boundary can be checked before its bytes are
 trusted (a stale id would otherwise read someone else's KV).
 
-Hot-path rule: refcounts and generations are numpy arrays updated with one fancy-index call per operation; the only
-per-block Python work is the dict/OrderedDict traffic of the prefix index and the LRU, which has no vectorised form.
+Hot-path rule: refcounts and generations are numpy arrays. Where `kvproc._native` is built each operation is one C
+pass over them (and over the prefix index dict); without it, one fancy-index numpy call per step, the only per-block
+Python work being the prefix index's dict traffic. Both forms check every id before changing anything, and give the
+same results (tests run both). The C form matters because a resolve moves a few dozen ids at a time, where numpy's
+fixed cost per call (a 64-id list takes ~4 us just to become an array) is most of the work.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from kvproc.lru import RunLru
+from kvproc.native import NATIVE
 
 _NOT_NONE = partial(is_not, None)
 
@@ -38,7 +42,7 @@ class PagedBlocks:
         self.refcount = np.zeros(num_blocks, dtype=np.int32)
         self.generation = np.zeros(num_blocks, dtype=np.int64)
         self.hashed = np.zeros(num_blocks, dtype=bool)
-        self.block_hash = np.full(num_blocks, None, dtype=object)  # bytes or None, assigned by fancy index
+        self.block_hash: list[bytes | None] = [None] * num_blocks  # the hash each block is registered under
         # Stack: popping from the end hands out low ids first, which keeps early runs contiguous for the copy path.
         self.free: list[int] = list(range(num_blocks - 1, -1, -1))
         # LRU of sealed, unreferenced blocks: first item is evicted first.
@@ -69,22 +73,35 @@ class PagedBlocks:
             ids.extend(evicted)
         self.evictions += n - take
         if ids:
-            idx = np.asarray(ids, dtype=np.int64)
-            self.refcount[idx] = 1
-            self.generation[idx] += 1
+            if NATIVE is not None:
+                NATIVE.paged_take(self.refcount, self.generation, ids)
+            else:
+                idx = np.asarray(ids, dtype=np.int64)
+                self.refcount[idx] = 1
+                self.generation[idx] += 1
         return ids
 
     def _unhash(self, ids: list[int]) -> None:
-        index = self.index  # a displaced duplicate no longer owns its index entry: leave that entry alone
-        for bid, h in zip(ids, self.block_hash[ids].tolist()):
-            if index.get(h) == bid:
+        if NATIVE is not None:
+            NATIVE.paged_unhash(self.hashed, self.block_hash, self.index, ids)
+            return
+        index, block_hash = self.index, self.block_hash  # a displaced duplicate no longer owns its index entry
+        for bid in ids:
+            h = block_hash[bid]
+            if h is not None and index.get(h) == bid:
                 del index[h]
-        self.block_hash[ids] = None
+            block_hash[bid] = None
         self.hashed[ids] = False
 
     def acquire(self, ids: Sequence[int]) -> None:
         """Add one reference to each block (blocks must be active or inactive, never free)."""
         if not len(ids):
+            return
+        if NATIVE is not None:
+            left_lru, free = NATIVE.paged_acquire(self.refcount, self.hashed, self.inactive.stamp, ids)
+            if free:
+                raise RuntimeError(f"acquire of free blocks {free}")
+            self.inactive.removed(left_lru)
             return
         idx = np.asarray(ids, dtype=np.int64)
         rc = self.refcount[idx]
@@ -104,6 +121,14 @@ class PagedBlocks:
         """
         if not len(ids):
             return []
+        if NATIVE is not None:
+            hashed_zero, free_zero, underflow = NATIVE.paged_release(self.refcount, self.hashed, ids)
+            if underflow is not None:
+                raise RuntimeError(f"refcount underflow releasing blocks {underflow}")
+            if hashed_zero:
+                self.inactive.insert(hashed_zero)
+            self.free.extend(free_zero)
+            return hashed_zero + free_zero
         idx = np.asarray(ids, dtype=np.int64)[::-1]
         rc = self.refcount[idx] - 1
         if (rc < 0).any():
@@ -124,6 +149,9 @@ class PagedBlocks:
         block takes the index entry: both hold identical KV, and the displaced block keeps its hash but is no longer
         reachable, so it simply ages out of the LRU. This keeps registration one C-level dict update per call.
         """
+        if NATIVE is not None:
+            NATIVE.paged_register(self.hashed, self.block_hash, self.index, ids, hashes)
+            return
         idx = np.asarray(ids, dtype=np.int64)
         hashes = list(hashes)
         already = self.hashed[idx]
@@ -133,8 +161,11 @@ class PagedBlocks:
             hashes = [h for h, k in zip(hashes, keep.tolist()) if k]
         if not idx.size:
             return
-        self.index.update(zip(hashes, idx.tolist()))
-        self.block_hash[idx] = np.fromiter(hashes, dtype=object, count=len(hashes))
+        ids_list = idx.tolist()
+        self.index.update(zip(hashes, ids_list))
+        block_hash = self.block_hash
+        for bid, h in zip(ids_list, hashes):
+            block_hash[bid] = h
         self.hashed[idx] = True
 
     def match(self, hashes: Sequence[bytes]) -> list[int]:
@@ -146,9 +177,16 @@ class PagedBlocks:
     def generations(self, ids: Sequence[int]) -> np.ndarray:
         if not len(ids):
             return np.empty(0, dtype=np.int64)  # a miss's hold: skip the fancy-index round trip
+        if NATIVE is not None:
+            return np.frombuffer(NATIVE.paged_gens(self.generation, ids), dtype=np.int64)  # a writable copy
         return self.generation[np.asarray(ids, dtype=np.int64)]  # fancy indexing already returns a copy
 
     def check(self, ids: Sequence[int] | np.ndarray, gens: np.ndarray) -> None:
+        if NATIVE is not None:
+            stale = NATIVE.paged_check(self.generation, ids, np.ascontiguousarray(gens, dtype=np.int64))
+            if stale:
+                raise StaleBlockError(f"stale block handles (reused since issued): {stale}")
+            return
         idx = np.asarray(ids, dtype=np.int64)
         bad = self.generation[idx] != np.asarray(gens)
         if bad.any():

@@ -170,13 +170,15 @@ def test_pack_tokens_rejects_out_of_range_and_non_ints_and_the_hasher_names_it()
 
 
 def test_the_pure_python_fallback_passes_the_hashing_and_copy_tests_and_hashes_the_same():
-    """Where the module is not built (or `KVPROC_PURE_PYTHON=1`), the same tests pass, and a prompt hashes to the same
-    bytes as with the module: a store built without it reads a tier filled with it, and the other way round."""
+    """Where the module is not built (or `KVPROC_PURE_PYTHON=1`), the same tests pass (hashing, copy planning, the
+    pool's book-keeping and its hypothesis state machines), and a prompt hashes to the same bytes as with the module:
+    a store built without it reads a tier filled with it, and the other way round."""
     import subprocess
     import sys
 
     env = dict(os.environ, KVPROC_PURE_PYTHON="1")
-    tests = ["tests/test_hashing.py", "tests/test_copy_exec.py"]
+    tests = ["tests/test_hashing.py", "tests/test_copy_exec.py", "tests/test_pool.py", "tests/test_pool_properties.py",
+             "tests/test_request_kv.py"]
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests], env=env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
@@ -185,3 +187,41 @@ def test_the_pure_python_fallback_passes_the_hashing_and_copy_tests_and_hashes_t
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == b"".join(BlockHasher(16).hash_prompt(list(range(5000)))).hex()
+
+
+@needs_native
+def test_paged_ops_change_nothing_when_one_id_is_bad():
+    """Every C book-keeping op checks all ids before it writes: a bad id in the middle leaves the arrays as they were
+    (the numpy forms fail the same way: a fancy index raises before assigning)."""
+    from kvproc.paged import PagedBlocks, StaleBlockError
+
+    pb = PagedBlocks(8)
+    ids = pb.allocate(4)  # [0, 1, 2, 3]
+    pb.register(ids[:2], [b"a" * 16, b"b" * 16])
+    before = (pb.refcount.copy(), pb.generation.copy(), pb.hashed.copy(), list(pb.block_hash), dict(pb.index))
+
+    def unchanged() -> bool:
+        return (np.array_equal(pb.refcount, before[0]) and np.array_equal(pb.generation, before[1])
+                and np.array_equal(pb.hashed, before[2]) and pb.block_hash == before[3] and pb.index == before[4])
+
+    for bad in ([0, 99], [0, -1]):
+        with pytest.raises(IndexError):
+            N.paged_take(pb.refcount, pb.generation, bad)
+        with pytest.raises(IndexError):
+            N.paged_release(pb.refcount, pb.hashed, bad)
+        with pytest.raises(IndexError):
+            N.paged_register(pb.hashed, pb.block_hash, pb.index, [2] + bad[1:], [b"c" * 16, b"d" * 16])
+        assert unchanged()
+    with pytest.raises(RuntimeError, match="refcount underflow"):
+        pb.release([0, 5])  # 5 is free: nothing may be released, not even 0
+    assert unchanged()
+    with pytest.raises(RuntimeError, match="acquire of free blocks"):
+        pb.acquire([0, 6])
+    assert unchanged()
+    with pytest.raises(StaleBlockError, match=r"\[1\]"):
+        pb.check([0, 1], np.array([pb.generation[0], pb.generation[1] + 1]))
+    with pytest.raises(TypeError, match="1-d array of 4-byte"):
+        N.paged_take(pb.generation, pb.generation, [0])
+    with pytest.raises(TypeError, match="not bytes"):
+        N.paged_register(pb.hashed, pb.block_hash, pb.index, [2], ["str"])
+    assert unchanged()
