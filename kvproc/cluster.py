@@ -57,19 +57,28 @@ def fingerprint(model: KvModel, layout: ArenaLayout) -> str:
             f"groups={groups} arenas={arenas}")
 
 
-def _connect_external_tier(runtime_dir: str, timeout: float) -> RpcClient:
+def _connect_external_tiers(runtime_dir: str, ranks: int, timeout: float) -> list[RpcClient]:
+    """Rank r's client to `host_tier[r]` of a shared cluster (`kvproc up --ranks N`), for r < `ranks`."""
     manifest = mf.read_manifest(mf.find_runtime_dir(runtime_dir=runtime_dir))
-    tiers = [p for p in manifest.processes if p.role == "host_tier" and p.state == "up"]
+    tiers = {p.rank: p for p in manifest.processes if p.role == "host_tier" and p.state == "up"}
     if not tiers:
         raise RuntimeError(f"no running host tier in the cluster at {runtime_dir} (start one with `kvproc up`)")
-    client = RpcClient(tiers[0].endpoint, token=mf.read_token(manifest.runtime_dir), name="engine",
-                       peer=f"shared host tier ({manifest.cluster})")
+    missing = [r for r in range(ranks) if r not in tiers]
+    if missing:
+        raise RuntimeError(
+            f"the shared cluster at {runtime_dir} runs host tiers for ranks {sorted(tiers)}; this store has {ranks}"
+            f" rank(s) and each needs its own (a tier's keys carry no rank): start it with `kvproc up --ranks {ranks}`")
+    clients: list[RpcClient] = []
     try:
-        client.connect(timeout)
+        for r in range(ranks):
+            clients.append(RpcClient(tiers[r].endpoint, token=mf.read_token(manifest.runtime_dir), name="engine",
+                                     peer=f"shared host tier[{r}] ({manifest.cluster})"))
+            clients[-1].connect(timeout)
     except BaseException:
-        client.close()
+        for c in clients:
+            c.close()
         raise
-    return client
+    return clients
 
 
 class ClusterStore:
@@ -89,9 +98,9 @@ class ClusterStore:
         self._segment_names: list[str] = []
         self._closed = False
         self._finalizer = weakref.finalize(self, _unlink_all, self._segment_names)
-        # A host tier this store does not own (`kvproc up`, shared by several engines): reached through its manifest,
-        # watched by heartbeats (no sentinel to wait on), and never shut down by this store.
-        self._external_tier: RpcClient | None = None
+        # Host tiers this store does not own (`kvproc up`, shared by several engines), one per rank: reached through
+        # their manifest, watched by heartbeats (no sentinel to wait on), and never shut down by this store.
+        self._external_tiers: list[RpcClient] = []
 
     @classmethod
     def start(cls, host_bytes: int, *, name: str | None = None, ranks: int = 1, lease_ttl_s: float = 30.0,
@@ -101,20 +110,17 @@ class ClusterStore:
               tier_runtime_dir: str | None = None, log_level: str = "info") -> "ClusterStore":
         """Launch the host tier (if `host_bytes`) and one copy worker per rank; wait until all are up.
 
-        `tier_runtime_dir` attaches to a running shared host tier instead (`kvproc up`, found through its manifest);
-        `host_bytes` is then the budget this engine asks of it."""
+        `tier_runtime_dir` attaches to running shared host tiers instead (`kvproc up [--ranks N]`, found through
+        their manifest; rank r to `host_tier[r]`); `host_bytes` is then the budget this engine asks of each."""
         if ranks < 1:
             raise ValueError(f"ranks must be >= 1, got {ranks}")
-        if ranks > 1 and tier_runtime_dir is not None:
-            raise ValueError("a shared host tier (`kvproc up`) serves one rank: a tier's index has no rank in its keys, "
-                             "and each rank needs its own tier")
-        external: RpcClient | None = None
+        external: list[RpcClient] = []
         if tier_runtime_dir is not None:
-            external = _connect_external_tier(tier_runtime_dir, ready_timeout_s)
+            external = _connect_external_tiers(tier_runtime_dir, ranks, ready_timeout_s)
             host_bytes = host_bytes or 1
         name = name or f"cs{os.getpid()}x{next(_names)}"
         roles: list[RoleConfig] = []
-        if host_bytes > 0 and external is None:  # one host tier per rank, `host_bytes` each: ranks never share one
+        if host_bytes > 0 and not external:  # one host tier per rank, `host_bytes` each: ranks never share one
             roles += [RoleConfig("host_tier", r, log_level=log_level, options={
                 "host_bytes": host_bytes, "lease_ttl_s": lease_ttl_s, "handoff_ttl_s": handoff_ttl_s,
                 "save_ttl_s": save_ttl_s, "reap_interval_s": reap_interval_s}) for r in range(ranks)]
@@ -122,15 +128,15 @@ class ClusterStore:
         try:
             cluster = launch(roles, cluster_name=name, runtime_dir=runtime_dir, ready_timeout_s=ready_timeout_s)
         except BaseException:
-            if external is not None:
-                external.close()
+            for c in external:
+                c.close()
             raise
         cs = cls(cluster, host_bytes, ranks, copy_timeout_s=copy_timeout_s, shutdown_deadline_s=shutdown_deadline_s)
-        cs._external_tier = external
+        cs._external_tiers = external
         return cs
 
     def _tier_client(self, rank: int = 0) -> RpcClient:
-        return self._external_tier if self._external_tier is not None else self.cluster.client("host_tier", rank)
+        return self._external_tiers[rank] if self._external_tiers else self.cluster.client("host_tier", rank)
 
     # Rank 0's tier, host layout and segment (a one-rank store's only ones); the lists hold every rank's.
     @property
@@ -231,8 +237,8 @@ class ClusterStore:
                 c.close()
             for t in self.tiers:
                 t.close()
-            if self._external_tier is not None:
-                self._external_tier.close()
+            for client in self._external_tiers:
+                client.close()
         finally:
             self.cluster.shutdown(self.shutdown_deadline_s)
             for seg in self._segments:

@@ -1,15 +1,22 @@
 """Several ranks in one ClusterStore: a copy worker and a host tier per rank (a tier's index has no rank in its keys, so
-each rank's shard lives in its own tier). Each rank's bytes come back to that rank, bit for bit."""
+each rank's shard lives in its own tier). Each rank's bytes come back to that rank, bit for bit, also across a P/D
+hand-off between two stores sharing per-rank tiers (`kvproc up --ranks N`)."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from kvproc import GroupKind, GroupSpec, KvArena, KvSpec, RequestKv
 from kvproc.cluster import ClusterStore
+from kvproc.handoff import handoff_resolve_policy, padded_chain
+from kvproc.ipc.segment import list_segments
 from kvproc.store import KvStore
-from kvproc.store_types import SealCursor
+from kvproc.store_types import SaveClass, SealCursor
 from tests.test_cluster_fixtures import descendants
 
 pytestmark = pytest.mark.timeout(90)
@@ -72,9 +79,51 @@ def test_two_ranks_each_restore_their_own_shard_from_their_own_tier() -> None:
     assert not descendants() - before
 
 
-def test_a_shared_tier_serves_one_rank_only(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    with pytest.raises(ValueError, match="serves one rank"):
-        ClusterStore.start(1 << 20, ranks=2, tier_runtime_dir=str(tmp_path))
+def test_pd_handoff_across_two_ranks_through_shared_per_rank_tiers() -> None:
+    """`kvproc up --ranks 2` runs a host tier per rank; a 2-rank prefill store and a 2-rank decode store attach rank r
+    to tier r. The producer (one request, sharded over both ranks) seals with HANDOFF on each rank; the consumer's
+    full-hit resolve on each rank restores that rank's shard bit for bit and consumes that rank's hand-off. A store
+    with more ranks than the shared cluster has tiers is refused with the command that fixes it."""
+    rd = f"/tmp/kvup-r2{os.getpid()}"
+    up = subprocess.Popen([sys.executable, "-m", "kvproc", "up", "--cluster", "ranks2", "--runtime-dir", rd,
+                           "--host-mib", "8", "--ranks", "2"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert "up; manifest" in (up.stdout.readline() if up.stdout else "")
+        with pytest.raises(RuntimeError, match=r"ranks \[0, 1\].*kvproc up --ranks 3"):
+            ClusterStore.start(1 << 20, ranks=3, tier_runtime_dir=rd)
+        with ClusterStore.start(1 << 20, ranks=2, tier_runtime_dir=rd) as P, \
+                ClusterStore.start(1 << 20, ranks=2, tier_runtime_dir=rd) as D:
+            mp, md = PerRankModel(P, 2), PerRankModel(D, 2)
+            sp, sd = P.attach_model(mp, live_slots=1), D.attach_model(md, live_slots=1)
+            assert P.host_segments == D.host_segments and len(set(P.host_segments)) == 2  # joined, one per rank
+            toks = list(range(1, 11))  # 10 tokens: 2 full pages + a partial one padded to the boundary
+            want: dict[int, dict[bytes, torch.Tensor]] = {}
+            for r in range(2):
+                kv = RequestKv(sp.pools[r], "prod", toks, 4)
+                assert kv.try_admit()
+                kv.schedule(len(toks))
+                for b in kv.block_ids:
+                    mp.block(r, b)[:] = torch.full((BLOCK,), 100 * r + b, dtype=torch.uint8)
+                kv.apply()
+                kv.pad_to_boundary()
+                want[r] = {h: mp.block(r, b).clone() for h, b in zip(kv.page_hashes, kv.block_ids)}
+                sp.retire(r, kv, SealCursor.after_prefix(0), SaveClass.HANDOFF)
+            chain = padded_chain(toks, len(toks), PAGE)
+            for r in range(2):
+                pre = sd.resolve_prefix_sync(r, "dec", chain, policy=handoff_resolve_policy("prod", 3))
+                assert pre.host_tokens == 12 and pre.device_tokens == 0, (r, pre)
+                for h, b in zip(pre.hold.hashes, pre.hold.block_ids):
+                    assert torch.equal(md.block(r, b), want[r][h])  # rank r's shard, not the other rank's
+                pre.hold.release()
+            stats = sd.stats()
+            for key in ("tier", "tier1"):
+                assert stats[key]["handoffs_consumed"] == 1 and stats[key]["open_handoffs"] == 0, (key, stats[key])
+                assert stats[key]["open_leases"] == 0
+    finally:
+        subprocess.run([sys.executable, "-m", "kvproc", "down", "--runtime-dir", rd, "--timeout", "10"], check=False,
+                       capture_output=True)
+        up.wait(10)
+    assert not list_segments("ranks2") and not os.path.exists(rd)
 
 
 def test_two_ranks_without_a_host_tier_each_get_a_worker_and_their_own_prefix_cache() -> None:

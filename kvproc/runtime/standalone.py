@@ -1,8 +1,10 @@
 """`kvproc up` / `kvproc down`: a standalone host tier that several engines on one node share.
 
-kvproc up   [--cluster NAME] [--runtime-dir DIR] [--tcp tcp://127.0.0.1:PORT] [--host-mib N]
+kvproc up   [--cluster NAME] [--runtime-dir DIR] [--tcp tcp://127.0.0.1:PORT] [--host-mib N] [--ranks N]
     runs in the foreground until `kvproc down`, SIGTERM or Ctrl-C; engines attach through the manifest
-    (ipc, or tcp with the auth token from the runtime dir)
+    (ipc, or tcp with the auth token from the runtime dir). `--ranks N` runs one host tier per rank (`host_tier[r]`,
+    `--host-mib` each): engines of N ranks (tensor-parallel shards) attach rank r to tier r, since a tier's keys carry
+    no rank. With `--tcp`, rank r listens on PORT + r (port 0: each picks a free port).
 kvproc down [--cluster NAME] [--runtime-dir DIR] [--timeout S] [--force]
     asks the cluster's launcher (any launcher: `kvproc up` or an engine) for an orderly shutdown through its
     control endpoint and waits until the cluster's runtime dir is gone; `--force` then kills what is left
@@ -35,16 +37,19 @@ def up_main(argv: list[str]) -> int:
     parser.add_argument("--lease-ttl", type=float, default=30.0, help="seconds before a forgotten lease is reclaimed")
     parser.add_argument("--handoff-ttl", type=float, default=300.0,
                         help="seconds before a forgotten hand-off is reclaimed")
+    parser.add_argument("--ranks", type=int, default=1, help="host tiers to run, one per rank of the engines")
     parser.add_argument("--log-level", default="info")
     parser.add_argument("--shutdown-deadline", type=float, default=5.0)
     args = parser.parse_args(argv)
+    if args.ranks < 1:
+        parser.error(f"--ranks must be >= 1, got {args.ranks}")
     configure_logging("launcher", 0, level=args.log_level)
 
     from kvproc.runtime.launcher import RoleConfig, launch
 
     options = {"host_bytes": args.host_mib << 20, "lease_ttl_s": args.lease_ttl, "handoff_ttl_s": args.handoff_ttl}
     cluster = launch(
-        [RoleConfig("host_tier", tcp=args.tcp, options=options)],
+        [RoleConfig("host_tier", r, tcp=_rank_tcp(args.tcp, r), options=options) for r in range(args.ranks)],
         cluster_name=args.cluster,
         runtime_dir=args.runtime_dir,
     )
@@ -66,6 +71,16 @@ def up_main(argv: list[str]) -> int:
     cluster.shutdown(args.shutdown_deadline)
     print(f"kvproc: cluster {args.cluster!r} down", flush=True)
     return 0
+
+
+def _rank_tcp(endpoint: str | None, rank: int) -> str | None:
+    """Rank r's tcp endpoint: the given port + r (0 stays 0: any free port)."""
+    if not endpoint or rank == 0:
+        return endpoint
+    base, _, port = endpoint.rpartition(":")
+    if not port.isdigit():
+        raise SystemExit(f"kvproc up: --tcp wants tcp://HOST:PORT, got {endpoint!r}")
+    return f"{base}:{int(port) + rank if int(port) else 0}"
 
 
 def _gone(runtime_dir: str, launcher_pid: int) -> bool:
