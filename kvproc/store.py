@@ -35,9 +35,16 @@ from kvproc.store_resolve_blocking import BlockingResolver
 from kvproc.store_types import KvPrefix, Outcomes, ResolvePolicy, SaveClass, SealCursor, StoreConfig
 from kvproc.tiers.api import Copier, Tier
 from kvproc.tiers.host_index import SaveTicket, Shed
+from kvproc.tiers.slot_cache import SlotCache
 from kvproc.workers.orders import BoundedCopy, SaveOrder, SlotCopy
 
 log = structlog.get_logger("kvproc.store")
+
+
+def _cache_capacity(tier: Tier) -> int:
+    """A tier holds at most its page slots: more hints than that are stale by construction."""
+    layout = getattr(tier, "layout", None)
+    return max(1, int(getattr(layout, "page_slots", 0) or 1 << 16))
 
 
 class KvStore:
@@ -85,6 +92,8 @@ class KvStore:
         self._parked: list[dict[str, RequestKv]] = [{} for _ in self.layouts]
         self._cacheable_pinned = [0] * len(self.layouts)
         self._acct = threading.Lock()  # cacheable pin budget and seal cursors: touched by engine threads and the loop
+        # Per rank: where the tier holds pages this store saved or was served (hints for speculative loads).
+        self.slot_caches = tuple(SlotCache(_cache_capacity(t)) for t in self.tiers)
         self._resolver = Resolver(self)
         self._blocking = BlockingResolver(self, self._resolver)
         self._closed = False
@@ -215,6 +224,9 @@ class KvStore:
             if pairs or bounded:
                 order = SaveOrder(req_id, [b for b, _ in pairs], [s for _, s in pairs], bounded)
                 await self.copiers[rank].save(order)
+            # The bytes are in the slots now: hints for speculative loads (see `tiers/slot_cache.py` for why
+            # learning before the commit's reply is safe).
+            self.slot_caches[rank].learn(ticket.keys, ticket.page_slots, ticket.page_gens)
             tier.commit_save(ticket.save_id)
             state, reason = "ok", ""
         except Exception as e:  # noqa: BLE001 - every failure becomes a recorded outcome

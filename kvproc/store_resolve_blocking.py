@@ -11,6 +11,13 @@ or copier without blocking forms (`BlockingTier` / `BlockingCopier`). The lease 
 first, so the loop path starts clean (it queries again: one more round trip, on a path that waits anyway). A cancel
 token ends either wait at once (`direct.py`: its listener wakes the poll), like the loop path's.
 
+Speculative load (`StoreConfig.speculative_loads`): when the store already knows where the tier holds the next pages
+(`SlotCache`: its own saves, earlier hits) it reserves free blocks, sends the Load from those slots and asks the
+tier while the copy runs, so a host hit costs about one round trip plus the copy instead of two plus the copy. The
+tier's hit then decides: the leading pages whose (slot, generation) it names are committed (why that is safe:
+`kvproc/tiers/slot_cache.py`), the rest of the hit is loaded the usual way, the copies it does not confirm are
+dropped with their blocks. Paged-only specs (a bounded group's staging slot depends on the answer).
+
 Same rules as the loop path: one deadline for the whole resolve; degrade reasons in stats, never in the result; the
 lease released on every path that does not consume it (a query answered after the resolve stopped waiting included:
 its late Hit's lease is released when it arrives); a load is not cancellable: when the deadline passes or the token
@@ -22,7 +29,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
-from typing import TYPE_CHECKING, Any, Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
@@ -34,6 +42,7 @@ from kvproc.store_resolve import Degrade, Resolver, Started, load_order
 from kvproc.store_types import KvPrefix, ResolvePolicy
 from kvproc.tiers.api import BlockingCopier, BlockingTier
 from kvproc.tiers.host_index import Hit, Miss
+from kvproc.workers.orders import LoadOrder
 
 if TYPE_CHECKING:
     from kvproc.store import KvStore
@@ -84,6 +93,13 @@ class BlockingResolver:
         store = self.store
         pool = store.pools[rank]
         want = st.hashes[st.dev : st.cap]
+        if store.config.speculative_loads and not store.spec.restorable_bounded_groups:
+            slots, gens = store.slot_caches[rank].run(want)
+            if slots:
+                spec = pool.reserve_loaded_blocks(len(slots), free_only=True)  # a wasted guess evicts nothing
+                if spec is not None:
+                    return self._speculate(rank, req_id, st, tier, copier, scope, policy, cancel, want, slots, gens,
+                                           spec)
         early: list[Any] = []  # the reservation made while the query is in flight, if any
 
         def reserve_early() -> None:
@@ -96,28 +112,13 @@ class BlockingResolver:
 
         try:
             try:
-                res = tier.query_blocking(req_id, want, deadline=st.deadline, cancel=cancel, overlap=reserve_early)
+                answer: Any = tier.query_blocking(req_id, want, deadline=st.deadline, cancel=cancel,
+                                                  overlap=reserve_early)
             except Exception as e:  # noqa: BLE001 - PeerDead / RemoteError / abandoned: the prefix stays as it is
-                if cancel is not None and cancel.cancelled:
-                    raise Degrade("cancelled") from None
-                if time.monotonic() >= st.deadline:
-                    raise Degrade("deadline_query") from None
-                raise Degrade(f"tier_{type(e).__name__}") from None
-            if cancel is not None and cancel.cancelled:
-                if isinstance(res, Hit):
-                    tier.release_lease(res.lease_id)
-                raise Degrade("cancelled")
-            if isinstance(res, Miss):
-                if policy.wait_for_full_hit:
-                    raise _UseLoop
-                if st.dev == 0 and self.resolver.breaker.miss(scope):  # cold misses only, as on the loop path
-                    store.count("breaker_opened")
+                answer = e
+            res = self._hit_or_raise(answer, st, tier, scope, policy, cancel, len(want))
+            if res is None:
                 return 0
-            if not isinstance(res, Hit):
-                raise _UseLoop  # Loading: the loop waits for the tier's notification
-            if policy.wait_for_full_hit and res.pages < len(want):
-                tier.release_lease(res.lease_id)
-                raise _UseLoop
             if early:
                 reservation = early.pop()
                 pool.trim_reservation(reservation, res.pages)
@@ -133,18 +134,124 @@ class BlockingResolver:
             for r in early:  # not used: a miss, a declined hit or a failure
                 r.release()
 
+    def _hit_or_raise(self, answer: Any, st: Started, tier: Any, scope: HashScope, policy: ResolvePolicy,
+                      cancel: CancelToken | None, wanted: int) -> Hit | None:
+        """The query's answer (or the exception it raised) as a Hit to load, None for a miss; raises `Degrade` or
+        `_UseLoop` for everything else, with a Hit's lease released first."""
+        if isinstance(answer, Exception):  # PeerDead / RemoteError / abandoned: the prefix stays as it is
+            if cancel is not None and cancel.cancelled:
+                raise Degrade("cancelled")
+            if time.monotonic() >= st.deadline:
+                raise Degrade("deadline_query")
+            raise Degrade(f"tier_{type(answer).__name__}")
+        if cancel is not None and cancel.cancelled:
+            if isinstance(answer, Hit):
+                tier.release_lease(answer.lease_id)
+            raise Degrade("cancelled")
+        if isinstance(answer, Miss):
+            if policy.wait_for_full_hit:
+                raise _UseLoop
+            if st.dev == 0 and self.resolver.breaker.miss(scope):  # cold misses only, as on the loop path
+                self.store.count("breaker_opened")
+            return None
+        if not isinstance(answer, Hit):
+            raise _UseLoop  # Loading: the loop waits for the tier's notification
+        if policy.wait_for_full_hit and answer.pages < wanted:
+            tier.release_lease(answer.lease_id)
+            raise _UseLoop
+        return answer
+
+    def _speculate(self, rank: int, req_id: str, st: Started, tier: Any, copier: Any, scope: HashScope,
+                   policy: ResolvePolicy, cancel: CancelToken | None, want: list[bytes], slots: list[int],
+                   gens: list[int], spec: Any) -> int:
+        """Load the pages the slot cache knows while the tier is asked (module docstring); keep what the hit
+        confirms, load the rest of the hit the usual way."""
+        store = self.store
+        pool = store.pools[rank]
+        answer: list[Any] = []  # the query's answer or exception; set before the load's wait starts
+
+        def ask() -> None:  # runs once the Load is on its way
+            try:
+                answer.append(tier.query_blocking(req_id, want, deadline=st.deadline, cancel=cancel))
+            except Exception as e:  # noqa: BLE001 - judged after the load, like the plain path's
+                answer.append(e)
+
+        def lease() -> int | None:  # the query's lease, if it answered Hit (it has, whenever the load's wait began)
+            return answer[0].lease_id if answer and isinstance(answer[0], Hit) else None
+
+        self._run_load(rank, req_id, st, tier, copier, LoadOrder(req_id, slots, spec.block_ids, []), spec, lease,
+                       cancel, overlap=ask)
+        try:
+            res = self._hit_or_raise(answer[0] if answer else RuntimeError("no answer"), st, tier, scope, policy,
+                                     cancel, len(want))
+        except BaseException:
+            spec.release()
+            store.outcomes.record("load", req_id, "ok", "speculative_unused")
+            raise
+        ok = 0
+        if res is not None:  # the leading pages whose (slot, generation) the hit names as guessed
+            n = min(len(slots), res.pages, len(res.page_gens))
+            while ok < n and slots[ok] == res.page_slots[ok] and gens[ok] == res.page_gens[ok]:
+                ok += 1
+        store.count("speculative_pages_kept", ok)
+        if ok < len(slots):
+            store.count("speculative_pages_dropped", len(slots) - ok)
+            store.slot_caches[rank].forget(want[ok : len(slots)])
+        pool.trim_reservation(spec, ok)
+        pool.commit_loaded_blocks(spec, st.prefix.hold, st.hashes[st.dev : st.dev + ok])  # 0 pages: released
+        if res is None or ok == res.pages:
+            if res is not None:
+                tier.release_lease(res.lease_id, consume_handoff=policy.consume_handoff_of)
+                self.resolver.breaker.hit(scope)
+            store.outcomes.record("load", req_id, "ok", "speculative" if ok else "speculative_unused")
+            return ok
+        store.outcomes.record("load", req_id, "ok", "speculative_partial" if ok else "speculative_unused")
+        # The hit reaches further than what was confirmed: load the rest as usual (the lease covers it all).
+        rest = Hit(res.pages - ok, res.lease_id, res.page_slots[ok:], {}, res.page_gens[ok:])
+        reservation = pool.reserve_loaded_blocks(rest.pages)
+        if reservation is None:  # pool pressure: keep the confirmed part rather than wait
+            tier.release_lease(res.lease_id)
+            store.count("speculative_rest_declined")
+            return ok
+        try:
+            return ok + self._load(rank, req_id, replace(st, dev=st.dev + ok), tier, copier, scope, policy, rest,
+                                   reservation, cancel)
+        except Degrade:
+            return ok  # the rest's load failed or was abandoned (counted and recorded there); the confirmed part stays
+
     def _load(self, rank: int, req_id: str, st: Started, tier: Any, copier: Any, scope: HashScope,
               policy: ResolvePolicy, res: Hit, reservation: Any, cancel: CancelToken | None) -> int:
         store = self.store
-        pool = store.pools[rank]
-        order = load_order(req_id, res, reservation)
+        self._run_load(rank, req_id, st, tier, copier, load_order(req_id, res, reservation), reservation,
+                       lambda: res.lease_id, cancel)
+        store.pools[rank].commit_loaded_blocks(reservation, st.prefix.hold, st.hashes[st.dev : st.dev + res.pages])
+        tier.release_lease(res.lease_id, consume_handoff=policy.consume_handoff_of)
+        if store.config.speculative_loads and res.page_gens:  # the next resolve of these pages may speculate
+            store.slot_caches[rank].learn(st.hashes[st.dev : st.dev + res.pages], res.page_slots, res.page_gens)
+        store.outcomes.record("load", req_id, "ok")
+        self.resolver.breaker.hit(scope)
+        return int(res.pages)
+
+    def _run_load(self, rank: int, req_id: str, st: Started, tier: Any, copier: Any, order: LoadOrder,
+                  reservation: Any, lease: Callable[[], int | None], cancel: CancelToken | None,
+                  overlap: Callable[[], None] | None = None) -> None:
+        """Send a load order and wait for it (`overlap` runs while it flies). Returns once the bytes are in the
+        reservation's blocks; raises `Degrade` otherwise, with the reservation and the lease (`lease()`, if any)
+        released -- at once when the copy failed, when the worker answers when the resolve stopped waiting (the
+        abandoned load then counts in `flush_loads` until it settles)."""
+        store = self.store
         loads = store._loads[rank]
         late: list[concurrent.futures.Future[None]] = []  # made only if the resolve stops waiting (rare)
         settled = [False]
 
-        def settle_abandoned(reply: Any) -> None:  # the worker's reply to a load the resolve stopped waiting for
+        def give_back() -> None:
             reservation.release()
-            tier.release_lease(res.lease_id)
+            lease_id = lease()
+            if lease_id is not None:
+                tier.release_lease(lease_id)
+
+        def settle_abandoned(reply: Any) -> None:  # the worker's reply to a load the resolve stopped waiting for
+            give_back()
             store.outcomes.record("load", req_id, "ok" if isinstance(reply, m.Ok) else "failed", "abandoned")
             with store._late_lock:
                 settled[0] = True
@@ -154,14 +261,13 @@ class BlockingResolver:
                 fut.set_result(None)
 
         if cancel is not None and cancel.cancelled:  # cancelled since the query: no order goes out at all
-            reservation.release()
-            tier.release_lease(res.lease_id)
+            give_back()
             raise Degrade("cancelled")
         try:
-            copied = copier.load_blocking(order, wait_until=st.deadline, on_late=settle_abandoned, cancel=cancel)
+            copied = copier.load_blocking(order, wait_until=st.deadline, on_late=settle_abandoned, cancel=cancel,
+                                          overlap=overlap)
         except Exception as e:  # noqa: BLE001 - the copy failed (or its worker died): nothing was committed
-            reservation.release()
-            tier.release_lease(res.lease_id)
+            give_back()
             store.outcomes.record("load", req_id, "failed", type(e).__name__)
             raise Degrade("load_failed") from None
         if copied is LATE:
@@ -172,8 +278,3 @@ class BlockingResolver:
                     late.append(fut)
                     loads.add(fut)  # flush_loads waits for it from now on
             raise Degrade("cancelled" if cancel is not None and cancel.cancelled else "deadline_load")
-        pool.commit_loaded_blocks(reservation, st.prefix.hold, st.hashes[st.dev : st.dev + res.pages])
-        tier.release_lease(res.lease_id, consume_handoff=policy.consume_handoff_of)
-        store.outcomes.record("load", req_id, "ok")
-        self.resolver.breaker.hit(scope)
-        return int(res.pages)

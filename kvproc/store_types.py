@@ -28,6 +28,10 @@ class StoreConfig:
     breaker_cooldown_s: float = 2.0
     tier_call_timeout_s: float = 5.0
     outcome_history: int = 4096
+    # Blocking resolves start the load of the pages this store knows the tier's slots of (its own saves, earlier
+    # hits) together with the query, and keep what the hit confirms (`store_resolve_blocking.py`; A/B in
+    # bench/RESULTS.md, "Control path"). False: query first, then load.
+    speculative_loads: bool = True
 
 
 @dataclass(frozen=True)

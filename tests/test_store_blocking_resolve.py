@@ -17,7 +17,14 @@ from kvproc.store_types import FULL_HIT, ResolvePolicy, StoreConfig
 from tests.test_cluster_fixtures import churn, cluster_store, compute, stopped, wait_for
 
 pytestmark = pytest.mark.timeout(60)
-CONFIG = StoreConfig(resolve_deadline_s=3.0)
+PLAIN = StoreConfig(resolve_deadline_s=3.0, speculative_loads=False)
+
+
+@pytest.fixture(params=[True, False], ids=["speculative", "plain"])
+def config(request) -> StoreConfig:  # type: ignore[no-untyped-def]
+    """Every case on both forms of a host hit: the load started from the slot cache with the query (the default for
+    pages this store saved), and the query first."""
+    return StoreConfig(resolve_deadline_s=3.0, speculative_loads=request.param)
 
 
 def _saved(store, model, rid: str, toks: list[int]):  # type: ignore[no-untyped-def]
@@ -28,8 +35,8 @@ def _saved(store, model, rid: str, toks: list[int]):  # type: ignore[no-untyped-
     return written
 
 
-def test_a_host_hit_restores_the_bytes_on_the_calling_thread_and_releases_the_lease() -> None:
-    with cluster_store(config=CONFIG) as (cs, store, model):
+def test_a_host_hit_restores_the_bytes_on_the_calling_thread_and_releases_the_lease(config: StoreConfig) -> None:
+    with cluster_store(config=config) as (cs, store, model):
         toks = list(range(17))
         written = _saved(store, model, "a", toks)
         model.zero()
@@ -38,6 +45,7 @@ def test_a_host_hit_restores_the_bytes_on_the_calling_thread_and_releases_the_le
         for h, b in zip(pre.hold.hashes, pre.hold.block_ids):
             assert torch.equal(model.block(0, b), written[h][0]) and torch.equal(model.block(1, b), written[h][1])
         assert store.counters["resolve_via_loop"] == 0
+        assert store.counters["speculative_pages_kept"] == (4 if config.speculative_loads else 0)
         assert store.outcomes.for_request("b")[-1].state == "ok"
         pre.hold.release()
         wait_for(lambda: store.stats()["tier"]["open_leases"] == 0, what="the lease released")
@@ -45,9 +53,9 @@ def test_a_host_hit_restores_the_bytes_on_the_calling_thread_and_releases_the_le
 
 
 @pytest.mark.parametrize("thread", ["with_a_socket", "fresh"])
-def test_a_load_past_the_deadline_is_abandoned_and_keeps_its_reservation_until_the_worker_answers(thread: str) -> None:
+def test_a_load_past_the_deadline_is_abandoned_and_keeps_its_reservation_until_the_worker_answers(thread: str, config: StoreConfig) -> None:
     """`fresh`: the resolving thread has no socket to the worker yet, so its handshake meets the hung worker too."""
-    with cluster_store(config=CONFIG) as (cs, store, model):
+    with cluster_store(config=config) as (cs, store, model):
         toks = list(range(17))
         _saved(store, model, "a", toks)
         worker = cs.cluster.pid("copy_worker")
@@ -78,8 +86,8 @@ def test_a_load_past_the_deadline_is_abandoned_and_keeps_its_reservation_until_t
         pre.hold.release()
 
 
-def test_a_worker_killed_during_a_blocking_load_degrades_frees_everything_and_service_resumes() -> None:
-    with cluster_store(config=CONFIG) as (cs, store, model):
+def test_a_worker_killed_during_a_blocking_load_degrades_frees_everything_and_service_resumes(config: StoreConfig) -> None:
+    with cluster_store(config=config) as (cs, store, model):
         toks = list(range(17))
         _saved(store, model, "a", toks)
         worker = cs.cluster.pid("copy_worker")
@@ -103,8 +111,8 @@ def test_a_worker_killed_during_a_blocking_load_degrades_frees_everything_and_se
         pre.hold.release()
 
 
-def test_a_resolve_that_must_wait_continues_on_the_loop_and_a_cancel_token_does_not_need_it() -> None:
-    with cluster_store(config=CONFIG) as (cs, store, model):
+def test_a_resolve_that_must_wait_continues_on_the_loop_and_a_cancel_token_does_not_need_it(config: StoreConfig) -> None:
+    with cluster_store(config=config) as (cs, store, model):
         toks = list(range(17))
         _saved(store, model, "a", toks)
         pre = store.resolve_prefix_sync(0, "tok", toks, cancel=new_token())
@@ -122,7 +130,7 @@ def test_a_resolve_that_must_wait_continues_on_the_loop_and_a_cancel_token_does_
 
 
 def test_a_shorter_hit_trims_the_reservation_made_while_the_query_flew() -> None:
-    with cluster_store(config=CONFIG) as (cs, store, model):
+    with cluster_store(config=PLAIN) as (cs, store, model):
         written = _saved(store, model, "a", list(range(9)))  # two pages on the host tier
         pre = store.resolve_prefix_sync(0, "b", list(range(9)) + [500 + i for i in range(8)])  # asks for four
         assert pre.host_tokens == 8 and store.counters["resolve_reserved_in_flight"] == 1
@@ -134,7 +142,7 @@ def test_a_shorter_hit_trims_the_reservation_made_while_the_query_flew() -> None
 
 
 def test_a_miss_returns_the_in_flight_reservation_and_evicts_no_cached_block() -> None:
-    with cluster_store(config=CONFIG) as (cs, store, model):
+    with cluster_store(config=PLAIN) as (cs, store, model):
         kv, cur, _, _ = compute(store, model, "cached", [700 + i for i in range(9)])
         kv.release()  # two pages cached on the device only (never sealed to the tier)
         pre = store.resolve_prefix_sync(0, "miss", [900 + i for i in range(17)])
@@ -146,8 +154,8 @@ def test_a_miss_returns_the_in_flight_reservation_and_evicts_no_cached_block() -
         again.hold.release()
 
 
-def test_cancelling_during_a_hung_load_returns_at_once_and_the_load_still_settles() -> None:
-    with cluster_store(config=CONFIG) as (cs, store, model):
+def test_cancelling_during_a_hung_load_returns_at_once_and_the_load_still_settles(config: StoreConfig) -> None:
+    with cluster_store(config=config) as (cs, store, model):
         toks = list(range(17))
         _saved(store, model, "a", toks)
         token = new_token()
@@ -164,8 +172,8 @@ def test_cancelling_during_a_hung_load_returns_at_once_and_the_load_still_settle
         wait_for(lambda: store.stats()["tier"]["open_leases"] == 0, what="the lease released")
 
 
-def test_cancelling_during_a_hung_query_returns_at_once_and_leaves_no_lease() -> None:
-    with cluster_store(config=CONFIG) as (cs, store, model):
+def test_cancelling_during_a_hung_query_returns_at_once_and_leaves_no_lease(config: StoreConfig) -> None:
+    with cluster_store(config=config) as (cs, store, model):
         toks = list(range(17))
         _saved(store, model, "a", toks)
         token = new_token()
@@ -181,8 +189,8 @@ def test_cancelling_during_a_hung_query_returns_at_once_and_leaves_no_lease() ->
         assert store.stats()["rank0"]["active_blocks"] == 0
 
 
-def test_a_query_answered_after_the_deadline_gives_its_hits_lease_back() -> None:
-    with cluster_store(config=CONFIG) as (cs, store, model):
+def test_a_query_answered_after_the_deadline_gives_its_hits_lease_back(config: StoreConfig) -> None:
+    with cluster_store(config=config) as (cs, store, model):
         toks = list(range(17))
         _saved(store, model, "a", toks)
         with stopped(cs.cluster.pid("host_tier")):
@@ -195,8 +203,8 @@ def test_a_query_answered_after_the_deadline_gives_its_hits_lease_back() -> None
         assert store.stats()["rank0"]["active_blocks"] == 0
 
 
-def test_on_the_loop_path_too_a_query_answered_after_the_deadline_gives_its_hits_lease_back() -> None:
-    with cluster_store(config=CONFIG) as (cs, store, model):
+def test_on_the_loop_path_too_a_query_answered_after_the_deadline_gives_its_hits_lease_back(config: StoreConfig) -> None:
+    with cluster_store(config=config) as (cs, store, model):
         toks = list(range(17))
         _saved(store, model, "a", toks)
         with stopped(cs.cluster.pid("host_tier")):

@@ -333,6 +333,7 @@ class TierHit(Payload, tag=403):
     lease_id: int
     page_slots: list[int]
     bounded_slots: dict[str, int]
+    page_gens: list[int] = []  # each page slot's generation (speculative loads check against it)
 
 
 class TierSaveTicket(Payload, tag=404):
@@ -343,6 +344,7 @@ class TierSaveTicket(Payload, tag=404):
     page_slots: list[Union[int, None]]  # None: already present (dedup), nothing to copy
     bounded_slots: dict[str, Union[int, None]]
     expires: float  # the tier's monotonic clock; informational
+    page_gens: list[Union[int, None]] = []  # generation of each reserved page slot (None: not reserved)
 
 
 class TierShed(Payload, tag=405):

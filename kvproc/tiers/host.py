@@ -140,7 +140,7 @@ class HostTierRole(Role):
         with self._lock:
             res = self._index().query(msg.req_id, msg.hashes)
         if isinstance(res, Hit):
-            return m.TierHit(res.pages, res.lease_id, list(res.page_slots), dict(res.bounded_slots))
+            return m.TierHit(res.pages, res.lease_id, list(res.page_slots), dict(res.bounded_slots), list(res.page_gens))
         if isinstance(res, Loading):
             return m.TierLoading(res.ready_pages, res.save_id)
         return m.TierMiss()
@@ -170,7 +170,7 @@ class HostTierRole(Role):
         if not isinstance(t, SaveTicket):
             return m.TierShed(t.reason)
         return m.TierSaveTicket(t.save_id, t.req_id, t.save_class.value, list(t.keys), list(t.page_slots),
-                                dict(t.bounded_slots), t.expires)
+                                dict(t.bounded_slots), t.expires, list(t.page_gens))
 
     @handles(m.CommitSave)
     def commit_save(self, msg: m.CommitSave, ctx: CallContext) -> m.Done:

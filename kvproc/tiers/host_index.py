@@ -37,6 +37,7 @@ class SaveClass(enum.Enum):
 class HostEntry:
     key: bytes
     page_slot: int
+    gen: int = 0  # the page slot's generation when this entry was reserved (see `HostIndex.slot_gen`)
     bounded: dict[str, int] = field(default_factory=dict)  # group -> bounded slot (checkpoint artifacts here)
     refs: int = 0  # leases holding it
     handoff_owners: set[str] = field(default_factory=set)  # producer requests whose hand-off pins it
@@ -63,6 +64,7 @@ class Hit:
     lease_id: int
     page_slots: tuple[int, ...]
     bounded_slots: dict[str, int]  # artifacts of the checkpoint at `pages`
+    page_gens: tuple[int, ...] = ()  # each page slot's generation (a speculative load checks its guess against it)
 
 
 QueryResult = Miss | Loading | Hit
@@ -77,6 +79,7 @@ class SaveTicket:
     page_slots: tuple[int | None, ...]  # None: already present (dedup), nothing to copy
     bounded_slots: dict[str, int | None]  # artifacts at keys[-1]; None: already present
     expires: float
+    page_gens: tuple[int | None, ...] = ()  # generation of each reserved page slot (None where page_slots is None)
 
     @property
     def copies(self) -> int:
@@ -118,6 +121,11 @@ class HostIndex:
         self.lease_ttl_s, self.handoff_ttl_s, self.save_ttl_s = lease_ttl_s, handoff_ttl_s, save_ttl_s
         self.clock = clock
         self.free_pages: list[int] = list(range(page_slots - 1, -1, -1))
+        # A page slot's generation goes up each time the slot is handed to a save. (slot, generation) names one
+        # content for as long as the entry lives (entries are immutable: a present key is never written again), so a
+        # store that learned it after its own save's copy landed may copy from it before asking, and keep the copy
+        # only if the query's hit names the same pair (`kvproc.store_resolve_blocking`, speculative loads).
+        self.slot_gen: list[int] = [0] * page_slots
         self.free_bounded: dict[str, list[int]] = {g: list(range(n - 1, -1, -1)) for g, n in self.bounded_capacity.items()}
         self.entries: dict[bytes, HostEntry] = {}
         self.lru: OrderedDict[bytes, None] = OrderedDict()  # evictable entries, oldest first
@@ -144,19 +152,21 @@ class HostIndex:
         keys = list(hashes[:depth])
         lru_pop = self.lru.pop
         slots = []
+        gens = []
         for k in keys:  # one pass: take each entry out of the LRU, reference it, collect its slot
             e = entries[k]
             if not e.refs:
                 lru_pop(k, None)
             e.refs += 1
             slots.append(e.page_slot)
+            gens.append(e.gen)
         lease_id = next(self._ids)
         last = entries[keys[-1]]
         self.leases[lease_id] = _Lease(req_id, keys, keys[-1] if last.bounded else None,
                                        self.clock() + self.lease_ttl_s)
         self.counters["query_hit"] += 1
         self.counters["query_hit_pages"] += depth
-        return Hit(depth, lease_id, tuple(slots), dict(last.bounded))
+        return Hit(depth, lease_id, tuple(slots), dict(last.bounded), tuple(gens))
 
     def _deepest_complete(self, hashes: Sequence[bytes], n: int) -> int:
         if not self.required:
@@ -209,11 +219,16 @@ class HostIndex:
             return Shed(reason=f"host tier full: {len(new_pages)} page slots wanted, none evictable")
         new_set = set(new_pages)
         page_slots = tuple(self.free_pages.pop() if k in new_set else None for k in keys)
+        slot_gen = self.slot_gen
+        for s in page_slots:
+            if s is not None:
+                slot_gen[s] += 1
+        page_gens = tuple(None if s is None else slot_gen[s] for s in page_slots)
         bounded: dict[str, int | None] = {g: None for g in bounded_groups}
         for g in want_bounded:
             bounded[g] = self.free_bounded[g].pop()
         ticket = SaveTicket(next(self._ids), req_id, save_class, tuple(keys), page_slots, bounded,
-                            self.clock() + self.save_ttl_s)
+                            self.clock() + self.save_ttl_s, page_gens)
         self.saves[ticket.save_id] = ticket
         for k in new_pages:
             pending[k] = ticket.save_id
@@ -255,11 +270,11 @@ class HostIndex:
             return False
         now = self.clock()
         fresh: list[bytes] = []
-        for k, slot in zip(t.keys, t.page_slots):
+        for k, slot, gen in zip(t.keys, t.page_slots, t.page_gens or (0,) * len(t.keys)):
             if slot is None:
                 continue
             self.pending.pop(k, None)
-            self.entries[k] = HostEntry(k, slot)
+            self.entries[k] = HostEntry(k, slot, gen or 0)
             fresh.append(k)
         last = self.entries.get(t.keys[-1])
         for g, slot in t.bounded_slots.items():

@@ -123,7 +123,7 @@ async def _call(client: RpcClient, msg: m.RequestBody, timeout: float,
 
 def _query_result(res: Any) -> QueryResult:
     if isinstance(res, m.TierHit):
-        return Hit(res.pages, res.lease_id, tuple(res.page_slots), dict(res.bounded_slots))
+        return Hit(res.pages, res.lease_id, tuple(res.page_slots), dict(res.bounded_slots), tuple(res.page_gens))
     if isinstance(res, m.TierLoading):
         return Loading(res.ready_pages, res.save_id)
     return Miss()
@@ -203,7 +203,7 @@ class RemoteTier:
         if isinstance(res, m.TierShed):
             return Shed(res.reason)
         return SaveTicket(res.save_id, res.req_id, SaveClass(res.save_class), tuple(res.keys), tuple(res.page_slots),
-                          dict(res.bounded_slots), res.expires)
+                          dict(res.bounded_slots), res.expires, tuple(res.page_gens))
 
     async def stats(self) -> dict[str, int]:
         res = await _acall(self._link, self._client(), m.TierStats(), self.oneway_timeout_s)
@@ -299,10 +299,11 @@ class RemoteCopier:
         return await self._order(m.DeviceCopy(list(copies)))
 
     def load_blocking(self, order: LoadOrder, *, wait_until: float, on_late: Callable[[Any], None],
-                      cancel: CancelToken | None = None) -> int | Any:
+                      cancel: CancelToken | None = None, overlap: Callable[[], None] | None = None) -> int | Any:
         """`load` on the calling thread's own socket: the bytes copied, or `LATE` once `wait_until` passes or
         `cancel` fires (the order is not cancellable: the worker's terminal reply then goes to `on_late`:
-        Ok(Copied) / Failed / PeerDead). Raises like `load`."""
+        Ok(Copied) / Failed / PeerDead). Raises like `load`. `overlap` (must not raise) runs once the order is on
+        its way, before the wait (a speculative load runs its tier query there)."""
         client = self._client()
         if client is not self._attached_to:
             with self._sync_attach:  # a new incarnation (restart): attach it first; a second attach is harmless
@@ -313,7 +314,7 @@ class RemoteCopier:
                     self.attaches += 1
         # `cancel` only ends this thread's wait: a copy order is not cancellable, so the token is not sent along.
         res = client.request(m.Load(order), timeout=self.copy_timeout_s, wait_until=wait_until, on_late=on_late,
-                             wake_on=cancel)
+                             wake_on=cancel, overlap=overlap)
         return res if res is LATE else int(res.nbytes)
 
     def close(self) -> None:
