@@ -4,9 +4,11 @@ DEALER/ROUTER round trip measured in the same run.
 
 - raw: 64 B DEALER send + recv against a ROUTER echo loop in its own process (the transport's floor);
 - resolve: `resolve_prefix_sync` of a prompt whose pages are on the host tier only (the device pool is churned
-  before each one, outside the timing): hashing, probe, Query, reserve, Load order, commit, lease release. Two paths,
-  alternating in batches of 10 (ABBA) so both see the same machine: `blocking` (the default for a blocking caller:
-  the calling thread's own sockets) and `loop` (`submit_resolve(...).result()`: the store's event loop);
+  before each one, outside the timing): hashing, probe, Query, reserve, Load order, commit, lease release. Three
+  forms, interleaved in batches so all see the same machine: `blocking` (the default for a blocking caller: the
+  calling thread's own sockets; the pages were saved by this store, so their Load starts from the slot cache while
+  the Query flies: a speculative load), `plain` (the same with `speculative_loads=False`: Query, then Load) and
+  `loop` (`submit_resolve(...).result()`: the store's event loop);
 - copy: the very Load orders the store sent, replayed in this process by a `CopyExecutor` over the same segments
   (the bytes' cost, including ids that do not coalesce);
 - raw2: two raw round trips (the messages a host hit needs: Query, Load) timed after the same churn, interleaved with
@@ -29,6 +31,7 @@ Medians. A page is 2 arenas x 2 KiB (4 KiB per block, 16 tokens).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -45,6 +48,7 @@ from typing import Any, Callable
 import torch
 import zmq
 
+from kvproc import native
 from kvproc.cluster import ClusterStore
 from kvproc.contract import GroupKind, GroupSpec, KvArena, KvSpec, RepackDirection
 from kvproc.ipc.segment import Segment
@@ -58,8 +62,8 @@ ARENA_BLOCK = 2048
 CONCURRENCY = 16
 # Interleaved arms per size: blocking / loop resolves after a pool churn each (caches trashed, as after an engine
 # step), raw2 (two raw round trips after the same churn), burst (blocking resolves back to back) and raw2_burst.
-ARMS = ("blocking", "loop", "raw2", "burst", "raw2_burst")
-PROMPTS_PER_BATCH = 2 * (5 + 5 + 6)  # resolves the arms use per batch (two orders per batch)
+ARMS = ("blocking", "plain", "loop", "raw2", "burst", "raw2_burst")
+PROMPTS_PER_BATCH = 2 * (5 + 5 + 5 + 6)  # resolves the arms use per batch (two orders per batch)
 
 RAW_ECHO = """
 import sys, zmq
@@ -171,7 +175,7 @@ class _Bench:
 
     def prompt(self, blocks: int) -> list[int]:
         self._next += 1
-        base = self._next * 1_000_000
+        base = self._next * 4099  # distinct first tokens: distinct chains; ids stay far below 2**31
         return list(range(base, base + blocks * PAGE + 1))
 
     def churn(self) -> None:
@@ -199,12 +203,16 @@ class _Bench:
     def resolve(self, tokens: list[int], blocks: int, path: str = "blocking", churn: bool = True) -> float:
         if churn:
             self.churn()
+        config = self.store.config
+        if path == "plain":
+            self.store.config = dataclasses.replace(config, speculative_loads=False)
         t = time.perf_counter()
-        if path == "blocking":
+        if path in ("blocking", "plain"):
             pre = self.store.resolve_prefix_sync(0, f"r{self._next}", tokens)
         else:
             pre = self.store.submit_resolve(0, f"r{self._next}", tokens).result()
         dt = time.perf_counter() - t
+        self.store.config = config
         if pre.host_tokens != blocks * PAGE:
             raise RuntimeError(f"expected a host hit of {blocks} blocks, got {pre}")
         pre.hold.release()
@@ -352,7 +360,7 @@ def main(argv: list[str]) -> int:
                 load_us, save_us = b.copy_times()
                 seal_us = _median_us(seal_t)
                 row: dict[str, Any] = {"blocks": blocks, "raw_rtt_us": round(raw_us, 1), "copy_us": round(load_us, 1)}
-                for arm, base in (("blocking", "raw2"), ("loop", "raw2"), ("burst", "raw2_burst")):
+                for arm, base in (("blocking", "raw2"), ("plain", "raw2"), ("loop", "raw2"), ("burst", "raw2_burst")):
                     needed_us = _median_us(res_t[base])
                     rtt_us = needed_us / 2  # one raw round trip under the resolve's own conditions
                     us = _median_us(res_t[arm])
@@ -375,14 +383,16 @@ def main(argv: list[str]) -> int:
         raw.stop()
     load = os.getloadavg()[0]
     print(f"# control path, median of >= {n} per arm, raw 64 B round trip {raw_us:.0f} us hot (tight loop), "
-          f"load {load:.2f}")
-    print("| blocks | copy (us) | raw RTT after churn (us) | blocking (us) | **overhead beyond its 2 RTTs** | loop (us) "
+          f"load {load:.2f}, hashing/pool/copy planning: {native.describe()}")
+    print("| blocks | copy (us) | raw RTT after churn (us) | blocking (us) | **overhead beyond its 2 RTTs** "
+          "| plain (us) | overhead beyond its 2 RTTs | loop (us) "
           "| overhead beyond its 2 RTTs | raw RTT, burst (us) | blocking, burst (us) | overhead beyond its 2 RTTs "
           "| seal (us) | seal overhead (hot RTTs) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r, s in zip(results, seals):
         print(f"| {r['blocks']} | {r['copy_us']:.0f} | {r['raw_rtt_raw2_us']:.0f} | {r['resolve_blocking_us']:.0f} | "
-              f"**{r['blocking_overhead_beyond_2_rtts']:.2f}** | {r['resolve_loop_us']:.0f} | "
+              f"**{r['blocking_overhead_beyond_2_rtts']:.2f}** | {r['resolve_plain_us']:.0f} | "
+              f"{r['plain_overhead_beyond_2_rtts']:.2f} | {r['resolve_loop_us']:.0f} | "
               f"{r['loop_overhead_beyond_2_rtts']:.2f} | {r['raw_rtt_raw2_burst_us']:.0f} | "
               f"{r['resolve_burst_us']:.0f} | {r['burst_overhead_beyond_2_rtts']:.2f} | {s['seal_us']:.0f} | "
               f"{s['seal_rtt_overhead']:.2f} |")
@@ -395,7 +405,7 @@ def main(argv: list[str]) -> int:
               f"{r['own_socket']:.0f} us, via the client I/O threads {r['io_thread']:.0f} us")
     if args.json:
         doc = {"results": results, "seal": seals, "resolves_per_s": round(rps, 1), "raw_rtt_us": round(raw_us, 1),
-               "loop_call_us": loop_calls, "resolves_via_loop": via_loop}
+               "loop_call_us": loop_calls, "resolves_via_loop": via_loop, "native": native.describe()}
         if ab:
             doc["ab_resolve_us"] = ab
         Path(args.json).write_text(json.dumps(doc, indent=2))
