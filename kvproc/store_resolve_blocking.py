@@ -216,8 +216,9 @@ class BlockingResolver:
         try:
             return ok + self._load(rank, req_id, replace(st, dev=st.dev + ok), tier, copier, scope, policy, rest,
                                    reservation, cancel)
-        except Degrade:
-            return ok  # the rest's load failed or was abandoned (counted and recorded there); the confirmed part stays
+        except Degrade:  # the rest's load failed or was abandoned (its outcome is recorded): the confirmed part stays
+            store.count("speculative_rest_failed")
+            return ok
 
     def _load(self, rank: int, req_id: str, st: Started, tier: Any, copier: Any, scope: HashScope,
               policy: ResolvePolicy, res: Hit, reservation: Any, cancel: CancelToken | None) -> int:
@@ -237,8 +238,8 @@ class BlockingResolver:
                   overlap: Callable[[], None] | None = None) -> None:
         """Send a load order and wait for it (`overlap` runs while it flies). Returns once the bytes are in the
         reservation's blocks; raises `Degrade` otherwise, with the reservation and the lease (`lease()`, if any)
-        released -- at once when the copy failed, when the worker answers when the resolve stopped waiting (the
-        abandoned load then counts in `flush_loads` until it settles)."""
+        released: at once if the copy failed, or when the worker answers if the resolve stopped waiting first (the
+        abandoned load counts in `flush_loads` until then)."""
         store = self.store
         loads = store._loads[rank]
         late: list[concurrent.futures.Future[None]] = []  # made only if the resolve stops waiting (rare)

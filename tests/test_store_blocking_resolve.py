@@ -53,7 +53,8 @@ def test_a_host_hit_restores_the_bytes_on_the_calling_thread_and_releases_the_le
 
 
 @pytest.mark.parametrize("thread", ["with_a_socket", "fresh"])
-def test_a_load_past_the_deadline_is_abandoned_and_keeps_its_reservation_until_the_worker_answers(thread: str, config: StoreConfig) -> None:
+def test_a_load_past_the_deadline_is_abandoned_and_keeps_its_reservation_until_the_worker_answers(
+        thread: str, config: StoreConfig) -> None:
     """`fresh`: the resolving thread has no socket to the worker yet, so its handshake meets the hung worker too."""
     with cluster_store(config=config) as (cs, store, model):
         toks = list(range(17))
@@ -86,7 +87,8 @@ def test_a_load_past_the_deadline_is_abandoned_and_keeps_its_reservation_until_t
         pre.hold.release()
 
 
-def test_a_worker_killed_during_a_blocking_load_degrades_frees_everything_and_service_resumes(config: StoreConfig) -> None:
+def test_a_worker_killed_during_a_blocking_load_degrades_frees_everything_and_service_resumes(
+        config: StoreConfig) -> None:
     with cluster_store(config=config) as (cs, store, model):
         toks = list(range(17))
         _saved(store, model, "a", toks)
@@ -111,7 +113,8 @@ def test_a_worker_killed_during_a_blocking_load_degrades_frees_everything_and_se
         pre.hold.release()
 
 
-def test_a_resolve_that_must_wait_continues_on_the_loop_and_a_cancel_token_does_not_need_it(config: StoreConfig) -> None:
+def test_a_resolve_that_must_wait_continues_on_the_loop_and_a_cancel_token_does_not_need_it(
+        config: StoreConfig) -> None:
     with cluster_store(config=config) as (cs, store, model):
         toks = list(range(17))
         _saved(store, model, "a", toks)
@@ -203,7 +206,8 @@ def test_a_query_answered_after_the_deadline_gives_its_hits_lease_back(config: S
         assert store.stats()["rank0"]["active_blocks"] == 0
 
 
-def test_on_the_loop_path_too_a_query_answered_after_the_deadline_gives_its_hits_lease_back(config: StoreConfig) -> None:
+def test_on_the_loop_path_too_a_query_answered_after_the_deadline_gives_its_hits_lease_back(
+        config: StoreConfig) -> None:
     with cluster_store(config=config) as (cs, store, model):
         toks = list(range(17))
         _saved(store, model, "a", toks)

@@ -140,7 +140,8 @@ class HostTierRole(Role):
         with self._lock:
             res = self._index().query(msg.req_id, msg.hashes)
         if isinstance(res, Hit):
-            return m.TierHit(res.pages, res.lease_id, list(res.page_slots), dict(res.bounded_slots), list(res.page_gens))
+            return m.TierHit(res.pages, res.lease_id, list(res.page_slots), dict(res.bounded_slots),
+                             list(res.page_gens))
         if isinstance(res, Loading):
             return m.TierLoading(res.ready_pages, res.save_id)
         return m.TierMiss()

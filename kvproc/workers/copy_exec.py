@@ -55,9 +55,10 @@ SMALL_ORDER = 32  # blocks: below this, planning in plain Python beats numpy's f
 def runs(src: Sequence[int] | np.ndarray, dst: Sequence[int] | np.ndarray) -> list[tuple[int, int, int]]:
     """(src_start, dst_start, length) of maximal runs where both sides advance by one.
 
-    One C pass where `kvproc._native` is built. Without it: up to `SMALL_ORDER` pairs it is one pass over two short lists (~3 us for 32); numpy's version costs ~8 calls at
-    1-3 us each whatever the size, so it takes over only where its per-element speed pays (a resolve's typical load
-    is a few blocks; `kvproc bench copy` / `bench ipc` measure both ends)."""
+    One C pass where `kvproc._native` is built. Without it: up to `SMALL_ORDER` pairs one pass over two short lists
+    (~3 us for 32); numpy's version costs ~8 calls at 1-3 us each whatever the size, so it takes over only where its
+    per-element speed pays (a resolve's typical load is a few blocks; `kvproc bench copy` / `bench ipc` measure both
+    ends)."""
     n = len(src)
     if n == 0:
         return []
