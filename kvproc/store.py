@@ -344,7 +344,8 @@ class KvStore:
             out[f"rank{r}"] = pool.stats() | {"parked": len(self._parked[r]),
                                               "saves_in_flight": len(self._saves[r]),
                                               "loads_abandoned_in_flight": len(self._loads[r]),
-                                              "cacheable_pinned": self._cacheable_pinned[r]}
+                                              "cacheable_pinned": self._cacheable_pinned[r],
+                                              "slot_hints": len(self.slot_caches[r]) if self.slot_caches else 0}
         out["tier_available"] = bool(self.tier is not None and self.tier.available)
         for r, tier in enumerate(self.tiers):  # "tier" is rank 0's (a one-rank store's), "tier1".. the others'
             if tier.available:
@@ -363,6 +364,8 @@ class KvStore:
         for r, pool in enumerate(self.pools):
             out.update({f"rank{r}.{k}": int(v) for k, v in pool.stats().items()})
             out[f"rank{r}.parked"] = len(self._parked[r])
+            if self.slot_caches:
+                out[f"rank{r}.slot_hints"] = len(self.slot_caches[r])
         return out
 
     def close(self) -> None:

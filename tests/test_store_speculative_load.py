@@ -48,6 +48,7 @@ def test_a_confirmed_speculation_restores_the_bytes_with_the_query_and_load_over
         toks = list(range(17))
         written = _saved(store, model, "a", toks)
         assert store.slot_caches[0].run(list(written))[0]  # the save taught the store where its pages went
+        assert store.stats()["rank0"]["slot_hints"] == 4 and store.counters_flat()["rank0.slot_hints"] == 4
         assert _restores(store, model, "b", toks, written) == 4
         assert store.counters["speculative_pages_kept"] == 4 and store.counters["speculative_pages_dropped"] == 0
         assert store.outcomes.for_request("b")[-2:][0].reason == "speculative"  # the load's outcome, then the resolve's
