@@ -145,3 +145,14 @@ def test_two_ranks_without_a_host_tier_each_get_a_worker_and_their_own_prefix_ca
         pre0.hold.release()
         pre1.hold.release()
         assert store.pools[0].stats()["active_blocks"] == store.pools[1].stats()["active_blocks"] == 0
+
+
+def test_kvproc_up_gives_each_ranks_tier_its_own_tcp_port() -> None:
+    from kvproc.runtime.standalone import _rank_tcp
+
+    assert _rank_tcp("tcp://127.0.0.1:5555", 0) == "tcp://127.0.0.1:5555"
+    assert _rank_tcp("tcp://127.0.0.1:5555", 2) == "tcp://127.0.0.1:5557"
+    assert _rank_tcp("tcp://127.0.0.1:0", 3) == "tcp://127.0.0.1:0"  # any free port, per tier
+    assert _rank_tcp(None, 1) is None
+    with pytest.raises(SystemExit, match="tcp://HOST:PORT"):
+        _rank_tcp("tcp://127.0.0.1:http", 1)
