@@ -630,6 +630,31 @@ done:
     return out;
 }
 
+/* lru_stamp(stamp, ids, seq) -> how many of `ids` were already stamped (in the LRU): `RunLru.insert`'s per-block
+ * work, stamping every id with the new run's sequence number; `RunLru.remove` is seq -1 (not in the LRU). */
+static PyObject *lru_stamp(PyObject *self, PyObject *args) {
+    PyObject *stamp_o, *ids_o;
+    long long seq;
+    if (!PyArg_ParseTuple(args, "OOL", &stamp_o, &ids_o, &seq)) return NULL;
+    Arr stamp;
+    if (get_arr(stamp_o, &stamp, 8, "stamp")) return NULL;
+    Py_ssize_t n;
+    int64_t *ids = read_ids_in(ids_o, stamp.n, &n);
+    PyObject *out = NULL;
+    if (ids) {
+        int64_t *st = stamp.view.buf;
+        Py_ssize_t present = 0;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            present += st[ids[i]] >= 0;
+            st[ids[i]] = seq;
+        }
+        PyMem_Free(ids);
+        out = PyLong_FromSsize_t(present);
+    }
+    PyBuffer_Release(&stamp.view);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"blake2b_chain", blake2b_chain, METH_VARARGS, "blake2b_chain(data, page_bytes, seed) -> list of 16-byte hashes"},
     {"b2b", b2b, METH_VARARGS, "b2b(data, digest_size) -> BLAKE2b digest (tests)"},
@@ -644,6 +669,7 @@ static PyMethodDef methods[] = {
      "paged_release(refcount, hashed, ids) -> (hashed zeros, unhashed zeros, underflow ids or None)"},
     {"paged_register", paged_register, METH_VARARGS, "paged_register(hashed, block_hash, index, ids, hashes) -> n"},
     {"paged_unhash", paged_unhash, METH_VARARGS, "paged_unhash(hashed, block_hash, index, ids)"},
+    {"lru_stamp", lru_stamp, METH_VARARGS, "lru_stamp(stamp, ids, seq) -> ids already stamped"},
     {NULL, NULL, 0, NULL},
 };
 

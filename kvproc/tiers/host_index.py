@@ -15,6 +15,12 @@ Lifecycles:
 - `SaveClass.CACHEABLE` saves are shed when no room can be made (counted). `SaveClass.HANDOFF` entries are pinned for
   their producer request until the consumer's load releases them (`consume_handoff`) or the producer revokes them;
   a TTL reclaims forgotten hand-offs as a counted backstop.
+
+Storage: an entry *is* its page slot. `entries` maps a key to its slot; per-slot numpy arrays hold the lease
+references and whether the slot may sit in the LRU; the LRU is a `RunLru` of slots, like the device pool's. So a
+query's or a release's per-page work is the pool's book-keeping (`kvproc._native.paged_acquire` / `paged_release`:
+one C pass; numpy where it is not built), not a Python object and an OrderedDict move per page (a 64-page query +
+release cost ~44 us of the tier's Python that way).
 """
 
 from __future__ import annotations
@@ -22,29 +28,20 @@ from __future__ import annotations
 import enum
 import itertools
 import time
-from collections import Counter, OrderedDict
-from dataclasses import dataclass, field
+from collections import Counter
+from dataclasses import dataclass
 from itertools import takewhile
 from typing import Callable, Sequence
+
+import numpy as np
+
+from kvproc.lru import RunLru
+from kvproc.native import NATIVE
 
 
 class SaveClass(enum.Enum):
     CACHEABLE = "cacheable"  # fire-and-forget; may be shed under pressure
     HANDOFF = "handoff"  # must be delivered; leased until consumed or revoked
-
-
-@dataclass
-class HostEntry:
-    key: bytes
-    page_slot: int
-    gen: int = 0  # the page slot's generation when this entry was reserved (see `HostIndex.slot_gen`)
-    bounded: dict[str, int] = field(default_factory=dict)  # group -> bounded slot (checkpoint artifacts here)
-    refs: int = 0  # leases holding it
-    handoff_owners: set[str] = field(default_factory=set)  # producer requests whose hand-off pins it
-
-    @property
-    def evictable(self) -> bool:
-        return self.refs == 0 and not self.handoff_owners
 
 
 @dataclass(frozen=True)
@@ -94,7 +91,7 @@ class Shed:
 @dataclass
 class _Lease:
     req_id: str
-    keys: list[bytes]
+    slots: list[int]  # the page slots it references (valid while it lives: a referenced entry is never evicted)
     bounded_key: bytes | None
     expires: float
 
@@ -127,8 +124,14 @@ class HostIndex:
         # only if the query's hit names the same pair (`kvproc.store_resolve_blocking`, speculative loads).
         self.slot_gen: list[int] = [0] * page_slots
         self.free_bounded: dict[str, list[int]] = {g: list(range(n - 1, -1, -1)) for g, n in self.bounded_capacity.items()}
-        self.entries: dict[bytes, HostEntry] = {}
-        self.lru: OrderedDict[bytes, None] = OrderedDict()  # evictable entries, oldest first
+        self.entries: dict[bytes, int] = {}  # committed key -> its page slot
+        self.slot_key: list[bytes | None] = [None] * page_slots
+        self.refs = np.zeros(page_slots, dtype=np.int32)  # leases holding each slot's entry
+        self.committed = np.zeros(page_slots, dtype=bool)  # the slot holds a committed entry
+        self.lru_ok = np.zeros(page_slots, dtype=bool)  # committed and not pinned by a hand-off: evictable at 0 refs
+        self.owners: dict[int, set[str]] = {}  # slot -> producer requests whose hand-off pins it
+        self.bounded: dict[int, dict[str, int]] = {}  # slot -> {group: bounded slot} (checkpoint artifacts there)
+        self.lru = RunLru(page_slots)  # evictable slots, oldest first
         self.pending: dict[bytes, int] = {}  # key -> save id that will commit it
         self.saves: dict[int, SaveTicket] = {}
         self.leases: dict[int, _Lease] = {}
@@ -149,33 +152,62 @@ class HostIndex:
         if depth == 0:
             self.counters["query_miss"] += 1
             return Miss()
-        keys = list(hashes[:depth])
-        lru_pop = self.lru.pop
-        slots = []
-        gens = []
-        for k in keys:  # one pass: take each entry out of the LRU, reference it, collect its slot
-            e = entries[k]
-            if not e.refs:
-                lru_pop(k, None)
-            e.refs += 1
-            slots.append(e.page_slot)
-            gens.append(e.gen)
+        slots = list(map(entries.__getitem__, hashes[:depth]))
+        self._ref(slots)
+        slot_gen = self.slot_gen
         lease_id = next(self._ids)
-        last = entries[keys[-1]]
-        self.leases[lease_id] = _Lease(req_id, keys, keys[-1] if last.bounded else None,
+        last = self.bounded.get(slots[-1])
+        self.leases[lease_id] = _Lease(req_id, slots, hashes[depth - 1] if last else None,
                                        self.clock() + self.lease_ttl_s)
         self.counters["query_hit"] += 1
         self.counters["query_hit_pages"] += depth
-        return Hit(depth, lease_id, tuple(slots), dict(last.bounded), tuple(gens))
+        return Hit(depth, lease_id, tuple(slots), dict(last or {}), tuple([slot_gen[s] for s in slots]))
 
     def _deepest_complete(self, hashes: Sequence[bytes], n: int) -> int:
         if not self.required:
             return n
         for depth in range(n, 0, -1):
-            bounded = self.entries[hashes[depth - 1]].bounded
+            bounded = self.bounded.get(self.entries[hashes[depth - 1]], {})
             if all(g in bounded for g in self.required):
                 return depth
         return 0
+
+    def _ref(self, slots: list[int]) -> None:
+        """One more lease reference on each (distinct, committed) slot; the unreferenced ones leave the LRU."""
+        if NATIVE is not None:
+            left_lru, uncommitted = NATIVE.paged_acquire(self.refs, self.committed, self.lru.stamp, slots)
+            assert not uncommitted, f"lease on uncommitted slots {uncommitted}"
+            self.lru.removed(left_lru)
+            return
+        idx = np.asarray(slots, dtype=np.int64)
+        self.lru.remove(idx[self.refs[idx] == 0])
+        self.refs[idx] += 1
+
+    def _unref(self, slots: list[int]) -> None:
+        """Drop one reference from each slot, last first: a chain's tail goes into the LRU (and out) before its
+        shared head. Pinned (hand-off) entries stay out of the LRU."""
+        if not slots:
+            return
+        if NATIVE is not None:
+            to_lru, _pinned, underflow = NATIVE.paged_release(self.refs, self.lru_ok, slots)
+            assert underflow is None, f"lease reference underflow on slots {underflow}"
+            if to_lru:
+                self.lru.insert(to_lru)
+            return
+        idx = np.asarray(slots, dtype=np.int64)[::-1]
+        rc = self.refs[idx] - 1
+        assert not (rc < 0).any(), "lease reference underflow"
+        self.refs[idx] = rc
+        zero = idx[rc == 0]
+        self.lru.insert(zero[self.lru_ok[zero]])
+
+    def _make_evictable(self, slots: Sequence[int]) -> None:
+        """Slots that may now be evicted (unpinned, or newly committed): into the LRU unless referenced or there."""
+        self.lru_ok[list(slots)] = True
+        stamp, refs = self.lru.stamp, self.refs
+        back = [s for s in dict.fromkeys(slots) if not refs[s] and stamp[s] < 0]
+        if back:
+            self.lru.insert(back)
 
     def release_lease(self, lease_id: int, *, consume_handoff: str | None = None) -> bool:
         """Release a query's lease (idempotent: False if unknown or already released). `consume_handoff` names the
@@ -185,19 +217,8 @@ class HostIndex:
             self.revoke_handoff(consume_handoff, consumed=True)
         if lease is None:
             return False
-        self._unref(lease.keys)
+        self._unref(lease.slots)
         return True
-
-    def _unref(self, keys: Sequence[bytes]) -> None:
-        # Tail first into the LRU, so a chain's tail is evicted before its shared head.
-        get, lru = self.entries.get, self.lru
-        for k in reversed(keys):
-            e = get(k)
-            if e is None:
-                continue
-            e.refs -= 1
-            if not e.refs and not e.handoff_owners:  # `evictable`, inlined: this loop runs once per page
-                lru[k] = None
 
     # -- saves ----------------------------------------------------------------------------------------------------
     def reserve_save(
@@ -212,8 +233,9 @@ class HostIndex:
             raise ValueError("reserve_save needs at least one page key")
         entries, pending = self.entries, self.pending
         new_pages = [k for k in keys if k not in entries and k not in pending]
-        last = entries.get(keys[-1])
-        want_bounded = [g for g in bounded_groups if not (last is not None and g in last.bounded)]
+        last_slot = entries.get(keys[-1])
+        have = self.bounded.get(last_slot, {}) if last_slot is not None else {}
+        want_bounded = [g for g in bounded_groups if g not in have]
         if not self._make_room(len(new_pages), want_bounded):
             self.counters[f"save_shed_{save_class.value}"] += 1
             return Shed(reason=f"host tier full: {len(new_pages)} page slots wanted, none evictable")
@@ -239,26 +261,34 @@ class HostIndex:
     def _make_room(self, pages: int, groups: Sequence[str]) -> bool:
         """Evict LRU entries until the reservation fits, and further down to the high watermark."""
         target_free = max(pages, pages + self.page_slots - int(self.page_slots * self.high_watermark))
-        while len(self.free_pages) < target_free and self.lru:
-            self._evict_one()
+        short = min(target_free - len(self.free_pages), len(self.lru))
+        if short > 0:
+            for slot in self.lru.pop_oldest(short):  # oldest first, one call for the batch
+                self._evict(slot)
         for g in groups:
             while not self.free_bounded[g] and self._evict_bounded(g):
                 pass
         return len(self.free_pages) >= pages and all(self.free_bounded[g] for g in groups)
 
-    def _evict_one(self) -> None:
-        key, _ = self.lru.popitem(last=False)
-        e = self.entries.pop(key)
-        self.free_pages.append(e.page_slot)
-        for g, slot in e.bounded.items():
-            self.free_bounded[g].append(slot)
+    def _evict(self, slot: int) -> None:
+        """Drop the (unreferenced, unpinned) entry in `slot`, already taken out of the LRU."""
+        key = self.slot_key[slot]
+        assert key is not None
+        del self.entries[key]
+        self.slot_key[slot] = None
+        self.committed[slot] = self.lru_ok[slot] = False
+        self.free_pages.append(slot)
+        for g, bslot in self.bounded.pop(slot, {}).items():
+            self.free_bounded[g].append(bslot)
         self.counters["evictions"] += 1
 
     def _evict_bounded(self, group: str) -> bool:
-        for key in self.lru:  # oldest first
-            e = self.entries[key]
-            if group in e.bounded:
-                self.free_bounded[group].append(e.bounded.pop(group))
+        for slot in self.lru:  # oldest first
+            arts = self.bounded.get(slot)
+            if arts and group in arts:
+                self.free_bounded[group].append(arts.pop(group))
+                if not arts:
+                    del self.bounded[slot]
                 self.counters["bounded_evictions"] += 1
                 return True
         return False
@@ -269,31 +299,34 @@ class HostIndex:
         if t is None:
             return False
         now = self.clock()
-        fresh: list[bytes] = []
-        for k, slot, gen in zip(t.keys, t.page_slots, t.page_gens or (0,) * len(t.keys)):
+        entries, slot_key = self.entries, self.slot_key
+        fresh: list[int] = []
+        for k, slot in zip(t.keys, t.page_slots):
             if slot is None:
                 continue
             self.pending.pop(k, None)
-            self.entries[k] = HostEntry(k, slot, gen or 0)
-            fresh.append(k)
-        last = self.entries.get(t.keys[-1])
-        for g, slot in t.bounded_slots.items():
-            if slot is None:
+            entries[k] = slot
+            slot_key[slot] = k
+            fresh.append(slot)
+        self.committed[fresh] = True
+        last = entries.get(t.keys[-1])
+        for g, bslot in t.bounded_slots.items():
+            if bslot is None:
                 continue
-            if last is None or g in last.bounded:
-                self.free_bounded[g].append(slot)  # the page it belongs to is gone, or a duplicate
+            if last is None or g in self.bounded.get(last, {}):
+                self.free_bounded[g].append(bslot)  # the page it belongs to is gone, or a duplicate
             else:
-                last.bounded[g] = slot
+                self.bounded.setdefault(last, {})[g] = bslot
         if t.save_class is SaveClass.HANDOFF:
-            keys = [k for k in t.keys if k in self.entries]
-            for k in keys:
-                self.entries[k].handoff_owners.add(t.req_id)
-                self.lru.pop(k, None)
+            keys = [k for k in t.keys if k in entries]
+            pinned = [entries[k] for k in keys]
+            for slot in pinned:
+                self.owners.setdefault(slot, set()).add(t.req_id)
+            self.lru_ok[pinned] = False
+            self.lru.remove(pinned)  # entries already present (deduplicated) may have been evictable
             old = self.handoffs.get(t.req_id, ([], 0.0))[0]
             self.handoffs[t.req_id] = (old + keys, now + self.handoff_ttl_s)
-        for k in reversed(fresh):
-            if self.entries[k].evictable:
-                self.lru[k] = None
+        self._make_evictable([s for s in reversed(fresh) if s not in self.owners])  # tail first
         self.counters["saves_committed"] += 1
         self.counters["pages_saved"] += len(fresh)
         if self.on_settled:
@@ -322,12 +355,16 @@ class HostIndex:
         got = self.handoffs.pop(producer_req_id, None)
         if got is None:
             return False
+        free: list[int] = []
         for k in got[0]:
-            e = self.entries.get(k)
-            if e is not None:
-                e.handoff_owners.discard(producer_req_id)
-                if e.evictable:
-                    self.lru[k] = None
+            slot = self.entries.get(k)
+            owners = self.owners.get(slot) if slot is not None else None
+            if owners is not None:
+                owners.discard(producer_req_id)
+                if not owners:
+                    del self.owners[slot]  # type: ignore[arg-type]
+                    free.append(slot)  # type: ignore[arg-type]
+        self._make_evictable(free)
         self.counters["handoffs_consumed" if consumed else "handoffs_revoked"] += 1
         return True
 
