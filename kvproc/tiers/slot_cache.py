@@ -15,7 +15,12 @@ store's loop learns from saves, resolving threads read and learn from hits).
 from __future__ import annotations
 
 import threading
+from functools import partial
+from itertools import takewhile
+from operator import is_not
 from typing import Sequence
+
+_KNOWN = partial(is_not, None)
 
 
 class SlotCache:
@@ -23,7 +28,10 @@ class SlotCache:
         if capacity <= 0:
             raise ValueError(f"capacity must be positive, got {capacity}")
         self.capacity = capacity
-        self._slots: dict[bytes, tuple[int, int]] = {}  # insertion order = learning order: oldest forgotten first
+        # Two dicts with the same keys, so a lookup run is two C-level map() passes (a resolve's critical path);
+        # `_slots`' insertion order is the learning order: the oldest hints are forgotten first.
+        self._slots: dict[bytes, int] = {}
+        self._gens: dict[bytes, int] = {}
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -32,32 +40,27 @@ class SlotCache:
     def learn(self, keys: Sequence[bytes], slots: Sequence[int | None], gens: Sequence[int | None]) -> None:
         """Record where the tier holds `keys` (entries with no slot or generation are skipped)."""
         with self._lock:
-            d = self._slots
+            ds, dg = self._slots, self._gens
             for k, s, g in zip(keys, slots, gens):
                 if s is None or g is None:
                     continue
-                d.pop(k, None)  # re-learned: now the newest
-                d[k] = (s, g)
-            excess = len(d) - self.capacity
+                ds.pop(k, None)  # re-learned: now the newest
+                ds[k] = s
+                dg[k] = g
+            excess = len(ds) - self.capacity
             if excess > 0:
-                for k in [k for k, _ in zip(d, range(excess))]:
-                    del d[k]
+                for k in [k for k, _ in zip(ds, range(excess))]:
+                    del ds[k], dg[k]
 
     def run(self, keys: Sequence[bytes]) -> tuple[list[int], list[int]]:
         """(slots, generations) of the longest leading run of `keys` this cache knows."""
-        slots: list[int] = []
-        gens: list[int] = []
-        get = self._slots.get
         with self._lock:
-            for k in keys:
-                v = get(k)
-                if v is None:
-                    break
-                slots.append(v[0])
-                gens.append(v[1])
+            slots: list[int] = list(takewhile(_KNOWN, map(self._slots.get, keys)))  # type: ignore[arg-type]
+            gens = list(map(self._gens.__getitem__, keys[: len(slots)]))
         return slots, gens
 
     def forget(self, keys: Sequence[bytes]) -> None:
         with self._lock:
             for k in keys:
-                self._slots.pop(k, None)
+                if self._slots.pop(k, None) is not None:
+                    del self._gens[k]
