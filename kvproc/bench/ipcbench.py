@@ -25,6 +25,8 @@ DEALER/ROUTER round trip measured in the same run.
   own socket (`AsyncRpcClient`, what the loop path uses) and through the sync client's I/O thread.
 - `--ab N`: on the loop path, the store loop's own sockets vs the sync clients' I/O threads, for whole host-hit
   resolves (1 and 16 blocks), alternating batches of 10 resolves (N batches each).
+- `--ab-native N`: blocking host-hit resolves of 16/64/256 blocks with the store side's compiled helpers
+  (`kvproc._native`: hash chain, pool book-keeping) on vs off, interleaved batches of 5 (N x 10 each).
 Medians. A page is 2 arenas x 2 KiB (4 KiB per block, 16 tokens).
 """
 
@@ -280,6 +282,32 @@ def _ab(b: _Bench, batches: int) -> dict[str, dict[str, float]]:
     return out
 
 
+def _ab_native(b: _Bench, batches: int) -> dict[str, dict[str, float]]:
+    """Median blocking host-hit resolve with the store side's compiled helpers (hash chain, pool book-keeping) on vs
+    off, in interleaved batches of 5 (ABBA) on one ClusterStore; the workers and the tier keep theirs."""
+    from kvproc import hashing, paged
+
+    native_mod = hashing.NATIVE
+    out: dict[str, dict[str, float]] = {}
+    if native_mod is None:
+        return out
+    for blocks in (16, 64, 256):
+        prompts = [b.prompt(blocks) for _ in range(batches * 10)]
+        for p in prompts:
+            b.seal(p)
+        it = iter(prompts)
+        times: dict[str, list[float]] = {"native": [], "pure": []}
+        try:
+            for i in range(batches * 2):
+                kind = ("native", "pure")[(i + i // 2) % 2]
+                hashing.NATIVE = paged.NATIVE = native_mod if kind == "native" else None
+                times[kind] += [b.resolve(next(it), blocks) for _ in range(5)]
+        finally:
+            hashing.NATIVE = paged.NATIVE = native_mod
+        out[str(blocks)] = {k: round(_median_us(v), 1) for k, v in times.items()}
+    return out
+
+
 def _concurrent(b: _Bench, per_thread: int, blocks: int) -> float:
     prompts = [[b.prompt(blocks) for _ in range(per_thread)] for _ in range(CONCURRENCY)]
     for ps in prompts:
@@ -314,6 +342,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--ab", type=int, default=0, metavar="N",
                     help="also compare resolves on the loop's own sockets vs the client I/O threads (N batches each)")
+    ap.add_argument("--ab-native", type=int, default=0, metavar="N",
+                    help="also compare blocking resolves with the store side's compiled helpers on vs off (N batches)")
     args = ap.parse_args(argv)
     n = 5 if args.quick else args.n
     sizes = [1, 16, 64, 256]
@@ -322,7 +352,8 @@ def main(argv: list[str]) -> int:
     per_thread = 2 if args.quick else 20
     batches = max(1, (n + 9) // 10)  # each arm gets 2 x 5 samples per batch: >= n in all
     # One size's prompts must all stay on the host tier until resolved (older sizes' entries are evicted as needed).
-    host_pages = (batches * PROMPTS_PER_BATCH + n + 8) * max(sizes) + CONCURRENCY * per_thread * 16 + args.ab * 20 * 17 + 1024
+    host_pages = (batches * PROMPTS_PER_BATCH + n + 8) * max(sizes) + CONCURRENCY * per_thread * 16 + args.ab * 20 * 17 \
+        + args.ab_native * 10 * (16 + 64 + 256) + 1024
     host_bytes = host_pages * 2 * ARENA_BLOCK + (1 << 20)
     results: list[dict[str, Any]] = []
     seals: list[dict[str, Any]] = []
@@ -375,6 +406,7 @@ def main(argv: list[str]) -> int:
             rps = _concurrent(b, per_thread, 16)
             loop_calls = _loop_calls(b, 50 if args.quick else 1000)
             ab = _ab(b, args.ab) if args.ab else {}
+            ab_native = _ab_native(b, args.ab_native) if args.ab_native else {}
             via_loop = int(store.counters["resolve_via_loop"])
         finally:
             b.close()
@@ -403,11 +435,16 @@ def main(argv: list[str]) -> int:
     for size, r in ab.items():
         print(f"A/B loop-path host-hit resolve of {size} blocks, {args.ab} x 10 each, alternating: own socket "
               f"{r['own_socket']:.0f} us, via the client I/O threads {r['io_thread']:.0f} us")
+    for size, r in ab_native.items():
+        print(f"A/B blocking host-hit resolve of {size} blocks, {args.ab_native} x 10 each, interleaved: store-side "
+              f"compiled helpers {r['native']:.0f} us, pure Python {r['pure']:.0f} us")
     if args.json:
         doc = {"results": results, "seal": seals, "resolves_per_s": round(rps, 1), "raw_rtt_us": round(raw_us, 1),
                "loop_call_us": loop_calls, "resolves_via_loop": via_loop, "native": native.describe()}
         if ab:
             doc["ab_resolve_us"] = ab
+        if ab_native:
+            doc["ab_native_resolve_us"] = ab_native
         Path(args.json).write_text(json.dumps(doc, indent=2))
     return 0
 
