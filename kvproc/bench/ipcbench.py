@@ -10,7 +10,8 @@ DEALER/ROUTER round trip measured in the same run.
   the Query flies: a speculative load), `plain` (the same with `speculative_loads=False`: Query, then Load) and
   `loop` (`submit_resolve(...).result()`: the store's event loop);
 - copy: the very Load orders the store sent, replayed in this process by a `CopyExecutor` over the same segments
-  (the bytes' cost, including ids that do not coalesce);
+  (the bytes' cost, including ids that do not coalesce); beside it, the worker's own clock for the same orders in
+  situ (`ns_load` / `orders_load`, mean): the same code run cold after an idle wait;
 - raw2: two raw round trips (the messages a host hit needs: Query, Load) timed after the same churn, interleaved with
   the resolves: the baseline under the same cache state and the same moment of a noisy shared host;
 - burst: blocking resolves back to back (one churn per 6, the first dropped), against raw2_burst (raw pairs back to
@@ -220,6 +221,13 @@ class _Bench:
         pre.hold.release()
         return dt
 
+    def worker_load_clock(self) -> tuple[int, int]:
+        """(ns, orders) the copy worker has spent executing Load orders so far (its own clock: the copy in situ)."""
+        from kvproc.ipc import messages as m
+
+        c = self.cs.cluster.client("copy_worker", 0).request(m.Stats(), timeout=5).counters
+        return int(c.get("ns_load", 0)), int(c.get("orders_load", 0))
+
     def copy_times(self) -> tuple[float, float]:
         """Median in-process time of the Load and Save orders recorded since the last call (same segments)."""
         loads, saves = self.orders["load"], self.orders["save"]
@@ -375,6 +383,7 @@ def main(argv: list[str]) -> int:
                 for p in prompts[:warm]:
                     b.resolve(p, blocks)
                 it = iter(prompts[warm:])
+                worker_ns, worker_orders = b.worker_load_clock()
                 res_t: dict[str, list[float]] = {a: [] for a in ARMS}
                 for i in range(batches * 2):
                     for arm in ARMS if i % 2 == 0 else ARMS[::-1]:  # ABC.. ..CBA: no arm always goes first
@@ -388,9 +397,12 @@ def main(argv: list[str]) -> int:
                             res_t[arm] += [b.resolve(next(it), blocks, churn=False) for _ in range(6)][1:]
                         else:
                             res_t[arm] += [b.resolve(next(it), blocks, arm) for _ in range(5)]
+                ns, orders = b.worker_load_clock()
+                in_situ_us = (ns - worker_ns) / max(1, orders - worker_orders) / 1e3
                 load_us, save_us = b.copy_times()
                 seal_us = _median_us(seal_t)
-                row: dict[str, Any] = {"blocks": blocks, "raw_rtt_us": round(raw_us, 1), "copy_us": round(load_us, 1)}
+                row: dict[str, Any] = {"blocks": blocks, "raw_rtt_us": round(raw_us, 1), "copy_us": round(load_us, 1),
+                                       "copy_in_worker_us": round(in_situ_us, 1)}
                 for arm, base in (("blocking", "raw2"), ("plain", "raw2"), ("loop", "raw2"), ("burst", "raw2_burst")):
                     needed_us = _median_us(res_t[base])
                     rtt_us = needed_us / 2  # one raw round trip under the resolve's own conditions
@@ -428,6 +440,9 @@ def main(argv: list[str]) -> int:
               f"{r['loop_overhead_beyond_2_rtts']:.2f} | {r['raw_rtt_raw2_burst_us']:.0f} | "
               f"{r['resolve_burst_us']:.0f} | {r['burst_overhead_beyond_2_rtts']:.2f} | {s['seal_us']:.0f} | "
               f"{s['seal_rtt_overhead']:.2f} |")
+    print("copy of a resolve's Load order, in-process replay (the column above, what the overhead subtracts) vs the "
+          "worker's own clock in situ (mean over every arm): " + ", ".join(
+              f"{r['blocks']} blocks {r['copy_us']:.0f} vs {r['copy_in_worker_us']:.0f} us" for r in results))
     print(f"resolves/s with {CONCURRENCY} concurrent resolvers (16 blocks each, blocking path): {rps:.0f}; "
           f"resolves the blocking path handed to the loop: {via_loop}")
     print(f"Ping awaited on the store loop: own socket {loop_calls['own_socket']:.0f} us, "

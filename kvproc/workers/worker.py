@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -165,6 +166,7 @@ class CopyWorkerRole(Role):
 
     def _execute(self, kind: str, fn: Callable[[CopyExecutor], int]) -> m.Copied:
         att = self._attachment()
+        t0 = time.perf_counter_ns()
         try:
             n = fn(att.executor)  # not cancellable: no ctx.check() from here to the reply
         except CopyError as e:
@@ -172,6 +174,7 @@ class CopyWorkerRole(Role):
             raise HandlerError("copy_error", str(e)) from None
         self.counters.inc(f"orders_{kind}")
         self.counters.inc(f"bytes_{kind}", n)
+        self.counters.inc(f"ns_{kind}", time.perf_counter_ns() - t0)  # copy time in situ (console, benchmarks)
         return m.Copied(n)
 
     @handles(m.Save)
