@@ -327,6 +327,24 @@ static int get_arr(PyObject *obj, Arr *a, Py_ssize_t itemsize, const char *what)
     return 0;
 }
 
+/* Several arrays at once, all or none (on failure the ones already taken are released); `limit` gets the shortest
+ * length, the bound every id is checked against. */
+static int get_arrs(int n, PyObject *const *objs, Arr *arrs, const Py_ssize_t *itemsizes, const char *const *names,
+                    Py_ssize_t *limit) {
+    for (int i = 0; i < n; i++) {
+        if (get_arr(objs[i], &arrs[i], itemsizes[i], names[i])) {
+            while (i--) PyBuffer_Release(&arrs[i].view);
+            return -1;
+        }
+        if (i == 0 || arrs[i].n < *limit) *limit = arrs[i].n;
+    }
+    return 0;
+}
+
+static void release_arrs(int n, Arr *arrs) {
+    for (int i = 0; i < n; i++) PyBuffer_Release(&arrs[i].view);
+}
+
 /* ids (any int sequence) into a new array, each checked to lie in [0, limit). */
 static int64_t *read_ids_in(PyObject *obj, Py_ssize_t limit, Py_ssize_t *n_out) {
     int64_t *ids = read_ids(obj, n_out);
@@ -354,27 +372,23 @@ static PyObject *first_ids(const int64_t *ids, const uint8_t *bad, Py_ssize_t n)
 
 /* paged_take(refcount, generation, ids): hand the blocks out: refcount 1, generation + 1. */
 static PyObject *paged_take(PyObject *self, PyObject *args) {
-    PyObject *rc_o, *gen_o, *ids_o;
-    if (!PyArg_ParseTuple(args, "OOO", &rc_o, &gen_o, &ids_o)) return NULL;
-    Arr rc, gen;
-    if (get_arr(rc_o, &rc, 4, "refcount")) return NULL;
-    if (get_arr(gen_o, &gen, 8, "generation")) {
-        PyBuffer_Release(&rc.view);
+    PyObject *objs[2], *ids_o;
+    if (!PyArg_ParseTuple(args, "OOO", &objs[0], &objs[1], &ids_o)) return NULL;
+    Arr a[2];
+    Py_ssize_t limit, n;
+    if (get_arrs(2, objs, a, (const Py_ssize_t[]){4, 8}, (const char *const[]){"refcount", "generation"}, &limit))
         return NULL;
-    }
-    Py_ssize_t n;
-    int64_t *ids = read_ids_in(ids_o, rc.n < gen.n ? rc.n : gen.n, &n);
+    int64_t *ids = read_ids_in(ids_o, limit, &n);
     if (ids) {
-        int32_t *r = rc.view.buf;
-        int64_t *g = gen.view.buf;
+        int32_t *r = a[0].view.buf;
+        int64_t *g = a[1].view.buf;
         for (Py_ssize_t i = 0; i < n; i++) {
             r[ids[i]] = 1;
             g[ids[i]] += 1;
         }
         PyMem_Free(ids);
     }
-    PyBuffer_Release(&rc.view);
-    PyBuffer_Release(&gen.view);
+    release_arrs(2, a);
     if (!ids) return NULL;
     Py_RETURN_NONE;
 }
@@ -446,29 +460,20 @@ done:
  * A block with no reference leaves the LRU (stamp -1); every block gains one reference. If any block is free (no
  * reference and no hash) nothing changes and the second item names them (the caller raises). */
 static PyObject *paged_acquire(PyObject *self, PyObject *args) {
-    PyObject *rc_o, *hashed_o, *stamp_o, *ids_o;
-    if (!PyArg_ParseTuple(args, "OOOO", &rc_o, &hashed_o, &stamp_o, &ids_o)) return NULL;
-    Arr rc, hashed, stamp;
-    if (get_arr(rc_o, &rc, 4, "refcount")) return NULL;
-    if (get_arr(hashed_o, &hashed, 1, "hashed")) {
-        PyBuffer_Release(&rc.view);
+    PyObject *objs[3], *ids_o;
+    if (!PyArg_ParseTuple(args, "OOOO", &objs[0], &objs[1], &objs[2], &ids_o)) return NULL;
+    Arr a[3];
+    Py_ssize_t limit, n = 0;
+    if (get_arrs(3, objs, a, (const Py_ssize_t[]){4, 1, 8}, (const char *const[]){"refcount", "hashed", "stamp"},
+                 &limit))
         return NULL;
-    }
-    if (get_arr(stamp_o, &stamp, 8, "stamp")) {
-        PyBuffer_Release(&rc.view);
-        PyBuffer_Release(&hashed.view);
-        return NULL;
-    }
     PyObject *out = NULL;
-    Py_ssize_t n = 0, limit = rc.n;
-    if (hashed.n < limit) limit = hashed.n;
-    if (stamp.n < limit) limit = stamp.n;
     int64_t *ids = read_ids_in(ids_o, limit, &n);
     uint8_t *bad = NULL;
     if (!ids) goto done;
-    int32_t *r = rc.view.buf;
-    const uint8_t *h = hashed.view.buf;
-    int64_t *st = stamp.view.buf;
+    int32_t *r = a[0].view.buf;
+    const uint8_t *h = a[1].view.buf;
+    int64_t *st = a[2].view.buf;
     int any_bad = 0;
     bad = PyMem_Calloc((size_t)(n ? n : 1), 1);
     if (!bad) {
@@ -483,21 +488,18 @@ static PyObject *paged_acquire(PyObject *self, PyObject *args) {
         goto done;
     }
     Py_ssize_t removed = 0;
+    for (Py_ssize_t i = 0; i < n; i++) removed += r[ids[i]] == 0 && st[ids[i]] >= 0;
+    out = Py_BuildValue("(nN)", removed, PyList_New(0)); /* before any write: a failed allocation changes nothing */
+    if (!out) goto done;
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t b = ids[i];
-        if (r[b] == 0 && st[b] >= 0) {
-            st[b] = -1;
-            removed++;
-        }
+        if (r[b] == 0) st[b] = -1;
         r[b] += 1;
     }
-    out = Py_BuildValue("(nN)", removed, PyList_New(0));
 done:
     PyMem_Free(bad);
     PyMem_Free(ids);
-    PyBuffer_Release(&rc.view);
-    PyBuffer_Release(&hashed.view);
-    PyBuffer_Release(&stamp.view);
+    release_arrs(3, a);
     return out;
 }
 
@@ -506,21 +508,18 @@ done:
  * they carry a hash (-> LRU) or not (-> free list). If any block would go below zero nothing changes and `underflow`
  * names them (the caller raises). */
 static PyObject *paged_release(PyObject *self, PyObject *args) {
-    PyObject *rc_o, *hashed_o, *ids_o;
-    if (!PyArg_ParseTuple(args, "OOO", &rc_o, &hashed_o, &ids_o)) return NULL;
-    Arr rc, hashed;
-    if (get_arr(rc_o, &rc, 4, "refcount")) return NULL;
-    if (get_arr(hashed_o, &hashed, 1, "hashed")) {
-        PyBuffer_Release(&rc.view);
+    PyObject *objs[2], *ids_o;
+    if (!PyArg_ParseTuple(args, "OOO", &objs[0], &objs[1], &ids_o)) return NULL;
+    Arr a[2];
+    Py_ssize_t limit, n = 0;
+    if (get_arrs(2, objs, a, (const Py_ssize_t[]){4, 1}, (const char *const[]){"refcount", "hashed"}, &limit))
         return NULL;
-    }
     PyObject *out = NULL, *hz = NULL, *uz = NULL;
-    Py_ssize_t n = 0;
-    int64_t *ids = read_ids_in(ids_o, rc.n < hashed.n ? rc.n : hashed.n, &n);
+    int64_t *ids = read_ids_in(ids_o, limit, &n);
     uint8_t *bad = NULL;
     if (!ids) goto done;
-    int32_t *r = rc.view.buf;
-    const uint8_t *h = hashed.view.buf;
+    int32_t *r = a[0].view.buf;
+    const uint8_t *h = a[1].view.buf;
     int any_bad = 0;
     bad = PyMem_Calloc((size_t)(n ? n : 1), 1);
     hz = PyList_New(0);
@@ -536,18 +535,18 @@ static PyObject *paged_release(PyObject *self, PyObject *args) {
         if (l) out = Py_BuildValue("(OON)", hz, uz, l);
         goto done;
     }
-    for (Py_ssize_t i = n - 1; i >= 0; i--) {
-        int64_t b = ids[i];
-        if (--r[b] == 0 && append_int(h[b] ? hz : uz, b)) goto done;
-    }
+    /* The lists first (ids are distinct: a block reaches zero iff its count is 1), the counts after: a failed
+     * allocation leaves every refcount as it was. */
+    for (Py_ssize_t i = n - 1; i >= 0; i--)
+        if (r[ids[i]] == 1 && append_int(h[ids[i]] ? hz : uz, ids[i])) goto done;
+    for (Py_ssize_t i = 0; i < n; i++) r[ids[i]] -= 1;
     out = Py_BuildValue("(OOO)", hz, uz, Py_None);
 done:
     Py_XDECREF(hz);
     Py_XDECREF(uz);
     PyMem_Free(bad);
     PyMem_Free(ids);
-    PyBuffer_Release(&rc.view);
-    PyBuffer_Release(&hashed.view);
+    release_arrs(2, a);
     return out;
 }
 
@@ -674,6 +673,6 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "kvproc._native", "kvproc's compiled hot-path loops", -1,
-                                    methods};
+                                    methods, NULL, NULL, NULL, NULL};
 
 PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }
