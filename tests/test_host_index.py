@@ -116,3 +116,36 @@ def test_ttl_reclaims_forgotten_leases_handoffs_and_saves_and_counts_them():
     st = idx.stats()
     assert st["leases_reclaimed_by_ttl"] == 1 and st["handoffs_reclaimed_by_ttl"] == 1
     assert st["saves_reclaimed_by_ttl"] == 1 and st["open_leases"] == 0 and st["free_page_slots"] == 6
+
+
+def test_a_save_never_evicts_its_own_deduplicated_pages():
+    """A conversation's next turn re-saves its prefix (already present, deduplicated) plus new pages. When the tier is
+    full and that prefix is the least recently used, making room for the new pages must not evict the prefix they
+    extend (the new pages would be unreachable behind the hole), nor may another save evict it before this one
+    commits: the save holds its present pages until it settles."""
+    idx = HostIndex(4, high_watermark=1.0)
+    saved(idx, K[:2])  # the old turn: the oldest entries
+    saved(idx, K[10:12])  # something newer
+    t = idx.reserve_save("turn2", K[:3])  # the prefix again + one new page: one slot to free
+    assert isinstance(t, SaveTicket) and t.page_slots[:2] == (None, None)
+    assert isinstance(idx.reserve_save("other", K[20:22]), Shed)  # the rest is held: nothing of turn2 may go
+    idx.commit_save(t.save_id)
+    hit = idx.query("c", K[:3])
+    assert isinstance(hit, Hit) and hit.pages == 3
+    idx.release_lease(hit.lease_id)
+    s = idx.stats()
+    assert s["evictable_entries"] == s["entries"] == 4 and s["evictions"] == 1  # K[10] went, the prefix stayed
+
+
+def test_an_aborted_or_reclaimed_save_lets_go_of_its_deduplicated_pages():
+    clock = Clock()
+    idx = HostIndex(4, high_watermark=1.0, save_ttl_s=5, clock=clock)
+    saved(idx, K[:2])
+    t = idx.reserve_save("a", K[:3])
+    idx.abort_save(t.save_id)
+    assert idx.stats()["evictable_entries"] == 2
+    t2 = idx.reserve_save("b", K[:3])
+    assert isinstance(t2, SaveTicket) and idx.stats()["evictable_entries"] == 0
+    clock.t = 10
+    assert idx.reap()["saves"] == ["b"]
+    assert idx.stats()["evictable_entries"] == 2

@@ -134,6 +134,10 @@ class HostIndex:
         self.lru = RunLru(page_slots)  # evictable slots, oldest first
         self.pending: dict[bytes, int] = {}  # key -> save id that will commit it
         self.saves: dict[int, SaveTicket] = {}
+        # Per open save: the slots of its pages that were already present (deduplicated), held like a lease until the
+        # save settles, so that neither this save's room-making nor another save evicts the prefix its new pages
+        # extend (they would be unreachable behind the hole).
+        self._save_holds: dict[int, list[int]] = {}
         self.leases: dict[int, _Lease] = {}
         self.handoffs: dict[str, tuple[list[bytes], float]] = {}  # producer req -> (keys, expiry)
         self._ids = itertools.count(1)
@@ -233,10 +237,14 @@ class HostIndex:
             raise ValueError("reserve_save needs at least one page key")
         entries, pending = self.entries, self.pending
         new_pages = [k for k in keys if k not in entries and k not in pending]
+        present = list(dict.fromkeys(entries[k] for k in keys if k in entries))
         last_slot = entries.get(keys[-1])
         have = self.bounded.get(last_slot, {}) if last_slot is not None else {}
         want_bounded = [g for g in bounded_groups if g not in have]
+        if present:
+            self._ref(present)  # held before making room: the save's own prefix is never the room
         if not self._make_room(len(new_pages), want_bounded):
+            self._unref(present)
             self.counters[f"save_shed_{save_class.value}"] += 1
             return Shed(reason=f"host tier full: {len(new_pages)} page slots wanted, none evictable")
         new_set = set(new_pages)
@@ -252,6 +260,8 @@ class HostIndex:
         ticket = SaveTicket(next(self._ids), req_id, save_class, tuple(keys), page_slots, bounded,
                             self.clock() + self.save_ttl_s, page_gens)
         self.saves[ticket.save_id] = ticket
+        if present:
+            self._save_holds[ticket.save_id] = present
         for k in new_pages:
             pending[k] = ticket.save_id
         self.counters["saves_reserved"] += 1
@@ -259,7 +269,10 @@ class HostIndex:
         return ticket
 
     def _make_room(self, pages: int, groups: Sequence[str]) -> bool:
-        """Evict LRU entries until the reservation fits, and further down to the high watermark."""
+        """Evict LRU entries until the reservation fits, and further down to the high watermark. Nothing is evicted
+        for a save that cannot fit anyway (it is shed: evicting for it would only lose cached pages)."""
+        if len(self.free_pages) + len(self.lru) < pages:
+            return False
         target_free = max(pages, pages + self.page_slots - int(self.page_slots * self.high_watermark))
         short = min(target_free - len(self.free_pages), len(self.lru))
         if short > 0:
@@ -327,6 +340,7 @@ class HostIndex:
             old = self.handoffs.get(t.req_id, ([], 0.0))[0]
             self.handoffs[t.req_id] = (old + keys, now + self.handoff_ttl_s)
         self._make_evictable([s for s in reversed(fresh) if s not in self.owners])  # tail first
+        self._unref(self._save_holds.pop(save_id, []))
         self.counters["saves_committed"] += 1
         self.counters["pages_saved"] += len(fresh)
         if self.on_settled:
@@ -337,6 +351,7 @@ class HostIndex:
         t = self.saves.pop(save_id, None)
         if t is None:
             return False
+        self._unref(self._save_holds.pop(save_id, []))
         for k, slot in zip(t.keys, t.page_slots):
             if slot is not None:
                 self.pending.pop(k, None)
