@@ -5,6 +5,12 @@ under one deadline (Miss / Loading -> wait for the tier's notification / Hit); r
 the admission floor, else release the lease and wait on the pool's capacity waiter; load (not cancellable: its
 reservation travels with it until it settles, even past the deadline); commit into the index; return the hold.
 The lease is released on every path that does not consume it.
+
+Speculative load (`StoreConfig.speculative_loads`, paged-only specs), as on the blocking path
+(`store_resolve_blocking.py`): when the store's `SlotCache` knows where the tier holds the next pages, their Load
+starts on free blocks before the first query; the hit then keeps the leading pages whose (slot, generation) it names,
+the rest of the hit is loaded as usual, and a speculation the answer does not use settles in the background (its
+blocks go back when its copy ends; `flush_loads` waits for it).
 """
 
 from __future__ import annotations
@@ -69,6 +75,26 @@ class MissBreaker:
 
     def hit(self, scope: HashScope) -> None:
         self._misses[scope] = 0
+
+
+@dataclass
+class _Speculation:
+    """A Load started from the slot cache before the tier answered (module docstring)."""
+
+    slots: list[int]
+    gens: list[int]
+    reservation: Any
+    load: "asyncio.Future[int]"
+    taken: bool = False  # a hit took it over (it settles there, whatever happens)
+
+
+def confirmed_pages(slots: Sequence[int], gens: Sequence[int], res: Hit) -> int:
+    """How many leading pages of a speculative load the hit confirms: same slot and same generation."""
+    n = min(len(slots), res.pages, len(res.page_gens))
+    ok = 0
+    while ok < n and slots[ok] == res.page_slots[ok] and gens[ok] == res.page_gens[ok]:
+        ok += 1
+    return ok
 
 
 @dataclass
@@ -179,11 +205,49 @@ class Resolver:
     async def _from_tier(self, rank: int, req_id: str, hashes: list[bytes], hold: Any, dev: int, cap: int,
                          scope: HashScope, policy: ResolvePolicy, cancel: CancelToken | None,
                          deadline: float) -> int:
+        want = hashes[dev:cap]
+        spec = None if self.store.spec.restorable_bounded_groups else self._speculate(rank, req_id, want)
+        try:
+            return await self._from_tier_answers(rank, req_id, hashes, hold, dev, want, scope, policy, cancel,
+                                                 deadline, spec)
+        finally:
+            if spec is not None and not spec.taken:
+                self._drop_speculation(rank, req_id, spec)
+
+    def _speculate(self, rank: int, req_id: str, want: list[bytes]) -> _Speculation | None:
+        store = self.store
+        if not store.config.speculative_loads:
+            return None
+        slots, gens = store.slot_caches[rank].run(want)
+        if not slots:
+            return None
+        reservation = store.pools[rank].reserve_loaded_blocks(len(slots), free_only=True)  # evicts nothing
+        if reservation is None:
+            return None
+        load = asyncio.ensure_future(store.copiers[rank].load(LoadOrder(req_id, slots, reservation.block_ids, [])))
+        return _Speculation(slots, gens, reservation, load)
+
+    def _drop_speculation(self, rank: int, req_id: str, spec: _Speculation) -> None:
+        """The answer did not use the speculative load: its blocks go back once its copy has ended."""
+        store = self.store
+
+        def settled(f: asyncio.Future[Any]) -> None:
+            spec.reservation.release()
+            store._loads[rank].discard(f)
+            ok = not f.cancelled() and f.exception() is None
+            store.outcomes.record("load", req_id, "ok" if ok else "failed", "speculative_unused")
+
+        store.count("speculative_pages_dropped", len(spec.slots))
+        store._loads[rank].add(spec.load)
+        spec.load.add_done_callback(settled)
+
+    async def _from_tier_answers(self, rank: int, req_id: str, hashes: list[bytes], hold: Any, dev: int,
+                                 want: list[bytes], scope: HashScope, policy: ResolvePolicy,
+                                 cancel: CancelToken | None, deadline: float, spec: _Speculation | None) -> int:
         store = self.store
         tier = store.tier_of(rank)
         assert tier is not None
         pool = store.pools[rank]
-        want = hashes[dev:cap]
         staging_groups = [g.name for g in store.spec.restorable_bounded_groups]
         while True:
             if cancel is not None and cancel.cancelled:
@@ -218,6 +282,12 @@ class Resolver:
                 await self._wait(tier.wait_key(want[-1], timeout=deadline - time.monotonic()), deadline, cancel,
                                  "full_hit")
                 continue
+            if spec is not None:
+                spec.taken = True
+                pages = await self._keep_speculation(rank, req_id, hashes, hold, dev, res, spec, policy, cancel,
+                                                     deadline)
+                self.breaker.hit(scope)
+                return pages
             groups = [g for g in staging_groups if g in res.bounded_slots]
             reservation = pool.reserve_loaded_blocks(res.pages, groups)
             if reservation is None:
@@ -230,6 +300,69 @@ class Resolver:
             pages = await self._load(rank, req_id, hashes, hold, dev, res, reservation, policy, cancel, deadline)
             self.breaker.hit(scope)
             return pages
+
+    async def _keep_speculation(self, rank: int, req_id: str, hashes: list[bytes], hold: Any, dev: int, res: Hit,
+                                spec: _Speculation, policy: ResolvePolicy, cancel: CancelToken | None,
+                                deadline: float) -> int:
+        """The hit came: wait for the speculative copy, commit what the hit confirms, load the rest as usual."""
+        store = self.store
+        tier = store.tier_of(rank)
+        assert tier is not None
+        pool = store.pools[rank]
+        await self._settle_load(rank, req_id, spec.load, spec.reservation, res.lease_id, cancel, deadline)
+        ok = confirmed_pages(spec.slots, spec.gens, res)
+        store.count("speculative_pages_kept", ok)
+        if ok < len(spec.slots):
+            store.count("speculative_pages_dropped", len(spec.slots) - ok)
+            store.slot_caches[rank].forget(hashes[dev + ok : dev + len(spec.slots)])
+        pool.trim_reservation(spec.reservation, ok)
+        pool.commit_loaded_blocks(spec.reservation, hold, hashes[dev : dev + ok])  # 0 pages: released
+        if ok == res.pages:
+            tier.release_lease(res.lease_id, consume_handoff=policy.consume_handoff_of)
+            store.outcomes.record("load", req_id, "ok", "speculative")
+            return ok
+        store.outcomes.record("load", req_id, "ok", "speculative_partial" if ok else "speculative_unused")
+        rest = Hit(res.pages - ok, res.lease_id, res.page_slots[ok:], {}, res.page_gens[ok:])
+        reservation = pool.reserve_loaded_blocks(rest.pages)
+        if reservation is None:  # pool pressure: keep the confirmed part rather than wait
+            tier.release_lease(res.lease_id)
+            store.count("speculative_rest_declined")
+            return ok
+        try:
+            return ok + await self._load(rank, req_id, hashes, hold, dev + ok, rest, reservation, policy, cancel,
+                                         deadline)
+        except Degrade:  # the rest's load failed or was abandoned (its outcome is recorded): the confirmed part stays
+            store.count("speculative_rest_failed")
+            return ok
+
+    async def _settle_load(self, rank: int, req_id: str, load: "asyncio.Future[Any]", reservation: Any,
+                           lease_id: int, cancel: CancelToken | None, deadline: float) -> None:
+        """Wait for a load order under the resolve's deadline and token. Raises `Degrade` if it failed (reservation
+        and lease released at once) or if the resolve stopped waiting (both released when the copy ends, which
+        `flush_loads` waits for)."""
+        store = self.store
+        tier = store.tier_of(rank)
+        assert tier is not None
+
+        def settle_abandoned(f: asyncio.Future[Any]) -> None:
+            reservation.release()
+            tier.release_lease(lease_id)
+            store._loads[rank].discard(f)
+            store.outcomes.record("load", req_id, "ok" if not f.cancelled() and f.exception() is None
+                                  else "failed", "abandoned")
+
+        try:
+            await self._wait(asyncio.shield(load), deadline, cancel, "load")
+        except Degrade:
+            store.count("loads_abandoned")
+            store._loads[rank].add(load)
+            load.add_done_callback(settle_abandoned)
+            raise
+        except Exception as e:  # noqa: BLE001 - the copy failed: nothing was committed
+            reservation.release()
+            tier.release_lease(lease_id)
+            store.outcomes.record("load", req_id, "failed", type(e).__name__)
+            raise Degrade("load_failed") from None
 
     async def _capacity(self, pool: Any) -> None:
         loop = asyncio.get_running_loop()
@@ -248,28 +381,11 @@ class Resolver:
         order = load_order(req_id, res, reservation)
         # Not cancellable once submitted: the reservation travels with the copy until it settles.
         load = asyncio.ensure_future(store.copiers[rank].load(order))
-
-        def settle_abandoned(f: asyncio.Future[Any]) -> None:
-            reservation.release()
-            tier.release_lease(res.lease_id)
-            store._loads[rank].discard(f)
-            store.outcomes.record("load", req_id, "ok" if not f.cancelled() and f.exception() is None
-                                  else "failed", "abandoned")
-
-        try:
-            await self._wait(asyncio.shield(load), deadline, cancel, "load")
-        except Degrade:
-            store.count("loads_abandoned")
-            store._loads[rank].add(load)
-            load.add_done_callback(settle_abandoned)
-            raise
-        except Exception as e:  # noqa: BLE001 - the copy failed: nothing was committed
-            reservation.release()
-            tier.release_lease(res.lease_id)
-            store.outcomes.record("load", req_id, "failed", type(e).__name__)
-            raise Degrade("load_failed") from None
+        await self._settle_load(rank, req_id, load, reservation, res.lease_id, cancel, deadline)
         pool = store.pools[rank]
         pool.commit_loaded_blocks(reservation, hold, hashes[dev : dev + res.pages])
         tier.release_lease(res.lease_id, consume_handoff=policy.consume_handoff_of)
+        if store.config.speculative_loads and res.page_gens:  # the next resolve of these pages may speculate
+            store.slot_caches[rank].learn(hashes[dev : dev + res.pages], res.page_slots, res.page_gens)
         store.outcomes.record("load", req_id, "ok")
         return res.pages

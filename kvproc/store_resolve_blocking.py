@@ -38,7 +38,7 @@ from kvproc.hashing import HashScope
 from kvproc.ipc import messages as m
 from kvproc.ipc.cancel import CancelToken
 from kvproc.ipc.direct import LATE
-from kvproc.store_resolve import Degrade, Resolver, Started, load_order
+from kvproc.store_resolve import Degrade, Resolver, Started, confirmed_pages, load_order
 from kvproc.store_types import KvPrefix, ResolvePolicy
 from kvproc.tiers.api import BlockingCopier, BlockingTier
 from kvproc.tiers.host_index import Hit, Miss
@@ -188,11 +188,7 @@ class BlockingResolver:
             spec.release()
             store.outcomes.record("load", req_id, "ok", "speculative_unused")
             raise
-        ok = 0
-        if res is not None:  # the leading pages whose (slot, generation) the hit names as guessed
-            n = min(len(slots), res.pages, len(res.page_gens))
-            while ok < n and slots[ok] == res.page_slots[ok] and gens[ok] == res.page_gens[ok]:
-                ok += 1
+        ok = 0 if res is None else confirmed_pages(slots, gens, res)
         store.count("speculative_pages_kept", ok)
         if ok < len(slots):
             store.count("speculative_pages_dropped", len(slots) - ok)

@@ -28,9 +28,9 @@ class StoreConfig:
     breaker_cooldown_s: float = 2.0
     tier_call_timeout_s: float = 5.0
     outcome_history: int = 4096
-    # Blocking resolves start the load of the pages this store knows the tier's slots of (its own saves, earlier
-    # hits) together with the query, and keep what the hit confirms (`store_resolve_blocking.py`; A/B in
-    # bench/RESULTS.md, "Control path"). False: query first, then load.
+    # Resolves (blocking and loop paths) start the load of the pages this store knows the tier's slots of (its own
+    # saves, earlier hits) together with the query, and keep what the hit confirms (`store_resolve_blocking.py`,
+    # `store_resolve.py`; A/B in bench/RESULTS.md, "Control path"). False: query first, then load.
     speculative_loads: bool = True
 
 
@@ -103,6 +103,8 @@ class Outcomes:
             self.counts[key] += 1
         return o
 
-    def for_request(self, req_id: str) -> list[Outcome]:
+    def for_request(self, req_id: str, op: str | None = None) -> list[Outcome]:
+        """The recent outcomes of one request (of one kind of operation, if `op`), oldest first. A load a resolve
+        stopped waiting for, or did not use, settles after the resolve: its outcome may come after the resolve's."""
         with self._lock:
-            return [o for o in self.recent if o.req_id == req_id]
+            return [o for o in self.recent if o.req_id == req_id and (op is None or o.op == op)]

@@ -42,7 +42,7 @@ def test_copy_worker_killed_during_a_load_degrades_frees_everything_and_service_
             pre = fut.result(5)
         assert time.monotonic() - t0 < CONFIG.resolve_deadline_s
         assert pre.hit_tokens == 0
-        assert store.outcomes.for_request("b")[-1].reason == "load_failed"
+        assert store.outcomes.for_request("b", "resolve")[-1].reason == "load_failed"
         pre.hold.release()
         cs.cluster.wait_available("copy_worker", timeout=15)
         st = store.stats()
@@ -96,7 +96,7 @@ def test_host_tier_killed_during_a_query_degrades_to_device_only_and_keeps_servi
             pre = fut.result(5)
         assert time.monotonic() - t0 < CONFIG.resolve_deadline_s
         assert pre.device_tokens == 8 and pre.host_tokens == 0
-        assert store.outcomes.for_request("b")[-1].reason == "tier_PeerDeadError"
+        assert store.outcomes.for_request("b", "resolve")[-1].reason == "tier_PeerDeadError"
         pre.hold.release()
         wait_for(lambda: not store.tier.available, what="the tier marked unavailable")  # type: ignore[union-attr]
         assert store.stats()["tier_available"] is False
@@ -107,7 +107,7 @@ def test_host_tier_killed_during_a_query_degrades_to_device_only_and_keeps_servi
         store.flush_saves(0, 5)
         assert kv2.released and store.outcomes.for_request("c")[-2].reason == "tier_unavailable"
         pre3 = store.resolve_prefix_sync(0, "d", list(range(25)))  # more than the device holds: would ask the tier
-        assert pre3.device_tokens == 16 and store.outcomes.for_request("d")[-1].reason == "tier_unavailable"
+        assert pre3.device_tokens == 16 and store.outcomes.for_request("d", "resolve")[-1].reason == "tier_unavailable"
         pre3.hold.release()
         assert store.stats()["rank0"]["active_blocks"] == 0
 

@@ -143,7 +143,7 @@ def test_loading_is_waited_through_until_the_other_save_commits() -> None:
         pre = fut.result(5)
         assert pre.host_tokens == 16  # (bytes were never written: the other engine's copy is not simulated)
         pre.hold.release()
-        assert store.outcomes.for_request("b")[-1].state == "ok"
+        assert store.outcomes.for_request("b", "resolve")[-1].state == "ok"
 
 
 def test_full_hit_mode_waits_through_misses_until_the_producers_save_lands() -> None:

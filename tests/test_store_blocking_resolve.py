@@ -46,7 +46,7 @@ def test_a_host_hit_restores_the_bytes_on_the_calling_thread_and_releases_the_le
             assert torch.equal(model.block(0, b), written[h][0]) and torch.equal(model.block(1, b), written[h][1])
         assert store.counters["resolve_via_loop"] == 0
         assert store.counters["speculative_pages_kept"] == (4 if config.speculative_loads else 0)
-        assert store.outcomes.for_request("b")[-1].state == "ok"
+        assert store.outcomes.for_request("b", "resolve")[-1].state == "ok"
         pre.hold.release()
         wait_for(lambda: store.stats()["tier"]["open_leases"] == 0, what="the lease released")
         assert store.stats()["rank0"]["active_blocks"] == 0
@@ -73,7 +73,7 @@ def test_a_load_past_the_deadline_is_abandoned_and_keeps_its_reservation_until_t
                 pre = store.resolve_prefix_sync(0, "b", toks, policy=policy)
             took = time.monotonic() - t0
             assert 0.25 < took < 0.9 and pre.hit_tokens == 0
-            assert store.outcomes.for_request("b")[-1].reason == "deadline_load", (store.outcomes.for_request("b"), dict(store.counters))
+            assert store.outcomes.for_request("b", "resolve")[-1].reason == "deadline_load", (store.outcomes.for_request("b"), dict(store.counters))
             st = store.stats()
             assert st["store"]["loads_abandoned"] == 1 and st["rank0"]["loads_abandoned_in_flight"] == 1
             assert st["rank0"]["active_blocks"] == 4  # the load's destination blocks stay reserved
@@ -103,7 +103,7 @@ def test_a_worker_killed_during_a_blocking_load_degrades_frees_everything_and_se
             os.kill(worker, signal.SIGKILL)
             t.join(5)
         assert out and out[0].hit_tokens == 0
-        assert store.outcomes.for_request("b")[-1].reason == "load_failed"
+        assert store.outcomes.for_request("b", "resolve")[-1].reason == "load_failed"
         out[0].hold.release()
         assert store.stats()["rank0"]["active_blocks"] == 0 and not store._loads[0]
         wait_for(lambda: store.stats()["tier"]["open_leases"] == 0, what="the lease released")
@@ -126,7 +126,8 @@ def test_a_resolve_that_must_wait_continues_on_the_loop_and_a_cancel_token_does_
         policy = ResolvePolicy(FULL_HIT.reuse, wait_for_full_hit=True, deadline_s=0.3)
         pre = store.resolve_prefix_sync(0, "full", list(range(20)), policy=policy)
         assert pre.hit_tokens == 0 and store.counters["resolve_via_loop"] == 1
-        assert store.outcomes.for_request("full")[-1].reason.startswith("deadline_")
+        # (the resolve's own outcome: a speculative load it did not use may settle after it, with its own outcome)
+        assert store.outcomes.for_request("full", "resolve")[-1].reason.startswith("deadline_")
         pre.hold.release()
         wait_for(lambda: store.stats()["tier"]["open_leases"] == 0, what="every declined lease released")
         assert store.stats()["rank0"]["active_blocks"] == 0
@@ -149,7 +150,7 @@ def test_a_miss_returns_the_in_flight_reservation_and_evicts_no_cached_block() -
         kv, cur, _, _ = compute(store, model, "cached", [700 + i for i in range(9)])
         kv.release()  # two pages cached on the device only (never sealed to the tier)
         pre = store.resolve_prefix_sync(0, "miss", [900 + i for i in range(17)])
-        assert pre.hit_tokens == 0 and store.outcomes.for_request("miss")[-1].state == "ok"
+        assert pre.hit_tokens == 0 and store.outcomes.for_request("miss", "resolve")[-1].state == "ok"
         pre.hold.release()
         assert store.stats()["rank0"]["active_blocks"] == 0
         again = store.resolve_prefix_sync(0, "again", [700 + i for i in range(9)])
@@ -167,7 +168,7 @@ def test_cancelling_during_a_hung_load_returns_at_once_and_the_load_still_settle
             t0 = time.monotonic()
             pre = store.resolve_prefix_sync(0, "b", toks, cancel=token)
             assert time.monotonic() - t0 < 1.0 and pre.hit_tokens == 0  # long before the 3 s deadline
-            assert store.outcomes.for_request("b")[-1].reason == "cancelled"
+            assert store.outcomes.for_request("b", "resolve")[-1].reason == "cancelled"
             assert store.stats()["rank0"]["loads_abandoned_in_flight"] == 1  # its blocks stay reserved meanwhile
             pre.hold.release()
         store.flush_loads(0, 5)
@@ -185,7 +186,7 @@ def test_cancelling_during_a_hung_query_returns_at_once_and_leaves_no_lease(conf
             t0 = time.monotonic()
             pre = store.resolve_prefix_sync(0, "b", toks, cancel=token)
             assert time.monotonic() - t0 < 1.0 and pre.hit_tokens == 0
-            assert store.outcomes.for_request("b")[-1].reason == "cancelled"
+            assert store.outcomes.for_request("b", "resolve")[-1].reason == "cancelled"
             pre.hold.release()
         # the tier runs again: it sees the Cancel first (no hit) or answers the Query first (a late hit, released)
         wait_for(lambda: store.stats()["tier"]["open_leases"] == 0, what="no lease left")
@@ -198,7 +199,7 @@ def test_a_query_answered_after_the_deadline_gives_its_hits_lease_back(config: S
         _saved(store, model, "a", toks)
         with stopped(cs.cluster.pid("host_tier")):
             pre = store.resolve_prefix_sync(0, "b", toks, policy=ResolvePolicy(deadline_s=0.3))
-            assert pre.hit_tokens == 0 and store.outcomes.for_request("b")[-1].reason == "deadline_query"
+            assert pre.hit_tokens == 0 and store.outcomes.for_request("b", "resolve")[-1].reason == "deadline_query"
             pre.hold.release()
         # the query's own deadline runs a grace past the resolve's: the tier answers it with a Hit, read late
         wait_for(lambda: store.tier.counters["late_hits_released"] == 1, what="the late hit")  # type: ignore[union-attr]
@@ -213,7 +214,7 @@ def test_on_the_loop_path_too_a_query_answered_after_the_deadline_gives_its_hits
         _saved(store, model, "a", toks)
         with stopped(cs.cluster.pid("host_tier")):
             pre = store.submit_resolve(0, "b", toks, policy=ResolvePolicy(deadline_s=0.3)).result(5)
-            assert pre.hit_tokens == 0 and store.outcomes.for_request("b")[-1].reason == "deadline_query"
+            assert pre.hit_tokens == 0 and store.outcomes.for_request("b", "resolve")[-1].reason == "deadline_query"
             pre.hold.release()
         wait_for(lambda: store.tier.counters["late_hits_released"] == 1, what="the late hit")  # type: ignore[union-attr]
         wait_for(lambda: store.stats()["tier"]["open_leases"] == 0, what="the late hit's lease released")

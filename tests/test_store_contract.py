@@ -196,7 +196,7 @@ def test_an_already_cancelled_resolve_does_no_io():
         tok.cancel()
         pre = store.resolve_prefix_sync(0, "a", list(range(17)), cancel=tok)
         assert pre.hit_tokens == 0 and tier.query_gate.calls == 0
-        assert store.outcomes.for_request("a")[-1].reason == "cancelled"
+        assert store.outcomes.for_request("a", "resolve")[-1].reason == "cancelled"
 
 
 def test_cancellation_after_the_query_releases_the_lease():

@@ -1,5 +1,6 @@
-"""Speculative loads (`store_resolve_blocking.py`, `tiers/slot_cache.py`) across real processes: a host hit whose
-slots the store knows loads them while the tier is asked, and keeps only what the tier's hit confirms. The point of
+"""Speculative loads (`store_resolve_blocking.py`, `store_resolve.py`, `tiers/slot_cache.py`) across real processes,
+on the blocking path and on the store loop's path: a host hit whose slots the store knows loads them while the tier is
+asked, and keeps only what the tier's hit confirms. The point of
 these tests is that a wrong hint never becomes wrong bytes: a hint naming another page's slot, a hint whose slot was
 evicted and reused, a hint with a stale generation -- each is dropped and the right bytes come from the tier's own
 slots, and nothing (block, lease) is left behind."""
@@ -10,11 +11,12 @@ import pytest
 import torch
 
 from kvproc.store import KvStore
-from kvproc.store_types import StoreConfig
+from kvproc.store_types import KvPrefix, StoreConfig
 from tests.test_cluster_fixtures import ShmBytesModel, churn, cluster_store, compute, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 CONFIG = StoreConfig(resolve_deadline_s=3.0)
+both_paths = pytest.mark.parametrize("path", ["blocking", "loop"])
 
 
 def _saved(store: KvStore, model: ShmBytesModel, rid: str, toks: list[int]) -> dict[bytes, tuple[torch.Tensor, ...]]:
@@ -25,12 +27,18 @@ def _saved(store: KvStore, model: ShmBytesModel, rid: str, toks: list[int]) -> d
     return written
 
 
+def _resolve(store: KvStore, path: str, rid: str, toks: list[int]) -> KvPrefix:
+    if path == "blocking":
+        return store.resolve_prefix_sync(0, rid, toks)
+    return store.submit_resolve(0, rid, toks).result(10)
+
+
 def _restores(store: KvStore, model: ShmBytesModel, rid: str, toks: list[int],
-              written: dict[bytes, tuple[torch.Tensor, ...]]) -> int:
+              written: dict[bytes, tuple[torch.Tensor, ...]], path: str = "blocking") -> int:
     """Resolve `toks` after a churn; every restored block must hold exactly the bytes saved under its hash."""
     churn(store)
     model.zero()
-    pre = store.resolve_prefix_sync(0, rid, toks)
+    pre = _resolve(store, path, rid, toks)
     for h, b in zip(pre.hold.hashes, pre.hold.block_ids):
         assert torch.equal(model.block(0, b), written[h][0]) and torch.equal(model.block(1, b), written[h][1])
     pages = pre.hold.num_blocks
@@ -39,24 +47,27 @@ def _restores(store: KvStore, model: ShmBytesModel, rid: str, toks: list[int],
 
 
 def _nothing_left(store: KvStore) -> None:
+    store.flush_loads(0, 5)  # a speculation the loop path did not use settles in the background
     assert store.stats()["rank0"]["active_blocks"] == 0
     wait_for(lambda: store.stats()["tier"]["open_leases"] == 0, what="every lease back")
 
 
-def test_a_confirmed_speculation_restores_the_bytes_with_the_query_and_load_overlapped() -> None:
+@both_paths
+def test_a_confirmed_speculation_restores_the_bytes_with_the_query_and_load_overlapped(path: str) -> None:
     with cluster_store(config=CONFIG) as (cs, store, model):
         toks = list(range(17))
         written = _saved(store, model, "a", toks)
         assert store.slot_caches[0].run(list(written))[0]  # the save taught the store where its pages went
         assert store.stats()["rank0"]["slot_hints"] == 4 and store.counters_flat()["rank0.slot_hints"] == 4
-        assert _restores(store, model, "b", toks, written) == 4
+        assert _restores(store, model, "b", toks, written, path) == 4
         assert store.counters["speculative_pages_kept"] == 4 and store.counters["speculative_pages_dropped"] == 0
-        assert store.outcomes.for_request("b")[-2:][0].reason == "speculative"  # the load's outcome, then the resolve's
+        assert [o.reason for o in store.outcomes.for_request("b", "load")] == ["speculative"]
         _nothing_left(store)
 
 
+@both_paths
 @pytest.mark.parametrize("lie", ["another_pages_slots", "stale_generation", "both"])
-def test_a_wrong_hint_is_never_trusted(lie: str) -> None:
+def test_a_wrong_hint_is_never_trusted(lie: str, path: str) -> None:
     """The slot cache claims page A lives where page B does (whose bytes the speculative copy then reads), or names A's
     own slot with an old generation: the hit disagrees, the copies are dropped, A's bytes come from A's slots."""
     with cluster_store(config=CONFIG) as (cs, store, model):
@@ -73,15 +84,16 @@ def test_a_wrong_hint_is_never_trusted(lie: str) -> None:
             cache.learn(keys_a, slots_a, [g - 1 for g in gens_a])
         else:
             cache.learn(keys_a, slots_b, [g + 7 for g in gens_b])
-        assert _restores(store, model, "r", a, written) == 4
+        assert _restores(store, model, "r", a, written, path) == 4
         assert store.counters["speculative_pages_kept"] == 0 and store.counters["speculative_pages_dropped"] == 4
         assert cache.run(keys_a) == (slots_a, gens_a)  # the usual load that followed taught the right slots
-        assert _restores(store, model, "r2", a, written) == 4  # and the next resolve speculates right
+        assert _restores(store, model, "r2", a, written, path) == 4  # and the next resolve speculates right
         assert store.counters["speculative_pages_kept"] == 4
         _nothing_left(store)
 
 
-def test_a_slot_evicted_and_reused_for_another_page_is_caught_by_its_generation() -> None:
+@both_paths
+def test_a_slot_evicted_and_reused_for_another_page_is_caught_by_its_generation(path: str) -> None:
     """A small tier: page A is evicted and its slots are handed to later saves (new generations). The hint still
     names A's old (slot, generation): the resolve of A misses (nothing of A is left) and keeps none of the copies;
     once A is saved again elsewhere, the stale hint is dropped and A's new slots serve it."""
@@ -95,34 +107,37 @@ def test_a_slot_evicted_and_reused_for_another_page_is_caught_by_its_generation(
         assert store.stats()["tier"]["evictions"] >= 4
         store.slot_caches[0].learn(list(written), *stale)  # the store still believes A is where it was
         churn(store)
-        pre = store.resolve_prefix_sync(0, "miss", a)
+        pre = _resolve(store, path, "miss", a)
         assert pre.hit_tokens == 0 and store.counters["speculative_pages_kept"] == 0
-        assert store.outcomes.for_request("miss")[-2].reason == "speculative_unused"
         pre.hold.release()
         _nothing_left(store)
+        assert [o.reason for o in store.outcomes.for_request("miss", "load")] == ["speculative_unused"]
         again = _saved(store, model, "a2", a)  # A is on the tier again, in whatever slots it got now
         store.slot_caches[0].learn(list(again), *stale)
-        assert _restores(store, model, "r", a, again) == 4
+        assert _restores(store, model, "r", a, again, path) == 4
         assert store.counters["speculative_pages_kept"] == 0  # the old pair was dropped even where a slot matched
         _nothing_left(store)
 
 
-def test_a_hint_for_the_first_pages_keeps_them_and_loads_the_rest_the_usual_way() -> None:
+@both_paths
+def test_a_hint_for_the_first_pages_keeps_them_and_loads_the_rest_the_usual_way(path: str) -> None:
     with cluster_store(config=CONFIG) as (cs, store, model):
         toks = list(range(17))
         written = _saved(store, model, "a", toks)
         store.slot_caches[0].forget(list(written)[2:])  # the store knows only the first two pages' slots
-        assert _restores(store, model, "b", toks, written) == 4
+        assert _restores(store, model, "b", toks, written, path) == 4
         assert store.counters["speculative_pages_kept"] == 2 and store.counters["speculative_pages_dropped"] == 0
         reasons = [o.reason for o in store.outcomes.for_request("b") if o.op == "load"]
         assert reasons == ["speculative_partial", ""]  # two load orders: the speculative one, then the rest
         _nothing_left(store)
 
 
-def test_turned_off_the_query_comes_first_and_nothing_is_speculated() -> None:
+@both_paths
+def test_turned_off_the_query_comes_first_and_nothing_is_speculated(path: str) -> None:
     with cluster_store(config=StoreConfig(resolve_deadline_s=3.0, speculative_loads=False)) as (cs, store, model):
         toks = list(range(17))
         written = _saved(store, model, "a", toks)
-        assert _restores(store, model, "b", toks, written) == 4
-        assert store.counters["speculative_pages_kept"] == 0 and store.counters["resolve_reserved_in_flight"] == 1
+        assert _restores(store, model, "b", toks, written, path) == 4
+        assert store.counters["speculative_pages_kept"] == 0
+        assert store.counters["resolve_reserved_in_flight"] == (1 if path == "blocking" else 0)
         _nothing_left(store)
