@@ -305,35 +305,49 @@ class Resolver:
                                 spec: _Speculation, policy: ResolvePolicy, cancel: CancelToken | None,
                                 deadline: float) -> int:
         """The hit came: wait for the speculative copy, commit what the hit confirms, load the rest as usual."""
+        await self._settle_load(rank, req_id, spec.load, spec.reservation, res.lease_id, cancel, deadline)
+        ok, rest, reservation = self.keep_confirmed(rank, req_id, hashes, hold, dev, res, spec.slots, spec.gens,
+                                                    spec.reservation, policy)
+        if rest is None:
+            return ok
+        try:
+            return ok + await self._load(rank, req_id, hashes, hold, dev + ok, rest, reservation, policy, cancel,
+                                         deadline)
+        except Degrade:  # the rest's load failed or was abandoned (its outcome is recorded): the confirmed part stays
+            self.store.count("speculative_rest_failed")
+            return ok
+
+    def keep_confirmed(self, rank: int, req_id: str, hashes: list[bytes], hold: Any, dev: int, res: Hit | None,
+                       slots: list[int], gens: list[int], spec_reservation: Any,
+                       policy: ResolvePolicy) -> tuple[int, Hit | None, Any]:
+        """A speculative copy has landed and the tier answered (`res`; None: a miss). Commit the leading pages the hit
+        confirms, drop (and forget) the rest of the guess, and record the speculative load's outcome. Returns (pages
+        kept, the rest of the hit to load the usual way with its reservation) -- rest None when nothing is left to
+        load: the lease is then released (consumed for a hand-off when the whole hit was kept). Both paths use it."""
         store = self.store
+        pool = store.pools[rank]
         tier = store.tier_of(rank)
         assert tier is not None
-        pool = store.pools[rank]
-        await self._settle_load(rank, req_id, spec.load, spec.reservation, res.lease_id, cancel, deadline)
-        ok = confirmed_pages(spec.slots, spec.gens, res)
+        ok = 0 if res is None else confirmed_pages(slots, gens, res)
         store.count("speculative_pages_kept", ok)
-        if ok < len(spec.slots):
-            store.count("speculative_pages_dropped", len(spec.slots) - ok)
-            store.slot_caches[rank].forget(hashes[dev + ok : dev + len(spec.slots)])
-        pool.trim_reservation(spec.reservation, ok)
-        pool.commit_loaded_blocks(spec.reservation, hold, hashes[dev : dev + ok])  # 0 pages: released
-        if ok == res.pages:
-            tier.release_lease(res.lease_id, consume_handoff=policy.consume_handoff_of)
-            store.outcomes.record("load", req_id, "ok", "speculative")
-            return ok
+        if ok < len(slots):
+            store.count("speculative_pages_dropped", len(slots) - ok)
+            store.slot_caches[rank].forget(hashes[dev + ok : dev + len(slots)])
+        pool.trim_reservation(spec_reservation, ok)
+        pool.commit_loaded_blocks(spec_reservation, hold, hashes[dev : dev + ok])  # 0 pages: released
+        if res is None or ok == res.pages:
+            if res is not None:
+                tier.release_lease(res.lease_id, consume_handoff=policy.consume_handoff_of)
+            store.outcomes.record("load", req_id, "ok", "speculative" if ok else "speculative_unused")
+            return ok, None, None
         store.outcomes.record("load", req_id, "ok", "speculative_partial" if ok else "speculative_unused")
         rest = Hit(res.pages - ok, res.lease_id, res.page_slots[ok:], {}, res.page_gens[ok:])
         reservation = pool.reserve_loaded_blocks(rest.pages)
         if reservation is None:  # pool pressure: keep the confirmed part rather than wait
             tier.release_lease(res.lease_id)
             store.count("speculative_rest_declined")
-            return ok
-        try:
-            return ok + await self._load(rank, req_id, hashes, hold, dev + ok, rest, reservation, policy, cancel,
-                                         deadline)
-        except Degrade:  # the rest's load failed or was abandoned (its outcome is recorded): the confirmed part stays
-            store.count("speculative_rest_failed")
-            return ok
+            return ok, None, None
+        return ok, rest, reservation
 
     async def _settle_load(self, rank: int, req_id: str, load: "asyncio.Future[Any]", reservation: Any,
                            lease_id: int, cancel: CancelToken | None, deadline: float) -> None:

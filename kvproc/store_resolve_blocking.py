@@ -38,7 +38,7 @@ from kvproc.hashing import HashScope
 from kvproc.ipc import messages as m
 from kvproc.ipc.cancel import CancelToken
 from kvproc.ipc.direct import LATE
-from kvproc.store_resolve import Degrade, Resolver, Started, confirmed_pages, load_order
+from kvproc.store_resolve import Degrade, Resolver, Started, load_order
 from kvproc.store_types import KvPrefix, ResolvePolicy
 from kvproc.tiers.api import BlockingCopier, BlockingTier
 from kvproc.tiers.host_index import Hit, Miss
@@ -167,7 +167,6 @@ class BlockingResolver:
         """Load the pages the slot cache knows while the tier is asked (module docstring); keep what the hit
         confirms, load the rest of the hit the usual way."""
         store = self.store
-        pool = store.pools[rank]
         answer: list[Any] = []  # the query's answer or exception; set before the load's wait starts
 
         def ask() -> None:  # runs once the Load is on its way
@@ -188,27 +187,13 @@ class BlockingResolver:
             spec.release()
             store.outcomes.record("load", req_id, "ok", "speculative_unused")
             raise
-        ok = 0 if res is None else confirmed_pages(slots, gens, res)
-        store.count("speculative_pages_kept", ok)
-        if ok < len(slots):
-            store.count("speculative_pages_dropped", len(slots) - ok)
-            store.slot_caches[rank].forget(want[ok : len(slots)])
-        pool.trim_reservation(spec, ok)
-        pool.commit_loaded_blocks(spec, st.prefix.hold, st.hashes[st.dev : st.dev + ok])  # 0 pages: released
-        if res is None or ok == res.pages:
+        ok, rest, reservation = self.resolver.keep_confirmed(rank, req_id, st.hashes, st.prefix.hold, st.dev, res,
+                                                             slots, gens, spec, policy)
+        if rest is None:
             if res is not None:
-                tier.release_lease(res.lease_id, consume_handoff=policy.consume_handoff_of)
                 self.resolver.breaker.hit(scope)
-            store.outcomes.record("load", req_id, "ok", "speculative" if ok else "speculative_unused")
             return ok
-        store.outcomes.record("load", req_id, "ok", "speculative_partial" if ok else "speculative_unused")
         # The hit reaches further than what was confirmed: load the rest as usual (the lease covers it all).
-        rest = Hit(res.pages - ok, res.lease_id, res.page_slots[ok:], {}, res.page_gens[ok:])
-        reservation = pool.reserve_loaded_blocks(rest.pages)
-        if reservation is None:  # pool pressure: keep the confirmed part rather than wait
-            tier.release_lease(res.lease_id)
-            store.count("speculative_rest_declined")
-            return ok
         try:
             return ok + self._load(rank, req_id, replace(st, dev=st.dev + ok), tier, copier, scope, policy, rest,
                                    reservation, cancel)
