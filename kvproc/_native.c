@@ -6,6 +6,7 @@
  * - pack_tokens: a token list as little-endian uint32 bytes, range-checked, in one pass (what the hash reads).
  * - paged_*: the per-block loops of `kvproc.paged.PagedBlocks` (refcounts, generations, the prefix index), one
  *   pass each where numpy needs several calls of fixed overhead on a resolve's few dozen ids.
+ * - slot_verify: the seqlock check of a speculative load against the host tier's slot table (`slot_table.py`).
  * - copy_plan: the run split of a copy order (`kvproc.workers.copy_exec.split_runs` + `_bounds`) in one pass over
  *   the two id lists, where numpy's version costs ~25 calls of fixed overhead whatever the order's size.
  *
@@ -654,6 +655,54 @@ static PyObject *lru_stamp(PyObject *self, PyObject *args) {
     return out;
 }
 
+/* ---- the host tier's slot table ------------------------------------------------------------------------------ */
+
+/* slot_verify(gen_row, tag_row, slots, gens, keys) -> int: how many leading (slot, generation, key) beliefs the
+ * table confirms (`kvproc.tiers.slot_table.verified_run`: generation equal, tag = the key's first 8 bytes, little
+ * endian, zero-padded; 0 never matches: it means "nothing committed"). A slot outside the table ends the run. The table is shared memory another process writes:
+ * the acquire fence keeps these reads after whatever the caller observed before the call (the copy's reply). */
+static PyObject *slot_verify(PyObject *self, PyObject *args) {
+    PyObject *objs[2], *slots_o, *gens_o, *keys_o;
+    if (!PyArg_ParseTuple(args, "OOOOO", &objs[0], &objs[1], &slots_o, &gens_o, &keys_o)) return NULL;
+    if (!PyList_Check(slots_o) || !PyList_Check(gens_o) || !PyList_Check(keys_o)) {
+        PyErr_SetString(PyExc_TypeError, "slot_verify: slots, gens and keys must be lists");
+        return NULL;
+    }
+    Arr a[2];
+    Py_ssize_t limit;
+    if (get_arrs(2, objs, a, (const Py_ssize_t[]){8, 8}, (const char *const[]){"gen_row", "tag_row"}, &limit))
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(slots_o);
+    if (PyList_GET_SIZE(gens_o) < n) n = PyList_GET_SIZE(gens_o);
+    if (PyList_GET_SIZE(keys_o) < n) n = PyList_GET_SIZE(keys_o);
+    const int64_t *gen = a[0].view.buf, *tag = a[1].view.buf;
+    __atomic_thread_fence(__ATOMIC_ACQUIRE);
+    Py_ssize_t ok = 0;
+    for (; ok < n; ok++) {
+        long long s = PyLong_AsLongLong(PyList_GET_ITEM(slots_o, ok));
+        long long g = PyLong_AsLongLong(PyList_GET_ITEM(gens_o, ok));
+        if ((s == -1 || g == -1) && PyErr_Occurred()) {
+            release_arrs(2, a);
+            return NULL;
+        }
+        PyObject *k = PyList_GET_ITEM(keys_o, ok);
+        if (!PyBytes_Check(k)) {
+            release_arrs(2, a);
+            PyErr_SetString(PyExc_TypeError, "slot_verify: keys must be bytes");
+            return NULL;
+        }
+        const uint8_t *kb = (const uint8_t *)PyBytes_AS_STRING(k);
+        Py_ssize_t kl = PyBytes_GET_SIZE(k);
+        uint64_t t = 0;
+        for (Py_ssize_t i = 0; i < 8 && i < kl; i++) t |= (uint64_t)kb[i] << (8 * i);
+        if (s < 0 || s >= limit) break;
+        int64_t gs = __atomic_load_n(&gen[s], __ATOMIC_RELAXED), ts = __atomic_load_n(&tag[s], __ATOMIC_RELAXED);
+        if (t == 0 || gs != (int64_t)g || (uint64_t)ts != t) break; /* tag 0: nothing committed there */
+    }
+    release_arrs(2, a);
+    return PyLong_FromSsize_t(ok);
+}
+
 static PyMethodDef methods[] = {
     {"blake2b_chain", blake2b_chain, METH_VARARGS, "blake2b_chain(data, page_bytes, seed) -> list of 16-byte hashes"},
     {"b2b", b2b, METH_VARARGS, "b2b(data, digest_size) -> BLAKE2b digest (tests)"},
@@ -669,6 +718,7 @@ static PyMethodDef methods[] = {
     {"paged_register", paged_register, METH_VARARGS, "paged_register(hashed, block_hash, index, ids, hashes) -> n"},
     {"paged_unhash", paged_unhash, METH_VARARGS, "paged_unhash(hashed, block_hash, index, ids)"},
     {"lru_stamp", lru_stamp, METH_VARARGS, "lru_stamp(stamp, ids, seq) -> ids already stamped"},
+    {"slot_verify", slot_verify, METH_VARARGS, "slot_verify(gen_row, tag_row, slots, gens, keys) -> leading matches"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -209,7 +209,8 @@ class ClusterStore:
                 wires[r] = conf.layout
                 self.host_segments.append(conf.segment)
                 self.host_layouts.append(layout_from_wire(conf.layout))  # a joined tier's layout wins over our plan
-                self.tiers.append(RemoteTier(functools.partial(self._tier_client, r), self.host_layouts[r]))
+                self.tiers.append(RemoteTier(functools.partial(self._tier_client, r), self.host_layouts[r],
+                                             segment=conf.segment))
         for r, layout in enumerate(layouts):
             msg = m.AttachArenas(self._arena_refs(layout), self.host_segments[r] if self.host_segments else "",
                                  wires[r], repack or "", layout.spec.page_tokens)

@@ -36,6 +36,7 @@ from kvproc.store_types import KvPrefix, Outcomes, ResolvePolicy, SaveClass, Sea
 from kvproc.tiers.api import Copier, Tier
 from kvproc.tiers.host_index import SaveTicket, Shed
 from kvproc.tiers.slot_cache import SlotCache
+from kvproc.tiers.touch_batch import TouchBatch
 from kvproc.workers.orders import BoundedCopy, SaveOrder, SlotCopy
 
 log = structlog.get_logger("kvproc.store")
@@ -94,6 +95,8 @@ class KvStore:
         self._acct = threading.Lock()  # cacheable pin budget and seal cursors: touched by engine threads and the loop
         # Per rank: where the tier holds pages this store saved or was served (hints for speculative loads).
         self.slot_caches = tuple(SlotCache(_cache_capacity(t)) for t in self.tiers)
+        # Per rank: pages restored by verified loads, told to the tier in batches (its LRU sees the use).
+        self.touches = tuple(TouchBatch(self._loop, t) for t in self.tiers)
         self._resolver = Resolver(self)
         self._blocking = BlockingResolver(self, self._resolver)
         self._closed = False
@@ -382,6 +385,8 @@ class KvStore:
             for kv in list(self._parked[r].values()):
                 kv.release()
             self._parked[r].clear()
+        for t in self.touches:
+            t.flush()
         self._loop.stop()
 
     def __enter__(self) -> "KvStore":

@@ -28,6 +28,7 @@ from kvproc.ipc.cancel import CancelToken
 from kvproc.store_types import KvPrefix, ResolvePolicy
 from kvproc.tiers.host_index import Hit, Loading, Miss
 from kvproc.tiers.api import LATE_REPLY_GRACE_S
+from kvproc.tiers.slot_table import verified_run
 from kvproc.workers.orders import BoundedCopy, LoadOrder
 
 if TYPE_CHECKING:
@@ -85,7 +86,8 @@ class _Speculation:
     gens: list[int]
     reservation: Any
     load: "asyncio.Future[int]"
-    taken: bool = False  # a hit took it over (it settles there, whatever happens)
+    skip_query: bool  # every wanted page, verifiable against the slot table: no query unless it fails
+    taken: bool = False  # a hit (or the verification) took it over (it settles there, whatever happens)
 
 
 def confirmed_pages(slots: Sequence[int], gens: Sequence[int], res: Hit) -> int:
@@ -206,7 +208,10 @@ class Resolver:
                          scope: HashScope, policy: ResolvePolicy, cancel: CancelToken | None,
                          deadline: float) -> int:
         want = hashes[dev:cap]
-        spec = None if self.store.spec.restorable_bounded_groups else self._speculate(rank, req_id, want)
+        spec = self._speculate(rank, req_id, want, policy)
+        if spec is not None and spec.skip_query:
+            spec.taken = True  # settled here, whatever happens
+            return await self._verified(rank, req_id, hashes, hold, dev, cap, scope, policy, cancel, deadline, spec)
         try:
             return await self._from_tier_answers(rank, req_id, hashes, hold, dev, want, scope, policy, cancel,
                                                  deadline, spec)
@@ -214,18 +219,36 @@ class Resolver:
             if spec is not None and not spec.taken:
                 self._drop_speculation(rank, req_id, spec)
 
-    def _speculate(self, rank: int, req_id: str, want: list[bytes]) -> _Speculation | None:
+    async def _verified(self, rank: int, req_id: str, hashes: list[bytes], hold: Any, dev: int, cap: int,
+                        scope: HashScope, policy: ResolvePolicy, cancel: CancelToken | None, deadline: float,
+                        spec: _Speculation) -> int:
+        """The speculative load covers every wanted page: verify it against the tier's generation table instead of
+        asking (`kvproc/tiers/slot_cache.py`); only what did not verify goes to the tier."""
+        await self._settle_load(rank, req_id, spec.load, spec.reservation, None, cancel, deadline)
+        ok = self.keep_verified(rank, req_id, hashes, hold, dev, spec.slots, spec.gens, spec.reservation)
+        if ok == len(spec.slots):
+            self.breaker.hit(scope)
+            return ok
+        try:
+            return ok + await self._from_tier_answers(rank, req_id, hashes, hold, dev + ok, hashes[dev + ok : cap],
+                                                      scope, policy, cancel, deadline, None)
+        except Degrade:
+            if not ok:
+                raise
+            self.store.count("verified_rest_declined")  # the verified part stays
+            return ok
+
+    def _speculate(self, rank: int, req_id: str, want: list[bytes], policy: ResolvePolicy) -> _Speculation | None:
         store = self.store
-        if not store.config.speculative_loads:
-            return None
-        slots, gens = store.slot_caches[rank].run(want)
+        slots, gens, skip_query = self.speculation(rank, store.tier_of(rank), want, policy)
         if not slots:
             return None
         reservation = store.pools[rank].reserve_loaded_blocks(len(slots), free_only=True)  # evicts nothing
         if reservation is None:
             return None
+        store.count("speculative_loads_started")
         load = asyncio.ensure_future(store.copiers[rank].load(LoadOrder(req_id, slots, reservation.block_ids, [])))
-        return _Speculation(slots, gens, reservation, load)
+        return _Speculation(slots, gens, reservation, load, skip_query)
 
     def _drop_speculation(self, rank: int, req_id: str, spec: _Speculation) -> None:
         """The answer did not use the speculative load: its blocks go back once its copy has ended."""
@@ -317,6 +340,51 @@ class Resolver:
             self.store.count("speculative_rest_failed")
             return ok
 
+    def speculation(self, rank: int, tier: Any, want: list[bytes],
+                    policy: ResolvePolicy) -> tuple[list[int], list[int], bool]:
+        """What to load before (or instead of) asking the tier: the (slots, generations) of the leading wanted pages
+        the slot cache knows -- checked against the tier's slot table first when it publishes one, so a stale belief
+        costs no copy -- and whether the load may skip the query: it covers every wanted page and the table can verify
+        it after the copy (`kvproc/tiers/slot_table.py`). Not for a hand-off (its consumption is a message to the
+        tier) or a full-hit wait (a partly verified prefix would wait on the tier anyway). Both paths use it."""
+        store = self.store
+        if not store.config.speculative_loads or store.spec.restorable_bounded_groups:
+            return [], [], False
+        slots, gens = store.slot_caches[rank].run(want)
+        table = tier.slot_table if store.config.verified_loads else None
+        if not slots or table is None:
+            return slots, gens, False
+        pre = verified_run(table, slots, gens, want)
+        if pre < len(slots):
+            store.count("slot_hints_stale", len(slots) - pre)
+            store.slot_caches[rank].forget(want[pre : len(slots)])
+            slots, gens = slots[:pre], gens[:pre]
+        skip_query = len(slots) == len(want) and policy.consume_handoff_of is None and not policy.wait_for_full_hit
+        return slots, gens, skip_query
+
+    def keep_verified(self, rank: int, req_id: str, hashes: list[bytes], hold: Any, dev: int, slots: list[int],
+                      gens: list[int], reservation: Any) -> int:
+        """A speculative copy of every wanted page (checked against the slot table before it was ordered) has landed:
+        commit the leading pages the table still confirms, drop (and forget) the rest, tell the tier what was used,
+        record the load's outcome. Returns the pages kept. Both paths use it."""
+        store = self.store
+        pool = store.pools[rank]
+        tier = store.tier_of(rank)
+        assert tier is not None and tier.slot_table is not None
+        ok = verified_run(tier.slot_table, slots, gens, hashes[dev : dev + len(slots)])  # after the copy: the seqlock's
+        # second read
+        store.count("verified_pages_kept", ok)
+        if ok < len(slots):
+            store.count("verified_pages_dropped", len(slots) - ok)
+            store.slot_caches[rank].forget(hashes[dev + ok : dev + len(slots)])
+        pool.trim_reservation(reservation, ok)
+        pool.commit_loaded_blocks(reservation, hold, hashes[dev : dev + ok])  # 0 pages: released
+        if ok:
+            store.touches[rank].add(hashes[dev : dev + ok])  # the tier's LRU sees the use, later and batched
+        reason = "verified" if ok == len(slots) else "verified_partial" if ok else "verified_unused"
+        store.outcomes.record("load", req_id, "ok", reason)
+        return ok
+
     def keep_confirmed(self, rank: int, req_id: str, hashes: list[bytes], hold: Any, dev: int, res: Hit | None,
                        slots: list[int], gens: list[int], spec_reservation: Any,
                        policy: ResolvePolicy) -> tuple[int, Hit | None, Any]:
@@ -350,7 +418,7 @@ class Resolver:
         return ok, rest, reservation
 
     async def _settle_load(self, rank: int, req_id: str, load: "asyncio.Future[Any]", reservation: Any,
-                           lease_id: int, cancel: CancelToken | None, deadline: float) -> None:
+                           lease_id: int | None, cancel: CancelToken | None, deadline: float) -> None:
         """Wait for a load order under the resolve's deadline and token. Raises `Degrade` if it failed (reservation
         and lease released at once) or if the resolve stopped waiting (both released when the copy ends, which
         `flush_loads` waits for)."""
@@ -360,7 +428,8 @@ class Resolver:
 
         def settle_abandoned(f: asyncio.Future[Any]) -> None:
             reservation.release()
-            tier.release_lease(lease_id)
+            if lease_id is not None:  # a verified load holds no lease
+                tier.release_lease(lease_id)
             store._loads[rank].discard(f)
             store.outcomes.record("load", req_id, "ok" if not f.cancelled() and f.exception() is None
                                   else "failed", "abandoned")
@@ -374,7 +443,8 @@ class Resolver:
             raise
         except Exception as e:  # noqa: BLE001 - the copy failed: nothing was committed
             reservation.release()
-            tier.release_lease(lease_id)
+            if lease_id is not None:
+                tier.release_lease(lease_id)
             store.outcomes.record("load", req_id, "failed", type(e).__name__)
             raise Degrade("load_failed") from None
 

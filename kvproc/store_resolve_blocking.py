@@ -90,16 +90,25 @@ class BlockingResolver:
 
     def _from_tier(self, rank: int, req_id: str, st: Started, tier: Any, copier: Any, scope: HashScope,
                    policy: ResolvePolicy, cancel: CancelToken | None) -> int:
+        pool = self.store.pools[rank]
+        want = st.hashes[st.dev : st.cap]
+        slots, gens, skip_query = self.resolver.speculation(rank, tier, want, policy)
+        if slots:
+            spec = pool.reserve_loaded_blocks(len(slots), free_only=True)  # a wasted guess evicts nothing
+            if spec is not None:
+                self.store.count("speculative_loads_started")
+                if skip_query:
+                    return self._verified(rank, req_id, st, tier, copier, scope, policy, cancel, slots, gens, spec)
+                return self._speculate(rank, req_id, st, tier, copier, scope, policy, cancel, want, slots, gens,
+                                       spec)
+        return self._queried(rank, req_id, st, tier, copier, scope, policy, cancel)
+
+    def _queried(self, rank: int, req_id: str, st: Started, tier: Any, copier: Any, scope: HashScope,
+                 policy: ResolvePolicy, cancel: CancelToken | None) -> int:
+        """The plain host hit: query, reserve (in flight when it can), load, commit."""
         store = self.store
         pool = store.pools[rank]
         want = st.hashes[st.dev : st.cap]
-        if store.config.speculative_loads and not store.spec.restorable_bounded_groups:
-            slots, gens = store.slot_caches[rank].run(want)
-            if slots:
-                spec = pool.reserve_loaded_blocks(len(slots), free_only=True)  # a wasted guess evicts nothing
-                if spec is not None:
-                    return self._speculate(rank, req_id, st, tier, copier, scope, policy, cancel, want, slots, gens,
-                                           spec)
         early: list[Any] = []  # the reservation made while the query is in flight, if any
 
         def reserve_early() -> None:
@@ -160,6 +169,26 @@ class BlockingResolver:
             tier.release_lease(answer.lease_id)
             raise _UseLoop
         return answer
+
+    def _verified(self, rank: int, req_id: str, st: Started, tier: Any, copier: Any, scope: HashScope,
+                  policy: ResolvePolicy, cancel: CancelToken | None, slots: list[int], gens: list[int],
+                  spec: Any) -> int:
+        """Every wanted page is in the slot cache and verified against the tier's slot table: load, verify again,
+        and ask the tier only for what did not verify (`kvproc/tiers/slot_table.py`)."""
+        self._run_load(rank, req_id, st, tier, copier, LoadOrder(req_id, slots, spec.block_ids, []), spec,
+                       lambda: None, cancel)
+        ok = self.resolver.keep_verified(rank, req_id, st.hashes, st.prefix.hold, st.dev, slots, gens, spec)
+        if ok == len(slots):
+            self.resolver.breaker.hit(scope)
+            return ok
+        try:  # the rest goes the usual way, from where the verified pages end
+            return ok + self._queried(rank, req_id, replace(st, dev=st.dev + ok), tier, copier, scope, policy,
+                                      cancel)
+        except (Degrade, _UseLoop):
+            if not ok:
+                raise
+            self.store.count("verified_rest_declined")  # keep what verified rather than start over on the loop
+            return ok
 
     def _speculate(self, rank: int, req_id: str, st: Started, tier: Any, copier: Any, scope: HashScope,
                    policy: ResolvePolicy, cancel: CancelToken | None, want: list[bytes], slots: list[int],

@@ -20,11 +20,23 @@ pytestmark = pytest.mark.timeout(60)
 PLAIN = StoreConfig(resolve_deadline_s=3.0, speculative_loads=False)
 
 
-@pytest.fixture(params=[True, False], ids=["speculative", "plain"])
+FORMS = {  # the three forms of a host hit
+    "verified": StoreConfig(resolve_deadline_s=3.0),  # the default for pages this store saved: no query at all
+    "speculative": StoreConfig(resolve_deadline_s=3.0, verified_loads=False),  # the load flies with the query
+    "plain": PLAIN,  # the query first
+}
+
+
+@pytest.fixture(params=list(FORMS))
 def config(request) -> StoreConfig:  # type: ignore[no-untyped-def]
-    """Every case on both forms of a host hit: the load started from the slot cache with the query (the default for
-    pages this store saved), and the query first."""
-    return StoreConfig(resolve_deadline_s=3.0, speculative_loads=request.param)
+    """Every case on every form of a host hit."""
+    return FORMS[request.param]
+
+
+@pytest.fixture(params=["speculative", "plain"])
+def query_config(request) -> StoreConfig:  # type: ignore[no-untyped-def]
+    """The forms that ask the tier (a hung-query case needs a query; a verified load does not make one)."""
+    return FORMS[request.param]
 
 
 def _saved(store, model, rid: str, toks: list[int]):  # type: ignore[no-untyped-def]
@@ -45,7 +57,9 @@ def test_a_host_hit_restores_the_bytes_on_the_calling_thread_and_releases_the_le
         for h, b in zip(pre.hold.hashes, pre.hold.block_ids):
             assert torch.equal(model.block(0, b), written[h][0]) and torch.equal(model.block(1, b), written[h][1])
         assert store.counters["resolve_via_loop"] == 0
-        assert store.counters["speculative_pages_kept"] == (4 if config.speculative_loads else 0)
+        kept = store.counters["verified_pages_kept"] + store.counters["speculative_pages_kept"]
+        assert kept == (4 if config.speculative_loads else 0)
+        assert store.counters["verified_pages_kept"] == (4 if config.verified_loads and config.speculative_loads else 0)
         assert store.outcomes.for_request("b", "resolve")[-1].state == "ok"
         pre.hold.release()
         wait_for(lambda: store.stats()["tier"]["open_leases"] == 0, what="the lease released")
@@ -176,8 +190,8 @@ def test_cancelling_during_a_hung_load_returns_at_once_and_the_load_still_settle
         wait_for(lambda: store.stats()["tier"]["open_leases"] == 0, what="the lease released")
 
 
-def test_cancelling_during_a_hung_query_returns_at_once_and_leaves_no_lease(config: StoreConfig) -> None:
-    with cluster_store(config=config) as (cs, store, model):
+def test_cancelling_during_a_hung_query_returns_at_once_and_leaves_no_lease(query_config: StoreConfig) -> None:
+    with cluster_store(config=query_config) as (cs, store, model):
         toks = list(range(17))
         _saved(store, model, "a", toks)
         token = new_token()
@@ -193,8 +207,8 @@ def test_cancelling_during_a_hung_query_returns_at_once_and_leaves_no_lease(conf
         assert store.stats()["rank0"]["active_blocks"] == 0
 
 
-def test_a_query_answered_after_the_deadline_gives_its_hits_lease_back(config: StoreConfig) -> None:
-    with cluster_store(config=config) as (cs, store, model):
+def test_a_query_answered_after_the_deadline_gives_its_hits_lease_back(query_config: StoreConfig) -> None:
+    with cluster_store(config=query_config) as (cs, store, model):
         toks = list(range(17))
         _saved(store, model, "a", toks)
         with stopped(cs.cluster.pid("host_tier")):
@@ -208,8 +222,8 @@ def test_a_query_answered_after_the_deadline_gives_its_hits_lease_back(config: S
 
 
 def test_on_the_loop_path_too_a_query_answered_after_the_deadline_gives_its_hits_lease_back(
-        config: StoreConfig) -> None:
-    with cluster_store(config=config) as (cs, store, model):
+        query_config: StoreConfig) -> None:
+    with cluster_store(config=query_config) as (cs, store, model):
         toks = list(range(17))
         _saved(store, model, "a", toks)
         with stopped(cs.cluster.pid("host_tier")):

@@ -4,11 +4,13 @@ DEALER/ROUTER round trip measured in the same run.
 
 - raw: 64 B DEALER send + recv against a ROUTER echo loop in its own process (the transport's floor);
 - resolve: `resolve_prefix_sync` of a prompt whose pages are on the host tier only (the device pool is churned
-  before each one, outside the timing): hashing, probe, Query, reserve, Load order, commit, lease release. Three
-  forms, interleaved in batches so all see the same machine: `blocking` (the default for a blocking caller: the
-  calling thread's own sockets; the pages were saved by this store, so their Load starts from the slot cache while
-  the Query flies: a speculative load), `plain` (the same with `speculative_loads=False`: Query, then Load) and
-  `loop` (`submit_resolve(...).result()`: the store's event loop);
+  before each one, outside the timing). Four forms, interleaved in batches so all see the same machine: `blocking`
+  (the default for a blocking caller: the calling thread's own sockets; the pages were saved by this store, so it
+  knows their slots and checks them against the tier's slot table before and after the copy: a verified load, one
+  message -- Load -- and no query, no lease), `speculative` (the same with `verified_loads=False`: the Load starts
+  from the slot cache while the Query flies, the hit confirms; two messages and a lease release), `plain`
+  (`speculative_loads=False`: Query, then Load, then the release) and `loop` (`submit_resolve(...).result()`: the
+  store's event loop, verified like `blocking`);
 - copy: the very Load orders the store sent, replayed in this process by a `CopyExecutor` over the same segments
   (the bytes' cost, including ids that do not coalesce); beside it, the worker's own clock for the same orders in
   situ (`ns_load` / `orders_load`, mean): the same code run cold after an idle wait;
@@ -16,9 +18,12 @@ DEALER/ROUTER round trip measured in the same run.
   the resolves: the baseline under the same cache state and the same moment of a noisy shared host;
 - burst: blocking resolves back to back (one churn per 6, the first dropped), against raw2_burst (raw pairs back to
   back): the case of an engine admitting several requests in a row;
-- overhead, in raw round trips: `beyond 2` = (resolve - copy - raw2) / (raw2 / 2), i.e. beyond the two round trips a
-  host hit needs, each arm against its own baseline: the issue's measure, target <= 3; `total` = (resolve - copy) /
-  the hot raw round trip (the figure earlier runs reported).
+- overhead, in raw round trips (rtt = raw2 / 2): `beyond needed` = (resolve - copy - needed x rtt) / rtt, where
+  `needed` is the round trips the arm's messages take: 1 for a verified load (Load), 2 otherwise (Query, Load): the
+  issue's measure, target <= 3; `beyond 2` = the same against two round trips whatever the arm needs (the figure
+  earlier runs reported, comparable across arms); `total` = (resolve - copy) / the hot raw round trip. The share of
+  the arm's resolves that were verified loads is printed beside it (an arm is counted as needing 1 round trip only
+  when all of them were).
 - seal: `retire` of a request with fresh pages until its save has landed (`flush_saves`): ReserveSave, Save order,
   commit; overhead (seal - copy) / raw against the in-process Save copy.
 - resolves/s: 16 threads resolving distinct host-resident prompts of 16 blocks concurrently (blocking path).
@@ -45,6 +50,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any, Callable
 
@@ -65,8 +71,10 @@ ARENA_BLOCK = 2048
 CONCURRENCY = 16
 # Interleaved arms per size: blocking / loop resolves after a pool churn each (caches trashed, as after an engine
 # step), raw2 (two raw round trips after the same churn), burst (blocking resolves back to back) and raw2_burst.
-ARMS = ("blocking", "plain", "loop", "raw2", "burst", "raw2_burst")
-PROMPTS_PER_BATCH = 2 * (5 + 5 + 5 + 6)  # resolves the arms use per batch (two orders per batch)
+ARMS = ("blocking", "speculative", "plain", "loop", "raw2", "burst", "raw2_burst")
+RESOLVE_ARMS = (("blocking", "raw2"), ("speculative", "raw2"), ("plain", "raw2"), ("loop", "raw2"),
+                ("burst", "raw2_burst"))  # (arm, its raw baseline)
+PROMPTS_PER_BATCH = 2 * (5 + 5 + 5 + 5 + 6)  # resolves the arms use per batch (two orders per batch)
 
 RAW_ECHO = """
 import sys, zmq
@@ -144,6 +152,9 @@ class _Bench:
         self.cs, self.store, self.model = cs, store, model
         self.pool = store.pools[0]
         self._next = 0
+        self._rid = 0
+        self.verified: Counter[str] = Counter()  # per arm: resolves that were verified loads (one message)
+        self.resolved: Counter[str] = Counter()  # per arm: resolves
         assert cs.host_layout is not None
         self._host_seg = Segment.attach(cs.host_segment)
         self.local = CopyExecutor(store.layouts[0], self._host_seg.numpy(), cs.host_layout, threads=2)
@@ -203,22 +214,30 @@ class _Bench:
             self.churn()
         return raw.round_trips(2)
 
-    def resolve(self, tokens: list[int], blocks: int, path: str = "blocking", churn: bool = True) -> float:
+    def resolve(self, tokens: list[int], blocks: int, path: str = "blocking", churn: bool = True,
+                arm: str | None = None) -> float:
         if churn:
             self.churn()
         config = self.store.config
         if path == "plain":
             self.store.config = dataclasses.replace(config, speculative_loads=False)
+        elif path == "speculative":
+            self.store.config = dataclasses.replace(config, verified_loads=False)
+        self._rid += 1
+        rid = f"r{self._rid}"
         t = time.perf_counter()
-        if path in ("blocking", "plain"):
-            pre = self.store.resolve_prefix_sync(0, f"r{self._next}", tokens)
+        if path == "loop":
+            pre = self.store.submit_resolve(0, rid, tokens).result()
         else:
-            pre = self.store.submit_resolve(0, f"r{self._next}", tokens).result()
+            pre = self.store.resolve_prefix_sync(0, rid, tokens)
         dt = time.perf_counter() - t
         self.store.config = config
         if pre.host_tokens != blocks * PAGE:
             raise RuntimeError(f"expected a host hit of {blocks} blocks, got {pre}")
         pre.hold.release()
+        arm = arm or path
+        self.resolved[arm] += 1
+        self.verified[arm] += [o.reason for o in self.store.outcomes.for_request(rid, "load")] == ["verified"]
         return dt
 
     def worker_load_clock(self) -> tuple[int, int]:
@@ -385,6 +404,8 @@ def main(argv: list[str]) -> int:
                 it = iter(prompts[warm:])
                 worker_ns, worker_orders = b.worker_load_clock()
                 res_t: dict[str, list[float]] = {a: [] for a in ARMS}
+                b.verified.clear()
+                b.resolved.clear()
                 for i in range(batches * 2):
                     for arm in ARMS if i % 2 == 0 else ARMS[::-1]:  # ABC.. ..CBA: no arm always goes first
                         if arm == "raw2":  # the two round trips a host hit needs, after the same churn
@@ -394,7 +415,7 @@ def main(argv: list[str]) -> int:
                             res_t[arm] += [b.raw_pair(raw, churn=False) for _ in range(6)][1:]
                         elif arm == "burst":  # back to back after one churn: the first one is dropped
                             b.churn()
-                            res_t[arm] += [b.resolve(next(it), blocks, churn=False) for _ in range(6)][1:]
+                            res_t[arm] += [b.resolve(next(it), blocks, churn=False, arm=arm) for _ in range(6)][1:]
                         else:
                             res_t[arm] += [b.resolve(next(it), blocks, arm) for _ in range(5)]
                 ns, orders = b.worker_load_clock()
@@ -403,13 +424,17 @@ def main(argv: list[str]) -> int:
                 seal_us = _median_us(seal_t)
                 row: dict[str, Any] = {"blocks": blocks, "raw_rtt_us": round(raw_us, 1), "copy_us": round(load_us, 1),
                                        "copy_in_worker_us": round(in_situ_us, 1)}
-                for arm, base in (("blocking", "raw2"), ("plain", "raw2"), ("loop", "raw2"), ("burst", "raw2_burst")):
-                    needed_us = _median_us(res_t[base])
-                    rtt_us = needed_us / 2  # one raw round trip under the resolve's own conditions
+                for arm, base in RESOLVE_ARMS:
+                    rtt_us = _median_us(res_t[base]) / 2  # one raw round trip under the resolve's own conditions
                     us = _median_us(res_t[arm])
+                    share = b.verified[arm] / b.resolved[arm]
+                    needed = 1 if share == 1.0 else 2  # a verified load's one message, else Query + Load
                     row[f"raw_rtt_{base}_us"] = round(rtt_us, 1)
                     row[f"resolve_{arm}_us"] = round(us, 1)
-                    row[f"{arm}_overhead_beyond_2_rtts"] = round((us - load_us - needed_us) / rtt_us, 2)
+                    row[f"{arm}_verified_share"] = round(share, 3)
+                    row[f"{arm}_rtts_needed"] = needed
+                    row[f"{arm}_overhead_beyond_needed"] = round((us - load_us - needed * rtt_us) / rtt_us, 2)
+                    row[f"{arm}_overhead_beyond_2_rtts"] = round((us - load_us - 2 * rtt_us) / rtt_us, 2)
                     row[f"{arm}_overhead_total_rtts"] = round((us - load_us) / raw_us, 2)
                 results.append(row)
                 seals.append({"blocks": blocks, "seal_us": round(seal_us, 1), "copy_us": round(save_us, 1),
@@ -428,17 +453,21 @@ def main(argv: list[str]) -> int:
     load = os.getloadavg()[0]
     print(f"# control path, median of >= {n} per arm, raw 64 B round trip {raw_us:.0f} us hot (tight loop), "
           f"load {load:.2f}, hashing/pool/copy planning: {native.describe()}")
-    print("| blocks | copy (us) | raw RTT after churn (us) | blocking (us) | **overhead beyond its 2 RTTs** "
-          "| plain (us) | overhead beyond its 2 RTTs | loop (us) "
-          "| overhead beyond its 2 RTTs | raw RTT, burst (us) | blocking, burst (us) | overhead beyond its 2 RTTs "
+    print("| blocks | copy (us) | raw RTT after churn (us) | blocking (us) | verified | RTTs needed "
+          "| **overhead beyond them** | beyond 2 RTTs | speculative (us) | overhead beyond its 2 RTTs | plain (us) "
+          "| overhead beyond its 2 RTTs | loop (us) | verified | overhead beyond its needed RTTs "
+          "| raw RTT, burst (us) | blocking, burst (us) | overhead beyond its needed RTTs "
           "| seal (us) | seal overhead (hot RTTs) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r, s in zip(results, seals):
         print(f"| {r['blocks']} | {r['copy_us']:.0f} | {r['raw_rtt_raw2_us']:.0f} | {r['resolve_blocking_us']:.0f} | "
-              f"**{r['blocking_overhead_beyond_2_rtts']:.2f}** | {r['resolve_plain_us']:.0f} | "
-              f"{r['plain_overhead_beyond_2_rtts']:.2f} | {r['resolve_loop_us']:.0f} | "
-              f"{r['loop_overhead_beyond_2_rtts']:.2f} | {r['raw_rtt_raw2_burst_us']:.0f} | "
-              f"{r['resolve_burst_us']:.0f} | {r['burst_overhead_beyond_2_rtts']:.2f} | {s['seal_us']:.0f} | "
+              f"{r['blocking_verified_share']:.0%} | {r['blocking_rtts_needed']} | "
+              f"**{r['blocking_overhead_beyond_needed']:.2f}** | {r['blocking_overhead_beyond_2_rtts']:.2f} | "
+              f"{r['resolve_speculative_us']:.0f} | {r['speculative_overhead_beyond_2_rtts']:.2f} | "
+              f"{r['resolve_plain_us']:.0f} | {r['plain_overhead_beyond_2_rtts']:.2f} | "
+              f"{r['resolve_loop_us']:.0f} | {r['loop_verified_share']:.0%} | "
+              f"{r['loop_overhead_beyond_needed']:.2f} | {r['raw_rtt_raw2_burst_us']:.0f} | "
+              f"{r['resolve_burst_us']:.0f} | {r['burst_overhead_beyond_needed']:.2f} | {s['seal_us']:.0f} | "
               f"{s['seal_rtt_overhead']:.2f} |")
     print("copy of a resolve's Load order, in-process replay (the column above, what the overhead subtracts) vs the "
           "worker's own clock in situ (mean over every arm): " + ", ".join(

@@ -58,6 +58,7 @@ Tag table (ranges: 1-49 envelope and control, 100-199 runtime requests, 200-299 
 | 307 | AbortSave      | host-tier request  | the copy failed: free the save's slots                           |
 | 308 | RevokeHandoff  | host-tier request  | "nobody will read this": drop a producer's hand-off pins         |
 | 309 | TierStats      | host-tier request  | the index's counters                                             |
+| 310 | TouchPages     | host-tier request  | entries used without a query (verified load): refresh their LRU  |
 | 400 | Configured     | host-tier payload  | the host segment's name and the layout in force                  |
 | 401 | TierMiss       | host-tier payload  | Query: nothing usable                                            |
 | 402 | TierLoading    | host-tier payload  | Query: a save in flight will fill the next page (wait on save_id)|
@@ -264,6 +265,7 @@ class HostLayoutSpec(Wire):
     page_slots: int
     bounded_slots: dict[str, int]
     total_bytes: int
+    slot_table_offset: int = -1  # the page-slot table (kvproc.tiers.slot_table); -1: none
 
 
 class Configure(Request, tag=300):
@@ -311,6 +313,10 @@ class RevokeHandoff(Request, tag=308):
 
 class TierStats(Request, tag=309):
     pass
+
+
+class TouchPages(Request, tag=310):
+    keys: list[bytes]  # page hashes a store restored from a verified speculative load (no query, no lease)
 
 
 class Configured(Payload, tag=400):
@@ -409,7 +415,7 @@ class Attached(Payload, tag=601):
 
 RequestBody = Union[
     Ping, Stats, Profile, Shutdown, Sleep, Fail, Echo,
-    Configure, Query, WaitSettled, WaitKey, ReleaseLease, ReserveSave, CommitSave, AbortSave, RevokeHandoff, TierStats,
+    Configure, Query, WaitSettled, WaitKey, ReleaseLease, ReserveSave, CommitSave, AbortSave, RevokeHandoff, TierStats, TouchPages,
     AttachArenas, Save, Load, DeviceCopy,
 ]  # fmt: skip
 PayloadBody = Union[

@@ -90,14 +90,23 @@ class Segment:
         return cls(name, mm, nbytes, owner=True)
 
     @classmethod
-    def attach(cls, name: str) -> Segment:
+    def attach(cls, name: str, *, offset: int = 0, nbytes: int = -1) -> Segment:
+        """Map a segment another process created (never unlinked here). `offset` / `nbytes` map only that window
+        (`offset` a multiple of the page size; views then count from the window's start): a store reads the host
+        tier's generation table without mapping the whole arena."""
+        if offset < 0 or offset % mmap.ALLOCATIONGRANULARITY:
+            raise ValueError(f"window offset {offset} is not a multiple of {mmap.ALLOCATIONGRANULARITY}")
         try:
             shm = posix_ipc.SharedMemory("/" + name.lstrip("/"), 0, size=0)  # size 0: never truncate
         except posix_ipc.ExistentialError as e:
             raise SegmentError(f"no segment named {name}: {e}") from e
         try:
-            nbytes = shm.size
-            mm = mmap.mmap(shm.fd, nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+            size = shm.size
+            if nbytes < 0:
+                nbytes = size - offset
+            if nbytes <= 0 or offset + nbytes > size:
+                raise SegmentError(f"window [{offset}, +{nbytes}) is outside segment {name} ({size} B)")
+            mm = mmap.mmap(shm.fd, nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, offset=offset)
         finally:
             shm.close_fd()
         return cls(name.lstrip("/"), mm, nbytes, owner=False)

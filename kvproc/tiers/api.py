@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
+import numpy as np
+
 from kvproc.ipc.cancel import CancelToken
 from kvproc.tiers.host_index import QueryResult, SaveClass, SaveTicket, Shed
 from kvproc.tiers.layout import HostLayout
@@ -28,6 +30,9 @@ class TierUnavailable(RuntimeError):
 
 class Tier(Protocol):
     layout: HostLayout
+    # The tier's page-slot table (`kvproc.tiers.slot_table`; None: this tier publishes none). A speculative load that
+    # it verifies before and after the copy needs no query.
+    slot_table: np.ndarray | None
 
     @property
     def available(self) -> bool: ...
@@ -43,6 +48,10 @@ class Tier(Protocol):
         ...
 
     def release_lease(self, lease_id: int, consume_handoff: str | None = None) -> None: ...
+
+    def touch(self, keys: Sequence[bytes]) -> None:
+        """Fire-and-forget: the store used these entries without a query (a verified load); refresh their LRU."""
+        ...
 
     async def reserve_save(self, req_id: str, keys: Sequence[bytes], bounded_groups: Sequence[str],
                            save_class: SaveClass, *, timeout: float) -> SaveTicket | Shed: ...

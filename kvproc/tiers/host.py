@@ -7,13 +7,16 @@ fingerprint joins it (same segment, same layout); a different fingerprint is ref
 Host arena layout (the segment `kvproc.<cluster>.host_tier.<pid>.<n>`, planned by `kvproc.tiers.layout.HostLayout`):
 one region per stored device arena, in the model's arena order, each starting on a 4 KiB boundary:
 
-    offset 0                                     region(kv0)                 region(kv1)   ...  region(st0) ...
-    | unit 0 | unit 1 | ... | unit page_slots-1 | pad | unit 0 | ...          | ...          | bounded slots ...
+    offset 0                                     region(kv0)                 region(kv1)   ...  region(st0) ...  gens
+    | unit 0 | unit 1 | ... | unit page_slots-1 | pad | unit 0 | ...          | ...          | bounded ... | table
 
 - a **page slot** `s` is unit `s` of every paged arena's region (one page of every aligned paged group);
 - a **bounded slot** `s` of group `g` is unit `s` of every arena of `g`;
 - a unit is the arena's *stored* bytes per block (`stored_bytes_per_block`: the repacked size where the model
-  declares one); non-checkpointable bounded groups have no region.
+  declares one); non-checkpointable bounded groups have no region;
+- `table` (at `layout.slot_table_offset`) is the index's page-slot table (`kvproc.tiers.slot_table`: generations and
+  committed-page tags), written only here (`HostIndex.slot_table` is a view of it); stores map that window to verify
+  speculative loads without a query.
 The index hands out slot numbers; copy workers map the same segment and turn (slot, arena) into a byte offset with the
 same `HostLayout`. No KV byte ever crosses a socket: requests carry hashes, slots, lease and save ids.
 
@@ -31,6 +34,7 @@ import time
 from collections import defaultdict
 from typing import Any
 
+import numpy as np
 import structlog
 
 from kvproc.ipc import messages as m
@@ -41,18 +45,20 @@ from kvproc.ipc.service import handles
 from kvproc.runtime.role import Role, RoleEnv
 from kvproc.tiers.host_index import Hit, HostIndex, Loading, SaveClass, SaveTicket
 from kvproc.tiers.layout import HostLayout, Region
+from kvproc.tiers.slot_table import ROWS
 
 log = structlog.get_logger("kvproc.host_tier")
 
 
 def layout_to_wire(layout: HostLayout) -> m.HostLayoutSpec:
     regions = [m.RegionSpec(r.arena, r.group, r.offset, r.unit_bytes, r.slots) for r in layout.regions]
-    return m.HostLayoutSpec(regions, layout.page_slots, dict(layout.bounded_slots), layout.total_bytes)
+    return m.HostLayoutSpec(regions, layout.page_slots, dict(layout.bounded_slots), layout.total_bytes,
+                            layout.slot_table_offset)
 
 
 def layout_from_wire(spec: m.HostLayoutSpec) -> HostLayout:
     regions = tuple(Region(r.arena, r.group, r.offset, r.unit_bytes, r.slots) for r in spec.regions)
-    return HostLayout(regions, spec.page_slots, dict(spec.bounded_slots), spec.total_bytes)
+    return HostLayout(regions, spec.page_slots, dict(spec.bounded_slots), spec.total_bytes, spec.slot_table_offset)
 
 
 class _Waiter:
@@ -67,7 +73,7 @@ class HostTierRole(Role):
     # Index work is short dict operations under `self.lock`, and the waits defer at once: run them on the socket
     # thread (no handler-pool hop). Configure (creates a segment) and stats stay on the pool.
     inline = frozenset({m.Query, m.ReleaseLease, m.RevokeHandoff, m.ReserveSave, m.CommitSave, m.AbortSave,
-                        m.WaitSettled, m.WaitKey})
+                        m.WaitSettled, m.WaitKey, m.TouchPages})
 
     def __init__(self, env: RoleEnv) -> None:
         super().__init__(env)
@@ -117,9 +123,12 @@ class HostTierRole(Role):
                     f"host layout needs {layout.total_bytes} B, more than this tier's host_bytes={self.host_bytes}",
                 )
             seg = self.create_segment(layout.total_bytes)
+            table = None
+            if layout.slot_table_offset >= 0:
+                table = seg.numpy(np.int64, layout.slot_table_offset, ROWS * layout.page_slots).reshape(ROWS, -1)
             index = HostIndex(layout.page_slots, dict(layout.bounded_slots), required_bounded=msg.required_bounded,
                               lease_ttl_s=self.lease_ttl_s, handoff_ttl_s=self.handoff_ttl_s,
-                              save_ttl_s=self.save_ttl_s)
+                              save_ttl_s=self.save_ttl_s, slot_table=table)
             index.on_settled = self._on_settled
             self.index, self.layout, self.segment, self.fingerprint = index, layout, seg, msg.fingerprint
             self._configured = m.Configured(seg.name, msg.layout, msg.fingerprint)
@@ -150,6 +159,12 @@ class HostTierRole(Role):
     def release_lease(self, msg: m.ReleaseLease, ctx: CallContext) -> m.Done:
         with self._lock:
             self._index().release_lease(msg.lease_id, consume_handoff=msg.consume_handoff or None)
+        return m.Done()
+
+    @handles(m.TouchPages)
+    def touch_pages(self, msg: m.TouchPages, ctx: CallContext) -> m.Done:
+        with self._lock:
+            self._index().touch(msg.keys)
         return m.Done()
 
     @handles(m.RevokeHandoff)
@@ -297,6 +312,8 @@ class HostTierRole(Role):
     def on_stop(self) -> None:
         with self._lock:
             self._stopping = True
+            if self.index is not None:  # let go of the segment's view, so the segment unmaps now
+                self.index.detach_slot_table()
             waiters = [w for t in (self._save_waiters, self._key_waiters) for ws in t.values() for w in ws]
             self._save_waiters.clear()
             self._key_waiters.clear()

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import secrets
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ import numpy as np
 
 from kvproc.lru import RunLru
 from kvproc.native import NATIVE
+from kvproc.tiers.slot_table import GEN, ROWS, TAG, key_tags
 
 
 class SaveClass(enum.Enum):
@@ -108,6 +110,7 @@ class HostIndex:
         handoff_ttl_s: float = 300.0,
         save_ttl_s: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
+        slot_table: np.ndarray | None = None,
     ) -> None:
         if page_slots <= 0:
             raise ValueError(f"page_slots must be positive, got {page_slots}")
@@ -118,11 +121,18 @@ class HostIndex:
         self.lease_ttl_s, self.handoff_ttl_s, self.save_ttl_s = lease_ttl_s, handoff_ttl_s, save_ttl_s
         self.clock = clock
         self.free_pages: list[int] = list(range(page_slots - 1, -1, -1))
-        # A page slot's generation goes up each time the slot is handed to a save. (slot, generation) names one
-        # content for as long as the entry lives (entries are immutable: a present key is never written again), so a
-        # store that learned it after its own save's copy landed may copy from it before asking, and keep the copy
-        # only if the query's hit names the same pair (`kvproc.store_resolve_blocking`, speculative loads).
-        self.slot_gen: list[int] = [0] * page_slots
+        # The page-slot table (`kvproc.tiers.slot_table`: each slot's generation, bumped when the slot is handed to
+        # a save, and the tag of the page it holds committed). Given: a view of the host arena's table, which stores
+        # map to verify speculative loads without a query; else private. Hits and tickets carry the generations too
+        # (a store's `SlotCache` learns them; a hit that names the same pair confirms a speculative copy).
+        if slot_table is None:
+            slot_table = np.zeros((ROWS, page_slots), dtype=np.int64)
+        if slot_table.shape != (ROWS, page_slots) or slot_table.dtype != np.int64:
+            raise ValueError(f"slot_table must be int64[{ROWS}, {page_slots}], got {slot_table.dtype}"
+                             f"{list(slot_table.shape)}")
+        slot_table[GEN] = secrets.randbits(40) << 20  # a random base per incarnation; room for 2**43 bumps a slot
+        slot_table[TAG] = 0
+        self._use_slot_table(slot_table)
         self.free_bounded: dict[str, list[int]] = {g: list(range(n - 1, -1, -1)) for g, n in self.bounded_capacity.items()}
         self.entries: dict[bytes, int] = {}  # committed key -> its page slot
         self.slot_key: list[bytes | None] = [None] * page_slots
@@ -143,6 +153,14 @@ class HostIndex:
         self._ids = itertools.count(1)
         self.counters: Counter[str] = Counter()
         self.on_settled: Callable[[SaveTicket, bool], None] | None = None
+
+    def _use_slot_table(self, table: np.ndarray) -> None:
+        self.slot_table = table
+        self.slot_gen, self.slot_tag = table[GEN], table[TAG]
+
+    def detach_slot_table(self) -> None:
+        """Keep going on a private copy of the table (the tier is stopping: its segment may unmap now)."""
+        self._use_slot_table(self.slot_table.copy())
 
     # -- query ----------------------------------------------------------------------------------------------------
     def query(self, req_id: str, hashes: Sequence[bytes]) -> QueryResult:
@@ -165,7 +183,7 @@ class HostIndex:
                                        self.clock() + self.lease_ttl_s)
         self.counters["query_hit"] += 1
         self.counters["query_hit_pages"] += depth
-        return Hit(depth, lease_id, tuple(slots), dict(last or {}), tuple([slot_gen[s] for s in slots]))
+        return Hit(depth, lease_id, tuple(slots), dict(last or {}), tuple(slot_gen[slots].tolist()))
 
     def _deepest_complete(self, hashes: Sequence[bytes], n: int) -> int:
         if not self.required:
@@ -224,6 +242,19 @@ class HostIndex:
         self._unref(lease.slots)
         return True
 
+    def touch(self, keys: Sequence[bytes]) -> int:
+        """A store used these entries without a query (a verified speculative load): refresh their LRU recency as a
+        hit would have. Unknown keys are skipped; entries that are leased or pinned are not in the LRU anyway.
+        Returns how many were refreshed."""
+        entries, stamp, refs = self.entries, self.lru.stamp, self.refs
+        slots = [s for s in map(entries.get, keys) if s is not None]
+        idx = [s for s in slots if stamp[s] >= 0 and not refs[s]]
+        if idx:
+            self.lru.remove(idx)
+            self.lru.insert(idx[::-1])  # like a lease's release: the chain's tail goes first, its head last
+        self.counters["touched_pages"] += len(slots)
+        return len(idx)
+
     # -- saves ----------------------------------------------------------------------------------------------------
     def reserve_save(
         self,
@@ -250,10 +281,12 @@ class HostIndex:
         new_set = set(new_pages)
         page_slots = tuple(self.free_pages.pop() if k in new_set else None for k in keys)
         slot_gen = self.slot_gen
-        for s in page_slots:
-            if s is not None:
-                slot_gen[s] += 1
-        page_gens = tuple(None if s is None else slot_gen[s] for s in page_slots)
+        handed = [s for s in page_slots if s is not None]
+        # Before the ticket goes out (so before any copy into these slots): the slots no longer hold what they held.
+        slot_gen[handed] += 1  # distinct slots (all came off the free list)
+        self.slot_tag[handed] = 0
+        it = iter(slot_gen[handed].tolist())
+        page_gens = tuple(None if s is None else next(it) for s in page_slots)
         bounded: dict[str, int | None] = {g: None for g in bounded_groups}
         for g in want_bounded:
             bounded[g] = self.free_bounded[g].pop()
@@ -314,6 +347,7 @@ class HostIndex:
         now = self.clock()
         entries, slot_key = self.entries, self.slot_key
         fresh: list[int] = []
+        fresh_keys: list[bytes] = []
         for k, slot in zip(t.keys, t.page_slots):
             if slot is None:
                 continue
@@ -321,7 +355,9 @@ class HostIndex:
             entries[k] = slot
             slot_key[slot] = k
             fresh.append(slot)
+            fresh_keys.append(k)
         self.committed[fresh] = True
+        self.slot_tag[fresh] = key_tags(fresh_keys)  # the copy landed: these slots hold these pages, committed
         last = entries.get(t.keys[-1])
         for g, bslot in t.bounded_slots.items():
             if bslot is None:

@@ -1,10 +1,14 @@
 """Byte layout of the host tier's shared-memory arena.
 
-The arena is cut into one region per device arena (in `ArenaLayout` order) plus nothing else: region `a` holds
-`slots_a` consecutive units of `stored_bytes(a)` bytes. A **page slot** `s` is unit `s` of every paged arena's
+The arena is cut into one region per device arena (in `ArenaLayout` order), then the page-slot table: region `a`
+holds `slots_a` consecutive units of `stored_bytes(a)` bytes. A **page slot** `s` is unit `s` of every paged arena's
 region (one page of every paged group: aligned groups are saved together); a **bounded slot** `s` of group `g` is unit
 `s` of every arena of `g`. Keeping each arena's units contiguous turns a run of consecutive slots into one memcpy
 per arena (the copy path coalesces runs of consecutive ids on both sides).
+
+The **slot table** (`slot_table_offset`, 4 KiB-aligned: two int64 rows of `page_slots`, each slot's generation and the
+tag of the page it holds committed; `kvproc.tiers.slot_table`) is written by the host tier only. A store maps just this
+window (not the KV bytes) to verify a load it started from what it knew, without asking the tier.
 
 Slot counts come from the byte budget: paged groups get what remains after `bounded_fraction` of the budget is set
 aside for bounded groups (split by their unit size), and at least one slot each.
@@ -15,8 +19,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvproc.contract import ArenaLayout, GroupKind
+from kvproc.tiers.slot_table import ROW_BYTES, ROWS
 
 ALIGN = 4096  # regions start page-aligned so copies of whole units stay aligned
+SLOT_TABLE_BYTES = ROWS * ROW_BYTES  # per page slot: its generation and its committed page's tag
 
 
 @dataclass(frozen=True)
@@ -34,6 +40,11 @@ class HostLayout:
     page_slots: int
     bounded_slots: dict[str, int]
     total_bytes: int
+    slot_table_offset: int = -1  # byte offset of the page-slot table; -1: none (verified loads unavailable)
+
+    @property
+    def slot_table_bytes(self) -> int:
+        return self.page_slots * SLOT_TABLE_BYTES if self.slot_table_offset >= 0 else 0
 
     @classmethod
     def plan(cls, layout: ArenaLayout, host_bytes: int, bounded_fraction: float = 0.25) -> "HostLayout":
@@ -45,11 +56,12 @@ class HostLayout:
         bounded_units: dict[str, int] = {}
         for g, a in bounded:
             bounded_units[g] = bounded_units.get(g, 0) + a.stored_bytes
-        budget = max(host_bytes - ALIGN * (len(paged) + len(bounded) + 1), 0)
+        budget = max(host_bytes - ALIGN * (len(paged) + len(bounded) + 1), 0)  # each region and the table round up
         bounded_budget = int(budget * bounded_fraction) if bounded_units else 0
         bounded_slots = {g: max(1, bounded_budget // len(bounded_units) // u) for g, u in bounded_units.items()}
         used_bounded = sum(bounded_slots[g] * u for g, u in bounded_units.items())
-        page_slots = max(1, (budget - used_bounded) // page_unit) if page_unit else 0
+        # Each page slot costs its units plus its row of the slot table.
+        page_slots = max(1, (budget - used_bounded) // (page_unit + SLOT_TABLE_BYTES)) if page_unit else 0
         regions: list[Region] = []
         off = 0
         for g, a in layout.arenas:
@@ -62,7 +74,9 @@ class HostLayout:
                 continue  # not checkpointable: never stored
             regions.append(Region(a.name, g, off, a.stored_bytes, n))
             off += -(-(n * a.stored_bytes) // ALIGN) * ALIGN
-        return cls(tuple(regions), page_slots, bounded_slots, max(off, ALIGN))
+        table_offset = off
+        off += -(-(max(page_slots, 1) * SLOT_TABLE_BYTES) // ALIGN) * ALIGN
+        return cls(tuple(regions), page_slots, bounded_slots, off, table_offset)
 
     def region(self, arena: str) -> Region:
         for r in self.regions:

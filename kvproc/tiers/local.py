@@ -13,6 +13,7 @@ import numpy as np
 
 from kvproc.tiers.host_index import HostIndex, QueryResult, SaveClass, SaveTicket, Shed
 from kvproc.tiers.layout import HostLayout
+from kvproc.tiers.slot_table import ROWS
 from kvproc.workers.copy_exec import CopyExecutor
 from kvproc.workers.orders import LoadOrder, SaveOrder, SlotCopy
 
@@ -22,8 +23,13 @@ class LocalTier:
                  lease_ttl_s: float = 30.0, handoff_ttl_s: float = 300.0) -> None:
         self.layout = layout
         self.host = host if host is not None else np.zeros(layout.total_bytes, dtype=np.uint8)
+        # The slot table lives in the arena, as in the host-tier process (a store reads it the same way).
+        self.slot_table: np.ndarray | None = None
+        if layout.slot_table_offset >= 0:
+            off = layout.slot_table_offset
+            self.slot_table = self.host[off : off + layout.slot_table_bytes].view(np.int64).reshape(ROWS, -1)
         self.index = HostIndex(layout.page_slots, dict(layout.bounded_slots), required_bounded=required_bounded,
-                               lease_ttl_s=lease_ttl_s, handoff_ttl_s=handoff_ttl_s)
+                               lease_ttl_s=lease_ttl_s, handoff_ttl_s=handoff_ttl_s, slot_table=self.slot_table)
         self.index.on_settled = self._settled
         self._save_waiters: dict[int, list[asyncio.Future[bool]]] = {}
         self._key_waiters: dict[bytes, list[asyncio.Future[bool]]] = {}
@@ -73,6 +79,9 @@ class LocalTier:
 
     def release_lease(self, lease_id: int, consume_handoff: str | None = None) -> None:
         self.index.release_lease(lease_id, consume_handoff=consume_handoff)
+
+    def touch(self, keys: Sequence[bytes]) -> None:
+        self.index.touch(keys)
 
     async def reserve_save(self, req_id: str, keys: Sequence[bytes], bounded_groups: Sequence[str],
                            save_class: SaveClass, *, timeout: float) -> SaveTicket | Shed:

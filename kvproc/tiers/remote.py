@@ -26,6 +26,7 @@ import time
 from collections import Counter
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import structlog
 
 from kvproc.ipc import messages as m
@@ -34,9 +35,11 @@ from kvproc.ipc.cancel import CancelToken
 from kvproc.ipc.client import RpcClient
 from kvproc.ipc.direct import LATE
 from kvproc.ipc.errors import RemoteError
+from kvproc.ipc.segment import Segment, SegmentBusyError
 from kvproc.tiers.api import LATE_REPLY_GRACE_S
 from kvproc.tiers.host_index import Hit, Loading, Miss, QueryResult, SaveClass, SaveTicket, Shed
 from kvproc.tiers.layout import HostLayout
+from kvproc.tiers.slot_table import ROWS
 from kvproc.workers.orders import LoadOrder, SaveOrder, SlotCopy
 
 log = structlog.get_logger("kvproc.remote")
@@ -134,13 +137,22 @@ class QueryAbandoned(RuntimeError):
 
 
 class RemoteTier:
-    def __init__(self, client: ClientSource, layout: HostLayout, *, oneway_timeout_s: float = 5.0) -> None:
+    def __init__(self, client: ClientSource, layout: HostLayout, *, segment: str = "",
+                 oneway_timeout_s: float = 5.0) -> None:
+        """`segment`: the tier's host segment; its slot table (only that window) is mapped for verified speculative
+        loads when the layout has one (`kvproc.tiers.slot_table`)."""
         self._client = client
         self.layout = layout
         self.oneway_timeout_s = oneway_timeout_s
         self.counters: Counter[str] = Counter()
         self._closed = False
         self._link = _LoopLink(client)
+        self._table_segment: Segment | None = None
+        self.slot_table: np.ndarray | None = None
+        if segment and layout.slot_table_offset >= 0:
+            self._table_segment = Segment.attach(segment, offset=layout.slot_table_offset,
+                                                 nbytes=layout.slot_table_bytes)
+            self.slot_table = self._table_segment.numpy(np.int64, 0, ROWS * layout.page_slots).reshape(ROWS, -1)
 
     @property
     def available(self) -> bool:
@@ -214,6 +226,9 @@ class RemoteTier:
     def release_lease(self, lease_id: int, consume_handoff: str | None = None) -> None:
         self._oneway(m.ReleaseLease(lease_id, consume_handoff or ""))
 
+    def touch(self, keys: Sequence[bytes]) -> None:
+        self._oneway(m.TouchPages(list(keys)))
+
     def commit_save(self, save_id: int) -> None:
         self._oneway(m.CommitSave(save_id))
 
@@ -246,6 +261,12 @@ class RemoteTier:
     def close(self) -> None:
         self._closed = True
         self._link.close()
+        seg, self._table_segment, self.slot_table = self._table_segment, None, None
+        if seg is not None:
+            try:
+                seg.close()
+            except SegmentBusyError:  # a resolving thread still reads it: unmapped with its last view
+                pass
 
 
 class RemoteCopier:

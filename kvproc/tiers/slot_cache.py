@@ -8,6 +8,12 @@ and never rewrites a live entry, so an unchanged pair means the slot held that p
 store learned it until the hit, and the hit's lease holds it from then on; a copy at any time in between read the
 right bytes. A pair that changed (evicted, reused) only costs the wasted copy.
 
+Verified loads (no query at all): a tier that publishes its slot table (`Tier.slot_table`, a window of the host
+arena the store maps: `kvproc/tiers/slot_table.py`) lets the store check its beliefs itself, seqlock-style, before
+the copy is ordered and after it landed; a resolve whose every wanted page verifies skips the query and the lease
+(two messages), and the tier is told afterwards, off the critical path, so its LRU sees the use (`Tier.touch`).
+That check trusts the belief no more than the hit does.
+
 Bounded (the tier's page slots: more entries than the tier can hold are stale by construction); thread-safe (the
 store's loop learns from saves, resolving threads read and learn from hits).
 """
@@ -28,39 +34,40 @@ class SlotCache:
         if capacity <= 0:
             raise ValueError(f"capacity must be positive, got {capacity}")
         self.capacity = capacity
-        # Two dicts with the same keys, so a lookup run is two C-level map() passes (a resolve's critical path);
-        # `_slots`' insertion order is the learning order: the oldest hints are forgotten first.
-        self._slots: dict[bytes, int] = {}
-        self._gens: dict[bytes, int] = {}
+        # key -> (slot, generation): one lookup per page on a resolve's critical path (each is likely a cache miss
+        # in a dict this size, right after an engine step); insertion order is the learning order, so the oldest
+        # hints are forgotten first.
+        self._where: dict[bytes, tuple[int, int]] = {}
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
-        return len(self._slots)
+        return len(self._where)
 
     def learn(self, keys: Sequence[bytes], slots: Sequence[int | None], gens: Sequence[int | None]) -> None:
         """Record where the tier holds `keys` (entries with no slot or generation are skipped)."""
         with self._lock:
-            ds, dg = self._slots, self._gens
+            d = self._where
             for k, s, g in zip(keys, slots, gens):
                 if s is None or g is None:
                     continue
-                ds.pop(k, None)  # re-learned: now the newest
-                ds[k] = s
-                dg[k] = g
-            excess = len(ds) - self.capacity
+                d.pop(k, None)  # re-learned: now the newest
+                d[k] = (s, g)
+            excess = len(d) - self.capacity
             if excess > 0:
-                for k in [k for k, _ in zip(ds, range(excess))]:
-                    del ds[k], dg[k]
+                for k in [k for k, _ in zip(d, range(excess))]:
+                    del d[k]
 
     def run(self, keys: Sequence[bytes]) -> tuple[list[int], list[int]]:
         """(slots, generations) of the longest leading run of `keys` this cache knows."""
         with self._lock:
-            slots: list[int] = list(takewhile(_KNOWN, map(self._slots.get, keys)))  # type: ignore[arg-type]
-            gens = list(map(self._gens.__getitem__, keys[: len(slots)]))
-        return slots, gens
+            known = list(takewhile(_KNOWN, map(self._where.get, keys)))
+        if not known:
+            return [], []
+        slots, gens = zip(*known)
+        return list(slots), list(gens)
 
     def forget(self, keys: Sequence[bytes]) -> None:
         with self._lock:
             for k in keys:
-                if self._slots.pop(k, None) is not None:
-                    del self._gens[k]
+                self._where.pop(k, None)
+
