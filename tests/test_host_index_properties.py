@@ -1,5 +1,5 @@
 """Property (hypothesis state machine): whatever sequence of saves (committed or aborted, cacheable or hand-off),
-queries, lease releases, revokes and TTL reaps the host index sees, a hit only ever names slots that hold the very
+queries, lease releases, touches, revokes and TTL reaps the host index sees, a hit only ever names slots that hold the very
 pages it was asked for (the test keeps a fake arena: each save "writes" its keys into its reserved slots), with the
 generations the save was given; no slot is both free and in use; leases are conserved; and after everything is
 released, every entry is evictable again."""
@@ -67,6 +67,14 @@ class HostIndexMachine(RuleBasedStateMachine):
             self.leases[res.lease_id] = keys[: res.pages]
         else:
             assert isinstance(res, (Miss, Loading))
+
+    @rule(keys=chains)
+    def touch(self, keys: list[bytes]) -> None:  # a store used these without a query (a verified load)
+        before = self.idx.stats()
+        self.idx.touch(keys)
+        after = self.idx.stats()
+        assert after["evictable_entries"] == before["evictable_entries"]  # recency only: nothing joins or leaves
+        assert after["entries"] == before["entries"]
 
     @precondition(lambda self: self.leases)
     @rule(data=st.data(), consume=st.booleans())

@@ -14,13 +14,15 @@ DEALER/ROUTER round trip measured in the same run.
 - copy: the very Load orders the store sent, replayed in this process by a `CopyExecutor` over the same segments
   (the bytes' cost, including ids that do not coalesce); beside it, the worker's own clock for the same orders in
   situ (`ns_load` / `orders_load`, mean): the same code run cold after an idle wait;
-- raw2: two raw round trips (the messages a host hit needs: Query, Load) timed after the same churn, interleaved with
-  the resolves: the baseline under the same cache state and the same moment of a noisy shared host;
+- raw1 / raw2: one / two raw round trips (the messages a host hit needs: Load for a verified load, Query + Load
+  otherwise) timed after the same churn, interleaved with the resolves: the baseline under the same cache state and
+  the same moment of a noisy shared host (the first round trip after a churn is the slower one, so raw1 is not
+  raw2 / 2);
 - burst: blocking resolves back to back (one churn per 6, the first dropped), against raw2_burst (raw pairs back to
   back): the case of an engine admitting several requests in a row;
-- overhead, in raw round trips (rtt = raw2 / 2): `beyond needed` = (resolve - copy - needed x rtt) / rtt, where
-  `needed` is the round trips the arm's messages take: 1 for a verified load (Load), 2 otherwise (Query, Load): the
-  issue's measure, target <= 3; `beyond 2` = the same against two round trips whatever the arm needs (the figure
+- overhead, in raw round trips: `beyond needed` = (resolve - copy - needed x rtt) / rtt, where `needed` is the
+  round trips the arm's messages take -- 1 for a verified load (Load; rtt = raw1), 2 otherwise (Query, Load; rtt =
+  raw2 / 2) -- the issue's measure, target <= 3; `beyond 2` = the same against two round trips whatever the arm needs (the figure
   earlier runs reported, comparable across arms); `total` = (resolve - copy) / the hot raw round trip. The share of
   the arm's resolves that were verified loads is printed beside it (an arm is counted as needing 1 round trip only
   when all of them were).
@@ -71,9 +73,10 @@ ARENA_BLOCK = 2048
 CONCURRENCY = 16
 # Interleaved arms per size: blocking / loop resolves after a pool churn each (caches trashed, as after an engine
 # step), raw2 (two raw round trips after the same churn), burst (blocking resolves back to back) and raw2_burst.
-ARMS = ("blocking", "speculative", "plain", "loop", "raw2", "burst", "raw2_burst")
-RESOLVE_ARMS = (("blocking", "raw2"), ("speculative", "raw2"), ("plain", "raw2"), ("loop", "raw2"),
-                ("burst", "raw2_burst"))  # (arm, its raw baseline)
+ARMS = ("blocking", "speculative", "plain", "loop", "raw1", "raw2", "burst", "raw2_burst")
+# (arm, its raw baseline when it needs one round trip, when it needs two)
+RESOLVE_ARMS = (("blocking", "raw1", "raw2"), ("speculative", "raw1", "raw2"), ("plain", "raw1", "raw2"),
+                ("loop", "raw1", "raw2"), ("burst", "raw2_burst", "raw2_burst"))
 PROMPTS_PER_BATCH = 2 * (5 + 5 + 5 + 5 + 6)  # resolves the arms use per batch (two orders per batch)
 
 RAW_ECHO = """
@@ -208,11 +211,11 @@ class _Bench:
         self.store.flush_saves(0, 30)
         return time.perf_counter() - t
 
-    def raw_pair(self, raw: _RawEcho, churn: bool = True) -> float:
-        """Two raw round trips after the same churn a timed resolve gets (same cache state, same machine moment)."""
+    def raw_trips(self, raw: _RawEcho, k: int = 2, churn: bool = True) -> float:
+        """`k` raw round trips after the same churn a timed resolve gets (same cache state, same machine moment)."""
         if churn:
             self.churn()
-        return raw.round_trips(2)
+        return raw.round_trips(k)
 
     def resolve(self, tokens: list[int], blocks: int, path: str = "blocking", churn: bool = True,
                 arm: str | None = None) -> float:
@@ -408,11 +411,11 @@ def main(argv: list[str]) -> int:
                 b.resolved.clear()
                 for i in range(batches * 2):
                     for arm in ARMS if i % 2 == 0 else ARMS[::-1]:  # ABC.. ..CBA: no arm always goes first
-                        if arm == "raw2":  # the two round trips a host hit needs, after the same churn
-                            res_t[arm] += [b.raw_pair(raw) for _ in range(5)]
+                        if arm in ("raw1", "raw2"):  # the round trip(s) a host hit needs, after the same churn
+                            res_t[arm] += [b.raw_trips(raw, int(arm[-1])) for _ in range(5)]
                         elif arm == "raw2_burst":
                             b.churn()
-                            res_t[arm] += [b.raw_pair(raw, churn=False) for _ in range(6)][1:]
+                            res_t[arm] += [b.raw_trips(raw, churn=False) for _ in range(6)][1:]
                         elif arm == "burst":  # back to back after one churn: the first one is dropped
                             b.churn()
                             res_t[arm] += [b.resolve(next(it), blocks, churn=False, arm=arm) for _ in range(6)][1:]
@@ -424,17 +427,21 @@ def main(argv: list[str]) -> int:
                 seal_us = _median_us(seal_t)
                 row: dict[str, Any] = {"blocks": blocks, "raw_rtt_us": round(raw_us, 1), "copy_us": round(load_us, 1),
                                        "copy_in_worker_us": round(in_situ_us, 1)}
-                for arm, base in RESOLVE_ARMS:
-                    rtt_us = _median_us(res_t[base]) / 2  # one raw round trip under the resolve's own conditions
+                for arm, base1, base2 in RESOLVE_ARMS:
+                    # the raw round trip(s) under the resolve's own conditions: one, or two (per trip)
+                    rtt1_us = _median_us(res_t[base1]) / (1 if base1 == "raw1" else 2)
+                    rtt2_us = _median_us(res_t[base2]) / 2
                     us = _median_us(res_t[arm])
                     share = b.verified[arm] / b.resolved[arm]
                     needed = 1 if share == 1.0 else 2  # a verified load's one message, else Query + Load
-                    row[f"raw_rtt_{base}_us"] = round(rtt_us, 1)
+                    rtt_us = rtt1_us if needed == 1 else rtt2_us
+                    row[f"raw_rtt_{base1}_us"] = round(rtt1_us, 1)
+                    row[f"raw_rtt_{base2}_us"] = round(rtt2_us, 1)
                     row[f"resolve_{arm}_us"] = round(us, 1)
                     row[f"{arm}_verified_share"] = round(share, 3)
                     row[f"{arm}_rtts_needed"] = needed
                     row[f"{arm}_overhead_beyond_needed"] = round((us - load_us - needed * rtt_us) / rtt_us, 2)
-                    row[f"{arm}_overhead_beyond_2_rtts"] = round((us - load_us - 2 * rtt_us) / rtt_us, 2)
+                    row[f"{arm}_overhead_beyond_2_rtts"] = round((us - load_us - 2 * rtt2_us) / rtt2_us, 2)
                     row[f"{arm}_overhead_total_rtts"] = round((us - load_us) / raw_us, 2)
                 results.append(row)
                 seals.append({"blocks": blocks, "seal_us": round(seal_us, 1), "copy_us": round(save_us, 1),
@@ -453,15 +460,15 @@ def main(argv: list[str]) -> int:
     load = os.getloadavg()[0]
     print(f"# control path, median of >= {n} per arm, raw 64 B round trip {raw_us:.0f} us hot (tight loop), "
           f"load {load:.2f}, hashing/pool/copy planning: {native.describe()}")
-    print("| blocks | copy (us) | raw RTT after churn (us) | blocking (us) | verified | RTTs needed "
-          "| **overhead beyond them** | beyond 2 RTTs | speculative (us) | overhead beyond its 2 RTTs | plain (us) "
-          "| overhead beyond its 2 RTTs | loop (us) | verified | overhead beyond its needed RTTs "
+    print("| blocks | copy (us) | raw RTT after churn, 1 / 2 trips (us per trip) | blocking (us) | verified "
+          "| RTTs needed | **overhead beyond them** | beyond 2 RTTs | speculative (us) | overhead beyond its 2 RTTs "
+          "| plain (us) | overhead beyond its 2 RTTs | loop (us) | verified | overhead beyond its needed RTTs "
           "| raw RTT, burst (us) | blocking, burst (us) | overhead beyond its needed RTTs "
           "| seal (us) | seal overhead (hot RTTs) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r, s in zip(results, seals):
-        print(f"| {r['blocks']} | {r['copy_us']:.0f} | {r['raw_rtt_raw2_us']:.0f} | {r['resolve_blocking_us']:.0f} | "
-              f"{r['blocking_verified_share']:.0%} | {r['blocking_rtts_needed']} | "
+        print(f"| {r['blocks']} | {r['copy_us']:.0f} | {r['raw_rtt_raw1_us']:.0f} / {r['raw_rtt_raw2_us']:.0f} | "
+              f"{r['resolve_blocking_us']:.0f} | {r['blocking_verified_share']:.0%} | {r['blocking_rtts_needed']} | "
               f"**{r['blocking_overhead_beyond_needed']:.2f}** | {r['blocking_overhead_beyond_2_rtts']:.2f} | "
               f"{r['resolve_speculative_us']:.0f} | {r['speculative_overhead_beyond_2_rtts']:.2f} | "
               f"{r['resolve_plain_us']:.0f} | {r['plain_overhead_beyond_2_rtts']:.2f} | "
