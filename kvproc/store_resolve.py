@@ -368,22 +368,29 @@ class Resolver:
         commit the leading pages the table still confirms, drop (and forget) the rest, tell the tier what was used,
         record the load's outcome. Returns the pages kept. Both paths use it."""
         store = self.store
-        pool = store.pools[rank]
         tier = store.tier_of(rank)
         assert tier is not None and tier.slot_table is not None
         ok = verified_run(tier.slot_table, slots, gens, hashes[dev : dev + len(slots)])  # after the copy: the seqlock's
         # second read
-        store.count("verified_pages_kept", ok)
-        if ok < len(slots):
-            store.count("verified_pages_dropped", len(slots) - ok)
-            store.slot_caches[rank].forget(hashes[dev + ok : dev + len(slots)])
-        pool.trim_reservation(reservation, ok)
-        pool.commit_loaded_blocks(reservation, hold, hashes[dev : dev + ok])  # 0 pages: released
+        self._keep_leading("verified", rank, hashes, hold, dev, len(slots), reservation, ok)
         if ok:
             store.touches[rank].add(hashes[dev : dev + ok])  # the tier's LRU sees the use, later and batched
         reason = "verified" if ok == len(slots) else "verified_partial" if ok else "verified_unused"
         store.outcomes.record("load", req_id, "ok", reason)
         return ok
+
+    def _keep_leading(self, kind: str, rank: int, hashes: list[bytes], hold: Any, dev: int, loaded: int,
+                      reservation: Any, ok: int) -> None:
+        """Commit the first `ok` of `loaded` speculatively copied pages into the hold; drop the rest with their blocks
+        and forget where the slot cache believed they were (counters `<kind>_pages_kept` / `_dropped`)."""
+        store = self.store
+        pool = store.pools[rank]
+        store.count(f"{kind}_pages_kept", ok)
+        if ok < loaded:
+            store.count(f"{kind}_pages_dropped", loaded - ok)
+            store.slot_caches[rank].forget(hashes[dev + ok : dev + loaded])
+        pool.trim_reservation(reservation, ok)
+        pool.commit_loaded_blocks(reservation, hold, hashes[dev : dev + ok])  # 0 pages: released
 
     def keep_confirmed(self, rank: int, req_id: str, hashes: list[bytes], hold: Any, dev: int, res: Hit | None,
                        slots: list[int], gens: list[int], spec_reservation: Any,
@@ -397,12 +404,7 @@ class Resolver:
         tier = store.tier_of(rank)
         assert tier is not None
         ok = 0 if res is None else confirmed_pages(slots, gens, res)
-        store.count("speculative_pages_kept", ok)
-        if ok < len(slots):
-            store.count("speculative_pages_dropped", len(slots) - ok)
-            store.slot_caches[rank].forget(hashes[dev + ok : dev + len(slots)])
-        pool.trim_reservation(spec_reservation, ok)
-        pool.commit_loaded_blocks(spec_reservation, hold, hashes[dev : dev + ok])  # 0 pages: released
+        self._keep_leading("speculative", rank, hashes, hold, dev, len(slots), spec_reservation, ok)
         if res is None or ok == res.pages:
             if res is not None:
                 tier.release_lease(res.lease_id, consume_handoff=policy.consume_handoff_of)

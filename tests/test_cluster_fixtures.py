@@ -137,6 +137,76 @@ def churn(store: KvStore) -> None:
         pool.paged.release(ids)
 
 
+Written = dict[bytes, tuple[torch.Tensor, torch.Tensor]]
+
+
+def saved(store: KvStore, model: ShmBytesModel, rid: str, toks: list[int]) -> Written:
+    """Compute and retire a request, wait until its save landed and the tier committed it (a fire-and-forget message:
+    until then the tier's slot table does not show the pages committed), churn the device pool; its page bytes."""
+    kv, cur, _, written = compute(store, model, rid, toks)
+    store.retire(0, kv, cur)
+    store.flush_saves(0, 10)
+    wait_for(lambda: store.stats()["tier"]["open_saves"] == 0, what="the save committed")
+    churn(store)
+    return written
+
+
+def resolve_on(store: KvStore, path: str, rid: str, toks: list[int]) -> Any:
+    """Resolve on the blocking path (`resolve_prefix_sync`) or the store loop's (`submit_resolve`)."""
+    if path == "blocking":
+        return store.resolve_prefix_sync(0, rid, toks)
+    return store.submit_resolve(0, rid, toks).result(10)
+
+
+def check_bytes(model: ShmBytesModel, prefix: Any, written: Written) -> None:
+    """Every block of the prefix holds exactly the bytes saved under its hash."""
+    for h, b in zip(prefix.hold.hashes, prefix.hold.block_ids):
+        assert torch.equal(model.block(0, b), written[h][0]) and torch.equal(model.block(1, b), written[h][1])
+
+
+def restores(store: KvStore, model: ShmBytesModel, rid: str, toks: list[int], written: Written,
+             path: str = "blocking") -> int:
+    """Resolve `toks` after a churn, on zeroed arenas; checks every restored block's bytes; the pages restored."""
+    churn(store)
+    model.zero()
+    prefix = resolve_on(store, path, rid, toks)
+    check_bytes(model, prefix, written)
+    pages = int(prefix.hold.num_blocks)
+    prefix.hold.release()
+    return pages
+
+
+LIES = ("another_pages_slots", "stale_generation", "both")
+
+
+def lie_about_a(store: KvStore, model: ShmBytesModel, lie: str) -> tuple[list[int], Written, tuple[Any, Any]]:
+    """Save two prompts A and B, then make the slot cache wrong about A: B's live slots with their current
+    generations (`another_pages_slots`), A's own slots with old generations (`stale_generation`), or B's slots with
+    made-up generations (`both`). Returns A's tokens, A's page bytes and the truth about A (slots, generations)."""
+    a, b = list(range(17)), list(range(1000, 1017))
+    written = saved(store, model, "a", a)
+    written_b = saved(store, model, "b", b)
+    cache = store.slot_caches[0]
+    keys_a, keys_b = list(written), list(written_b)
+    slots_a, gens_a = cache.run(keys_a)
+    slots_b, gens_b = cache.run(keys_b)
+    if lie == "another_pages_slots":
+        cache.learn(keys_a, slots_b, gens_b)
+    elif lie == "stale_generation":
+        cache.learn(keys_a, slots_a, [g - 1 for g in gens_a])
+    else:
+        cache.learn(keys_a, slots_b, [g + 7 for g in gens_b])
+    return a, written, (slots_a, gens_a)
+
+
+def nothing_left(store: KvStore) -> None:
+    """Loads settled (a speculation the loop path did not use settles in the background), no block held or reserved,
+    every lease back."""
+    store.flush_loads(0, 5)
+    assert store.stats()["rank0"]["active_blocks"] == 0
+    wait_for(lambda: store.stats()["tier"]["open_leases"] == 0, what="every lease back")
+
+
 def wait_for(cond: Callable[[], bool], timeout: float = 5.0, what: str = "condition") -> None:
     """Test-side wait for an observable state of another process (short sleeps; the code under test never polls)."""
     end = time.monotonic() + timeout

@@ -8,88 +8,43 @@ slots, and nothing (block, lease) is left behind."""
 from __future__ import annotations
 
 import pytest
-import torch
 
-from kvproc.store import KvStore
-from kvproc.store_types import KvPrefix, StoreConfig
-from tests.test_cluster_fixtures import ShmBytesModel, churn, cluster_store, compute, wait_for
+from kvproc.store_types import StoreConfig
+from tests.test_cluster_fixtures import LIES, lie_about_a, churn, cluster_store, nothing_left, resolve_on, restores, saved
 
 pytestmark = pytest.mark.timeout(60)
-CONFIG = StoreConfig(resolve_deadline_s=3.0, verified_loads=False)  # the query confirms (verified: test_store_verified_load.py)
+# The query confirms (the verified form, which needs none: test_store_verified_load.py).
+CONFIG = StoreConfig(resolve_deadline_s=3.0, verified_loads=False)
 both_paths = pytest.mark.parametrize("path", ["blocking", "loop"])
-
-
-def _saved(store: KvStore, model: ShmBytesModel, rid: str, toks: list[int]) -> dict[bytes, tuple[torch.Tensor, ...]]:
-    kv, cur, _, written = compute(store, model, rid, toks)
-    store.retire(0, kv, cur)
-    store.flush_saves(0, 10)
-    churn(store)
-    return written
-
-
-def _resolve(store: KvStore, path: str, rid: str, toks: list[int]) -> KvPrefix:
-    if path == "blocking":
-        return store.resolve_prefix_sync(0, rid, toks)
-    return store.submit_resolve(0, rid, toks).result(10)
-
-
-def _restores(store: KvStore, model: ShmBytesModel, rid: str, toks: list[int],
-              written: dict[bytes, tuple[torch.Tensor, ...]], path: str = "blocking") -> int:
-    """Resolve `toks` after a churn; every restored block must hold exactly the bytes saved under its hash."""
-    churn(store)
-    model.zero()
-    pre = _resolve(store, path, rid, toks)
-    for h, b in zip(pre.hold.hashes, pre.hold.block_ids):
-        assert torch.equal(model.block(0, b), written[h][0]) and torch.equal(model.block(1, b), written[h][1])
-    pages = pre.hold.num_blocks
-    pre.hold.release()
-    return pages
-
-
-def _nothing_left(store: KvStore) -> None:
-    store.flush_loads(0, 5)  # a speculation the loop path did not use settles in the background
-    assert store.stats()["rank0"]["active_blocks"] == 0
-    wait_for(lambda: store.stats()["tier"]["open_leases"] == 0, what="every lease back")
 
 
 @both_paths
 def test_a_confirmed_speculation_restores_the_bytes_with_the_query_and_load_overlapped(path: str) -> None:
     with cluster_store(config=CONFIG) as (cs, store, model):
         toks = list(range(17))
-        written = _saved(store, model, "a", toks)
+        written = saved(store, model, "a", toks)
         assert store.slot_caches[0].run(list(written))[0]  # the save taught the store where its pages went
         assert store.stats()["rank0"]["slot_hints"] == 4 and store.counters_flat()["rank0.slot_hints"] == 4
-        assert _restores(store, model, "b", toks, written, path) == 4
+        assert restores(store, model, "b", toks, written, path) == 4
         assert store.counters["speculative_pages_kept"] == 4 and store.counters["speculative_pages_dropped"] == 0
         assert [o.reason for o in store.outcomes.for_request("b", "load")] == ["speculative"]
-        _nothing_left(store)
+        nothing_left(store)
 
 
 @both_paths
-@pytest.mark.parametrize("lie", ["another_pages_slots", "stale_generation", "both"])
+@pytest.mark.parametrize("lie", LIES)
 def test_a_wrong_hint_is_never_trusted(lie: str, path: str) -> None:
     """The slot cache claims page A lives where page B does (whose bytes the speculative copy then reads), or names A's
     own slot with an old generation: the hit disagrees, the copies are dropped, A's bytes come from A's slots."""
     with cluster_store(config=CONFIG) as (cs, store, model):
-        a, b = list(range(17)), list(range(1000, 1017))
-        written = _saved(store, model, "a", a)
-        written_b = _saved(store, model, "b", b)
+        a, written, truth = lie_about_a(store, model, lie)
         cache = store.slot_caches[0]
-        keys_a, keys_b = list(written), list(written_b)
-        slots_a, gens_a = cache.run(keys_a)
-        slots_b, gens_b = cache.run(keys_b)
-        if lie == "another_pages_slots":
-            cache.learn(keys_a, slots_b, gens_b)  # B's live slots, with their current generations
-        elif lie == "stale_generation":
-            cache.learn(keys_a, slots_a, [g - 1 for g in gens_a])
-        else:
-            cache.learn(keys_a, slots_b, [g + 7 for g in gens_b])
-        assert _restores(store, model, "r", a, written, path) == 4
+        assert restores(store, model, "r", a, written, path) == 4
         assert store.counters["speculative_pages_kept"] == 0 and store.counters["speculative_pages_dropped"] == 4
-        assert cache.run(keys_a) == (slots_a, gens_a)  # the usual load that followed taught the right slots
-        assert _restores(store, model, "r2", a, written, path) == 4  # and the next resolve speculates right
+        assert cache.run(list(written)) == truth  # the usual load that followed taught the right slots
+        assert restores(store, model, "r2", a, written, path) == 4  # and the next resolve speculates right
         assert store.counters["speculative_pages_kept"] == 4
-        _nothing_left(store)
+        nothing_left(store)
 
 
 @both_paths
@@ -100,44 +55,44 @@ def test_a_slot_evicted_and_reused_for_another_page_is_caught_by_its_generation(
     with cluster_store(host_bytes=16 << 10, config=CONFIG, num_blocks=48) as (cs, store, model):
         page_slots = store.tier.layout.page_slots  # type: ignore[union-attr]
         a = list(range(17))
-        written = _saved(store, model, "a", a)
+        written = saved(store, model, "a", a)
         stale = store.slot_caches[0].run(list(written))
         for i in range(page_slots // 4 + 2):  # enough saves to evict A and reuse every slot it had
-            _saved(store, model, f"fill{i}", list(range(10_000 * (i + 1), 10_000 * (i + 1) + 17)))
+            saved(store, model, f"fill{i}", list(range(10_000 * (i + 1), 10_000 * (i + 1) + 17)))
         assert store.stats()["tier"]["evictions"] >= 4
         store.slot_caches[0].learn(list(written), *stale)  # the store still believes A is where it was
         churn(store)
-        pre = _resolve(store, path, "miss", a)
+        pre = resolve_on(store, path, "miss", a)
         assert pre.hit_tokens == 0 and store.counters["speculative_pages_kept"] == 0
         pre.hold.release()
-        _nothing_left(store)
+        nothing_left(store)
         assert [o.reason for o in store.outcomes.for_request("miss", "load")] == ["speculative_unused"]
-        again = _saved(store, model, "a2", a)  # A is on the tier again, in whatever slots it got now
+        again = saved(store, model, "a2", a)  # A is on the tier again, in whatever slots it got now
         store.slot_caches[0].learn(list(again), *stale)
-        assert _restores(store, model, "r", a, again, path) == 4
+        assert restores(store, model, "r", a, again, path) == 4
         assert store.counters["speculative_pages_kept"] == 0  # the old pair was dropped even where a slot matched
-        _nothing_left(store)
+        nothing_left(store)
 
 
 @both_paths
 def test_a_hint_for_the_first_pages_keeps_them_and_loads_the_rest_the_usual_way(path: str) -> None:
     with cluster_store(config=CONFIG) as (cs, store, model):
         toks = list(range(17))
-        written = _saved(store, model, "a", toks)
+        written = saved(store, model, "a", toks)
         store.slot_caches[0].forget(list(written)[2:])  # the store knows only the first two pages' slots
-        assert _restores(store, model, "b", toks, written, path) == 4
+        assert restores(store, model, "b", toks, written, path) == 4
         assert store.counters["speculative_pages_kept"] == 2 and store.counters["speculative_pages_dropped"] == 0
         reasons = [o.reason for o in store.outcomes.for_request("b") if o.op == "load"]
         assert reasons == ["speculative_partial", ""]  # two load orders: the speculative one, then the rest
-        _nothing_left(store)
+        nothing_left(store)
 
 
 @both_paths
 def test_turned_off_the_query_comes_first_and_nothing_is_speculated(path: str) -> None:
     with cluster_store(config=StoreConfig(resolve_deadline_s=3.0, speculative_loads=False)) as (cs, store, model):
         toks = list(range(17))
-        written = _saved(store, model, "a", toks)
-        assert _restores(store, model, "b", toks, written, path) == 4
+        written = saved(store, model, "a", toks)
+        assert restores(store, model, "b", toks, written, path) == 4
         assert store.counters["speculative_pages_kept"] == 0
         assert store.counters["resolve_reserved_in_flight"] == (1 if path == "blocking" else 0)
-        _nothing_left(store)
+        nothing_left(store)

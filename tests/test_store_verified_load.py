@@ -15,58 +15,18 @@ import signal
 from dataclasses import replace
 
 import pytest
-import torch
 
 from kvproc.store import KvStore
-from kvproc.store_types import FULL_HIT, KvPrefix, StoreConfig
+from kvproc.store_types import FULL_HIT, StoreConfig
 from kvproc.tiers.slot_table import GEN
-from tests.test_cluster_fixtures import ShmBytesModel, churn, cluster_store, compute, stopped, wait_for
+from tests.test_cluster_fixtures import (LIES, check_bytes, churn, cluster_store, compute, lie_about_a, nothing_left,
+                                         resolve_on, restores, saved, stopped, wait_for)
 
 pytestmark = pytest.mark.timeout(60)
 CONFIG = StoreConfig(resolve_deadline_s=3.0)  # speculative and verified loads: the defaults
 both_paths = pytest.mark.parametrize("path", ["blocking", "loop"])
 # A tier of exactly 4 page slots for this model (two 256 B arenas): 3 alignment pages of slack, 4 * (512 + 16) bytes.
 FOUR_SLOTS = 3 * 4096 + 4 * (512 + 16)
-
-
-def _saved(store: KvStore, model: ShmBytesModel, rid: str, toks: list[int]) -> dict[bytes, tuple[torch.Tensor, ...]]:
-    kv, cur, _, written = compute(store, model, rid, toks)
-    store.retire(0, kv, cur)
-    store.flush_saves(0, 10)
-    # The commit is a oneway message: until the tier has run it, the slot table does not show the pages committed
-    # and a resolve takes the query's way (correct, just not what these tests look at).
-    wait_for(lambda: store.stats()["tier"]["open_saves"] == 0, what="the save committed")
-    churn(store)
-    return written
-
-
-def _resolve(store: KvStore, path: str, rid: str, toks: list[int]) -> KvPrefix:
-    if path == "blocking":
-        return store.resolve_prefix_sync(0, rid, toks)
-    return store.submit_resolve(0, rid, toks).result(10)
-
-
-def _restores(store: KvStore, model: ShmBytesModel, rid: str, toks: list[int],
-              written: dict[bytes, tuple[torch.Tensor, ...]], path: str) -> int:
-    """Resolve `toks` after a churn; every restored block must hold exactly the bytes saved under its hash."""
-    churn(store)
-    model.zero()
-    pre = _resolve(store, path, rid, toks)
-    _check_bytes(model, pre, written)
-    pages = pre.hold.num_blocks
-    pre.hold.release()
-    return pages
-
-
-def _check_bytes(model: ShmBytesModel, pre: KvPrefix, written: dict[bytes, tuple[torch.Tensor, ...]]) -> None:
-    for h, b in zip(pre.hold.hashes, pre.hold.block_ids):
-        assert torch.equal(model.block(0, b), written[h][0]) and torch.equal(model.block(1, b), written[h][1])
-
-
-def _nothing_left(store: KvStore) -> None:
-    store.flush_loads(0, 5)
-    assert store.stats()["rank0"]["active_blocks"] == 0
-    wait_for(lambda: store.stats()["tier"]["open_leases"] == 0, what="every lease back")
 
 
 def _load_reasons(store: KvStore, rid: str) -> list[str]:
@@ -77,16 +37,16 @@ def _load_reasons(store: KvStore, rid: str) -> list[str]:
 def test_a_verified_load_restores_the_bytes_without_a_query_or_a_lease_and_the_tier_sees_the_use(path: str) -> None:
     with cluster_store(config=CONFIG) as (cs, store, model):
         toks = list(range(17))
-        written = _saved(store, model, "a", toks)
+        written = saved(store, model, "a", toks)
         queries = store.stats()["tier"].get("query_hit", 0) + store.stats()["tier"].get("query_miss", 0)
-        assert _restores(store, model, "b", toks, written, path) == 4
+        assert restores(store, model, "b", toks, written, path) == 4
         assert store.counters["verified_pages_kept"] == 4 and store.counters["verified_pages_dropped"] == 0
         assert _load_reasons(store, "b") == ["verified"]
         assert store.outcomes.for_request("b", "resolve")[-1].state == "ok"
         tier = store.stats()["tier"]
         assert tier.get("query_hit", 0) + tier.get("query_miss", 0) == queries  # the tier was not asked
         wait_for(lambda: store.stats()["tier"].get("touched_pages", 0) == 4, what="the tier told of the use")
-        _nothing_left(store)
+        nothing_left(store)
 
 
 def test_a_stopped_tier_does_not_stop_a_verified_load() -> None:
@@ -94,62 +54,51 @@ def test_a_stopped_tier_does_not_stop_a_verified_load() -> None:
     (the touch waits in the tier's socket until it runs again)."""
     with cluster_store(config=CONFIG) as (cs, store, model):
         toks = list(range(17))
-        written = _saved(store, model, "a", toks)
+        written = saved(store, model, "a", toks)
         churn(store)
         model.zero()
         with stopped(cs.cluster.pid("host_tier")):
             pre = store.resolve_prefix_sync(0, "b", toks)
             assert pre.host_tokens == 16
-            _check_bytes(model, pre, written)
+            check_bytes(model, pre, written)
             pre.hold.release()
         wait_for(lambda: store.stats()["tier"].get("touched_pages", 0) == 4, what="the touch, once the tier runs")
-        _nothing_left(store)
+        nothing_left(store)
 
 
 @both_paths
-@pytest.mark.parametrize("lie", ["another_pages_slots", "stale_generation", "both"])
+@pytest.mark.parametrize("lie", LIES)
 def test_a_wrong_belief_is_caught_before_any_copy_and_the_tier_answers_instead(lie: str, path: str) -> None:
     """The slot cache claims page A lives where page B does (B's live slots and generations), or names A's own slots
     with old generations: the table disagrees before anything is copied, the tier is asked, A's bytes come from A's
     slots, and the next resolve (the hit taught the right slots) verifies again."""
     with cluster_store(config=CONFIG) as (cs, store, model):
-        a, b = list(range(17)), list(range(1000, 1017))
-        written = _saved(store, model, "a", a)
-        written_b = _saved(store, model, "b", b)
+        a, written, truth = lie_about_a(store, model, lie)
         cache = store.slot_caches[0]
-        keys_a, keys_b = list(written), list(written_b)
-        slots_a, gens_a = cache.run(keys_a)
-        slots_b, gens_b = cache.run(keys_b)
-        if lie == "another_pages_slots":
-            cache.learn(keys_a, slots_b, gens_b)
-        elif lie == "stale_generation":
-            cache.learn(keys_a, slots_a, [g - 1 for g in gens_a])
-        else:
-            cache.learn(keys_a, slots_b, [g + 7 for g in gens_b])
-        assert _restores(store, model, "r", a, written, path) == 4
+        assert restores(store, model, "r", a, written, path) == 4
         assert store.counters["slot_hints_stale"] == 4 and store.counters["verified_pages_kept"] == 0
         assert _load_reasons(store, "r") == [""]  # no speculative copy at all: the queried load only
-        assert cache.run(keys_a) == (slots_a, gens_a)
-        assert _restores(store, model, "r2", a, written, path) == 4
+        assert cache.run(list(written)) == truth
+        assert restores(store, model, "r2", a, written, path) == 4
         assert store.counters["verified_pages_kept"] == 4 and _load_reasons(store, "r2") == ["verified"]
-        _nothing_left(store)
+        nothing_left(store)
 
 
 @both_paths
 def test_a_belief_gone_stale_for_the_later_pages_keeps_the_first_and_asks_for_the_rest(path: str) -> None:
     with cluster_store(config=CONFIG) as (cs, store, model):
         toks = list(range(17))
-        written = _saved(store, model, "a", toks)
+        written = saved(store, model, "a", toks)
         keys = list(written)
         cache = store.slot_caches[0]
         slots, gens = cache.run(keys)
         cache.learn(keys[2:], slots[2:], [g + 1 for g in gens[2:]])
-        assert _restores(store, model, "b", toks, written, path) == 4
+        assert restores(store, model, "b", toks, written, path) == 4
         # the first two went the speculative way (checked, then confirmed by the hit), the rest by the usual load
         assert store.counters["slot_hints_stale"] == 2
         assert store.counters["speculative_pages_kept"] == 2
         assert _load_reasons(store, "b") == ["speculative_partial", ""]
-        _nothing_left(store)
+        nothing_left(store)
 
 
 @both_paths
@@ -157,17 +106,17 @@ def test_a_slot_evicted_and_handed_to_a_later_save_is_caught_by_its_generation(p
     with cluster_store(host_bytes=FOUR_SLOTS, config=CONFIG, num_blocks=48) as (cs, store, model):
         assert store.tier.layout.page_slots == 4  # type: ignore[union-attr]
         a = list(range(17))
-        written = _saved(store, model, "a", a)
+        written = saved(store, model, "a", a)
         stale = store.slot_caches[0].run(list(written))
-        _saved(store, model, "c", list(range(10_000, 10_017)))  # evicts A: its four slots go to C
+        saved(store, model, "c", list(range(10_000, 10_017)))  # evicts A: its four slots go to C
         assert store.stats()["tier"]["evictions"] >= 4
         store.slot_caches[0].learn(list(written), *stale)  # the store still believes A is where it was
         churn(store)
-        pre = _resolve(store, path, "miss", a)
+        pre = resolve_on(store, path, "miss", a)
         assert pre.hit_tokens == 0 and store.counters["verified_pages_kept"] == 0
         assert store.counters["slot_hints_stale"] == 4
         pre.hold.release()
-        _nothing_left(store)
+        nothing_left(store)
 
 
 def test_a_save_handed_the_slots_while_the_copy_runs_is_caught_after_the_copy() -> None:
@@ -177,7 +126,7 @@ def test_a_save_handed_the_slots_while_the_copy_runs_is_caught_after_the_copy() 
     moved, so none of the copy is kept, the tier is asked and (A is gone) the resolve ends with no host tokens."""
     with cluster_store(host_bytes=FOUR_SLOTS, config=CONFIG, num_blocks=48) as (cs, store, model):
         a = list(range(17))
-        _saved(store, model, "a", a)
+        saved(store, model, "a", a)
         churn(store)
         worker = cs.cluster.pid("copy_worker")
         os.kill(worker, signal.SIGSTOP)
@@ -195,7 +144,7 @@ def test_a_save_handed_the_slots_while_the_copy_runs_is_caught_after_the_copy() 
         assert _load_reasons(store, "r") == ["verified_unused"]
         pre.hold.release()
         store.flush_saves(0, 10)
-        _nothing_left(store)
+        nothing_left(store)
 
 
 def test_a_generation_moved_during_the_copy_drops_from_that_page_on() -> None:
@@ -203,7 +152,7 @@ def test_a_generation_moved_during_the_copy_drops_from_that_page_on() -> None:
     the tier's table here, as a save handed that slot would): pages 0-1 are kept, 2-3 come from the tier's answer."""
     with cluster_store(config=CONFIG) as (cs, store, model):
         toks = list(range(17))
-        written = _saved(store, model, "a", toks)
+        written = saved(store, model, "a", toks)
         slots, _ = store.slot_caches[0].run(list(written))
         churn(store)
         model.zero()
@@ -214,11 +163,11 @@ def test_a_generation_moved_during_the_copy_drops_from_that_page_on() -> None:
             table[GEN, slots[2]] += 1
         pre = fut.result(10)
         assert pre.host_tokens == 16
-        _check_bytes(model, pre, written)
+        check_bytes(model, pre, written)
         assert store.counters["verified_pages_kept"] == 2 and store.counters["verified_pages_dropped"] == 2
         assert _load_reasons(store, "r") == ["verified_partial", ""]
         pre.hold.release()
-        _nothing_left(store)
+        nothing_left(store)
 
 
 @pytest.mark.parametrize("how", ["full_hit", "handoff"])
@@ -227,7 +176,7 @@ def test_a_full_hit_wait_or_a_hand_off_still_asks_the_tier(how: str) -> None:
     speculative copy by the hit) even when every page would verify."""
     with cluster_store(config=CONFIG) as (cs, store, model):
         toks = list(range(17))
-        written = _saved(store, model, "a", toks)
+        written = saved(store, model, "a", toks)
         churn(store)
         model.zero()
         if how == "full_hit":
@@ -236,7 +185,7 @@ def test_a_full_hit_wait_or_a_hand_off_still_asks_the_tier(how: str) -> None:
             policy = replace(FULL_HIT, wait_for_full_hit=False, consume_handoff_of="nobody")
         pre = store.resolve_prefix_sync(0, "b", toks, policy=policy)
         assert pre.host_tokens == 16
-        _check_bytes(model, pre, written)
+        check_bytes(model, pre, written)
         assert store.counters["verified_pages_kept"] == 0 and store.counters["speculative_pages_kept"] == 4
         pre.hold.release()
-        _nothing_left(store)
+        nothing_left(store)
