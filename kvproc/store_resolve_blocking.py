@@ -18,6 +18,11 @@ tier's hit then decides: the leading pages whose (slot, generation) it names are
 `kvproc/tiers/slot_cache.py`), the rest of the hit is loaded the usual way, the copies it does not confirm are
 dropped with their blocks. Paged-only specs (a bounded group's staging slot depends on the answer).
 
+Verified load (`StoreConfig.verified_loads`): when the slot cache knows *every* wanted page and the tier publishes
+its page-slot table, the pages are checked against the table before the Load is ordered and again after its reply
+(`kvproc/tiers/slot_table.py`) and no Query is sent at all: one round trip, no lease; only what does not verify is
+asked of the tier. Plain resolves only (a hand-off's consumption and a full-hit wait are the tier's business).
+
 Same rules as the loop path: one deadline for the whole resolve; degrade reasons in stats, never in the result; the
 lease released on every path that does not consume it (a query answered after the resolve stopped waiting included:
 its late Hit's lease is released when it arrives); a load is not cancellable: when the deadline passes or the token

@@ -14,7 +14,8 @@ copy-worker processes. Same semantics as `kvproc.tiers.local` (the reference), w
 - The copy worker is restartable: the copier re-sends `AttachArenas` to a new incarnation before its next order.
 - Blocking forms for a resolve that runs on the caller's thread (`query_blocking`, `load_blocking`: the
   `BlockingTier` / `BlockingCopier` protocols): `RpcClient.request` on a socket the calling thread owns, so a host-hit
-  resolve costs its two round trips and no hand-off to the store's loop and back. A load whose resolve deadline
+  resolve costs its round trips (Query and Load, or the Load alone when verified) and no hand-off to the store's
+  loop and back. A load whose resolve deadline
   passes first returns `LATE`; its real outcome reaches `on_late` when the worker answers.
 """
 
