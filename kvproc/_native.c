@@ -659,8 +659,9 @@ static PyObject *lru_stamp(PyObject *self, PyObject *args) {
 
 /* slot_verify(gen_row, tag_row, slots, gens, keys) -> int: how many leading (slot, generation, key) beliefs the
  * table confirms (`kvproc.tiers.slot_table.verified_run`: generation equal, tag = the key's first 8 bytes, little
- * endian, zero-padded; 0 never matches: it means "nothing committed"). A slot outside the table ends the run. The table is shared memory another process writes:
- * the acquire fence keeps these reads after whatever the caller observed before the call (the copy's reply). */
+ * endian, zero-padded; 0 never matches: it means "nothing committed"). A slot outside the table ends the run. The
+ * table is shared memory another process writes: the acquire fence keeps these reads after whatever the caller
+ * observed before the call (the copy's reply). */
 static PyObject *slot_verify(PyObject *self, PyObject *args) {
     PyObject *objs[2], *slots_o, *gens_o, *keys_o;
     if (!PyArg_ParseTuple(args, "OOOOO", &objs[0], &objs[1], &slots_o, &gens_o, &keys_o)) return NULL;

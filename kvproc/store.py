@@ -143,8 +143,8 @@ class KvStore:
                             scope: HashScope = DEFAULT_SCOPE, policy: ResolvePolicy = ResolvePolicy(),
                             cancel: CancelToken | None = None) -> KvPrefix:
         """Blocking `resolve_prefix`, same result and rules. A host hit that needs no waiting runs on the calling
-        thread (`store_resolve_blocking.py`: one or two round trips, no hand-off to the store's loop); the rest (Loading,
-        full-hit waits, pool pressure) continues on the loop. Not from the store's own loop."""
+        thread (`store_resolve_blocking.py`: one or two round trips, no hand-off to the store's loop); the rest
+        (Loading, full-hit waits, pool pressure) continues on the loop. Not from the store's own loop."""
         return self._blocking.resolve(rank, req_id, tokens, scope, policy, cancel)
 
     # -- seal -----------------------------------------------------------------------------------------------------

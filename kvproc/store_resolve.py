@@ -222,8 +222,8 @@ class Resolver:
     async def _verified(self, rank: int, req_id: str, hashes: list[bytes], hold: Any, dev: int, cap: int,
                         scope: HashScope, policy: ResolvePolicy, cancel: CancelToken | None, deadline: float,
                         spec: _Speculation) -> int:
-        """The speculative load covers every wanted page: verify it against the tier's generation table instead of
-        asking (`kvproc/tiers/slot_cache.py`); only what did not verify goes to the tier."""
+        """The speculative load covers every wanted page: verify it against the tier's slot table instead of asking
+        (`kvproc/tiers/slot_table.py`); only what did not verify goes to the tier."""
         await self._settle_load(rank, req_id, spec.load, spec.reservation, None, cancel, deadline)
         ok = self.keep_verified(rank, req_id, hashes, hold, dev, spec.slots, spec.gens, spec.reservation)
         if ok == len(spec.slots):

@@ -1,8 +1,8 @@
 """Property (hypothesis state machine): whatever sequence of saves (committed or aborted, cacheable or hand-off),
-queries, lease releases, touches, revokes and TTL reaps the host index sees, a hit only ever names slots that hold the very
-pages it was asked for (the test keeps a fake arena: each save "writes" its keys into its reserved slots), with the
-generations the save was given; no slot is both free and in use; leases are conserved; and after everything is
-released, every entry is evictable again."""
+queries, lease releases, touches, revokes and TTL reaps the host index sees, a hit only ever names slots that hold
+the very pages it was asked for (the test keeps a fake arena: each save "writes" its keys into its reserved slots),
+with the generations the save was given; no slot is both free and in use; leases are conserved; and after everything
+is released, every entry is evictable again."""
 
 from __future__ import annotations
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 
 from kvproc.store_types import StoreConfig
-from tests.test_cluster_fixtures import LIES, lie_about_a, churn, cluster_store, nothing_left, resolve_on, restores, saved
+from tests.test_cluster_fixtures import (LIES, churn, cluster_store, lie_about_a, nothing_left, resolve_on, restores,
+                                         saved)
 
 pytestmark = pytest.mark.timeout(60)
 # The query confirms (the verified form, which needs none: test_store_verified_load.py).

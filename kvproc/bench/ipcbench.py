@@ -23,9 +23,9 @@ DEALER/ROUTER round trip measured in the same run.
 - overhead, in raw round trips: `beyond needed` = (resolve - copy - needed x rtt) / rtt, where `needed` is the
   round trips the arm's messages take -- 1 for a verified load (Load; rtt = raw1), 2 otherwise (Query, Load; rtt =
   raw2 / 2) -- the issue's measure, target <= 3; `beyond 2` = the same against two round trips whatever the arm
-  needs (the figure earlier runs reported, comparable across arms); `total` = (resolve - copy) / the hot raw round trip. The share of
-  the arm's resolves that were verified loads is printed beside it (an arm is counted as needing 1 round trip only
-  when all of them were).
+  needs (the figure earlier runs reported, comparable across arms); `total` = (resolve - copy) / the hot raw round
+  trip. The share of the arm's resolves that were verified loads is printed beside it (an arm is counted as needing 1
+  round trip only when all of them were).
 - seal: `retire` of a request with fresh pages until its save has landed (`flush_saves`): ReserveSave, Save order,
   commit; overhead (seal - copy) / raw against the in-process Save copy.
 - resolves/s: 16 threads resolving distinct host-resident prompts of 16 blocks concurrently (blocking path).

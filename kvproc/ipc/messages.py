@@ -415,7 +415,8 @@ class Attached(Payload, tag=601):
 
 RequestBody = Union[
     Ping, Stats, Profile, Shutdown, Sleep, Fail, Echo,
-    Configure, Query, WaitSettled, WaitKey, ReleaseLease, ReserveSave, CommitSave, AbortSave, RevokeHandoff, TierStats, TouchPages,
+    Configure, Query, WaitSettled, WaitKey, ReleaseLease, ReserveSave, CommitSave, AbortSave, RevokeHandoff, TierStats,
+    TouchPages,
     AttachArenas, Save, Load, DeviceCopy,
 ]  # fmt: skip
 PayloadBody = Union[

@@ -93,7 +93,7 @@ class Segment:
     def attach(cls, name: str, *, offset: int = 0, nbytes: int = -1) -> Segment:
         """Map a segment another process created (never unlinked here). `offset` / `nbytes` map only that window
         (`offset` a multiple of the page size; views then count from the window's start): a store reads the host
-        tier's generation table without mapping the whole arena."""
+        tier's page-slot table without mapping the whole arena."""
         if offset < 0 or offset % mmap.ALLOCATIONGRANULARITY:
             raise ValueError(f"window offset {offset} is not a multiple of {mmap.ALLOCATIONGRANULARITY}")
         try:

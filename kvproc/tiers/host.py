@@ -7,7 +7,7 @@ fingerprint joins it (same segment, same layout); a different fingerprint is ref
 Host arena layout (the segment `kvproc.<cluster>.host_tier.<pid>.<n>`, planned by `kvproc.tiers.layout.HostLayout`):
 one region per stored device arena, in the model's arena order, each starting on a 4 KiB boundary:
 
-    offset 0                                     region(kv0)                 region(kv1)   ...  region(st0) ...  gens
+    offset 0                                     region(kv0)                 region(kv1)   ...  region(st0) ...  table
     | unit 0 | unit 1 | ... | unit page_slots-1 | pad | unit 0 | ...          | ...          | bounded ... | table
 
 - a **page slot** `s` is unit `s` of every paged arena's region (one page of every aligned paged group);
