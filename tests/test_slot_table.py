@@ -143,6 +143,9 @@ def test_touch_batch_sends_one_message_per_window_against_a_recording_tier() -> 
         assert tier.calls[2] == [b"\x02" * 16]
     finally:
         loop.stop()
+    batch.add([b"\x03" * 16])  # after the loop closed (a resolve racing the store's close): dropped, never raised
+    batch.flush()
+    assert len(tier.calls) == 3
 
 
 # ---- the property ----------------------------------------------------------------------------------------------

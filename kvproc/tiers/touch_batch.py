@@ -31,10 +31,14 @@ class TouchBatch:
             first = not self._keys
             self._keys.extend(keys)
             full = len(self._keys) >= self.max_keys
-        if full:
-            self._loop.call(self.flush)
-        elif first:
-            self._loop.call(self._arm)
+        try:
+            if full:
+                self._loop.call(self.flush)
+            elif first:
+                self._loop.call(self._arm)
+        except RuntimeError:  # the store's loop is closed (a resolve racing the store's close): a hint, dropped
+            with self._lock:
+                self._keys.clear()
 
     def _arm(self) -> None:  # on the loop
         self._loop.loop.call_later(self.delay_s, self.flush)
