@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import threading
 import time
 from collections import Counter
@@ -99,6 +100,10 @@ class KvStore:
         self.touches = tuple(TouchBatch(self._loop, t) for t in self.tiers)
         self._resolver = Resolver(self)
         self._blocking = BlockingResolver(self, self._resolver)
+        self._resolve_threads: concurrent.futures.ThreadPoolExecutor | None = None
+        if config.resolve_threads > 0 and self._blocking.capable:
+            self._resolve_threads = concurrent.futures.ThreadPoolExecutor(config.resolve_threads,
+                                                                          thread_name_prefix="kvproc-resolve")
         self._closed = False
 
     @property
@@ -136,8 +141,35 @@ class KvStore:
         policy: ResolvePolicy = ResolvePolicy(),
         cancel: CancelToken | None = None,
     ) -> concurrent.futures.Future[KvPrefix]:
-        """Thread form of `resolve_prefix`: a future with the `KvPrefix` (never an exception for a degrade)."""
-        return self._loop.submit(self._resolver.resolve(rank, req_id, tokens, scope, policy, cancel))
+        """Thread form of `resolve_prefix`: a future with the `KvPrefix` (never an exception for a degrade).
+
+        Runs on the store's resolve threads where the tier and copiers have blocking forms (`StoreConfig.
+        resolve_threads`): the blocking path, whose host hit costs its round trips and no hop through the loop per
+        call; a resolve that has to wait continues on the loop and frees its thread. Full-hit waits (a hand-off's
+        consumer) go to the loop at once: they wait anyway."""
+        pool = self._resolve_threads
+        if pool is None or policy.wait_for_full_hit:
+            return self._loop.submit(self._resolver.resolve(rank, req_id, tokens, scope, policy, cancel))
+        out: concurrent.futures.Future[KvPrefix] = concurrent.futures.Future()
+
+        def run() -> None:
+            if not out.set_running_or_notify_cancel():
+                return  # the caller cancelled the future before a thread took it: nothing was started
+            try:
+                r = self._blocking.resolve_or_continue(rank, req_id, tokens, scope, policy, cancel)
+            except BaseException as e:  # a bug (a degrade is a result): the caller sees it, as on the loop
+                out.set_exception(e)
+                return
+            if isinstance(r, KvPrefix):
+                out.set_result(r)
+            else:
+                r.add_done_callback(functools.partial(_relay, out))
+
+        try:
+            pool.submit(run)
+        except RuntimeError:  # the store is closing: the loop takes it (and refuses it if closed too)
+            return self._loop.submit(self._resolver.resolve(rank, req_id, tokens, scope, policy, cancel))
+        return out
 
     def resolve_prefix_sync(self, rank: int, req_id: str, tokens: Sequence[int] | np.ndarray,
                             scope: HashScope = DEFAULT_SCOPE, policy: ResolvePolicy = ResolvePolicy(),
@@ -375,6 +407,8 @@ class KvStore:
         if self._closed:
             return
         self._closed = True
+        if self._resolve_threads is not None:  # resolves already taken finish (a waiting one continues on the loop)
+            self._resolve_threads.shutdown(wait=True)
         deadline = time.monotonic() + 10
         for r in range(len(self.pools)):
             try:
@@ -394,6 +428,15 @@ class KvStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _relay(out: "concurrent.futures.Future[KvPrefix]", done: "concurrent.futures.Future[KvPrefix]") -> None:
+    """A resolve continued on the loop has ended: its result (or exception) becomes the caller's."""
+    exc = done.exception() if not done.cancelled() else concurrent.futures.CancelledError()
+    if exc is not None:
+        out.set_exception(exc)
+    else:
+        out.set_result(done.result())
 
 
 __all__ = ["KvPrefix", "KvStore", "ResolvePolicy", "ReusePolicy", "SaveClass", "SealCursor", "StoreConfig"]

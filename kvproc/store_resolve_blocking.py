@@ -71,6 +71,14 @@ class BlockingResolver:
 
     def resolve(self, rank: int, req_id: str, tokens: Sequence[int] | np.ndarray, scope: HashScope,
                 policy: ResolvePolicy, cancel: CancelToken | None) -> KvPrefix:
+        out = self.resolve_or_continue(rank, req_id, tokens, scope, policy, cancel)
+        return out if isinstance(out, KvPrefix) else out.result()
+
+    def resolve_or_continue(self, rank: int, req_id: str, tokens: Sequence[int] | np.ndarray, scope: HashScope,
+                            policy: ResolvePolicy,
+                            cancel: CancelToken | None) -> KvPrefix | concurrent.futures.Future[KvPrefix]:
+        """The prefix, or -- when the resolve has to wait -- the future of its continuation on the store's loop (a
+        resolve thread hands it over and is free again: `KvStore.submit_resolve`)."""
         store = self.store
         st = self.resolver.begin(rank, req_id, tokens, scope, policy, cancel)
         if isinstance(st, KvPrefix):
@@ -91,7 +99,7 @@ class BlockingResolver:
             if pages is not None:
                 return self.resolver.finish(req_id, st, pages)
         store.count("resolve_via_loop")
-        return store._loop.submit(self.resolver.resolve_started(rank, req_id, st, scope, policy, cancel)).result()
+        return store._loop.submit(self.resolver.resolve_started(rank, req_id, st, scope, policy, cancel))
 
     def _from_tier(self, rank: int, req_id: str, st: Started, tier: Any, copier: Any, scope: HashScope,
                    policy: ResolvePolicy, cancel: CancelToken | None) -> int:

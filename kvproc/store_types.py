@@ -36,6 +36,11 @@ class StoreConfig:
     # instead of asking the tier: one round trip instead of two, no lease (`kvproc/tiers/slot_cache.py`; A/B in
     # bench/RESULTS.md, "Control path"). Plain resolves only (not a hand-off's, not a full-hit wait).
     verified_loads: bool = True
+    # `submit_resolve` (the engine's non-blocking form) runs a resolve that may complete without waiting on this many
+    # threads, each with its own sockets (the blocking path: no hop through the store's loop per tier call), and
+    # continues one that must wait (Loading, pool pressure) on the loop without holding its thread; full-hit waits go
+    # to the loop directly. 0: every `submit_resolve` runs on the loop. A/B in bench/RESULTS.md ("Control path").
+    resolve_threads: int = 2
 
 
 @dataclass(frozen=True)

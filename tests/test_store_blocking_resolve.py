@@ -8,13 +8,14 @@ import os
 import signal
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 import torch
 
 from kvproc.ipc.cancel import new_token
 from kvproc.store_types import FULL_HIT, ResolvePolicy, StoreConfig
-from tests.test_cluster_fixtures import churn, cluster_store, compute, stopped, wait_for
+from tests.test_cluster_fixtures import churn, cluster_store, compute, saved, stopped, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 PLAIN = StoreConfig(resolve_deadline_s=3.0, speculative_loads=False)
@@ -39,18 +40,10 @@ def query_config(request) -> StoreConfig:  # type: ignore[no-untyped-def]
     return FORMS[request.param]
 
 
-def _saved(store, model, rid: str, toks: list[int]):  # type: ignore[no-untyped-def]
-    kv, cur, _, written = compute(store, model, rid, toks)
-    store.retire(0, kv, cur)
-    store.flush_saves(0, 10)
-    churn(store)
-    return written
-
-
 def test_a_host_hit_restores_the_bytes_on_the_calling_thread_and_releases_the_lease(config: StoreConfig) -> None:
     with cluster_store(config=config) as (cs, store, model):
         toks = list(range(17))
-        written = _saved(store, model, "a", toks)
+        written = saved(store, model, "a", toks)
         model.zero()
         pre = store.resolve_prefix_sync(0, "b", toks)
         assert pre.host_tokens == 16 and pre.device_tokens == 0
@@ -72,7 +65,7 @@ def test_a_load_past_the_deadline_is_abandoned_and_keeps_its_reservation_until_t
     """`fresh`: the resolving thread has no socket to the worker yet, so its handshake meets the hung worker too."""
     with cluster_store(config=config) as (cs, store, model):
         toks = list(range(17))
-        _saved(store, model, "a", toks)
+        saved(store, model, "a", toks)
         worker = cs.cluster.pid("copy_worker")
         with stopped(worker):
             t0 = time.monotonic()
@@ -105,7 +98,7 @@ def test_a_worker_killed_during_a_blocking_load_degrades_frees_everything_and_se
         config: StoreConfig) -> None:
     with cluster_store(config=config) as (cs, store, model):
         toks = list(range(17))
-        _saved(store, model, "a", toks)
+        saved(store, model, "a", toks)
         worker = cs.cluster.pid("copy_worker")
         out: list = []
         with stopped(worker):
@@ -131,7 +124,7 @@ def test_a_resolve_that_must_wait_continues_on_the_loop_and_a_cancel_token_does_
         config: StoreConfig) -> None:
     with cluster_store(config=config) as (cs, store, model):
         toks = list(range(17))
-        _saved(store, model, "a", toks)
+        saved(store, model, "a", toks)
         pre = store.resolve_prefix_sync(0, "tok", toks, cancel=new_token())
         assert pre.host_tokens == 16 and store.counters["resolve_via_loop"] == 0
         pre.hold.release()
@@ -149,7 +142,7 @@ def test_a_resolve_that_must_wait_continues_on_the_loop_and_a_cancel_token_does_
 
 def test_a_shorter_hit_trims_the_reservation_made_while_the_query_flew() -> None:
     with cluster_store(config=PLAIN) as (cs, store, model):
-        written = _saved(store, model, "a", list(range(9)))  # two pages on the host tier
+        written = saved(store, model, "a", list(range(9)))  # two pages on the host tier
         pre = store.resolve_prefix_sync(0, "b", list(range(9)) + [500 + i for i in range(8)])  # asks for four
         assert pre.host_tokens == 8 and store.counters["resolve_reserved_in_flight"] == 1
         for h, b in zip(pre.hold.hashes, pre.hold.block_ids):
@@ -175,7 +168,7 @@ def test_a_miss_returns_the_in_flight_reservation_and_evicts_no_cached_block() -
 def test_cancelling_during_a_hung_load_returns_at_once_and_the_load_still_settles(config: StoreConfig) -> None:
     with cluster_store(config=config) as (cs, store, model):
         toks = list(range(17))
-        _saved(store, model, "a", toks)
+        saved(store, model, "a", toks)
         token = new_token()
         with stopped(cs.cluster.pid("copy_worker")):
             threading.Timer(0.2, token.cancel).start()
@@ -193,7 +186,7 @@ def test_cancelling_during_a_hung_load_returns_at_once_and_the_load_still_settle
 def test_cancelling_during_a_hung_query_returns_at_once_and_leaves_no_lease(query_config: StoreConfig) -> None:
     with cluster_store(config=query_config) as (cs, store, model):
         toks = list(range(17))
-        _saved(store, model, "a", toks)
+        saved(store, model, "a", toks)
         token = new_token()
         with stopped(cs.cluster.pid("host_tier")):
             threading.Timer(0.2, token.cancel).start()
@@ -210,7 +203,7 @@ def test_cancelling_during_a_hung_query_returns_at_once_and_leaves_no_lease(quer
 def test_a_query_answered_after_the_deadline_gives_its_hits_lease_back(query_config: StoreConfig) -> None:
     with cluster_store(config=query_config) as (cs, store, model):
         toks = list(range(17))
-        _saved(store, model, "a", toks)
+        saved(store, model, "a", toks)
         with stopped(cs.cluster.pid("host_tier")):
             pre = store.resolve_prefix_sync(0, "b", toks, policy=ResolvePolicy(deadline_s=0.3))
             assert pre.hit_tokens == 0 and store.outcomes.for_request("b", "resolve")[-1].reason == "deadline_query"
@@ -223,9 +216,9 @@ def test_a_query_answered_after_the_deadline_gives_its_hits_lease_back(query_con
 
 def test_on_the_loop_path_too_a_query_answered_after_the_deadline_gives_its_hits_lease_back(
         query_config: StoreConfig) -> None:
-    with cluster_store(config=query_config) as (cs, store, model):
+    with cluster_store(config=replace(query_config, resolve_threads=0)) as (cs, store, model):  # the loop's own path
         toks = list(range(17))
-        _saved(store, model, "a", toks)
+        saved(store, model, "a", toks)
         with stopped(cs.cluster.pid("host_tier")):
             pre = store.submit_resolve(0, "b", toks, policy=ResolvePolicy(deadline_s=0.3)).result(5)
             assert pre.hit_tokens == 0 and store.outcomes.for_request("b", "resolve")[-1].reason == "deadline_query"

@@ -7,6 +7,8 @@ slots, and nothing (block, lease) is left behind."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from kvproc.store_types import StoreConfig
@@ -15,7 +17,8 @@ from tests.test_cluster_fixtures import (LIES, churn, cluster_store, lie_about_a
 
 pytestmark = pytest.mark.timeout(60)
 # The query confirms (the verified form, which needs none: test_store_verified_load.py).
-CONFIG = StoreConfig(resolve_deadline_s=3.0, verified_loads=False)
+CONFIG = StoreConfig(resolve_deadline_s=3.0, verified_loads=False, resolve_threads=0)
+# "loop": `submit_resolve` on the store's loop (resolve_threads=0); its resolve threads run the blocking path.
 both_paths = pytest.mark.parametrize("path", ["blocking", "loop"])
 
 
@@ -90,7 +93,7 @@ def test_a_hint_for_the_first_pages_keeps_them_and_loads_the_rest_the_usual_way(
 
 @both_paths
 def test_turned_off_the_query_comes_first_and_nothing_is_speculated(path: str) -> None:
-    with cluster_store(config=StoreConfig(resolve_deadline_s=3.0, speculative_loads=False)) as (cs, store, model):
+    with cluster_store(config=replace(CONFIG, speculative_loads=False)) as (cs, store, model):
         toks = list(range(17))
         written = saved(store, model, "a", toks)
         assert restores(store, model, "b", toks, written, path) == 4

@@ -23,7 +23,8 @@ from tests.test_cluster_fixtures import (LIES, check_bytes, churn, cluster_store
                                          resolve_on, restores, saved, stopped, wait_for)
 
 pytestmark = pytest.mark.timeout(60)
-CONFIG = StoreConfig(resolve_deadline_s=3.0)  # speculative and verified loads: the defaults
+CONFIG = StoreConfig(resolve_deadline_s=3.0, resolve_threads=0)  # speculative and verified loads: the defaults
+# "loop": `submit_resolve` on the store's loop (resolve_threads=0); its resolve threads run the blocking path.
 both_paths = pytest.mark.parametrize("path", ["blocking", "loop"])
 # A tier of exactly 4 page slots for this model (two 256 B arenas): 3 alignment pages of slack, 4 * (512 + 16) bytes.
 FOUR_SLOTS = 3 * 4096 + 4 * (512 + 16)
