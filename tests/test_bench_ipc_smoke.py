@@ -16,7 +16,7 @@ def test_ipc_bench_runs_and_writes_the_documented_json(tmp_path):
     doc = json.loads(out.read_text())
     assert [r["blocks"] for r in doc["results"]] == [1, 16, 64, 256]
     for r in doc["results"]:
-        for path in ("blocking", "speculative", "plain", "loop", "burst"):
+        for path in ("blocking", "speculative", "plain", "submit", "loop", "burst"):
             assert {f"resolve_{path}_us", f"{path}_overhead_beyond_2_rtts", f"{path}_overhead_total_rtts",
                     f"{path}_overhead_beyond_needed"} <= set(r)
             assert r[f"resolve_{path}_us"] > 0 and r[f"{path}_rtts_needed"] in (1, 2)

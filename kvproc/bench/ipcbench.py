@@ -9,8 +9,9 @@ DEALER/ROUTER round trip measured in the same run.
   knows their slots and checks them against the tier's slot table before and after the copy: a verified load, one
   message -- Load -- and no query, no lease), `speculative` (the same with `verified_loads=False`: the Load starts
   from the slot cache while the Query flies, the hit confirms; two messages and a lease release), `plain`
-  (`speculative_loads=False`: Query, then Load, then the release) and `loop` (`submit_resolve(...).result()`: the
-  store's event loop, verified like `blocking`);
+  (`speculative_loads=False`: Query, then Load, then the release), `submit` (`submit_resolve(...).result()`, the
+  engine's non-blocking form: the blocking path on one of the store's resolve threads, verified like `blocking`) and
+  `loop` (the same with the resolve threads turned off: the store's event loop);
 - copy: the very Load orders the store sent, replayed in this process by a `CopyExecutor` over the same segments
   (the bytes' cost, including ids that do not coalesce); beside it, the worker's own clock for the same orders in
   situ (`ns_load` / `orders_load`, mean): the same code run cold after an idle wait;
@@ -73,11 +74,11 @@ ARENA_BLOCK = 2048
 CONCURRENCY = 16
 # Interleaved arms per size: blocking / loop resolves after a pool churn each (caches trashed, as after an engine
 # step), raw2 (two raw round trips after the same churn), burst (blocking resolves back to back) and raw2_burst.
-ARMS = ("blocking", "speculative", "plain", "loop", "raw1", "raw2", "burst", "raw2_burst")
+ARMS = ("blocking", "speculative", "plain", "submit", "loop", "raw1", "raw2", "burst", "raw2_burst")
 # (arm, its raw baseline when it needs one round trip, when it needs two)
 RESOLVE_ARMS = (("blocking", "raw1", "raw2"), ("speculative", "raw1", "raw2"), ("plain", "raw1", "raw2"),
-                ("loop", "raw1", "raw2"), ("burst", "raw2_burst", "raw2_burst"))
-PROMPTS_PER_BATCH = 2 * (5 + 5 + 5 + 5 + 6)  # resolves the arms use per batch (two orders per batch)
+                ("submit", "raw1", "raw2"), ("loop", "raw1", "raw2"), ("burst", "raw2_burst", "raw2_burst"))
+PROMPTS_PER_BATCH = 2 * (5 + 5 + 5 + 5 + 5 + 6)  # resolves the arms use per batch (two orders per batch)
 
 RAW_ECHO = """
 import sys, zmq
@@ -226,15 +227,19 @@ class _Bench:
             self.store.config = dataclasses.replace(config, speculative_loads=False)
         elif path == "speculative":
             self.store.config = dataclasses.replace(config, verified_loads=False)
+        threads = self.store._resolve_threads
+        if path == "loop":
+            self.store._resolve_threads = None  # submit_resolve on the store's loop
         self._rid += 1
         rid = f"r{self._rid}"
         t = time.perf_counter()
-        if path == "loop":
+        if path in ("submit", "loop"):
             pre = self.store.submit_resolve(0, rid, tokens).result()
         else:
             pre = self.store.resolve_prefix_sync(0, rid, tokens)
         dt = time.perf_counter() - t
         self.store.config = config
+        self.store._resolve_threads = threads
         if pre.host_tokens != blocks * PAGE:
             raise RuntimeError(f"expected a host hit of {blocks} blocks, got {pre}")
         pre.hold.release()
@@ -462,16 +467,18 @@ def main(argv: list[str]) -> int:
           f"load {load:.2f}, hashing/pool/copy planning: {native.describe()}")
     print("| blocks | copy (us) | raw RTT after churn, 1 / 2 trips (us per trip) | blocking (us) | verified "
           "| RTTs needed | **overhead beyond them** | beyond 2 RTTs | speculative (us) | overhead beyond its 2 RTTs "
-          "| plain (us) | overhead beyond its 2 RTTs | loop (us) | verified | overhead beyond its needed RTTs "
+          "| plain (us) | overhead beyond its 2 RTTs | submit (us) | overhead beyond its needed RTTs "
+          "| loop (us) | verified | overhead beyond its needed RTTs "
           "| raw RTT, burst (us) | blocking, burst (us) | overhead beyond its needed RTTs "
           "| seal (us) | seal overhead (hot RTTs) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r, s in zip(results, seals):
         print(f"| {r['blocks']} | {r['copy_us']:.0f} | {r['raw_rtt_raw1_us']:.0f} / {r['raw_rtt_raw2_us']:.0f} | "
               f"{r['resolve_blocking_us']:.0f} | {r['blocking_verified_share']:.0%} | {r['blocking_rtts_needed']} | "
               f"**{r['blocking_overhead_beyond_needed']:.2f}** | {r['blocking_overhead_beyond_2_rtts']:.2f} | "
               f"{r['resolve_speculative_us']:.0f} | {r['speculative_overhead_beyond_2_rtts']:.2f} | "
               f"{r['resolve_plain_us']:.0f} | {r['plain_overhead_beyond_2_rtts']:.2f} | "
+              f"{r['resolve_submit_us']:.0f} | {r['submit_overhead_beyond_needed']:.2f} | "
               f"{r['resolve_loop_us']:.0f} | {r['loop_verified_share']:.0%} | "
               f"{r['loop_overhead_beyond_needed']:.2f} | {r['raw_rtt_raw2_burst_us']:.0f} | "
               f"{r['resolve_burst_us']:.0f} | {r['burst_overhead_beyond_needed']:.2f} | {s['seal_us']:.0f} | "
