@@ -32,9 +32,10 @@ class StoreConfig:
     # saves, earlier hits) together with the query, and keep what the hit confirms (`store_resolve_blocking.py`,
     # `store_resolve.py`; A/B in bench/RESULTS.md, "Control path"). False: query first, then load.
     speculative_loads: bool = True
-    # When such a load covers every wanted page and the tier publishes its slot generations, check them after the copy
-    # instead of asking the tier: one round trip instead of two, no lease (`kvproc/tiers/slot_cache.py`; A/B in
-    # bench/RESULTS.md, "Control path"). Plain resolves only (not a hand-off's, not a full-hit wait).
+    # When such a load covers every wanted page and the tier publishes its page-slot table, check the pages against it
+    # before the copy and after it instead of asking the tier: one round trip instead of two, no lease
+    # (`kvproc/tiers/slot_table.py`; A/B in bench/RESULTS.md, "Control path"). Plain resolves only (not a hand-off's,
+    # not a full-hit wait).
     verified_loads: bool = True
     # `submit_resolve` (the engine's non-blocking form) runs a resolve that may complete without waiting on this many
     # threads, each with its own sockets (the blocking path: no hop through the store's loop per tier call), and
