@@ -71,6 +71,24 @@ def test_attach_does_not_truncate_and_sees_creator_writes() -> None:
         other.close()
 
 
+def test_a_window_maps_only_its_pages_and_sees_the_creators_later_writes() -> None:
+    """What a store does with the host tier's slot table: map one page-aligned window, read what the owner writes."""
+    with Segment.create(CLUSTER, "host_tier", 4 * 4096) as seg:
+        owner = seg.numpy(np.int64)
+        window = Segment.attach(seg.name, offset=2 * 4096, nbytes=4096)
+        assert window.nbytes == 4096 and not window.owner
+        view = window.numpy(np.int64)  # counts from the window's start
+        owner[2 * 512 : 2 * 512 + 3] = [7, 8, 9]  # written after the window was mapped
+        assert view[:3].tolist() == [7, 8, 9] and view.size == 512
+        del view
+        window.close()
+        with pytest.raises(ValueError):
+            Segment.attach(seg.name, offset=100)  # not page-aligned
+        with pytest.raises(SegmentError):
+            Segment.attach(seg.name, offset=3 * 4096, nbytes=2 * 4096)  # past the end
+        del owner
+
+
 def test_close_with_live_numpy_view_raises_and_the_view_stays_valid() -> None:
     seg = Segment.create(CLUSTER, "host_tier", 4096)
     seg.unlink()
