@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import pytest
@@ -148,10 +149,12 @@ def test_a_save_handed_the_slots_while_the_copy_runs_is_caught_after_the_copy() 
         nothing_left(store)
 
 
-def test_a_generation_moved_during_the_copy_drops_from_that_page_on() -> None:
+@both_paths
+def test_a_generation_moved_during_the_copy_drops_from_that_page_on(path: str) -> None:
     """Same second read, for a part of the prefix: page 2's generation moves while the copy is frozen (written into
-    the tier's table here, as a save handed that slot would): pages 0-1 are kept, 2-3 come from the tier's answer."""
-    with cluster_store(config=CONFIG) as (cs, store, model):
+    the tier's table here, as a save handed that slot would): pages 0-1 are kept, 2-3 come from the tier's answer
+    (the blocking path: `resolve_prefix_sync` on another thread, since this one holds the worker frozen)."""
+    with cluster_store(config=CONFIG) as (cs, store, model), ThreadPoolExecutor(1) as caller:
         toks = list(range(17))
         written = saved(store, model, "a", toks)
         slots, _ = store.slot_caches[0].run(list(written))
@@ -159,7 +162,10 @@ def test_a_generation_moved_during_the_copy_drops_from_that_page_on() -> None:
         model.zero()
         table = store.tier.slot_table  # type: ignore[union-attr]
         with stopped(cs.cluster.pid("copy_worker")):
-            fut = store.submit_resolve(0, "r", toks)
+            if path == "blocking":
+                fut = caller.submit(store.resolve_prefix_sync, 0, "r", toks)
+            else:
+                fut = store.submit_resolve(0, "r", toks)
             wait_for(lambda: store.counters["speculative_loads_started"] >= 1, timeout=0.5, what="the Load sent")
             table[GEN, slots[2]] += 1
         pre = fut.result(10)
