@@ -134,10 +134,10 @@ def test_a_save_handed_the_slots_while_the_copy_runs_is_caught_after_the_copy() 
         os.kill(worker, signal.SIGSTOP)
         try:
             fut = store.submit_resolve(0, "r", a)
-            wait_for(lambda: store.counters["speculative_loads_started"] >= 1, timeout=0.5, what="the Load sent")
+            wait_for(lambda: store.counters["speculative_loads_started"] >= 1, timeout=0.9, what="the Load sent")
             kv, cur, _, _ = compute(store, model, "c", list(range(10_000, 10_017)))
             store.retire(0, kv, cur)  # C's ReserveSave is answered by the tier; its Save waits for the worker
-            wait_for(lambda: store.stats()["tier"].get("evictions", 0) >= 4, timeout=0.5, what="A evicted")
+            wait_for(lambda: store.stats()["tier"].get("evictions", 0) >= 4, timeout=0.9, what="A evicted")
         finally:
             os.kill(worker, signal.SIGCONT)
         pre = fut.result(10)
@@ -166,7 +166,7 @@ def test_a_generation_moved_during_the_copy_drops_from_that_page_on(path: str) -
                 fut = caller.submit(store.resolve_prefix_sync, 0, "r", toks)
             else:
                 fut = store.submit_resolve(0, "r", toks)
-            wait_for(lambda: store.counters["speculative_loads_started"] >= 1, timeout=0.5, what="the Load sent")
+            wait_for(lambda: store.counters["speculative_loads_started"] >= 1, timeout=0.9, what="the Load sent")
             table[GEN, slots[2]] += 1
         pre = fut.result(10)
         assert pre.host_tokens == 16
