@@ -679,18 +679,15 @@ static PyObject *slot_verify(PyObject *self, PyObject *args) {
     const int64_t *gen = a[0].view.buf, *tag = a[1].view.buf;
     __atomic_thread_fence(__ATOMIC_ACQUIRE);
     Py_ssize_t ok = 0;
+    PyObject *result = NULL;
     for (; ok < n; ok++) {
         long long s = PyLong_AsLongLong(PyList_GET_ITEM(slots_o, ok));
         long long g = PyLong_AsLongLong(PyList_GET_ITEM(gens_o, ok));
-        if ((s == -1 || g == -1) && PyErr_Occurred()) {
-            release_arrs(2, a);
-            return NULL;
-        }
+        if ((s == -1 || g == -1) && PyErr_Occurred()) goto done;
         PyObject *k = PyList_GET_ITEM(keys_o, ok);
         if (!PyBytes_Check(k)) {
-            release_arrs(2, a);
             PyErr_SetString(PyExc_TypeError, "slot_verify: keys must be bytes");
-            return NULL;
+            goto done;
         }
         const uint8_t *kb = (const uint8_t *)PyBytes_AS_STRING(k);
         Py_ssize_t kl = PyBytes_GET_SIZE(k);
@@ -700,8 +697,10 @@ static PyObject *slot_verify(PyObject *self, PyObject *args) {
         int64_t gs = __atomic_load_n(&gen[s], __ATOMIC_RELAXED), ts = __atomic_load_n(&tag[s], __ATOMIC_RELAXED);
         if (t == 0 || gs != (int64_t)g || (uint64_t)ts != t) break; /* tag 0: nothing committed there */
     }
+    result = PyLong_FromSsize_t(ok);
+done:
     release_arrs(2, a);
-    return PyLong_FromSsize_t(ok);
+    return result;
 }
 
 static PyMethodDef methods[] = {

@@ -176,6 +176,11 @@ def restores(store: KvStore, model: ShmBytesModel, rid: str, toks: list[int], wr
     return pages
 
 
+def load_reasons(store: KvStore, rid: str) -> list[str]:
+    """The reasons of the load outcomes recorded for a request, in order ("" for a plain load)."""
+    return [o.reason for o in store.outcomes.for_request(rid, "load")]
+
+
 LIES = ("another_pages_slots", "stale_generation", "both")
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from kvproc.store_types import FULL_HIT, SaveClass, StoreConfig
 from kvproc.tiers.host_index import SaveTicket
-from tests.test_cluster_fixtures import check_bytes, churn, cluster_store, compute, nothing_left, saved
+from tests.test_cluster_fixtures import check_bytes, churn, cluster_store, compute, load_reasons, nothing_left, saved
 
 pytestmark = pytest.mark.timeout(60)
 ONE_THREAD = StoreConfig(resolve_deadline_s=5.0, resolve_threads=1)
@@ -27,7 +27,7 @@ def test_a_host_hit_through_submit_resolve_runs_on_a_resolve_thread_and_restores
         assert pre.host_tokens == 16
         check_bytes(model, pre, written)
         assert store.counters["resolve_via_loop"] == loop_calls  # never handed to the loop
-        assert [o.reason for o in store.outcomes.for_request("b", "load")] == ["verified"]
+        assert load_reasons(store, "b") == ["verified"]
         pre.hold.release()
         nothing_left(store)
 

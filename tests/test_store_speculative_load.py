@@ -12,8 +12,8 @@ from dataclasses import replace
 import pytest
 
 from kvproc.store_types import StoreConfig
-from tests.test_cluster_fixtures import (LIES, churn, cluster_store, lie_about_a, nothing_left, resolve_on, restores,
-                                         saved)
+from tests.test_cluster_fixtures import (LIES, churn, cluster_store, lie_about_a, load_reasons, nothing_left,
+                                         resolve_on, restores, saved)
 
 pytestmark = pytest.mark.timeout(60)
 # The query confirms (the verified form, which needs none: test_store_verified_load.py).
@@ -31,7 +31,7 @@ def test_a_confirmed_speculation_restores_the_bytes_with_the_query_and_load_over
         assert store.stats()["rank0"]["slot_hints"] == 4 and store.counters_flat()["rank0.slot_hints"] == 4
         assert restores(store, model, "b", toks, written, path) == 4
         assert store.counters["speculative_pages_kept"] == 4 and store.counters["speculative_pages_dropped"] == 0
-        assert [o.reason for o in store.outcomes.for_request("b", "load")] == ["speculative"]
+        assert load_reasons(store, "b") == ["speculative"]
         nothing_left(store)
 
 
@@ -70,7 +70,7 @@ def test_a_slot_evicted_and_reused_for_another_page_is_caught_by_its_generation(
         assert pre.hit_tokens == 0 and store.counters["speculative_pages_kept"] == 0
         pre.hold.release()
         nothing_left(store)
-        assert [o.reason for o in store.outcomes.for_request("miss", "load")] == ["speculative_unused"]
+        assert load_reasons(store, "miss") == ["speculative_unused"]
         again = saved(store, model, "a2", a)  # A is on the tier again, in whatever slots it got now
         store.slot_caches[0].learn(list(again), *stale)
         assert restores(store, model, "r", a, again, path) == 4
@@ -86,8 +86,8 @@ def test_a_hint_for_the_first_pages_keeps_them_and_loads_the_rest_the_usual_way(
         store.slot_caches[0].forget(list(written)[2:])  # the store knows only the first two pages' slots
         assert restores(store, model, "b", toks, written, path) == 4
         assert store.counters["speculative_pages_kept"] == 2 and store.counters["speculative_pages_dropped"] == 0
-        reasons = [o.reason for o in store.outcomes.for_request("b") if o.op == "load"]
-        assert reasons == ["speculative_partial", ""]  # two load orders: the speculative one, then the rest
+        # two load orders: the speculative one, then the rest
+        assert load_reasons(store, "b") == ["speculative_partial", ""]
         nothing_left(store)
 
 

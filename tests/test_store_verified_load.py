@@ -17,11 +17,10 @@ from dataclasses import replace
 
 import pytest
 
-from kvproc.store import KvStore
 from kvproc.store_types import FULL_HIT, StoreConfig
 from kvproc.tiers.slot_table import GEN
-from tests.test_cluster_fixtures import (LIES, check_bytes, churn, cluster_store, compute, lie_about_a, nothing_left,
-                                         resolve_on, restores, saved, stopped, wait_for)
+from tests.test_cluster_fixtures import (LIES, check_bytes, churn, cluster_store, compute, lie_about_a, load_reasons,
+                                         nothing_left, resolve_on, restores, saved, stopped, wait_for)
 
 pytestmark = pytest.mark.timeout(60)
 CONFIG = StoreConfig(resolve_deadline_s=3.0, resolve_threads=0)  # speculative and verified loads: the defaults
@@ -29,10 +28,6 @@ CONFIG = StoreConfig(resolve_deadline_s=3.0, resolve_threads=0)  # speculative a
 both_paths = pytest.mark.parametrize("path", ["blocking", "loop"])
 # A tier of exactly 4 page slots for this model (two 256 B arenas): 3 alignment pages of slack, 4 * (512 + 16) bytes.
 FOUR_SLOTS = 3 * 4096 + 4 * (512 + 16)
-
-
-def _load_reasons(store: KvStore, rid: str) -> list[str]:
-    return [o.reason for o in store.outcomes.for_request(rid, "load")]
 
 
 @both_paths
@@ -43,7 +38,7 @@ def test_a_verified_load_restores_the_bytes_without_a_query_or_a_lease_and_the_t
         queries = store.stats()["tier"].get("query_hit", 0) + store.stats()["tier"].get("query_miss", 0)
         assert restores(store, model, "b", toks, written, path) == 4
         assert store.counters["verified_pages_kept"] == 4 and store.counters["verified_pages_dropped"] == 0
-        assert _load_reasons(store, "b") == ["verified"]
+        assert load_reasons(store, "b") == ["verified"]
         assert store.outcomes.for_request("b", "resolve")[-1].state == "ok"
         tier = store.stats()["tier"]
         assert tier.get("query_hit", 0) + tier.get("query_miss", 0) == queries  # the tier was not asked
@@ -79,10 +74,10 @@ def test_a_wrong_belief_is_caught_before_any_copy_and_the_tier_answers_instead(l
         cache = store.slot_caches[0]
         assert restores(store, model, "r", a, written, path) == 4
         assert store.counters["slot_hints_stale"] == 4 and store.counters["verified_pages_kept"] == 0
-        assert _load_reasons(store, "r") == [""]  # no speculative copy at all: the queried load only
+        assert load_reasons(store, "r") == [""]  # no speculative copy at all: the queried load only
         assert cache.run(list(written)) == truth
         assert restores(store, model, "r2", a, written, path) == 4
-        assert store.counters["verified_pages_kept"] == 4 and _load_reasons(store, "r2") == ["verified"]
+        assert store.counters["verified_pages_kept"] == 4 and load_reasons(store, "r2") == ["verified"]
         nothing_left(store)
 
 
@@ -99,7 +94,7 @@ def test_a_belief_gone_stale_for_the_later_pages_keeps_the_first_and_asks_for_th
         # the first two went the speculative way (checked, then confirmed by the hit), the rest by the usual load
         assert store.counters["slot_hints_stale"] == 2
         assert store.counters["speculative_pages_kept"] == 2
-        assert _load_reasons(store, "b") == ["speculative_partial", ""]
+        assert load_reasons(store, "b") == ["speculative_partial", ""]
         nothing_left(store)
 
 
@@ -143,7 +138,7 @@ def test_a_save_handed_the_slots_while_the_copy_runs_is_caught_after_the_copy() 
         pre = fut.result(10)
         assert pre.hit_tokens == 0
         assert store.counters["verified_pages_kept"] == 0 and store.counters["verified_pages_dropped"] == 4
-        assert _load_reasons(store, "r") == ["verified_unused"]
+        assert load_reasons(store, "r") == ["verified_unused"]
         pre.hold.release()
         store.flush_saves(0, 10)
         nothing_left(store)
@@ -172,7 +167,7 @@ def test_a_generation_moved_during_the_copy_drops_from_that_page_on(path: str) -
         assert pre.host_tokens == 16
         check_bytes(model, pre, written)
         assert store.counters["verified_pages_kept"] == 2 and store.counters["verified_pages_dropped"] == 2
-        assert _load_reasons(store, "r") == ["verified_partial", ""]
+        assert load_reasons(store, "r") == ["verified_partial", ""]
         pre.hold.release()
         nothing_left(store)
 

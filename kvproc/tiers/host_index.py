@@ -246,9 +246,8 @@ class HostIndex:
         """A store used these entries without a query (a verified speculative load): refresh their LRU recency as a
         hit would have. Unknown keys are skipped; entries that are leased or pinned are not in the LRU anyway.
         Returns how many were refreshed."""
-        entries, stamp, refs = self.entries, self.lru.stamp, self.refs
-        slots = [s for s in map(entries.get, keys) if s is not None]
-        idx = [s for s in slots if stamp[s] >= 0 and not refs[s]]
+        slots = np.fromiter((s for s in map(self.entries.get, keys) if s is not None), dtype=np.int64)
+        idx = slots[(self.lru.stamp[slots] >= 0) & (self.refs[slots] == 0)].tolist()  # in the LRU, unleased
         if idx:
             self.lru.remove(idx)
             self.lru.insert(idx[::-1])  # like a lease's release: the chain's tail goes first, its head last
