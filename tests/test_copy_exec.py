@@ -142,3 +142,39 @@ def test_out_of_range_ids_are_refused_before_any_byte_moves():
     with pytest.raises(CopyError, match="out of range"):
         ex.save(SaveOrder("r", [0, 99], [0, 1]))
     assert not host.any()
+
+
+def test_an_order_big_enough_for_two_copy_threads_is_split_and_lands_whole():
+    """Above `PARALLEL_BYTES` the executor halves the bytes across its two threads (cutting one job's ids where the
+    half falls): every block still lands where the order says, on the compiled path and the fallback alike."""
+    from kvproc.workers import copy_exec
+
+    nb, bpb = 96, 128 << 10  # 12 MiB per arena: over the 8 MiB threshold
+    spec = KvSpec(4, (GroupSpec("kv", GroupKind.PAGED),))
+    lay = validate_layout(spec, [("kv", KvArena("k0", torch.randint(0, 255, (nb * bpb,), dtype=torch.uint8), nb,
+                                                 bpb, bpb))])
+    assert nb * bpb > copy_exec.PARALLEL_BYTES
+    hl = HostLayout.plan(lay, nb * bpb + (1 << 20))
+    ex = CopyExecutor(lay, np.zeros(hl.total_bytes, dtype=np.uint8), hl, threads=2)
+    k0 = lay.arenas[0][1]
+    before = [block(k0, i).clone() for i in range(nb)]
+    ids = np.random.default_rng(3).permutation(nb).tolist()
+    assert ex.save(SaveOrder("r", ids, list(range(nb)))) == nb * bpb
+    dest = np.random.default_rng(4).permutation(nb).tolist()
+    assert ex.load(LoadOrder("r", list(range(nb)), dest)) == nb * bpb
+    for src, dst in zip(ids, dest):  # slot i holds block ids[i] and loads into dest[i]
+        assert torch.equal(block(k0, dst), before[src])
+    ex.close()
+
+
+def test_a_bad_host_slot_or_a_length_mismatch_is_refused_before_any_byte_moves():
+    lay = layout()
+    hl = HostLayout.plan(lay, 1 << 16)
+    host = np.zeros(hl.total_bytes, dtype=np.uint8)
+    ex = CopyExecutor(lay, host, hl)
+    with pytest.raises(CopyError, match="out of range"):
+        ex.save(SaveOrder("r", [0, 1], [0, hl.page_slots]))
+    with pytest.raises(CopyError, match="2 device blocks against 1 host slots"):
+        ex.save(SaveOrder("r", [0, 1], [0]))
+    assert not host.any()
+    assert ex.save(SaveOrder("r", [], [])) == 0

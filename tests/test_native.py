@@ -227,3 +227,71 @@ def test_paged_ops_change_nothing_when_one_id_is_bad():
     with pytest.raises(TypeError, match="not bytes"):
         N.paged_register(pb.hashed, pb.block_hash, pb.index, [2], ["str"])
     assert unchanged()
+
+
+def reference_rows(dst: np.ndarray, dstride: int, dids: list[int], src: np.ndarray, sstride: int, sids: list[int],
+                   row: int) -> None:
+    for d, s in zip(dids, sids):
+        dst[d * dstride : d * dstride + row] = src[s * sstride : s * sstride + row]
+
+
+@needs_native
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_copy_rows_moves_what_a_row_by_row_loop_moves_and_nothing_else(data):
+    """Packed rows (runs become one memmove) and strided rows (padding between them never written), ids in runs or
+    scattered, repeated destinations included (the later row wins, as in the loop)."""
+    row = data.draw(st.integers(1, 24))
+    dstride = row + data.draw(st.sampled_from([0, 0, 3]))
+    sstride = row + data.draw(st.sampled_from([0, 0, 5]))
+    nd, ns = data.draw(st.integers(1, 40)), data.draw(st.integers(1, 40))
+    n = data.draw(st.integers(0, 30))
+    run = data.draw(st.booleans()) and n <= min(nd, ns)
+    d0, s0 = data.draw(st.integers(0, nd - n if run else 0)), data.draw(st.integers(0, ns - n if run else 0))
+    dids = list(range(d0, d0 + n)) if run else data.draw(st.lists(st.integers(0, nd - 1), min_size=n, max_size=n))
+    sids = list(range(s0, s0 + n)) if run else data.draw(st.lists(st.integers(0, ns - 1), min_size=n, max_size=n))
+    rng = np.random.default_rng(n)
+    src = rng.integers(0, 256, ns * sstride, dtype=np.uint8)
+    dst = rng.integers(0, 256, nd * dstride, dtype=np.uint8)
+    want = dst.copy()
+    reference_rows(want, dstride, dids, src, sstride, sids, row)
+    assert N.copy_rows(dst, dstride, dids, src, sstride, np.asarray(sids), row) == n * row
+    assert np.array_equal(dst, want)
+
+
+@needs_native
+def test_copy_rows_checks_every_id_before_any_byte_moves():
+    src = np.arange(64, dtype=np.uint8)
+    dst = np.zeros(64, dtype=np.uint8)
+    # the last row of a buffer whose length is not a multiple of the stride still fits: (len - row) // stride
+    assert N.copy_rows(dst[:60], 16, [3], src, 16, [0], 12) == 12 and dst[48:60].tolist() == list(range(12))
+    dst[:] = 0
+    for dids, sids in (([0, 4], [1, 2]), ([0, 1], [1, -1]), ([0, 1], [2**40, 0])):
+        with pytest.raises(IndexError, match="outside"):
+            N.copy_rows(dst, 16, dids, src, 16, sids, 16)
+        assert not dst.any()
+    with pytest.raises(ValueError, match="2 destination ids against 1"):
+        N.copy_rows(dst, 16, [0, 1], src, 16, [0], 16)
+    with pytest.raises(ValueError, match="bad geometry"):
+        N.copy_rows(dst, 8, [0], src, 16, [0], 16)  # a row longer than the destination's stride
+    with pytest.raises((TypeError, BufferError)):
+        N.copy_rows(src.tobytes(), 16, [0], src, 16, [0], 16)  # read-only destination
+    with pytest.raises(TypeError):
+        N.copy_rows(dst, 16, [0.5], src, 16, [0], 16)
+
+
+@needs_native
+def test_copy_rows_releases_the_gil_for_a_big_copy_and_gets_the_right_bytes():
+    """>= 1 MiB copies run without the GIL (the executor's two copy threads split those): two threads copying halves
+    at once still land every row."""
+    row, n = 64 << 10, 64
+    src = np.random.default_rng(1).integers(0, 256, n * row, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    perm = np.random.default_rng(2).permutation(n).tolist()
+    halves = [(perm[: n // 2], list(range(n // 2))), (perm[n // 2 :], list(range(n // 2, n)))]
+    ts = [threading.Thread(target=N.copy_rows, args=(dst, row, d, src, row, s, row)) for d, s in halves]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert np.array_equal(dst.reshape(n, row)[perm], src.reshape(n, row))

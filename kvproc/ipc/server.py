@@ -115,6 +115,8 @@ class RpcServer:
         self.errors = 0
         self.dropped = 0
         self.late_replies = 0
+        self.inline_calls = 0
+        self.inline_ns = 0  # socket-thread time in inline handlers, reply sent included (what a caller waits beyond the wire)
 
     # ---- lifecycle ----
 
@@ -267,7 +269,10 @@ class RpcServer:
                 self._reply_exc(ctx, e)
                 return
             if type(body) in self._inline:
+                t0 = time.perf_counter_ns()
                 self._run(handler, body, ctx)
+                self.inline_ns += time.perf_counter_ns() - t0
+                self.inline_calls += 1
             else:
                 self._pool.submit(self._run, handler, body, ctx)
 
@@ -351,5 +356,7 @@ class RpcServer:
             "errors": self.errors,
             "dropped": self.dropped,
             "late_replies": self.late_replies,
+            "inline_calls": self.inline_calls,
+            "inline_ns": self.inline_ns,
             "peers": len(self._peers),
         }
