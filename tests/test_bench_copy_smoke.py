@@ -10,7 +10,7 @@ def test_copy_bench_runs_and_writes_the_documented_json(tmp_path):
     assert main(["--quick", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["results"]
     assert {r["op"] for r in rows} == {"save", "load"}
-    assert {r["layout"] for r in rows} == {"contiguous", "scattered", "scattered, per-block"}  # per-block: below the gather limit only
-    assert {r["block_bytes"] for r in rows if r["layout"] == "scattered, per-block"} == {4096, 65536}
+    assert {r["layout"] for r in rows} == {"contiguous", "scattered", "scattered, numpy"}  # numpy: the A/B path
+    assert {r["block_bytes"] for r in rows if r["layout"] == "scattered, numpy"} == {4096, 65536}
     for r in rows:
         assert set(r) == {"op", "block_bytes", "layout", "gbps", "memcpy_gbps", "ratio_vs_memcpy"}

@@ -2,10 +2,12 @@
 
 Both sides live in POSIX shared memory, pre-faulted (as kvproc's segments are), so neither run pays first-touch page
 faults. The baseline is one `np.copyto` of the whole batch, contiguous: the physical limit for that byte volume in the
-same run. "scattered" permutes the device block ids (and host slots), so nothing coalesces: below
-`GATHER_MAX_BLOCK_BYTES` those blocks move in one fancy-index gather per arena, from it on in one slice copy each.
-For the small block size the same orders are also run with the gather switched off ("scattered, per-block"): the
-per-block path's cost in the same run.
+same run. "scattered" permutes the device block ids (and host slots), so nothing coalesces. Where an arena's pages
+are stored as they execute (no repack hook), blocks move in one `kvproc._native.copy_rows` call per arena (ids
+checked, then one memmove per run). The same scattered orders also run on the numpy path ("scattered, numpy":
+`CopyExecutor.use_copy_rows = False`, the path before `copy_rows` and the fallback where the module is not built:
+below `GATHER_MAX_BLOCK_BYTES` one fancy-index gather per arena, from it on one slice copy per block), in the same
+run.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ import torch
 
 from kvproc.contract import GroupKind, GroupSpec, KvArena, KvSpec, validate_layout
 from kvproc.tiers.layout import HostLayout
-from kvproc.workers import copy_exec
 from kvproc.workers.copy_exec import CopyExecutor
 from kvproc.workers.orders import LoadOrder, SaveOrder
 
@@ -53,23 +54,15 @@ def measure(block_bytes: int, batch_bytes: int, repeats: int, seed: int = 0) -> 
     dst_a = host[: n * block_bytes]
     memcpy_s = _best(lambda: np.copyto(dst_a, src_a), repeats)
     out: list[dict[str, Any]] = []
-    layouts = ["contiguous", "scattered"]
-    if block_bytes < copy_exec.GATHER_MAX_BLOCK_BYTES:
-        layouts.append("scattered, per-block")
+    layouts = ["contiguous", "scattered", "scattered, numpy"]
     scattered = rng.permutation(2 * n)[:n].tolist(), rng.permutation(min(hl.page_slots, 2 * n))[:n].tolist()
     for layout_name in layouts:
         if layout_name == "contiguous":
             ids, slots = list(range(n)), list(range(n))
         else:
             ids, slots = scattered
-        # "per-block": the gather switched off, i.e. the slice-copy-per-run path for the same orders
-        saved_limit = copy_exec.GATHER_MAX_BLOCK_BYTES
-        if layout_name == "scattered, per-block":
-            copy_exec.GATHER_MAX_BLOCK_BYTES = 0
-        try:
-            _measure_ops(ex, ids, slots, n, block_bytes, memcpy_s, repeats, layout_name, out)
-        finally:
-            copy_exec.GATHER_MAX_BLOCK_BYTES = saved_limit
+        ex.use_copy_rows = layout_name != "scattered, numpy"
+        _measure_ops(ex, ids, slots, n, block_bytes, memcpy_s, repeats, layout_name, out)
     ex.close()
     return out
 

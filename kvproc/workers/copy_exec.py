@@ -167,6 +167,10 @@ def _bounds(ids: Sequence[int]) -> tuple[int, int]:
 
 
 class CopyExecutor:
+    # Move non-repacked pages with `kvproc._native.copy_rows` where it is built; False plans them for numpy (long runs
+    # as slices, the rest in one gather): the A/B knob behind `kvproc bench copy`'s "numpy path" rows.
+    use_copy_rows = True
+
     def __init__(
         self,
         layout: ArenaLayout,
@@ -241,7 +245,7 @@ class CopyExecutor:
         """A page-only order in one `copy_rows` call per arena (see `__init__`); None where it does not apply (no
         compiled module, a repacked arena, a copy big enough for two threads): the planned path takes it."""
         limits = self._direct_limits
-        if limits is None or len(device) * self._row_bytes >= PARALLEL_BYTES:
+        if limits is None or not self.use_copy_rows or len(device) * self._row_bytes >= PARALLEL_BYTES:
             return None
         if len(device) != len(host):
             raise CopyError(f"{len(device)} device blocks against {len(host)} host slots")
@@ -272,7 +276,8 @@ class CopyExecutor:
         every_run: list[tuple[int, int, int]] | None = None
         split: tuple[list[tuple[int, int, int]], np.ndarray, np.ndarray] | None = None
         bounds: Bounds | None = None
-        if len(device) and NATIVE is not None:
+        native_rows = NATIVE is not None and self.use_copy_rows
+        if len(device) and native_rows:
             # `copy_rows` needs no plan; the bounds let every arena be checked before any byte moves.
             bounds = (min(device), max(device), min(host), max(host))
         elif len(device):
@@ -288,7 +293,7 @@ class CopyExecutor:
                 if bounds is None:
                     continue  # no pages in this order
                 self._check(a, *bounds)
-                if NATIVE is not None and not a.repack:
+                if native_rows and not a.repack:
                     assert a.host_flat is not None
                     row, unit = a.rows.shape[1], a.host.shape[1]
                     jobs.append(_RowCopy(a.host_flat, unit, host, a.flat, a.stride, device, row) if to_host else
