@@ -20,6 +20,9 @@ def test_ipc_bench_runs_and_writes_the_documented_json(tmp_path):
             assert {f"resolve_{path}_us", f"{path}_overhead_beyond_2_rtts", f"{path}_overhead_total_rtts",
                     f"{path}_overhead_beyond_needed"} <= set(r)
             assert r[f"resolve_{path}_us"] > 0 and r[f"{path}_rtts_needed"] in (1, 2)
+            # every resolve's one Load came back with the worker's own copy time, which the overhead subtracts
+            assert r[f"{path}_one_load_share"] == 1.0 and r[f"{path}_copy_in_situ_us"] > 0
+            assert f"{path}_overhead_beyond_needed_replayed_copy" in r
         # the bench's prompts were saved by its own store: the default form is a verified load (one message)
         assert r["blocking_verified_share"] == 1.0 and r["blocking_rtts_needed"] == 1
         assert r["speculative_verified_share"] == 0.0 and r["plain_verified_share"] == 0.0

@@ -404,6 +404,7 @@ class DeviceCopy(Request, tag=503):
 
 class Copied(Payload, tag=600):
     nbytes: int
+    ns: int = 0  # the worker's own time executing the order (the bytes' cost where they moved; benchmarks)
 
 
 class Attached(Payload, tag=601):

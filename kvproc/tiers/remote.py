@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -284,6 +284,10 @@ class RemoteCopier:
         self._link = _LoopLink(client)
         self._sync_attach = threading.Lock()  # attaches made from resolving threads (load_blocking)
         self.attaches = 0
+        # The worker's own time for each recent Load (`Copied.ns`), newest last, and how many have completed: what
+        # a load's bytes cost where they moved (`kvproc bench ipc` pairs each resolve with its load's copy time).
+        self.load_copy_ns: deque[int] = deque(maxlen=1024)
+        self.loads_copied = 0
 
     def attach_now(self, timeout: float) -> None:
         """Blocking first attach (before the store runs), so a bad arena or repack path fails at build time."""
@@ -309,7 +313,13 @@ class RemoteCopier:
     async def _order(self, msg: m.RequestBody) -> int:
         client = await self.ensure_attached()
         res = await _acall(self._link, client, msg, self.copy_timeout_s)
+        if type(msg) is m.Load:
+            self._loaded(res)
         return int(res.nbytes)
+
+    def _loaded(self, res: m.Copied) -> None:
+        self.load_copy_ns.append(res.ns)
+        self.loads_copied += 1
 
     async def save(self, order: SaveOrder) -> int:
         return await self._order(m.Save(order))
@@ -337,7 +347,10 @@ class RemoteCopier:
         # `cancel` only ends this thread's wait: a copy order is not cancellable, so the token is not sent along.
         res = client.request(m.Load(order), timeout=self.copy_timeout_s, wait_until=wait_until, on_late=on_late,
                              wake_on=cancel, overlap=overlap)
-        return res if res is LATE else int(res.nbytes)
+        if res is LATE:
+            return LATE
+        self._loaded(res)
+        return int(res.nbytes)
 
     def close(self) -> None:
         self._attached_to = None

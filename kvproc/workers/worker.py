@@ -172,10 +172,11 @@ class CopyWorkerRole(Role):
         except CopyError as e:
             self.counters.inc("copy_errors")
             raise HandlerError("copy_error", str(e)) from None
+        ns = time.perf_counter_ns() - t0
         self.counters.inc(f"orders_{kind}")
         self.counters.inc(f"bytes_{kind}", n)
-        self.counters.inc(f"ns_{kind}", time.perf_counter_ns() - t0)  # copy time in situ (console, benchmarks)
-        return m.Copied(n)
+        self.counters.inc(f"ns_{kind}", ns)  # copy time in situ (console, benchmarks)
+        return m.Copied(n, ns)
 
     @handles(m.Save)
     def save(self, msg: m.Save, ctx: CallContext) -> m.Copied:
