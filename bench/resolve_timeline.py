@@ -69,7 +69,8 @@ def main() -> int:
         wrap(pool.hasher, "hash_prompt")
         wrap(pool, "probe")
         wrap(store._resolver, "speculation")
-        wrap(store.slot_caches[0], "run", "slot_cache_run")
+        wrap(store.slot_caches[0], "run", "slot_cache_run")  # speculative / plain forms
+        wrap(store.slot_caches[0], "run_verified", "slot_cache_run_verified")  # verified: lookup + first check
         wrap(pool, "reserve_loaded_blocks", "reserve")
         wrap(store.copiers[0], "load_blocking", "load")
         wrap(store.tier, "query_blocking", "query")

@@ -6,7 +6,8 @@
  * - pack_tokens: a token list as little-endian uint32 bytes, range-checked, in one pass (what the hash reads).
  * - paged_*: the per-block loops of `kvproc.paged.PagedBlocks` (refcounts, generations, the prefix index), one
  *   pass each where numpy needs several calls of fixed overhead on a resolve's few dozen ids.
- * - slot_verify: the seqlock check of a speculative load against the host tier's slot table (`slot_table.py`).
+ * - slot_verify: the seqlock check of a speculative load against the host tier's slot table (`slot_table.py`);
+ *   slot_run_verified: the slot cache's lookup and that check before the copy, in one pass (`slot_cache.py`).
  * - copy_plan: the run split of a copy order (`kvproc.workers.copy_exec.split_runs` + `_bounds`) in one pass over
  *   the two id lists, where numpy's version costs ~25 calls of fixed overhead whatever the order's size.
  * - copy_rows: the copy itself for arenas of packed or strided rows: ids checked, then one memmove per run without
@@ -768,6 +769,59 @@ done:
     return result;
 }
 
+/* slot_run_verified(where, keys, gen_row, tag_row) -> (slots, gens, known): the slot cache's leading run and the
+ * table's check before a copy, in one pass (`SlotCache.run_verified`). `where` maps key -> (slot, generation);
+ * `known` counts the leading keys it has; slots / gens hold the leading ones of those the table confirms (the same
+ * rule as slot_verify). Caller holds the cache's lock; nothing here releases the GIL, so `where` cannot change
+ * under the loop. */
+static PyObject *slot_run_verified(PyObject *self, PyObject *args) {
+    PyObject *where, *keys_o, *objs[2];
+    if (!PyArg_ParseTuple(args, "O!O!OO", &PyDict_Type, &where, &PyList_Type, &keys_o, &objs[0], &objs[1]))
+        return NULL;
+    Arr a[2];
+    Py_ssize_t limit;
+    if (get_arrs(2, objs, a, (const Py_ssize_t[]){8, 8}, (const char *const[]){"gen_row", "tag_row"}, &limit))
+        return NULL;
+    const int64_t *gen = a[0].view.buf, *tag = a[1].view.buf;
+    PyObject *slots = PyList_New(0), *gens = PyList_New(0), *result = NULL;
+    if (!slots || !gens) goto done;
+    Py_ssize_t n = PyList_GET_SIZE(keys_o), known = 0;
+    int verified = 1;
+    __atomic_thread_fence(__ATOMIC_ACQUIRE);
+    for (; known < n; known++) {
+        PyObject *k = PyList_GET_ITEM(keys_o, known);
+        PyObject *v = PyDict_GetItemWithError(where, k); /* borrowed */
+        if (!v) {
+            if (PyErr_Occurred()) goto done;
+            break;
+        }
+        if (!verified) continue; /* still counting the run: its stale tail is forgotten by the caller */
+        if (!PyTuple_Check(v) || PyTuple_GET_SIZE(v) != 2 || !PyBytes_Check(k)) {
+            PyErr_SetString(PyExc_TypeError, "slot_run_verified: keys must be bytes, values (slot, generation)");
+            goto done;
+        }
+        PyObject *so = PyTuple_GET_ITEM(v, 0), *go = PyTuple_GET_ITEM(v, 1);
+        long long sl = PyLong_AsLongLong(so), g = PyLong_AsLongLong(go);
+        if ((sl == -1 || g == -1) && PyErr_Occurred()) goto done;
+        const uint8_t *kb = (const uint8_t *)PyBytes_AS_STRING(k);
+        Py_ssize_t kl = PyBytes_GET_SIZE(k);
+        uint64_t t = 0;
+        for (Py_ssize_t i = 0; i < 8 && i < kl; i++) t |= (uint64_t)kb[i] << (8 * i);
+        if (sl < 0 || sl >= limit || t == 0 || __atomic_load_n(&gen[sl], __ATOMIC_RELAXED) != (int64_t)g ||
+            (uint64_t)__atomic_load_n(&tag[sl], __ATOMIC_RELAXED) != t) {
+            verified = 0;
+            continue;
+        }
+        if (PyList_Append(slots, so) || PyList_Append(gens, go)) goto done;
+    }
+    result = Py_BuildValue("(OOn)", slots, gens, known);
+done:
+    Py_XDECREF(slots);
+    Py_XDECREF(gens);
+    release_arrs(2, a);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"blake2b_chain", blake2b_chain, METH_VARARGS, "blake2b_chain(data, page_bytes, seed) -> list of 16-byte hashes"},
     {"b2b", b2b, METH_VARARGS, "b2b(data, digest_size) -> BLAKE2b digest (tests)"},
@@ -786,6 +840,8 @@ static PyMethodDef methods[] = {
     {"paged_unhash", paged_unhash, METH_VARARGS, "paged_unhash(hashed, block_hash, index, ids)"},
     {"lru_stamp", lru_stamp, METH_VARARGS, "lru_stamp(stamp, ids, seq) -> ids already stamped"},
     {"slot_verify", slot_verify, METH_VARARGS, "slot_verify(gen_row, tag_row, slots, gens, keys) -> leading matches"},
+    {"slot_run_verified", slot_run_verified, METH_VARARGS,
+     "slot_run_verified(where, keys, gen_row, tag_row) -> (slots, gens, known)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -350,15 +350,15 @@ class Resolver:
         store = self.store
         if not store.config.speculative_loads or store.spec.restorable_bounded_groups:
             return [], [], False
-        slots, gens = store.slot_caches[rank].run(want)
+        cache = store.slot_caches[rank]
         table = tier.slot_table if store.config.verified_loads else None
-        if not slots or table is None:
+        if table is None:
+            slots, gens = cache.run(want)
             return slots, gens, False
-        pre = verified_run(table, slots, gens, want)
-        if pre < len(slots):
-            store.count("slot_hints_stale", len(slots) - pre)
-            store.slot_caches[rank].forget(want[pre : len(slots)])
-            slots, gens = slots[:pre], gens[:pre]
+        slots, gens, known = cache.run_verified(want, table)  # the lookup and the check before the copy, one pass
+        if len(slots) < known:
+            store.count("slot_hints_stale", known - len(slots))
+            cache.forget(want[len(slots) : known])
         skip_query = len(slots) == len(want) and policy.consume_handoff_of is None and not policy.wait_for_full_hit
         return slots, gens, skip_query
 

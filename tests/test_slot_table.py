@@ -50,6 +50,30 @@ def test_the_compiled_check_agrees_with_the_numpy_one(data: st.DataObject, n: in
                              if not (0 <= s < size and table[GEN, s] == g and table[TAG, s] == tag[k] != 0)), n)
 
 
+@settings(max_examples=200, deadline=None)
+@given(data=st.data(), n=st.integers(0, 30), size=st.integers(4, 40))
+def test_the_cache_lookup_and_check_in_one_pass_agrees_with_the_two_steps(data: st.DataObject, n: int,
+                                                                          size: int) -> None:
+    """`SlotCache.run_verified` (one C pass where built, else the two steps) gives what `run` then `verified_run`
+    give: the confirmed leading run, and how far the cache's knowledge reaches past it (the stale beliefs)."""
+    from kvproc.tiers.slot_cache import SlotCache
+
+    table = np.zeros((2, size), dtype=np.int64)
+    table[GEN] = data.draw(st.lists(st.integers(0, 3), min_size=size, max_size=size))
+    names = [bytes([i]) * 16 for i in range(1, 6)] + [bytes(16)]  # the all-zero key never verifies
+    table[TAG] = data.draw(st.lists(st.sampled_from(key_tags(names).tolist()), min_size=size, max_size=size))
+    cache = SlotCache(64)
+    keys = [data.draw(st.sampled_from(names)) + bytes([i]) for i in range(n)]
+    for k in keys:
+        if data.draw(st.integers(0, 9)):  # most keys known, some not: the run stops at the first unknown one
+            cache.learn([k], [data.draw(st.integers(-1, size + 1))], [data.draw(st.integers(0, 3))])
+    slots, gens, known = cache.run_verified(keys, table)
+    run_slots, run_gens = cache.run(keys)
+    ok = verified_run(table, tuple(run_slots), tuple(run_gens), tuple(keys))  # the numpy form
+    assert (slots, gens, known) == (run_slots[:ok], run_gens[:ok], len(run_slots))
+
+
+
 @settings(max_examples=50, deadline=None)
 @given(host_bytes=st.integers(8 * 4096, 1 << 22), units=st.lists(st.sampled_from([64, 256, 2048, 5000]), min_size=1,
                                                                       max_size=3))
