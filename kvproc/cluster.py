@@ -14,11 +14,12 @@ SIGKILL against one deadline) and unlinks the arena segments: nothing is left in
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import os
 import weakref
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 import posix_ipc
 import torch
@@ -81,6 +82,19 @@ def _connect_external_tiers(runtime_dir: str, ranks: int, timeout: float) -> lis
     return clients
 
 
+
+def _pinned(roles: list[RoleConfig], cpus: Mapping[str, Sequence[int]]) -> list[RoleConfig]:
+    """`roles` with their CPU sets from `cpus` (keys: a role for all its ranks, or "role[rank]" for one)."""
+    names = {c.role for c in roles} | {f"{c.role}[{c.rank}]" for c in roles}
+    unknown = sorted(set(cpus) - names)
+    if unknown:
+        raise ValueError(f"cpus names {unknown}: this cluster has {sorted(names)}")
+    out = []
+    for c in roles:
+        want = cpus.get(f"{c.role}[{c.rank}]", cpus.get(c.role))
+        out.append(dataclasses.replace(c, cpus=tuple(want)) if want is not None else c)
+    return out
+
 class ClusterStore:
     def __init__(self, cluster: Cluster, host_bytes: int, ranks: int, *, copy_timeout_s: float,
                  shutdown_deadline_s: float) -> None:
@@ -107,11 +121,17 @@ class ClusterStore:
               handoff_ttl_s: float = 300.0, save_ttl_s: float = 60.0, reap_interval_s: float = 1.0,
               copy_timeout_s: float = 120.0, ready_timeout_s: float = 15.0, shutdown_deadline_s: float = 5.0,
               runtime_dir: str | None = None, max_restarts: int = 3,
-              tier_runtime_dir: str | None = None, log_level: str = "info") -> "ClusterStore":
+              tier_runtime_dir: str | None = None, log_level: str = "info",
+              cpus: Mapping[str, Sequence[int]] | None = None) -> "ClusterStore":
         """Launch the host tier (if `host_bytes`) and one copy worker per rank; wait until all are up.
 
         `tier_runtime_dir` attaches to running shared host tiers instead (`kvproc up [--ranks N]`, found through
-        their manifest; rank r to `host_tier[r]`); `host_bytes` is then the budget this engine asks of each."""
+        their manifest; rank r to `host_tier[r]`); `host_bytes` is then the budget this engine asks of each.
+
+        `cpus` pins kvproc's processes: {"copy_worker": [1], "host_tier": [1]} runs every rank's worker and tier on
+        CPU 1, "copy_worker[2]" names one rank (it wins over the role's entry). Unnamed ones run wherever the OS
+        puts them (the default). Why: a copy worker that shares the engine's core wakes up cold on every order
+        (`RoleConfig.cpus`; `kvproc bench ipc --kvproc-cpus` measures both)."""
         if ranks < 1:
             raise ValueError(f"ranks must be >= 1, got {ranks}")
         external: list[RpcClient] = []
@@ -125,6 +145,8 @@ class ClusterStore:
                 "host_bytes": host_bytes, "lease_ttl_s": lease_ttl_s, "handoff_ttl_s": handoff_ttl_s,
                 "save_ttl_s": save_ttl_s, "reap_interval_s": reap_interval_s}) for r in range(ranks)]
         roles += [RoleConfig("copy_worker", r, max_restarts=max_restarts, log_level=log_level) for r in range(ranks)]
+        if cpus:
+            roles = _pinned(roles, cpus)
         try:
             cluster = launch(roles, cluster_name=name, runtime_dir=runtime_dir, ready_timeout_s=ready_timeout_s)
         except BaseException:

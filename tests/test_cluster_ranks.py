@@ -156,3 +156,17 @@ def test_kvproc_up_gives_each_ranks_tier_its_own_tcp_port() -> None:
     assert _rank_tcp(None, 1) is None
     with pytest.raises(SystemExit, match="tcp://HOST:PORT"):
         _rank_tcp("tcp://127.0.0.1:http", 1)
+
+
+def test_cluster_store_pins_the_roles_and_ranks_it_is_told_to_and_refuses_unknown_names() -> None:
+    """`ClusterStore.start(cpus=...)`: a role's entry applies to all its ranks, "role[rank]" wins for one rank."""
+    first, last = min(os.sched_getaffinity(0)), max(os.sched_getaffinity(0))
+    with pytest.raises(ValueError, match=r"cpus names \['tier'\]"):
+        ClusterStore.start(1 << 20, cpus={"tier": [0]})
+    cs = ClusterStore.start(1 << 20, ranks=2, cpus={"copy_worker": [last], "copy_worker[1]": [first]})
+    try:
+        assert os.sched_getaffinity(cs.cluster.pid("copy_worker", 0)) == {last}
+        assert os.sched_getaffinity(cs.cluster.pid("copy_worker", 1)) == {first}
+        assert os.sched_getaffinity(cs.cluster.pid("host_tier", 1)) == os.sched_getaffinity(0)
+    finally:
+        cs.close()

@@ -163,3 +163,28 @@ def test_children_do_not_rerun_a_launcher_script_without_main_guard(tmp_path: pa
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.count("engine script ran") == 1 and "pong True" in out.stdout
+
+
+def _thread_cpus(pid: int) -> list[set[int]]:
+    return [os.sched_getaffinity(int(t)) for t in os.listdir(f"/proc/{pid}/task")]
+
+
+def test_a_pinned_child_runs_every_thread_on_its_cpus_and_keeps_them_across_a_restart() -> None:
+    """`RoleConfig.cpus`: the child pins itself before any thread starts, so ZeroMQ's I/O thread, the handler pool
+    and the parent watcher all inherit it; a restarted incarnation is pinned again. The unpinned role is not."""
+    last = max(os.sched_getaffinity(0))
+    roles = [RoleConfig("host_tier"), RoleConfig("copy_worker", 0, cpus=(last,))]
+    with launch(roles, cluster_name="lt", runtime_dir=f"/tmp/kvlt-{os.getpid()}") as cluster:
+        for _ in range(2):
+            pid = cluster.pid("copy_worker", 0)
+            cluster.client("copy_worker", 0).request(m.Stats(), timeout=5)  # the handler pool has run a call
+            threads = _thread_cpus(pid)
+            assert len(threads) > 2 and all(c == {last} for c in threads), threads
+            cluster.restart("copy_worker", 0)
+        assert all(c == os.sched_getaffinity(0) for c in _thread_cpus(cluster.pid("host_tier", 0)))
+
+
+def test_cpus_outside_the_machine_are_refused_before_anything_starts() -> None:
+    with pytest.raises(ValueError, match=r"copy_worker\[0\]: cpus \[100000\] must be a non-empty subset"):
+        launch([RoleConfig("copy_worker", 0, cpus=(100_000,))], cluster_name="lt",
+               runtime_dir=f"/tmp/kvlt-{os.getpid()}")

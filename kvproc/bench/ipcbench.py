@@ -68,6 +68,7 @@ from kvproc import native
 from kvproc.cluster import ClusterStore
 from kvproc.contract import GroupKind, GroupSpec, KvArena, KvSpec, RepackDirection
 from kvproc.ipc.segment import Segment
+from kvproc.runtime import procutil
 from kvproc.request_kv import RequestKv
 from kvproc.store import KvStore
 from kvproc.store_types import SealCursor, StoreConfig
@@ -121,12 +122,16 @@ def _median_us(xs: list[float]) -> float:
 
 
 class _RawEcho:
-    """The transport's floor: a raw pyzmq DEALER against a ROUTER echo loop in its own process (64 B frames)."""
+    """The transport's floor: a raw pyzmq DEALER against a ROUTER echo loop in its own process (64 B frames). With
+    `cpus`, the echo process runs there (the same CPUs as kvproc's processes in that run: the baseline's peer gets the
+    worker's placement)."""
 
-    def __init__(self) -> None:
+    def __init__(self, cpus: tuple[int, ...] | None = None) -> None:
         self._tmp = tempfile.mkdtemp(prefix="kvb-", dir="/tmp")
         ep = f"ipc://{self._tmp}/raw.sock"
-        self._server = subprocess.Popen([sys.executable, "-c", RAW_ECHO, ep], stdout=subprocess.PIPE, text=True)
+        pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+        self._server = subprocess.Popen([sys.executable, "-c", RAW_ECHO, ep], stdout=subprocess.PIPE, text=True,
+                                        preexec_fn=pin)
         assert self._server.stdout is not None and self._server.stdout.readline().strip() == "ready"
         self._sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -393,10 +398,16 @@ def main(argv: list[str]) -> int:
                     help="also compare resolves on the loop's own sockets vs the client I/O threads (N batches each)")
     ap.add_argument("--ab-native", type=int, default=0, metavar="N",
                     help="also compare blocking resolves with the store side's compiled helpers on vs off (N batches)")
+    ap.add_argument("--kvproc-cpus", default=None, metavar="CPUS",
+                    help="run the copy worker, the host tier and the raw echo server on these CPUs (e.g. 1 or 2,3): "
+                         "kvproc's processes on cores of their own (default: wherever the OS puts them)")
     args = ap.parse_args(argv)
     n = 5 if args.quick else args.n
     sizes = [1, 16, 64, 256]
-    raw = _RawEcho()
+    cpus = tuple(int(c) for c in args.kvproc_cpus.split(",")) if args.kvproc_cpus else None
+    if cpus:
+        procutil.check_cpus(cpus, "--kvproc-cpus")
+    raw = _RawEcho(cpus)
     raw_us = raw.hot_median_us(200 if args.quick else 3000)
     per_thread = 2 if args.quick else 20
     batches = max(1, (n + 9) // 10)  # each arm gets 2 x 5 samples per batch: >= n in all
@@ -406,7 +417,7 @@ def main(argv: list[str]) -> int:
     host_bytes = host_pages * 2 * ARENA_BLOCK + (1 << 20)
     results: list[dict[str, Any]] = []
     seals: list[dict[str, Any]] = []
-    cs = ClusterStore.start(host_bytes)
+    cs = ClusterStore.start(host_bytes, cpus={"copy_worker": cpus, "host_tier": cpus} if cpus else None)
     try:
         model = _Model(cs.allocator, 2048)
         store = cs.attach_model(model, live_slots=CONCURRENCY, config=StoreConfig(cacheable_pin_fraction=1.0))
@@ -490,7 +501,8 @@ def main(argv: list[str]) -> int:
         raw.stop()
     load = os.getloadavg()[0]
     print(f"# control path, median of >= {n} per arm, raw 64 B round trip {raw_us:.0f} us hot (tight loop), "
-          f"load {load:.2f}, hashing/pool/copy planning: {native.describe()}")
+          f"load {load:.2f}, hashing/pool/copy planning: {native.describe()}, kvproc's processes and the raw echo "
+          f"server on " + (f"CPUs {list(cpus)}" if cpus else "any CPU (not pinned)"))
     print("| blocks | copy in situ / replayed (us) | raw RTT after churn, 1 / 2 trips (us per trip) | blocking (us) "
           "| verified | RTTs needed | **overhead beyond them** | with the replayed copy | beyond 2 RTTs "
           "| speculative (us) | overhead beyond its 2 RTTs "
@@ -529,7 +541,7 @@ def main(argv: list[str]) -> int:
         print(f"A/B blocking host-hit resolve of {size} blocks, {args.ab_native} x 10 each, interleaved: store-side "
               f"compiled helpers {r['native']:.0f} us, pure Python {r['pure']:.0f} us")
     if args.json:
-        doc = {"results": results, "seal": seals, "resolves_per_s": round(rps, 1), "raw_rtt_us": round(raw_us, 1),
+        doc: dict[str, Any] = {"kvproc_cpus": list(cpus) if cpus else None, "results": results, "seal": seals, "resolves_per_s": round(rps, 1), "raw_rtt_us": round(raw_us, 1),
                "loop_call_us": loop_calls, "resolves_via_loop": via_loop, "native": native.describe()}
         if ab:
             doc["ab_resolve_us"] = ab

@@ -44,6 +44,7 @@ class ChildSpec:
     max_in_flight: int = 256
     max_frame_bytes: int = 1 << 20
     log_level: str = "info"
+    cpus: tuple[int, ...] = ()  # pinned to these CPUs (procutil.pin_cpus) before any thread starts; () = not pinned
 
 
 def child_main(spec: ChildSpec, ready: Connection) -> None:
@@ -60,6 +61,8 @@ def child_main(spec: ChildSpec, ready: Connection) -> None:
 
 def _run(spec: ChildSpec, ready: Connection) -> int:
     procutil.set_title(f"kvproc:{spec.cluster}:{spec.role}:{spec.rank}")
+    if spec.cpus:  # first: every thread started from here on (watchers, ZeroMQ's I/O thread, handlers) inherits it
+        procutil.pin_cpus(spec.cpus)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the launcher orders the stop
     faulthandler.enable()
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>` dumps every thread's stack
@@ -101,7 +104,7 @@ def _run(spec: ChildSpec, ready: Connection) -> int:
         return 1
     ready.send_bytes(m.encode(m.Ready(os.getpid(), bound, [s.name for s in role.segments])))
     ready.close()
-    log.info("child_ready", endpoints=bound, role_class=spec.role_class)
+    log.info("child_ready", endpoints=bound, role_class=spec.role_class, cpus=list(spec.cpus) or None)
     if stop_early:
         server.stop()
     server.serve()  # returns after stop(); its exit path runs role.on_stop() (segments unlinked)

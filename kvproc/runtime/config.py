@@ -25,6 +25,7 @@ class RoleConfig:
     max_in_flight: int = 256
     max_frame_bytes: int = 1 << 20
     log_level: str = "info"  # the child's structlog level (its JSON lines go to the inherited stderr)
+    cpus: tuple[int, ...] | None = None  # run the child (all its threads) on these CPUs only; None: wherever
 
     @property
     def class_path(self) -> str:

@@ -36,6 +36,7 @@ from kvproc.ipc.errors import IpcError
 from kvproc.ipc.segment import sweep_dead_segments
 from kvproc.ipc.sockets import ipc_endpoint
 from kvproc.runtime import manifest as mf
+from kvproc.runtime import procutil
 from kvproc.runtime.child import ChildSpec, child_main
 from kvproc.runtime.config import ClusterStartError, PeerEvent, RoleConfig
 from kvproc.runtime.control import start_control_server
@@ -181,7 +182,7 @@ class Cluster:
         return ChildSpec(
             self.name, cfg.role, cfg.rank, cfg.class_path, self.runtime_dir, tuple(endpoints), self.token,
             os.getpid(), dict(cfg.options), cfg.workers, cfg.max_in_flight, cfg.max_frame_bytes,
-            log_level=cfg.log_level,
+            log_level=cfg.log_level, cpus=cfg.cpus or (),
         )  # fmt: skip
 
     def _start_child(self, cfg: RoleConfig) -> tuple[ChildHandle, Connection]:
@@ -392,6 +393,9 @@ def launch(
     keys = [(c.role, c.rank) for c in roles]
     if len(set(keys)) != len(keys):
         raise ValueError(f"duplicate (role, rank) in {keys}")
+    for c in roles:
+        if c.cpus is not None:  # refused here, with the role named, rather than as a child that fails to start
+            procutil.check_cpus(c.cpus, f"{c.role}[{c.rank}]")
     t0 = time.monotonic()
     mf.check_cluster_name(cluster_name)
     swept = sweep_dead_segments()  # leftovers of any kvproc process that died without cleaning up

@@ -1,4 +1,4 @@
-"""Process discipline for children: a named title, and dying with the launcher.
+"""Process discipline for children: a named title, dying with the launcher, and an optional CPU set.
 
 Children are forked by the forkserver, so their OS parent is the forkserver, not the launcher. Two mechanisms:
 - `PR_SET_PDEATHSIG(SIGTERM)`: the kernel signals us when the forkserver exits, which it does as soon as the
@@ -16,7 +16,7 @@ import select
 import signal
 import threading
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 import structlog
 
@@ -32,6 +32,35 @@ def set_title(title: str) -> None:
         setproctitle.setproctitle(title)
     except Exception:  # cosmetic: never fail a start over a title
         pass
+
+
+def check_cpus(cpus: Sequence[int], what: str) -> tuple[int, ...]:
+    """`cpus` as a sorted tuple, if every one is a CPU of this machine; else ValueError naming them. (Not only the
+    caller's own set: an engine pinned to its cores may place kvproc's processes on others.)"""
+    machine = set(range(os.cpu_count() or 1))
+    want = tuple(sorted(set(int(c) for c in cpus)))
+    if not want or not set(want) <= machine:
+        raise ValueError(f"{what}: cpus {list(want)} must be a non-empty subset of this machine's CPUs "
+                         f"({sorted(machine)})")
+    return want
+
+
+def pin_cpus(cpus: Sequence[int]) -> None:
+    """Run this process -- every thread it has now and, inherited, every thread it starts later -- on `cpus` only.
+
+    Why a child may want it: a copy worker woken by a resolve otherwise tends to run where the waker just ran (the
+    engine's core, its caches full of the engine's step), and pays that core's cold caches and queue on every order;
+    on a core of its own it stays warm (`kvproc bench ipc --kvproc-cpus`, bench/RESULTS.md)."""
+    cpus = check_cpus(cpus, "pin_cpus")
+    try:
+        threads = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:  # no procfs: the calling thread (later threads inherit from it)
+        threads = [0]
+    for tid in threads:
+        try:
+            os.sched_setaffinity(tid, cpus)
+        except ProcessLookupError:  # a thread that ended meanwhile
+            pass
 
 
 def die_with_parent(launcher_pid: int, on_parent_death: Callable[[], None], grace_s: float = 3.0) -> None:
