@@ -342,8 +342,8 @@ static PyObject *copy_rows(PyObject *self, PyObject *args) {
     Py_ssize_t dmax = dv.len < row ? -1 : (dv.len - row) / dstride, smax = sv.len < row ? -1 : (sv.len - row) / sstride;
     for (Py_ssize_t i = 0; i < n; i++) {
         if (d[i] < 0 || d[i] > dmax || s[i] < 0 || s[i] > smax) {
-            PyErr_Format(PyExc_IndexError, "copy_rows: pair %zd (dst %lld, src %lld) outside [0, %zd] x [0, %zd]", i,
-                         (long long)d[i], (long long)s[i], dmax, smax);
+            PyErr_Format(PyExc_IndexError, "copy_rows: ids out of range: pair %zd (dst %lld, src %lld) outside [0, %zd] x "
+                         "[0, %zd]", i, (long long)d[i], (long long)s[i], dmax, smax);
             goto done;
         }
     }

@@ -178,3 +178,19 @@ def test_a_bad_host_slot_or_a_length_mismatch_is_refused_before_any_byte_moves()
         ex.save(SaveOrder("r", [0, 1], [0]))
     assert not host.any()
     assert ex.save(SaveOrder("r", [], [])) == 0
+
+
+def test_a_block_id_past_the_arena_is_refused_even_where_its_tensor_has_room_for_it():
+    """An arena tensor longer than its blocks: the compiled copy alone would accept id == num_blocks (its bytes fit in
+    the buffer), so the executor checks the ids against the arena's block count itself before any byte moves."""
+    nb, bpb = 8, 32
+    spec = KvSpec(4, (GroupSpec("kv", GroupKind.PAGED),))
+    lay = validate_layout(spec, [("kv", KvArena("k0", torch.zeros(nb * bpb + 4 * bpb, dtype=torch.uint8), nb, bpb,
+                                                 bpb))])
+    hl = HostLayout.plan(lay, 1 << 16)
+    host = np.ones(hl.total_bytes, dtype=np.uint8)
+    ex = CopyExecutor(lay, host, hl)
+    tail = lay.arenas[0][1].byte_view()[nb * bpb :].clone()
+    with pytest.raises(CopyError, match="out of range"):
+        ex.load(LoadOrder("r", [0, 1], [0, nb]))
+    assert torch.equal(lay.arenas[0][1].byte_view()[nb * bpb :], tail) and not lay.arenas[0][1].byte_view().any()

@@ -262,19 +262,18 @@ class RpcServer:
             self._reply_exc(ctx, HandlerError("unknown_request", missing))
         elif len(self._in_flight) > self._max_in_flight:
             self._reply_exc(ctx, HandlerError("overloaded", f"{self._max_in_flight} calls already in flight"))
+        elif type(body) in self._inline:
+            t0 = time.perf_counter_ns()
+            self._run(handler, body, ctx)  # checks the deadline and the token first, like a pooled call
+            self.inline_ns += time.perf_counter_ns() - t0
+            self.inline_calls += 1
         else:
             try:
                 ctx.check()  # already cancelled or past its deadline: answer without queueing it
             except (CallCancelled, DeadlineExceeded) as e:
                 self._reply_exc(ctx, e)
                 return
-            if type(body) in self._inline:
-                t0 = time.perf_counter_ns()
-                self._run(handler, body, ctx)
-                self.inline_ns += time.perf_counter_ns() - t0
-                self.inline_calls += 1
-            else:
-                self._pool.submit(self._run, handler, body, ctx)
+            self._pool.submit(self._run, handler, body, ctx)
 
     def _frame_error(self, ident: bytes, code: str, detail: str) -> None:
         self.errors += 1

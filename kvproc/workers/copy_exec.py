@@ -210,6 +210,12 @@ class CopyExecutor:
         self._direct_limits: tuple[int, int] | None = None  # (device blocks, host slots) every arena has
         if NATIVE is not None and per_arena and not any(a.repack for a in self.arenas if a.paged and a.host is not None):
             self._direct_limits = (min(r[5] for r in per_arena), min(r[6] for r in per_arena))
+        # When every arena's buffers end exactly at those limits, `copy_rows` checking the first arena's call (all ids,
+        # before any byte moves) is the check for all of them: the order's ids are not walked again in Python.
+        self._first_call_checks = self._direct_limits is not None and all(
+            (len(flat) - row) // stride + 1 == self._direct_limits[0]
+            and (len(hflat) - row) // unit + 1 == self._direct_limits[1]
+            for flat, stride, hflat, unit, row in self._rows)
         self._row_bytes = sum(r[4] for r in self._rows)
 
     def close(self) -> None:
@@ -251,8 +257,10 @@ class CopyExecutor:
             raise CopyError(f"{len(device)} device blocks against {len(host)} host slots")
         if not device:
             return 0
-        # Every arena checked before any byte moves (`copy_rows` checks again, per call).
-        if min(device) < 0 or max(device) >= limits[0] or min(host) < 0 or max(host) >= limits[1]:
+        # Every arena checked before any byte moves: by the first `copy_rows` call where that covers them all (see
+        # `__init__`), else here (each call checks its own arena again).
+        if not self._first_call_checks and (min(device) < 0 or max(device) >= limits[0] or min(host) < 0
+                                            or max(host) >= limits[1]):
             raise CopyError(f"ids out of range (device < {limits[0]}, host < {limits[1]})")
         copy = NATIVE.copy_rows  # type: ignore[union-attr]
         n = 0
