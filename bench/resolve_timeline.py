@@ -35,6 +35,9 @@ def main() -> int:
     ap.add_argument("--blocks", type=int, default=64)
     ap.add_argument("--n", type=int, default=250)
     ap.add_argument("--form", choices=list(FORMS), default="verified")
+    ap.add_argument("--churn-every", type=int, default=1, metavar="K",
+                    help="churn the device pool before every K-th resolve only and time the other ones (back to "
+                         "back, as the bench's burst arm: warm code, cold data); default 1: after every churn")
     args = ap.parse_args()
     marks: list[tuple[str, float]] = []
     now = time.perf_counter
@@ -99,14 +102,18 @@ def main() -> int:
         direct.DirectCalls._wait = timed_wait  # type: ignore[method-assign]
         rows: list[list[tuple[str, float]]] = []
         try:
-            for p in prompts:
-                b.churn()
+            for i, p in enumerate(prompts):
+                churned = i % args.churn_every == 0
+                if churned:
+                    b.churn()
                 marks.clear()
                 stamp("start")
                 pre = store.resolve_prefix_sync(0, "r", p)
                 stamp("done")
                 pre.hold.release()
                 t0 = marks[0][1]
+                if churned and args.churn_every > 1:
+                    continue
                 rows.append([(name, (t - t0) * 1e6) for name, t in marks])
         finally:
             store_resolve.verified_run = check  # type: ignore[assignment]
@@ -116,7 +123,8 @@ def main() -> int:
         cs.close()
     names = [name for name, _ in rows[-1]]
     same = [r for r in rows if [name for name, _ in r] == names]  # resolves that took the same steps
-    print(f"# {args.form} blocking resolve of {args.blocks} blocks: {len(same)} of {len(rows)} took these steps; "
+    print(f"# {args.form} blocking resolve of {args.blocks} blocks (churn before every {args.churn_every}): "
+          f"{len(same)} of {len(rows)} took these steps; "
           "median us since start, +step")
     prev = 0.0
     for i, name in enumerate(names):

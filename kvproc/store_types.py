@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import itertools
 import threading
 import time
 from dataclasses import dataclass, field
@@ -113,8 +114,12 @@ class Outcomes:
             self.counts[key] += 1
         return o
 
-    def for_request(self, req_id: str, op: str | None = None) -> list[Outcome]:
+    def for_request(self, req_id: str, op: str | None = None, last: int | None = None) -> list[Outcome]:
         """The recent outcomes of one request (of one kind of operation, if `op`), oldest first. A load a resolve
-        stopped waiting for, or did not use, settles after the resolve: its outcome may come after the resolve's."""
+        stopped waiting for, or did not use, settles after the resolve: its outcome may come after the resolve's.
+        `last`: search only the newest `last` outcomes (a caller that has just finished the request: the whole
+        history is thousands of entries, a scan that costs more than a resolve)."""
         with self._lock:
-            return [o for o in self.recent if o.req_id == req_id and (op is None or o.op == op)]
+            recent = self.recent if last is None else itertools.islice(reversed(self.recent), last)
+            found = [o for o in recent if o.req_id == req_id and (op is None or o.op == op)]
+        return found if last is None else found[::-1]
