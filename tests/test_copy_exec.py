@@ -134,14 +134,19 @@ def test_repack_runs_on_save_and_load_and_round_trips():
     assert torch.equal(block(k0, 2), want) and calls == [RepackDirection.SAVE, RepackDirection.LOAD]
 
 
-def test_out_of_range_ids_are_refused_before_any_byte_moves():
+def test_bad_ids_or_a_length_mismatch_are_refused_before_any_byte_moves():
     lay = layout()
     hl = HostLayout.plan(lay, 1 << 16)
     host = np.zeros(hl.total_bytes, dtype=np.uint8)
     ex = CopyExecutor(lay, host, hl)
     with pytest.raises(CopyError, match="out of range"):
-        ex.save(SaveOrder("r", [0, 99], [0, 1]))
+        ex.save(SaveOrder("r", [0, 99], [0, 1]))  # a device block past the arena
+    with pytest.raises(CopyError, match="out of range"):
+        ex.save(SaveOrder("r", [0, 1], [0, hl.page_slots]))  # a host slot past the region
+    with pytest.raises(CopyError, match="2 device blocks against 1 host slots"):
+        ex.save(SaveOrder("r", [0, 1], [0]))
     assert not host.any()
+    assert ex.save(SaveOrder("r", [], [])) == 0
 
 
 def test_an_order_big_enough_for_two_copy_threads_is_split_and_lands_whole():
@@ -165,19 +170,6 @@ def test_an_order_big_enough_for_two_copy_threads_is_split_and_lands_whole():
     for src, dst in zip(ids, dest):  # slot i holds block ids[i] and loads into dest[i]
         assert torch.equal(block(k0, dst), before[src])
     ex.close()
-
-
-def test_a_bad_host_slot_or_a_length_mismatch_is_refused_before_any_byte_moves():
-    lay = layout()
-    hl = HostLayout.plan(lay, 1 << 16)
-    host = np.zeros(hl.total_bytes, dtype=np.uint8)
-    ex = CopyExecutor(lay, host, hl)
-    with pytest.raises(CopyError, match="out of range"):
-        ex.save(SaveOrder("r", [0, 1], [0, hl.page_slots]))
-    with pytest.raises(CopyError, match="2 device blocks against 1 host slots"):
-        ex.save(SaveOrder("r", [0, 1], [0]))
-    assert not host.any()
-    assert ex.save(SaveOrder("r", [], [])) == 0
 
 
 def test_a_block_id_past_the_arena_is_refused_even_where_its_tensor_has_room_for_it():
