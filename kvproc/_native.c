@@ -10,8 +10,8 @@
  *   slot_run_verified: the slot cache's lookup and that check before the copy, in one pass (`slot_cache.py`).
  * - copy_plan: the run split of a copy order (`kvproc.workers.copy_exec.split_runs` + `_bounds`) in one pass over
  *   the two id lists, where numpy's version costs ~25 calls of fixed overhead whatever the order's size.
- * - copy_rows: the copy itself for arenas of packed or strided rows: ids checked, then one memmove per run without
- *   the GIL (numpy's gather + scatter passes over the bytes twice and costs ~10 us a call before any byte moves).
+ * - copy_rows: the copy itself for arenas of packed or strided rows: ids checked, then one memmove per run (the GIL
+ *   released for a big copy; numpy's gather + scatter passes over the bytes twice and costs ~10 us before a byte moves).
  *
  * Optional: kvproc falls back to the pure-Python forms when this module is not built (no compiler), and the tests
  * check both forms agree. BLAKE2b is implemented from RFC 7693 (unkeyed, no salt/personalisation, digest of 1..64

@@ -82,7 +82,6 @@ def _connect_external_tiers(runtime_dir: str, ranks: int, timeout: float) -> lis
     return clients
 
 
-
 def _pinned(roles: list[RoleConfig], cpus: Mapping[str, Sequence[int]]) -> list[RoleConfig]:
     """`roles` with their CPU sets from `cpus` (keys: a role for all its ranks, or "role[rank]" for one)."""
     names = {c.role for c in roles} | {f"{c.role}[{c.rank}]" for c in roles}
@@ -94,6 +93,7 @@ def _pinned(roles: list[RoleConfig], cpus: Mapping[str, Sequence[int]]) -> list[
         want = cpus.get(f"{c.role}[{c.rank}]", cpus.get(c.role))
         out.append(dataclasses.replace(c, cpus=tuple(want)) if want is not None else c)
     return out
+
 
 class ClusterStore:
     def __init__(self, cluster: Cluster, host_bytes: int, ranks: int, *, copy_timeout_s: float,
@@ -130,8 +130,8 @@ class ClusterStore:
 
         `cpus` pins kvproc's processes: {"copy_worker": [1], "host_tier": [1]} runs every rank's worker and tier on
         CPU 1, "copy_worker[2]" names one rank (it wins over the role's entry). Unnamed ones run wherever the OS
-        puts them (the default). Why: a copy worker that shares the engine's core wakes up cold on every order
-        (`RoleConfig.cpus`; `kvproc bench ipc --kvproc-cpus` measures both)."""
+        puts them (the default). For machines with cores to spare: kvproc's processes off the engine's cores, near
+        their GPU (`RoleConfig.cpus`; `kvproc bench ipc --kvproc-cpus` measures both ways)."""
         if ranks < 1:
             raise ValueError(f"ranks must be >= 1, got {ranks}")
         external: list[RpcClient] = []

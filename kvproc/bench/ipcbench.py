@@ -13,7 +13,7 @@ DEALER/ROUTER round trip measured in the same run.
   engine's non-blocking form: the blocking path on one of the store's resolve threads, verified like `blocking`) and
   `loop` (the same with the resolve threads turned off: the store's event loop);
 - copy: each resolve's Load as the copy worker timed it executing the order (`Copied.ns`: the bytes' cost where and
-  when they moved -- a host hit's pages were written long before and come from memory, not cache); beside
+  when they moved -- a host hit's pages were written long before, so they come from memory more than cache); beside
   it, the very Load orders the store sent replayed in this process by a `CopyExecutor` over the same segments right
   after (warm: the worker has just read those bytes into the shared cache; stops 9-11 subtracted this one) and the
   worker's mean over every arm;
@@ -477,7 +477,7 @@ def main(argv: list[str]) -> int:
                     row[f"{arm}_verified_share"] = round(share, 3)
                     row[f"{arm}_rtts_needed"] = needed
                     # the issue's measure: each resolve less its own Load's copy as the worker timed it (the bytes'
-                    # cost where and when they moved: from memory no cache holds), then the needed round trips
+                    # cost where and when they moved), then the needed round trips
                     net_us = _median_us(b.net.get(arm, [float("nan")]))
                     row[f"{arm}_copy_in_situ_us"] = round(_median_us(b.copy_in_situ.get(arm, [float("nan")])), 1)
                     row[f"{arm}_one_load_share"] = round(len(b.net.get(arm, [])) / max(1, len(res_t[arm])), 3)
@@ -519,7 +519,8 @@ def main(argv: list[str]) -> int:
               f"{r['raw_rtt_raw1_us']:.0f} / {r['raw_rtt_raw2_us']:.0f} | "
               f"{r['resolve_blocking_us']:.0f} | {r['blocking_verified_share']:.0%} | {r['blocking_rtts_needed']} | "
               f"**{r['blocking_overhead_beyond_needed']:.2f}** | "
-              f"{r['blocking_overhead_beyond_needed_replayed_copy']:.2f} | {r['blocking_overhead_beyond_2_rtts']:.2f} | "
+              f"{r['blocking_overhead_beyond_needed_replayed_copy']:.2f} | "
+              f"{r['blocking_overhead_beyond_2_rtts']:.2f} | "
               f"{r['resolve_speculative_us']:.0f} | {r['speculative_overhead_beyond_2_rtts']:.2f} | "
               f"{r['resolve_plain_us']:.0f} | {r['plain_overhead_beyond_2_rtts']:.2f} | "
               f"{r['resolve_submit_us']:.0f} | {r['submit_overhead_beyond_needed']:.2f} | "
@@ -544,8 +545,9 @@ def main(argv: list[str]) -> int:
         print(f"A/B blocking host-hit resolve of {size} blocks, {args.ab_native} x 10 each, interleaved: store-side "
               f"compiled helpers {r['native']:.0f} us, pure Python {r['pure']:.0f} us")
     if args.json:
-        doc: dict[str, Any] = {"kvproc_cpus": list(cpus) if cpus else None, "results": results, "seal": seals, "resolves_per_s": round(rps, 1), "raw_rtt_us": round(raw_us, 1),
-               "loop_call_us": loop_calls, "resolves_via_loop": via_loop, "native": native.describe()}
+        doc: dict[str, Any] = {"kvproc_cpus": list(cpus) if cpus else None, "results": results, "seal": seals,
+                               "resolves_per_s": round(rps, 1), "raw_rtt_us": round(raw_us, 1),
+                               "loop_call_us": loop_calls, "resolves_via_loop": via_loop, "native": native.describe()}
         if ab:
             doc["ab_resolve_us"] = ab
         if ab_native:

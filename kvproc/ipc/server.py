@@ -116,7 +116,7 @@ class RpcServer:
         self.dropped = 0
         self.late_replies = 0
         self.inline_calls = 0
-        self.inline_ns = 0  # socket-thread time in inline handlers, reply sent included (what a caller waits beyond the wire)
+        self.inline_ns = 0  # socket-thread time in inline handlers, their replies sent included
 
     # ---- lifecycle ----
 

@@ -48,9 +48,10 @@ def check_cpus(cpus: Sequence[int], what: str) -> tuple[int, ...]:
 def pin_cpus(cpus: Sequence[int]) -> None:
     """Run this process -- every thread it has now and, inherited, every thread it starts later -- on `cpus` only.
 
-    Why a child may want it: a copy worker woken by a resolve otherwise tends to run where the waker just ran (the
-    engine's core, its caches full of the engine's step), and pays that core's cold caches and queue on every order;
-    on a core of its own it stays warm (`kvproc bench ipc --kvproc-cpus`, bench/RESULTS.md)."""
+    Why a child may want it: a copy worker woken by a resolve may otherwise run on the engine's busy cores, behind
+    their work and on caches full of it; placed on cores of its own (near its GPU on a real machine) it is not.
+    Measured both ways by `kvproc bench ipc --kvproc-cpus` (bench/RESULTS.md: on a 2-vCPU machine it moves
+    microseconds, not the ratio to a raw round trip)."""
     cpus = check_cpus(cpus, "pin_cpus")
     try:
         threads = [int(t) for t in os.listdir("/proc/self/task")]
