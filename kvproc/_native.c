@@ -309,16 +309,20 @@ done:
     return result;
 }
 
-/* copy_rows(dst, dst_stride, dst_ids, src, src_stride, src_ids, row_bytes) -> bytes copied.
+/* copy_rows(dst, dst_stride, dst_ids, src, src_stride, src_ids, row_bytes[, gil_bytes]) -> bytes copied.
  * Row dst_ids[i] of `dst` (a writable contiguous buffer seen as rows `dst_stride` bytes apart) gets the first
  * `row_bytes` of row src_ids[i] of `src`. Every id is checked before any byte moves (an IndexError names the first bad
  * one, nothing half-applied); then one memmove per maximal run where both sides' rows are packed (stride ==
  * row_bytes) and advance by one, else one per row. What it replaces: numpy's fancy-index gather + scatter (two passes
- * over the bytes and ~10 us of fixed cost per arena) and a Python slice copy per run. */
+ * over the bytes and ~10 us of fixed cost per arena) and a Python slice copy per run.
+ * The GIL is released for a copy of at least `gil_bytes` (default 1 MiB; 0: always): getting it back can mean waiting
+ * for another thread's switch interval, far more than a small copy takes -- right for a load on the worker's socket
+ * thread, whose reply is waited for; a save on a handler thread releases it always, so that thread keeps serving. */
 static PyObject *copy_rows(PyObject *self, PyObject *args) {
     PyObject *dst_obj, *src_obj, *dids_obj, *sids_obj;
-    Py_ssize_t dstride, sstride, row;
-    if (!PyArg_ParseTuple(args, "OnOOnOn", &dst_obj, &dstride, &dids_obj, &src_obj, &sstride, &sids_obj, &row))
+    Py_ssize_t dstride, sstride, row, gil_bytes = (Py_ssize_t)1 << 20;
+    if (!PyArg_ParseTuple(args, "OnOOnOn|n", &dst_obj, &dstride, &dids_obj, &src_obj, &sstride, &sids_obj, &row,
+                          &gil_bytes))
         return NULL;
     if (dstride <= 0 || sstride <= 0 || row < 0 || row > dstride || row > sstride) {
         PyErr_Format(PyExc_ValueError, "copy_rows: bad geometry (strides %zd / %zd, row %zd)", dstride, sstride, row);
@@ -350,9 +354,7 @@ static PyObject *copy_rows(PyObject *self, PyObject *args) {
     uint8_t *db = dv.buf;
     const uint8_t *sb = sv.buf;
     int packed = dstride == row && sstride == row;
-    /* The GIL goes only around a big copy (the executor's two copy threads split those): getting it back can mean
-     * waiting for another thread's switch interval, far more than a small order's copy takes. */
-    PyThreadState *ts = (size_t)n * (size_t)row >= ((size_t)1 << 20) ? PyEval_SaveThread() : NULL;
+    PyThreadState *ts = n * row >= gil_bytes ? PyEval_SaveThread() : NULL;
     Py_ssize_t i = 0;
     while (i < n) {
         Py_ssize_t k = 1;
@@ -829,7 +831,7 @@ static PyMethodDef methods[] = {
     {"copy_plan", copy_plan, METH_VARARGS,
      "copy_plan(src, dst, long_run) -> (long_runs, short_src, short_dst, bounds or None)"},
     {"copy_rows", copy_rows, METH_VARARGS,
-     "copy_rows(dst, dst_stride, dst_ids, src, src_stride, src_ids, row_bytes) -> bytes copied"},
+     "copy_rows(dst, dst_stride, dst_ids, src, src_stride, src_ids, row_bytes[, gil_bytes]) -> bytes copied"},
     {"paged_take", paged_take, METH_VARARGS, "paged_take(refcount, generation, ids)"},
     {"paged_gens", paged_gens, METH_VARARGS, "paged_gens(generation, ids) -> bytearray of int64"},
     {"paged_check", paged_check, METH_VARARGS, "paged_check(generation, ids, gens) -> stale ids (<= 8)"},

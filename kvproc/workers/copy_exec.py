@@ -39,6 +39,11 @@ from kvproc.workers.orders import LoadOrder, SaveOrder, SlotCopy
 
 RepackFn = Callable[[str, RepackDirection, torch.Tensor, torch.Tensor], None]
 PARALLEL_BYTES = 8 << 20  # below this, a second thread costs more than it saves
+# When a `copy_rows` call lets go of the GIL. A save runs on a worker's handler thread, in the background: always, so
+# the socket thread keeps answering (a load waits on it). A load runs on the socket thread and its caller waits for the
+# reply: only when big, since taking the GIL back can wait out another thread's switch interval (5 ms).
+SAVE_GIL_BYTES = 0
+LOAD_GIL_BYTES = 1 << 20
 
 
 class CopyError(RuntimeError):
@@ -271,8 +276,8 @@ class CopyExecutor:
         n = 0
         try:
             for flat, stride, hflat, unit, row in self._rows:
-                n += copy(hflat, unit, host, flat, stride, device, row) if to_host else \
-                    copy(flat, stride, device, hflat, unit, host, row)
+                n += copy(hflat, unit, host, flat, stride, device, row, SAVE_GIL_BYTES) if to_host else \
+                    copy(flat, stride, device, hflat, unit, host, row, LOAD_GIL_BYTES)
         except (IndexError, ValueError) as e:
             raise CopyError(str(e)) from None
         self.bytes_copied += n
@@ -309,8 +314,9 @@ class CopyExecutor:
                 if native_rows and not a.repack:
                     assert a.host_flat is not None
                     row, unit = a.rows.shape[1], a.host.shape[1]
-                    jobs.append(_RowCopy(a.host_flat, unit, host, a.flat, a.stride, device, row) if to_host else
-                                _RowCopy(a.flat, a.stride, device, a.host_flat, unit, host, row))
+                    jobs.append(_RowCopy(a.host_flat, unit, host, a.flat, a.stride, device, row, SAVE_GIL_BYTES)
+                                if to_host else
+                                _RowCopy(a.flat, a.stride, device, a.host_flat, unit, host, row, LOAD_GIL_BYTES))
                     continue
                 if self._per_run(a):
                     if every_run is None:
@@ -431,6 +437,7 @@ class _RowCopy:
     src_stride: int
     src_ids: Sequence[int]
     row: int
+    gil_bytes: int  # release the GIL for a copy of at least this many bytes (`SAVE_GIL_BYTES` / `LOAD_GIL_BYTES`)
 
     @property
     def nbytes(self) -> int:
@@ -438,13 +445,13 @@ class _RowCopy:
 
     def part(self, lo: int, hi: int) -> "_RowCopy":
         return _RowCopy(self.dst, self.dst_stride, self.dst_ids[lo:hi], self.src, self.src_stride,
-                        self.src_ids[lo:hi], self.row)
+                        self.src_ids[lo:hi], self.row, self.gil_bytes)
 
     def __call__(self) -> int:
         assert NATIVE is not None
         try:
             return int(NATIVE.copy_rows(self.dst, self.dst_stride, self.dst_ids, self.src, self.src_stride,
-                                        self.src_ids, self.row))
+                                        self.src_ids, self.row, self.gil_bytes))
         except (IndexError, ValueError) as e:  # checked by the plan already: a stale layout, say, not a bad order
             raise CopyError(str(e)) from None
 
