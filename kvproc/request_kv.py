@@ -149,6 +149,9 @@ class RequestKv:
         self._hashes: list[bytes] = (
             list(prompt_hashes) if prompt_hashes is not None else self._hasher.hash_prompt(self._tokens.view(), scope)
         )
+        if prompt_hashes is not None and len(self._hashes) != self._tokens.n // self.page_tokens:
+            raise ValueError(f"request {req_id!r}: {len(self._hashes)} prompt hashes for "
+                             f"{self._tokens.n // self.page_tokens} full pages of {self._tokens.n} tokens")
         self.lifetime_blocks = _cdiv(self._tokens.n + max_output_tokens, self.page_tokens)
         self.num_computed = 0
         self._registered = 0  # pages registered in the prefix index

@@ -132,7 +132,7 @@ class Resolver:
         P = pool.page_tokens
         cap = min(len(hashes), n_tokens // P) if policy.reuse is ReusePolicy.FULL_PAGES else (n_tokens - 1) // P
         dev_pages = hold.num_blocks
-        prefix = KvPrefix(hold, device_tokens=dev_pages * P)
+        prefix = KvPrefix(hold, device_tokens=dev_pages * P, page_hashes=hashes)
         tier = store.tier_of(rank)
         if tier is None or dev_pages >= cap or not store.spec.prefix_caching:
             store.outcomes.record("resolve", req_id, "ok", "device_only" if tier is None else "")

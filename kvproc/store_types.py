@@ -65,6 +65,10 @@ class KvPrefix:
     hold: PrefixHold
     device_tokens: int = 0  # served from the device pool
     host_tokens: int = 0  # restored from the host tier
+    # The chained hashes of every full page of the prompt, as this resolve computed them (its scope): hand them to
+    # `RequestKv(..., prompt_hashes=...)` for the same prompt and scope, which then does not hash it again. None when
+    # the resolve hashed nothing (it was cancelled before it started).
+    page_hashes: list[bytes] | None = None
 
     @property
     def hit_tokens(self) -> int:

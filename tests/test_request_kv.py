@@ -18,6 +18,14 @@ from kvproc import (
 from tests.helpers_pool import PAGE, bounded_pool, paged_pool, run_prompt
 
 
+def test_prompt_hashes_handed_in_must_cover_every_full_page_of_the_prompt():
+    pool = paged_pool()
+    own = RequestKv(pool, "a", list(range(10)), 0).page_hashes  # 2 full pages of 4 tokens
+    assert RequestKv(pool, "b", list(range(10)), 0, prompt_hashes=own).page_hashes == own
+    with pytest.raises(ValueError, match="1 prompt hashes for 2 full pages of 10 tokens"):
+        RequestKv(pool, "c", list(range(10)), 0, prompt_hashes=own[:1])
+
+
 def test_lifetime_is_frozen_at_creation():
     pool = paged_pool()
     kv = RequestKv(pool, "a", list(range(10)), 7)

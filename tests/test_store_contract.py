@@ -197,6 +197,28 @@ def test_an_already_cancelled_resolve_does_no_io():
         pre = store.resolve_prefix_sync(0, "a", list(range(17)), cancel=tok)
         assert pre.hit_tokens == 0 and tier.query_gate.calls == 0
         assert store.outcomes.for_request("a", "resolve")[-1].reason == "cancelled"
+        assert pre.page_hashes is None  # nothing was hashed either
+
+
+def test_a_resolve_hands_back_its_prompt_hashes_and_a_request_built_on_them_is_the_same():
+    """`KvPrefix.page_hashes`: the chain the resolve computed, for `RequestKv(prompt_hashes=...)` to reuse (the
+    reference engine does): the same hashes a request computes itself, on every path (device hit, host hit)."""
+    store, model, tier, _ = make_store()
+    with store:
+        toks = list(range(37))
+        kv, cur, _, _ = compute(store, model, "a", toks)
+        own = list(kv.page_hashes)
+        store.retire(0, kv, cur)
+        store.flush_saves(0)
+        for label in ("device", "host"):
+            if label == "host":
+                churn(store)
+            pre = store.resolve_prefix_sync(0, f"b-{label}", toks)
+            assert pre.hit_tokens == 36 and pre.page_hashes == own
+            again = RequestKv(store.pools[0], f"c-{label}", toks, 4, prompt_hashes=pre.page_hashes)
+            assert again.page_hashes == own
+            pre.hold.release()
+            again.release()
 
 
 def test_cancellation_after_the_query_releases_the_lease():

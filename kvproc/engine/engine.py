@@ -200,7 +200,7 @@ class Engine:
                 rejected.append(req)
                 continue
             if head.kv is None:
-                head.kv = self._request_kv(req)
+                head.kv = self._request_kv(req, head.prefix)
             credit = head.prefix.hold.num_blocks if head.prefix is not None else 0
             if req.handoff_in is not None and req.handoff_in.committed_len % self.page_tokens:
                 credit -= 1  # the padded page is replaced by a private copy: one block of slack for it
@@ -226,9 +226,10 @@ class Engine:
         need = -(-r.req.handoff_in.committed_len // self.page_tokens)
         return r.prefix is not None and r.prefix.hold.num_blocks == need
 
-    def _request_kv(self, req: Request) -> RequestKv:
-        if req.handoff_in is None:
-            return RequestKv(self.pool, req.req_id, req.prompt, req.max_output_tokens, scope=self.scope)
+    def _request_kv(self, req: Request, prefix: KvPrefix | None) -> RequestKv:
+        if req.handoff_in is None:  # the resolve hashed this very prompt in this scope: no second pass over it
+            return RequestKv(self.pool, req.req_id, req.prompt, req.max_output_tokens, scope=self.scope,
+                             prompt_hashes=prefix.page_hashes if prefix is not None else None)
         env = req.handoff_in
         assert env.anchor_token_id is not None
         # The decode side's request: the committed prompt plus the anchor (sampled by prefill, its KV not yet
