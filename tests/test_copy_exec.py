@@ -186,3 +186,47 @@ def test_a_block_id_past_the_arena_is_refused_even_where_its_tensor_has_room_for
     with pytest.raises(CopyError, match="out of range"):
         ex.load(LoadOrder("r", [0, 1], [0, nb]))
     assert torch.equal(lay.arenas[0][1].byte_view()[nb * bpb :], tail) and not lay.arenas[0][1].byte_view().any()
+
+
+def test_a_repacked_arena_takes_an_orders_scattered_blocks_in_one_hook_call_per_chunk(monkeypatch):
+    """The hook is per block (`(n_blocks, bytes)` tensors), so an order's blocks in short runs go through it as one
+    batch per `GATHER_CHUNK_BYTES` of stored rows, a long run as its own, and all land in order: the round trip is
+    exact."""
+    from kvproc.workers import copy_exec
+
+    calls: list[tuple[RepackDirection, int]] = []
+
+    def repack(group, direction, src, dst):
+        calls.append((direction, src.shape[0]))
+        if direction is RepackDirection.SAVE:
+            dst[:, :32] = src
+            dst[:, 32:] = src[:, :8] ^ 0x5A  # a per-block trailer that depends on the block
+        else:
+            assert torch.equal(src[:, 32:], src[:, :8] ^ 0x5A)
+            dst.copy_(src[:, :32])
+
+    nb = 48
+    lay = layout(nb=nb, stored=40)
+    hl = HostLayout.plan(lay, 1 << 20)
+    ex = CopyExecutor(lay, np.zeros(hl.total_bytes, dtype=np.uint8), hl, repack=repack)
+    k0 = lay.arenas[0][1]
+    SAVE, LOAD = RepackDirection.SAVE, RepackDirection.LOAD
+
+    def round_trip(ids: list[int], slots: list[int], dest: list[int]) -> None:
+        snap = [block(k0, i).clone() for i in range(nb)]
+        calls.clear()
+        ex.save(SaveOrder("r", ids, slots))
+        ex.load(LoadOrder("r", slots, dest))
+        for src, dst in zip(ids, dest):
+            assert torch.equal(block(k0, dst), snap[src])
+
+    # a run of three (short) and scattered blocks, saved and loaded as one batch each (k0 only: k1 is not repacked)
+    round_trip([7, 3, 30, 31, 32, 11, 0, 45], [9, 2, 40, 41, 42, 5, 17, 1], [1, 2, 3, 20, 21, 22, 46, 47])
+    assert calls == [(SAVE, 8), (LOAD, 8)]
+    # a run of four (both sides consecutive) is long: its own batch, the other two together; the same on the load
+    round_trip([7, 20, 21, 22, 23, 0], [3, 10, 11, 12, 13, 30], [40, 41, 42, 43, 44, 45])
+    assert calls == [(SAVE, 4), (SAVE, 2), (LOAD, 4), (LOAD, 2)]
+    calls.clear()
+    monkeypatch.setattr(copy_exec, "GATHER_CHUNK_BYTES", 3 * 40)  # three stored rows per batch
+    ex.save(SaveOrder("r", [7, 3, 30, 31, 32, 11, 0, 45], [9, 2, 40, 41, 42, 5, 17, 1]))
+    assert calls == [(SAVE, 3), (SAVE, 3), (SAVE, 2)]

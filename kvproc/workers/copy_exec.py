@@ -17,7 +17,8 @@ copy each, since the gather's second pass over the bytes would cost more than th
 is no per-block Python loop. Large batches are split across two threads (numpy copies and big `copy_rows` calls
 release the GIL), which is what reaches the memory-bandwidth limit on this class of machine.
 
-Where the model's stored layout differs (`repack`), each run goes through the hook in (run, bytes) row batches.
+Where the model's stored layout differs (`repack`), an order's blocks of that arena go through the hook in one
+(blocks, bytes) batch per 4 MiB, gathered by id and scattered back, whatever runs they form (`_RepackCopy`).
 
 CPU-only here: device arenas are shared-memory tensors. # NEEDS-GPU-CHECK: a CUDA build would issue
 `dst.copy_(src, non_blocking=True)` on a dedicated stream after the step's event; that path is not written yet.
@@ -176,6 +177,9 @@ class CopyExecutor:
     # Move non-repacked pages with `kvproc._native.copy_rows` where it is built; False plans them for numpy (long runs
     # as slices, the rest in one gather): the A/B knob behind `kvproc bench copy`'s "numpy path" rows.
     use_copy_rows = True
+    # A repacked arena's blocks go through the hook in batches (`_repack_copies`); False: one call per run, the path
+    # before (the A/B knob behind `bench/repack_copy.py`).
+    batch_repack = True
 
     def __init__(
         self,
@@ -311,6 +315,9 @@ class CopyExecutor:
                 if bounds is None:
                     continue  # no pages in this order
                 self._check(a, *bounds)
+                if a.repack and self.batch_repack:
+                    jobs += self._repack_copies(a, device, host, to_host)
+                    continue
                 if native_rows and not a.repack:
                     assert a.host_flat is not None
                     row, unit = a.rows.shape[1], a.host.shape[1]
@@ -339,8 +346,8 @@ class CopyExecutor:
 
     @staticmethod
     def _per_run(a: _Arena) -> bool:
-        """A copy per run, however short: the repack hook takes contiguous row batches, and big blocks copy best one
-        slice each. Otherwise long runs go as slices and the rest in one gather."""
+        """No gather for this arena: big blocks copy best one slice per run, and repacked arenas batch their blocks
+        through the hook instead (`_repack_copies`). Otherwise long runs go as slices and the rest in one gather."""
         return a.repack or a.rows.shape[1] >= GATHER_MAX_BLOCK_BYTES
 
     @staticmethod
@@ -348,6 +355,31 @@ class CopyExecutor:
         assert a.host is not None
         if dmin < 0 or dmax >= a.rows.shape[0] or hmin < 0 or hmax >= a.host.shape[0]:
             raise CopyError(f"arena {a.name}: ids out of range (device < {a.rows.shape[0]}, host < {a.host.shape[0]})")
+
+    def _repack_copies(self, a: _Arena, device: Sequence[int], host: Sequence[int],
+                       to_host: bool) -> list[Callable[[], int]]:
+        """The order's blocks of a repacked arena through the hook: a run of at least `LONG_RUN` blocks as its own
+        batch (slices, no gather), all the rest together in batches of up to `GATHER_CHUNK_BYTES` of stored rows,
+        whatever runs they come from. The hook is per block (kv-contract: `(n_blocks, bytes)` tensors), and one call
+        per run cost its fixed cost per scattered block (~90 us a block for the MLA wire layout)."""
+        if self.repack_fn is None:
+            raise CopyError(f"arena {a.name} declares a stored layout but the store has no repack hook")
+        fn = self.repack_fn
+        assert a.host is not None
+        long_runs, d, h, _ = plan_runs(device, host)
+        jobs: list[Callable[[], int]] = [self._job(a, d0, h0, k, to_host) for d0, h0, k in long_runs]
+        if d.size == 1:  # one short run of one block: a slice is cheaper than a gather and a scatter
+            return jobs + [self._job(a, int(d[0]), int(h[0]), 1, to_host)]
+        per = max(1, GATHER_CHUNK_BYTES // max(1, a.host.shape[1]))
+        row = a.rows.shape[1]
+        for i in range(0, d.size, per):
+            if to_host:
+                jobs.append(_RepackCopy(fn, a.group, RepackDirection.SAVE, a.rows, d[i : i + per], a.host,
+                                        h[i : i + per], row))
+            else:
+                jobs.append(_RepackCopy(fn, a.group, RepackDirection.LOAD, a.host, h[i : i + per], a.rows,
+                                        d[i : i + per], row))
+        return jobs
 
     def _job(self, a: _Arena, d0: int, h0: int, k: int, to_host: bool) -> Callable[[], int]:
         assert a.host is not None
@@ -456,7 +488,34 @@ class _RowCopy:
             raise CopyError(str(e)) from None
 
 
-_SIZED = (_SliceCopy, _GatherCopy, _RowCopy)  # jobs that know their byte count (the two-thread split's unit)
+@dataclass(frozen=True)
+class _RepackCopy:
+    """Rows `dst_ids` of `dst` = the model's repack of rows `src_ids` of `src`, as one batch: a gather (fancy index,
+    one C pass into a contiguous tensor), one hook call, a scatter. `device_row`: the bytes a block has on the device
+    (what the copy reports, like the other jobs)."""
+
+    fn: RepackFn
+    group: str
+    direction: RepackDirection
+    src: np.ndarray
+    src_ids: np.ndarray
+    dst: np.ndarray
+    dst_ids: np.ndarray
+    device_row: int
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.src_ids.size) * self.src.shape[1]
+
+    def __call__(self) -> int:
+        src = torch.from_numpy(self.src[self.src_ids])
+        out = torch.empty((int(self.dst_ids.size), self.dst.shape[1]), dtype=torch.uint8)
+        self.fn(self.group, self.direction, src, out)
+        self.dst[self.dst_ids] = out.numpy()
+        return int(self.dst_ids.size) * self.device_row
+
+
+_SIZED = (_SliceCopy, _GatherCopy, _RowCopy, _RepackCopy)  # jobs that know their byte count (the two-thread split)
 
 GATHER_CHUNK_BYTES = 4 << 20  # bounds the gather's temporary, and gives the two copy threads pieces to share
 
