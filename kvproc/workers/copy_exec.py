@@ -298,6 +298,7 @@ class CopyExecutor:
         every_run: list[tuple[int, int, int]] | None = None
         split: tuple[list[tuple[int, int, int]], np.ndarray, np.ndarray] | None = None
         bounds: Bounds | None = None
+        repack_plan: tuple[list[tuple[int, int, int]], np.ndarray, np.ndarray, Bounds | None] | None = None
         native_rows = NATIVE is not None and self.use_copy_rows
         if len(device) and native_rows:
             # `copy_rows` needs no plan; the bounds let every arena be checked before any byte moves.
@@ -316,7 +317,9 @@ class CopyExecutor:
                     continue  # no pages in this order
                 self._check(a, *bounds)
                 if a.repack and self.batch_repack:
-                    jobs += self._repack_copies(a, device, host, to_host)
+                    if repack_plan is None:  # one plan for every repacked arena of the order
+                        repack_plan = plan_runs(device, host)
+                    jobs += self._repack_copies(a, repack_plan, to_host)
                     continue
                 if native_rows and not a.repack:
                     assert a.host_flat is not None
@@ -356,7 +359,7 @@ class CopyExecutor:
         if dmin < 0 or dmax >= a.rows.shape[0] or hmin < 0 or hmax >= a.host.shape[0]:
             raise CopyError(f"arena {a.name}: ids out of range (device < {a.rows.shape[0]}, host < {a.host.shape[0]})")
 
-    def _repack_copies(self, a: _Arena, device: Sequence[int], host: Sequence[int],
+    def _repack_copies(self, a: _Arena, plan: tuple[list[tuple[int, int, int]], np.ndarray, np.ndarray, Bounds | None],
                        to_host: bool) -> list[Callable[[], int]]:
         """The order's blocks of a repacked arena through the hook: a run of at least `LONG_RUN` blocks as its own
         batch (slices, no gather), all the rest together in batches of up to `GATHER_CHUNK_BYTES` of stored rows,
@@ -366,7 +369,7 @@ class CopyExecutor:
             raise CopyError(f"arena {a.name} declares a stored layout but the store has no repack hook")
         fn = self.repack_fn
         assert a.host is not None
-        long_runs, d, h, _ = plan_runs(device, host)
+        long_runs, d, h, _ = plan  # `plan_runs(device ids, host slots)`
         jobs: list[Callable[[], int]] = [self._job(a, d0, h0, k, to_host) for d0, h0, k in long_runs]
         if d.size == 1:  # one short run of one block: a slice is cheaper than a gather and a scatter
             return jobs + [self._job(a, int(d[0]), int(h[0]), 1, to_host)]
