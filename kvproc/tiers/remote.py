@@ -285,7 +285,8 @@ class RemoteCopier:
         self._sync_attach = threading.Lock()  # attaches made from resolving threads (load_blocking)
         self.attaches = 0
         # The worker's own time for each recent Load (`Copied.ns`), newest last, and how many have completed: what
-        # a load's bytes cost where they moved (`kvproc bench ipc` pairs each resolve with its load's copy time).
+        # a load's bytes cost where they moved (`kvproc bench ipc` pairs each resolve with its load's copy time, one
+        # resolving thread at a time; with several, the count is a statistic, not a per-call record).
         self.load_copy_ns: deque[int] = deque(maxlen=1024)
         self.loads_copied = 0
 
