@@ -725,6 +725,24 @@ static PyObject *lru_stamp(PyObject *self, PyObject *args) {
 
 /* ---- the host tier's slot table ------------------------------------------------------------------------------ */
 
+/* The one rule both checks apply: slot `s` of the table holds the committed bytes of `key` (bytes) at generation `g`.
+ * Its tag is the key's first 8 bytes, little endian, zero-padded; tag 0 means "nothing committed" and never matches;
+ * a slot outside the table never matches. -1 with an exception set if `key` is not bytes. */
+static int belief_holds(const int64_t *gen, const int64_t *tag, Py_ssize_t limit, long long s, long long g,
+                        PyObject *key) {
+    if (!PyBytes_Check(key)) {
+        PyErr_SetString(PyExc_TypeError, "slot table check: keys must be bytes");
+        return -1;
+    }
+    const uint8_t *kb = (const uint8_t *)PyBytes_AS_STRING(key);
+    Py_ssize_t kl = PyBytes_GET_SIZE(key);
+    uint64_t t = 0;
+    for (Py_ssize_t i = 0; i < 8 && i < kl; i++) t |= (uint64_t)kb[i] << (8 * i);
+    if (s < 0 || s >= limit || t == 0) return 0;
+    return __atomic_load_n(&gen[s], __ATOMIC_RELAXED) == (int64_t)g &&
+           (uint64_t)__atomic_load_n(&tag[s], __ATOMIC_RELAXED) == t;
+}
+
 /* slot_verify(gen_row, tag_row, slots, gens, keys) -> int: how many leading (slot, generation, key) beliefs the
  * table confirms (`kvproc.tiers.slot_table.verified_run`: generation equal, tag = the key's first 8 bytes, little
  * endian, zero-padded; 0 never matches: it means "nothing committed"). A slot outside the table ends the run. The
@@ -752,18 +770,9 @@ static PyObject *slot_verify(PyObject *self, PyObject *args) {
         long long s = PyLong_AsLongLong(PyList_GET_ITEM(slots_o, ok));
         long long g = PyLong_AsLongLong(PyList_GET_ITEM(gens_o, ok));
         if ((s == -1 || g == -1) && PyErr_Occurred()) goto done;
-        PyObject *k = PyList_GET_ITEM(keys_o, ok);
-        if (!PyBytes_Check(k)) {
-            PyErr_SetString(PyExc_TypeError, "slot_verify: keys must be bytes");
-            goto done;
-        }
-        const uint8_t *kb = (const uint8_t *)PyBytes_AS_STRING(k);
-        Py_ssize_t kl = PyBytes_GET_SIZE(k);
-        uint64_t t = 0;
-        for (Py_ssize_t i = 0; i < 8 && i < kl; i++) t |= (uint64_t)kb[i] << (8 * i);
-        if (s < 0 || s >= limit) break;
-        int64_t gs = __atomic_load_n(&gen[s], __ATOMIC_RELAXED), ts = __atomic_load_n(&tag[s], __ATOMIC_RELAXED);
-        if (t == 0 || gs != (int64_t)g || (uint64_t)ts != t) break; /* tag 0: nothing committed there */
+        int holds = belief_holds(gen, tag, limit, s, g, PyList_GET_ITEM(keys_o, ok));
+        if (holds < 0) goto done;
+        if (!holds) break;
     }
     result = PyLong_FromSsize_t(ok);
 done:
@@ -773,8 +782,8 @@ done:
 
 /* slot_run_verified(where, keys, gen_row, tag_row) -> (slots, gens, known): the slot cache's leading run and the
  * table's check before a copy, in one pass (`SlotCache.run_verified`). `where` maps key -> (slot, generation);
- * `known` counts the leading keys it has; slots / gens hold the leading ones of those the table confirms (the same
- * rule as slot_verify). Caller holds the cache's lock; nothing here releases the GIL, so `where` cannot change
+ * `known` counts the leading keys it has; slots / gens hold the leading ones of those the table confirms
+ * (`belief_holds`, as slot_verify). Caller holds the cache's lock; nothing here releases the GIL, so `where` cannot change
  * under the loop. */
 static PyObject *slot_run_verified(PyObject *self, PyObject *args) {
     PyObject *where, *keys_o, *objs[2];
@@ -798,19 +807,16 @@ static PyObject *slot_run_verified(PyObject *self, PyObject *args) {
             break;
         }
         if (!verified) continue; /* still counting the run: its stale tail is forgotten by the caller */
-        if (!PyTuple_Check(v) || PyTuple_GET_SIZE(v) != 2 || !PyBytes_Check(k)) {
-            PyErr_SetString(PyExc_TypeError, "slot_run_verified: keys must be bytes, values (slot, generation)");
+        if (!PyTuple_Check(v) || PyTuple_GET_SIZE(v) != 2) {
+            PyErr_SetString(PyExc_TypeError, "slot_run_verified: the cache's values must be (slot, generation)");
             goto done;
         }
         PyObject *so = PyTuple_GET_ITEM(v, 0), *go = PyTuple_GET_ITEM(v, 1);
         long long sl = PyLong_AsLongLong(so), g = PyLong_AsLongLong(go);
         if ((sl == -1 || g == -1) && PyErr_Occurred()) goto done;
-        const uint8_t *kb = (const uint8_t *)PyBytes_AS_STRING(k);
-        Py_ssize_t kl = PyBytes_GET_SIZE(k);
-        uint64_t t = 0;
-        for (Py_ssize_t i = 0; i < 8 && i < kl; i++) t |= (uint64_t)kb[i] << (8 * i);
-        if (sl < 0 || sl >= limit || t == 0 || __atomic_load_n(&gen[sl], __ATOMIC_RELAXED) != (int64_t)g ||
-            (uint64_t)__atomic_load_n(&tag[sl], __ATOMIC_RELAXED) != t) {
+        int holds = belief_holds(gen, tag, limit, sl, g, k);
+        if (holds < 0) goto done;
+        if (!holds) {
             verified = 0;
             continue;
         }

@@ -129,7 +129,7 @@ class _RawEcho:
     def __init__(self, cpus: tuple[int, ...] | None = None) -> None:
         self._tmp = tempfile.mkdtemp(prefix="kvb-", dir="/tmp")
         ep = f"ipc://{self._tmp}/raw.sock"
-        pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+        pin = (lambda: procutil.pin_cpus(cpus)) if cpus else None  # in the child, before it execs
         self._server = subprocess.Popen([sys.executable, "-c", RAW_ECHO, ep], stdout=subprocess.PIPE, text=True,
                                         preexec_fn=pin)
         assert self._server.stdout is not None and self._server.stdout.readline().strip() == "ready"
