@@ -8,6 +8,7 @@ from setuptools import Extension, setup
 
 setup(
     ext_modules=[
-        Extension("kvproc._native", ["kvproc/_native.c"], optional=True, extra_compile_args=["-O3"]),
+        Extension("kvproc._native", ["kvproc/_native.c", "kvproc/_slotmap.c"], depends=["kvproc/_native.h"],
+                  optional=True, extra_compile_args=["-O3"]),
     ],
 )

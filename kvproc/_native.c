@@ -6,8 +6,9 @@
  * - pack_tokens: a token list as little-endian uint32 bytes, range-checked, in one pass (what the hash reads).
  * - paged_*: the per-block loops of `kvproc.paged.PagedBlocks` (refcounts, generations, the prefix index), one
  *   pass each where numpy needs several calls of fixed overhead on a resolve's few dozen ids.
- * - slot_verify: the seqlock check of a speculative load against the host tier's slot table (`slot_table.py`);
- *   slot_run_verified: the slot cache's lookup and that check before the copy, in one pass (`slot_cache.py`).
+ * - slot_verify: the seqlock check of a speculative load against the host tier's slot table (`slot_table.py`).
+ * - SlotMap (`_slotmap.c`): the store's slot cache as one open-addressing table, its lookups and the check before
+ *   the copy in one pass (`slot_cache.py`).
  * - copy_plan: the run split of a copy order (`kvproc.workers.copy_exec.split_runs` + `_bounds`) in one pass over
  *   the two id lists, where numpy's version costs ~25 calls of fixed overhead whatever the order's size.
  * - copy_rows: the copy itself for arenas of packed or strided rows: ids checked, then one memmove per run (the GIL
@@ -17,9 +18,8 @@
  * check both forms agree. BLAKE2b is implemented from RFC 7693 (unkeyed, no salt/personalisation, digest of 1..64
  * bytes); tests compare it against hashlib on random inputs.
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
-#include <stdint.h>
+#include "_native.h"
+
 #include <string.h>
 
 /* ---- BLAKE2b (RFC 7693) ------------------------------------------------------------------------------------- */
@@ -30,12 +30,6 @@ static const uint64_t B2B_IV[8] = {
 };
 
 static inline uint64_t rotr64(uint64_t x, unsigned n) { return (x >> n) | (x << (64 - n)); }
-
-static inline uint64_t load64_le(const uint8_t *p) {
-    /* Byte by byte: correct on any endianness; compilers turn it into one load on little-endian targets. */
-    return (uint64_t)p[0] | ((uint64_t)p[1] << 8) | ((uint64_t)p[2] << 16) | ((uint64_t)p[3] << 24) |
-           ((uint64_t)p[4] << 32) | ((uint64_t)p[5] << 40) | ((uint64_t)p[6] << 48) | ((uint64_t)p[7] << 56);
-}
 
 #define B2B_G(a, b, c, d, x, y)            \
     do {                                   \
@@ -725,9 +719,8 @@ static PyObject *lru_stamp(PyObject *self, PyObject *args) {
 
 /* ---- the host tier's slot table ------------------------------------------------------------------------------ */
 
-/* The one rule both checks apply: slot `s` of the table holds the committed bytes of `key` (bytes) at generation `g`.
- * Its tag is the key's first 8 bytes, little endian, zero-padded; tag 0 means "nothing committed" and never matches;
- * a slot outside the table never matches. -1 with an exception set if `key` is not bytes. */
+/* `slot_holds` (_native.h) for a key object: its tag is its first 8 bytes, little endian, zero-padded. -1 with an
+ * exception set if `key` is not bytes. */
 static int belief_holds(const int64_t *gen, const int64_t *tag, Py_ssize_t limit, long long s, long long g,
                         PyObject *key) {
     if (!PyBytes_Check(key)) {
@@ -738,9 +731,7 @@ static int belief_holds(const int64_t *gen, const int64_t *tag, Py_ssize_t limit
     Py_ssize_t kl = PyBytes_GET_SIZE(key);
     uint64_t t = 0;
     for (Py_ssize_t i = 0; i < 8 && i < kl; i++) t |= (uint64_t)kb[i] << (8 * i);
-    if (s < 0 || s >= limit || t == 0) return 0;
-    return __atomic_load_n(&gen[s], __ATOMIC_RELAXED) == (int64_t)g &&
-           (uint64_t)__atomic_load_n(&tag[s], __ATOMIC_RELAXED) == t;
+    return slot_holds(gen, tag, limit, s, g, t);
 }
 
 /* slot_verify(gen_row, tag_row, slots, gens, keys) -> int: how many leading (slot, generation, key) beliefs the
@@ -763,69 +754,32 @@ static PyObject *slot_verify(PyObject *self, PyObject *args) {
     if (PyList_GET_SIZE(gens_o) < n) n = PyList_GET_SIZE(gens_o);
     if (PyList_GET_SIZE(keys_o) < n) n = PyList_GET_SIZE(keys_o);
     const int64_t *gen = a[0].view.buf, *tag = a[1].view.buf;
-    __atomic_thread_fence(__ATOMIC_ACQUIRE);
     Py_ssize_t ok = 0;
     PyObject *result = NULL;
+    long long *sg = PyMem_Malloc((size_t)(n ? n : 1) * 2 * sizeof(long long));
+    if (!sg) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    /* Every row the check reads is requested before the first is compared: the misses overlap. */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long long s = sg[2 * i] = PyLong_AsLongLong(PyList_GET_ITEM(slots_o, i));
+        sg[2 * i + 1] = PyLong_AsLongLong(PyList_GET_ITEM(gens_o, i));
+        if (PyErr_Occurred()) goto done;
+        if (s >= 0 && s < limit) {
+            __builtin_prefetch(&gen[s]);
+            __builtin_prefetch(&tag[s]);
+        }
+    }
+    __atomic_thread_fence(__ATOMIC_ACQUIRE);
     for (; ok < n; ok++) {
-        long long s = PyLong_AsLongLong(PyList_GET_ITEM(slots_o, ok));
-        long long g = PyLong_AsLongLong(PyList_GET_ITEM(gens_o, ok));
-        if ((s == -1 || g == -1) && PyErr_Occurred()) goto done;
-        int holds = belief_holds(gen, tag, limit, s, g, PyList_GET_ITEM(keys_o, ok));
+        int holds = belief_holds(gen, tag, limit, sg[2 * ok], sg[2 * ok + 1], PyList_GET_ITEM(keys_o, ok));
         if (holds < 0) goto done;
         if (!holds) break;
     }
     result = PyLong_FromSsize_t(ok);
 done:
-    release_arrs(2, a);
-    return result;
-}
-
-/* slot_run_verified(where, keys, gen_row, tag_row) -> (slots, gens, known): the slot cache's leading run and the
- * table's check before a copy, in one pass (`SlotCache.run_verified`). `where` maps key -> (slot, generation);
- * `known` counts the leading keys it has; slots / gens hold the leading ones of those the table confirms
- * (`belief_holds`, as slot_verify). Caller holds the cache's lock; nothing here releases the GIL, so `where` cannot change
- * under the loop. */
-static PyObject *slot_run_verified(PyObject *self, PyObject *args) {
-    PyObject *where, *keys_o, *objs[2];
-    if (!PyArg_ParseTuple(args, "O!O!OO", &PyDict_Type, &where, &PyList_Type, &keys_o, &objs[0], &objs[1]))
-        return NULL;
-    Arr a[2];
-    Py_ssize_t limit;
-    if (get_arrs(2, objs, a, (const Py_ssize_t[]){8, 8}, (const char *const[]){"gen_row", "tag_row"}, &limit))
-        return NULL;
-    const int64_t *gen = a[0].view.buf, *tag = a[1].view.buf;
-    PyObject *slots = PyList_New(0), *gens = PyList_New(0), *result = NULL;
-    if (!slots || !gens) goto done;
-    Py_ssize_t n = PyList_GET_SIZE(keys_o), known = 0;
-    int verified = 1;
-    __atomic_thread_fence(__ATOMIC_ACQUIRE);
-    for (; known < n; known++) {
-        PyObject *k = PyList_GET_ITEM(keys_o, known);
-        PyObject *v = PyDict_GetItemWithError(where, k); /* borrowed */
-        if (!v) {
-            if (PyErr_Occurred()) goto done;
-            break;
-        }
-        if (!verified) continue; /* still counting the run: its stale tail is forgotten by the caller */
-        if (!PyTuple_Check(v) || PyTuple_GET_SIZE(v) != 2) {
-            PyErr_SetString(PyExc_TypeError, "slot_run_verified: the cache's values must be (slot, generation)");
-            goto done;
-        }
-        PyObject *so = PyTuple_GET_ITEM(v, 0), *go = PyTuple_GET_ITEM(v, 1);
-        long long sl = PyLong_AsLongLong(so), g = PyLong_AsLongLong(go);
-        if ((sl == -1 || g == -1) && PyErr_Occurred()) goto done;
-        int holds = belief_holds(gen, tag, limit, sl, g, k);
-        if (holds < 0) goto done;
-        if (!holds) {
-            verified = 0;
-            continue;
-        }
-        if (PyList_Append(slots, so) || PyList_Append(gens, go)) goto done;
-    }
-    result = Py_BuildValue("(OOn)", slots, gens, known);
-done:
-    Py_XDECREF(slots);
-    Py_XDECREF(gens);
+    PyMem_Free(sg);
     release_arrs(2, a);
     return result;
 }
@@ -848,12 +802,14 @@ static PyMethodDef methods[] = {
     {"paged_unhash", paged_unhash, METH_VARARGS, "paged_unhash(hashed, block_hash, index, ids)"},
     {"lru_stamp", lru_stamp, METH_VARARGS, "lru_stamp(stamp, ids, seq) -> ids already stamped"},
     {"slot_verify", slot_verify, METH_VARARGS, "slot_verify(gen_row, tag_row, slots, gens, keys) -> leading matches"},
-    {"slot_run_verified", slot_run_verified, METH_VARARGS,
-     "slot_run_verified(where, keys, gen_row, tag_row) -> (slots, gens, known)"},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "kvproc._native", "kvproc's compiled hot-path loops", -1,
                                     methods, NULL, NULL, NULL, NULL};
 
-PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__native(void) {
+    PyObject *mod = PyModule_Create(&module);
+    if (mod && kvproc_add_slotmap(mod) < 0) Py_CLEAR(mod);
+    return mod;
+}

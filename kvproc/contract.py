@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Any, Protocol, Sequence, runtime_checkable
 
 if TYPE_CHECKING:
@@ -97,15 +98,15 @@ class KvSpec:
                 return g
         raise KvContractError(f"unknown group {name!r}; the spec declares {[g.name for g in self.groups]}")
 
-    @property
+    @cached_property  # the spec is frozen; read on every resolve
     def paged_groups(self) -> tuple[GroupSpec, ...]:
         return tuple(g for g in self.groups if g.kind is GroupKind.PAGED)
 
-    @property
+    @cached_property  # the spec is frozen; read on every resolve
     def bounded_groups(self) -> tuple[GroupSpec, ...]:
         return tuple(g for g in self.groups if g.kind is GroupKind.BOUNDED)
 
-    @property
+    @cached_property  # the spec is frozen; read on every resolve
     def restorable_bounded_groups(self) -> tuple[GroupSpec, ...]:
         """Bounded groups whose sealed copy is part of a checkpoint (checkpointable ones)."""
         return tuple(g for g in self.bounded_groups if g.checkpointable)

@@ -232,6 +232,23 @@ def test_request_with_wait_until_returns_late_and_hands_the_real_reply_over_late
     assert client.request(m.Ping(b"x"), timeout=5).data == b"x"
 
 
+def test_a_blocking_receive_slice_never_outlasts_the_callers_wait(client: RpcClient,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The thread sleeps in receive slices (no poll) when nothing but the reply can end its wait: the last slice is cut
+    to what is left of the wait, and a slice that passes without a reply just starts the next one."""
+    from kvproc.ipc import direct
+
+    monkeypatch.setattr(direct, "DEATH_CHECK_MS", 2000)
+    client.request(m.Ping(), timeout=5)  # this thread has its own socket now
+    t0 = time.monotonic()
+    res = client.request(m.Sleep(3.0), timeout=5, wait_until=time.monotonic() + 0.05, on_late=lambda r: None)
+    assert res is LATE and time.monotonic() - t0 < 1.0  # not the 2 s slice
+    monkeypatch.setattr(direct, "DEATH_CHECK_MS", 10)
+    t0 = time.monotonic()
+    client.request(m.Sleep(0.2), timeout=5)  # ~20 slices pass without a reply, then it comes
+    assert time.monotonic() - t0 >= 0.2
+
+
 def test_a_late_call_whose_peer_is_declared_dead_reports_peer_dead(served: Served) -> None:
     c = served.client()
     got: list[Any] = []

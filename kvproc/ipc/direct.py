@@ -3,11 +3,15 @@
 A call through the client's I/O thread costs two extra thread wake-ups (caller -> I/O thread -> caller), which on
 a busy 2-core host doubles a ZeroMQ round trip. A thread that blocks for its reply anyway can own a socket itself:
 each such thread gets its own DEALER (created and handshaken on first use, then reused; closed when the thread ends,
-through a finalizer on an object only that thread's locals hold), sends, and polls that socket together with the
-client's death fd. One thread still owns each socket; nothing is shared but the death fd.
+through a finalizer on an object only that thread's locals hold), sends, and sleeps in a blocking receive on that
+socket, as a raw ZeroMQ client does, in slices of at most `DEATH_CHECK_MS` (a `zmq_poll` of the socket and the
+client's death fd cost ~10-15 us more wall time per reply and twice the CPU time; `_wait`). A wait that a cancel token
+may end polls the socket with the token's eventfd and the death fd instead. One thread still owns each socket;
+nothing is shared but the death fd.
 
 Guarantees are the I/O thread path's: exactly one outcome (the reply, PeerDead, or a local deadline backstop);
-`mark_dead` makes the death fd readable, which wakes every blocked caller at once; a `Goodbye` seen here marks the
+`mark_dead` wakes every blocked caller: a polling one at once (the death fd), a receiving one at its slice's end (at
+most `DEATH_CHECK_MS` later); a `Goodbye` seen here marks the
 whole client dead; a cancelled token sends `Cancel` through the I/O thread (the server's cancel registry is per
 process, so any connection may carry it). Replies to an earlier call that timed out locally are recognised by call
 id and dropped.
@@ -51,6 +55,9 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 _TERMINAL = (m.Ok, m.Failed, m.Cancelled, m.PeerDead)
 ONEWAY_SETTLE_S = 0.5  # how long a closing socket waits for the replies of its fire-and-forget calls
+# The longest a blocking receive sleeps before it looks at the client's death mark and the deadline again (`_wait`).
+DEATH_CHECK_MS = 50
+BLOCKING_RECEIVE = True  # False: always poll (the A/B arm of bench/RESULTS.md)
 
 
 class _Late:
@@ -65,10 +72,11 @@ _GONE = object()  # `_read`: the peer said Goodbye
 
 
 class _Owned:
-    __slots__ = ("sock", "poller", "busy", "oneways", "on_thread_exit")
+    __slots__ = ("sock", "poller", "busy", "oneways", "on_thread_exit", "rcvtimeo")
 
     def __init__(self, sock: zmq.Socket[Any], poller: zmq.Poller) -> None:
         self.sock, self.poller, self.busy = sock, poller, False
+        self.rcvtimeo = -1  # the socket's ZMQ_RCVTIMEO as last set (ms; -1: ZeroMQ's default, block)
         self.oneways: dict[int, Callable[[Any], None]] = {}  # fire-and-forget calls whose reply is not read yet
         self.on_thread_exit: weakref.finalize[Any, Any] | None = None
 
@@ -177,24 +185,40 @@ class DirectCalls:
         self._local.owned, self._local.keeper = owned, keeper
         return owned
 
-    def _wait(self, owned: _Owned, call_id: int, deadline: float) -> Any:
-        """Poll until the terminal reply to `call_id` (0: the handshake reply) arrives; None if the client dies or
-        the deadline passes."""
+    def _wait(self, owned: _Owned, call_id: int, deadline: float, polled: bool = False) -> Any:
+        """Wait until the terminal reply to `call_id` (0: the handshake reply) arrives; None if the client dies or
+        the deadline passes.
+
+        Without `polled` the thread sleeps in a blocking receive of at most `DEATH_CHECK_MS` at a time (module
+        docstring): a peer declared dead is noticed within that slice. `polled`: poll the socket with the fds
+        registered on the poller (the death fd, and a cancel token's eventfd: a cancel must end the wait at once)."""
         sock = owned.sock
         while True:
             # Read what is already there first (ZMQ_EVENTS: no poll syscall, and no zmq.Again exception, which costs
-            # tens of microseconds to build); poll only when nothing is waiting.
+            # tens of microseconds to build); wait only when nothing is waiting.
             if not cast(int, sock.getsockopt(EVENTS)) & POLLIN:
                 left = deadline - time.monotonic()
                 if left <= 0 or self._client._dead is not None:
                     return None
-                events = owned.poller.poll(int(left * 1000) + 1)
-                if not events:
+                if not polled and BLOCKING_RECEIVE:
+                    timeout_ms = DEATH_CHECK_MS if left * 1000 >= DEATH_CHECK_MS else int(left * 1000) + 1
+                    if timeout_ms != owned.rcvtimeo:
+                        sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
+                        owned.rcvtimeo = timeout_ms
+                    try:
+                        data = sock.recv()
+                    except zmq.Again:  # the slice passed: look at the deadline and the death mark again
+                        continue
+                    msg = self._decode(owned, data)
+                else:
+                    events = owned.poller.poll(int(left * 1000) + 1)
+                    if not events:
+                        continue
+                    if len(events) > 1 or events[0][0] is not sock:
+                        return None  # the death fd
                     continue
-                if len(events) > 1 or events[0][0] is not sock:
-                    return None  # the death fd
-                continue
-            msg = self._read(owned)
+            else:
+                msg = self._read(owned)
             if msg is _GONE:
                 return None
             kind = type(msg)
@@ -208,8 +232,12 @@ class DirectCalls:
         """One waiting frame, decoded: None when it was consumed here (unreadable, or a oneway's reply handed to its
         callback), `_GONE` on the peer's Goodbye (the client is marked dead unless `closing`: under `self._lock`,
         which marking takes), else the message."""
+        return self._decode(owned, owned.sock.recv(NOBLOCK), closing)
+
+    def _decode(self, owned: _Owned, data: bytes, closing: bool = False) -> Any:
+        """`_read` of a frame already received."""
         try:
-            msg = self._decoder.decode(owned.sock.recv(NOBLOCK))
+            msg = self._decoder.decode(data)
         except (msgspec.DecodeError, msgspec.ValidationError):
             self._client.frame_errors += 1
             return None
@@ -297,7 +325,7 @@ class DirectCalls:
             return None  # cancelled already
         owned.poller.register(efd, POLLIN)
         try:
-            return self._wait(owned, call_id, until)
+            return self._wait(owned, call_id, until, polled=True)
         finally:
             owned.poller.unregister(efd)
             token.remove_listener(wake)
