@@ -433,7 +433,8 @@ static PyObject *first_ids(const int64_t *ids, const uint8_t *bad, Py_ssize_t n)
     return l;
 }
 
-/* paged_take(refcount, generation, ids): hand the blocks out: refcount 1, generation + 1. */
+/* paged_take(refcount, generation, ids) -> bytearray of int64: hand the blocks out (refcount 1, generation + 1) and
+ * return their new generations (a reservation's handle needs them: one pass instead of a second call). */
 static PyObject *paged_take(PyObject *self, PyObject *args) {
     PyObject *objs[2], *ids_o;
     if (!PyArg_ParseTuple(args, "OOO", &objs[0], &objs[1], &ids_o)) return NULL;
@@ -442,18 +443,18 @@ static PyObject *paged_take(PyObject *self, PyObject *args) {
     if (get_arrs(2, objs, a, (const Py_ssize_t[]){4, 8}, (const char *const[]){"refcount", "generation"}, &limit))
         return NULL;
     int64_t *ids = read_ids_in(ids_o, limit, &n);
-    if (ids) {
+    PyObject *out = ids ? PyByteArray_FromStringAndSize(NULL, 8 * n) : NULL;
+    if (out) {
         int32_t *r = a[0].view.buf;
-        int64_t *g = a[1].view.buf;
+        int64_t *g = a[1].view.buf, *o = (int64_t *)PyByteArray_AS_STRING(out);
         for (Py_ssize_t i = 0; i < n; i++) {
             r[ids[i]] = 1;
-            g[ids[i]] += 1;
+            o[i] = g[ids[i]] += 1;
         }
-        PyMem_Free(ids);
     }
+    PyMem_Free(ids);
     release_arrs(2, a);
-    if (!ids) return NULL;
-    Py_RETURN_NONE;
+    return out;
 }
 
 /* paged_gens(generation, ids) -> bytearray of int64: the blocks' generations (np.frombuffer makes it an array). */
@@ -792,7 +793,7 @@ static PyMethodDef methods[] = {
      "copy_plan(src, dst, long_run) -> (long_runs, short_src, short_dst, bounds or None)"},
     {"copy_rows", copy_rows, METH_VARARGS,
      "copy_rows(dst, dst_stride, dst_ids, src, src_stride, src_ids, row_bytes[, gil_bytes]) -> bytes copied"},
-    {"paged_take", paged_take, METH_VARARGS, "paged_take(refcount, generation, ids)"},
+    {"paged_take", paged_take, METH_VARARGS, "paged_take(refcount, generation, ids) -> new generations (int64)"},
     {"paged_gens", paged_gens, METH_VARARGS, "paged_gens(generation, ids) -> bytearray of int64"},
     {"paged_check", paged_check, METH_VARARGS, "paged_check(generation, ids, gens) -> stale ids (<= 8)"},
     {"paged_acquire", paged_acquire, METH_VARARGS, "paged_acquire(refcount, hashed, stamp, ids) -> (left LRU, free)"},

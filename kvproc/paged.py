@@ -59,6 +59,10 @@ class PagedBlocks:
     # -- allocation -----------------------------------------------------------------------------------------------
     def allocate(self, n: int) -> list[int]:
         """Take `n` blocks (refcount 1 each), evicting LRU inactive blocks if needed; all-or-nothing."""
+        return self.allocate_with_generations(n)[0]
+
+    def allocate_with_generations(self, n: int) -> tuple[list[int], np.ndarray]:
+        """`allocate`, and the blocks' new generations (a handle's), in the same pass."""
         if n < 0:
             raise ValueError(f"cannot allocate {n} blocks")
         if n > self.available:
@@ -72,14 +76,14 @@ class PagedBlocks:
             self._unhash(evicted)
             ids.extend(evicted)
         self.evictions += n - take
-        if ids:
-            if NATIVE is not None:
-                NATIVE.paged_take(self.refcount, self.generation, ids)
-            else:
-                idx = np.asarray(ids, dtype=np.int64)
-                self.refcount[idx] = 1
-                self.generation[idx] += 1
-        return ids
+        if not ids:
+            return ids, np.empty(0, dtype=np.int64)
+        if NATIVE is not None:
+            return ids, np.frombuffer(NATIVE.paged_take(self.refcount, self.generation, ids), dtype=np.int64)
+        idx = np.asarray(ids, dtype=np.int64)
+        self.refcount[idx] = 1
+        self.generation[idx] += 1
+        return ids, self.generation[idx]  # fancy indexing copies
 
     def _unhash(self, ids: list[int]) -> None:
         if NATIVE is not None:

@@ -172,6 +172,9 @@ class BlockPool:
         cap = full if policy is ReusePolicy.FULL_PAGES else max(0, (num_tokens - 1) // P)
         with self.lock:
             ids = self.paged.match(hashes[:full])
+            if not ids:  # nothing on the device (a host hit's usual case): no checkpoint, nothing to hold
+                self.counters[_PROBE_COUNTER[MissReason.NO_ENTRY]] += 1
+                return self._hold(_HoldState([], _EMPTY_GENS, [], {}), MissReason.NO_ENTRY, 0)
             matched = len(ids)
             usable = min(matched, cap)
             depth, artifacts, incomplete = self.checkpoints.deepest_complete(hashes, usable)
@@ -243,13 +246,12 @@ class BlockPool:
             ):
                 self.counters["reserve_declined"] += 1
                 return None
-            ids = self.paged.allocate(n)
+            ids, gens = self.paged.allocate_with_generations(n)
             staging: dict[str, tuple[int, int]] = {}
             for g in groups:
                 got = self._take_staging_locked(g)
                 assert got is not None  # checked above under the same lock
                 staging[g] = got
-            gens = self.paged.generations(ids)
             self.counters["reserve_ok"] += 1
         return Reservation(self, _ReservationState(ids, gens, staging))
 
@@ -298,7 +300,8 @@ class BlockPool:
             self.paged.register(res.ids, hashes)
             final = res.ids
             hs.ids.extend(final)
-            hs.gens = np.concatenate((hs.gens, res.gens))  # just checked: the reservation's generations are current
+            # just checked: the reservation's generations are current (and its own array: the reservation is spent)
+            hs.gens = np.concatenate((hs.gens, res.gens)) if len(hs.gens) else res.gens
             hs.hashes.extend(hashes)
             if res.staging and hashes:
                 key = hashes[-1]

@@ -16,9 +16,13 @@ import pytest
 
 from kvproc.ipc import messages as m
 from kvproc.ipc.cancel import new_token
+from kvproc.ipc import server as server_mod
 from kvproc.ipc.client import RpcClient
+from kvproc.ipc.context import CallContext
 from kvproc.ipc.direct import LATE, ONEWAY_SETTLE_S
 from kvproc.ipc.errors import CallCancelled, HandshakeRefused, PeerDeadError, RemoteError
+from kvproc.ipc.server import RpcServer
+from kvproc.ipc.service import Service, handles
 from kvproc.ipc.sockets import ipc_endpoint
 from kvproc.runtime.child import ChildSpec, child_main
 
@@ -241,7 +245,7 @@ def test_a_blocking_receive_slice_never_outlasts_the_callers_wait(client: RpcCli
     monkeypatch.setattr(direct, "DEATH_CHECK_MS", 2000)
     client.request(m.Ping(), timeout=5)  # this thread has its own socket now
     t0 = time.monotonic()
-    res = client.request(m.Sleep(3.0), timeout=5, wait_until=time.monotonic() + 0.05, on_late=lambda r: None)
+    res = client.request(m.Sleep(0.3), timeout=5, wait_until=time.monotonic() + 0.05, on_late=lambda r: None)
     assert res is LATE and time.monotonic() - t0 < 1.0  # not the 2 s slice
     monkeypatch.setattr(direct, "DEATH_CHECK_MS", 10)
     t0 = time.monotonic()
@@ -347,3 +351,40 @@ def test_a_threads_own_socket_is_closed_when_the_thread_ends(served: Served) -> 
     assert c._direct._owned == []  # a thread per request leaves no socket per request behind
     assert c.request(m.Ping(b"still"), timeout=5).data == b"still"
     c.close()
+
+
+class _Pooled(Service):
+    """Echo through the handler pool: every reply is posted to the socket thread's outbox from another thread."""
+
+    @handles(m.Echo)
+    def echo(self, msg: m.Echo, ctx: CallContext) -> m.Pong:
+        return m.Pong(msg.data, os.getpid())
+
+
+def test_pooled_replies_reach_the_caller_while_the_socket_thread_sleeps_in_its_idle_receive(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The socket thread of a server with nothing in flight sleeps in a receive (not watching the outbox waker); a
+    pooled handler's reply must still go out at once, whatever the interleaving of the handler finishing and the socket
+    thread going back to sleep (the call leaves `_in_flight` and enters the outbox in one step). The idle slice is made
+    long here, so a stranded reply would show as a wait of seconds."""
+    monkeypatch.setattr(server_mod, "IDLE_SLICE_MS", 3000)
+    monkeypatch.setattr(RpcServer, "receive_when_idle", True)
+    with tempfile.TemporaryDirectory(prefix="kvt-", dir="/tmp") as d:
+        srv = RpcServer(_Pooled(), endpoints=[ipc_endpoint(d, "pooled")], token=TOKEN, role="pooled", workers=2)
+        (endpoint,) = srv.bind()
+        thread = srv.start()
+        c = RpcClient(endpoint, token=TOKEN, peer="pooled[0]")
+        try:
+            c.connect(5.0)
+            slowest = 0.0
+            for i in range(200):
+                t0 = time.monotonic()
+                assert c.request(m.Echo(b"%d" % i), timeout=10).data == b"%d" % i
+                slowest = max(slowest, time.monotonic() - t0)
+            assert slowest < 1.0  # no reply waited for the end of a 3 s slice
+            assert srv.transport_stats()["in_flight"] == 0
+        finally:
+            c.close()
+            srv.stop()
+            thread.join(10)
+        assert not thread.is_alive()  # stop() is seen at the slice's end

@@ -231,3 +231,14 @@ def test_pin_with_a_stale_generation_is_rejected():
         pool.paged.allocate(2)
     with pytest.raises(StaleBlockError):
         pool.pin(ids, gens)
+
+
+def test_allocate_hands_back_the_new_generations_of_exactly_the_blocks_it_took() -> None:
+    pool = paged_pool(8)
+    first = pool.paged.allocate(8)
+    pool.paged.register(first, [bytes([i]) * 16 for i in range(8)])
+    pool.paged.release(first)  # all inactive now: the next allocation evicts (and bumps) them again
+    ids, gens = pool.paged.allocate_with_generations(5)
+    assert gens.tolist() == pool.paged.generations(ids).tolist() and len(ids) == 5
+    gens[:] = -1  # the caller's own copy, not a view of the pool's array
+    assert (pool.paged.generation >= 0).all()
