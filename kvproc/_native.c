@@ -20,7 +20,10 @@
  */
 #include "_native.h"
 
+#include <poll.h>
+#include <sched.h>
 #include <string.h>
+#include <time.h>
 
 /* ---- BLAKE2b (RFC 7693) ------------------------------------------------------------------------------------- */
 
@@ -785,6 +788,64 @@ done:
     return result;
 }
 
+/* ---- waiting for a reply ------------------------------------------------------------------------------------ */
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* spin_readable(fds, seconds) -> int: the index in `fds` (a sequence of at most 8 file descriptors) of one that is
+ * readable, polled without sleeping and without the GIL (other threads of the process keep running) for at most
+ * `seconds`; -1 if none became readable. Why: on a virtualised host a thread that sleeps for a reply a few hundred
+ * microseconds away wakes on a cold CPU (whatever ran there meanwhile took its caches), and both the wake-up and the
+ * code after it run several times slower (bench/RESULTS.md, "Waiting for a reply"). `kvproc.ipc.direct` spins on a
+ * ZeroMQ socket's ZMQ_FD (readable once the socket has something to look at) before it blocks. */
+static PyObject *spin_readable(PyObject *self, PyObject *args) {
+    PyObject *fds_o;
+    double seconds;
+    if (!PyArg_ParseTuple(args, "Od", &fds_o, &seconds)) return NULL;
+    PyObject *seq = PySequence_Fast(fds_o, "fds must be a sequence of file descriptors");
+    if (!seq) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (n < 1 || n > 8) {
+        Py_DECREF(seq);
+        PyErr_Format(PyExc_ValueError, "spin_readable: 1 to 8 fds, got %zd", n);
+        return NULL;
+    }
+    struct pollfd p[8];
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long fd = PyLong_AsLong(PySequence_Fast_GET_ITEM(seq, i));
+        if (fd == -1 && PyErr_Occurred()) {
+            Py_DECREF(seq);
+            return NULL;
+        }
+        if (fd < 0 || fd > INT32_MAX) {
+            Py_DECREF(seq);
+            PyErr_Format(PyExc_ValueError, "spin_readable: bad fd %ld", fd);
+            return NULL;
+        }
+        p[i] = (struct pollfd){(int)fd, POLLIN, 0};
+    }
+    Py_DECREF(seq);
+    int ready = -1;
+    Py_BEGIN_ALLOW_THREADS
+    double end = now_s() + seconds;
+    do {
+        if (poll(p, (nfds_t)n, 0) > 0) {
+            for (Py_ssize_t i = 0; i < n; i++)
+                if (p[i].revents) {
+                    ready = (int)i;
+                    break;
+                }
+            break;
+        }
+    } while (now_s() < end);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(ready);
+}
+
 static PyMethodDef methods[] = {
     {"blake2b_chain", blake2b_chain, METH_VARARGS, "blake2b_chain(data, page_bytes, seed) -> list of 16-byte hashes"},
     {"b2b", b2b, METH_VARARGS, "b2b(data, digest_size) -> BLAKE2b digest (tests)"},
@@ -802,6 +863,8 @@ static PyMethodDef methods[] = {
     {"paged_register", paged_register, METH_VARARGS, "paged_register(hashed, block_hash, index, ids, hashes) -> n"},
     {"paged_unhash", paged_unhash, METH_VARARGS, "paged_unhash(hashed, block_hash, index, ids)"},
     {"lru_stamp", lru_stamp, METH_VARARGS, "lru_stamp(stamp, ids, seq) -> ids already stamped"},
+    {"spin_readable", spin_readable, METH_VARARGS,
+     "spin_readable(fds, seconds) -> index of a readable fd, or -1 (polls without sleeping, without the GIL)"},
     {"slot_verify", slot_verify, METH_VARARGS, "slot_verify(gen_row, tag_row, slots, gens, keys) -> leading matches"},
     {NULL, NULL, 0, NULL},
 };

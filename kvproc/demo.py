@@ -69,6 +69,9 @@ def _parser() -> argparse.ArgumentParser:
                         " 1.0 holds a third of all conversations' KV")
     p.add_argument("--pin-fraction", type=float, default=StoreConfig().cacheable_pin_fraction,
                    help="StoreConfig.cacheable_pin_fraction: share of the pool cacheable saves may pin")
+    p.add_argument("--reply-spin-us", type=float, default=StoreConfig().reply_spin_s * 1e6,
+                   help="StoreConfig.reply_spin_s in microseconds: how long a resolving thread polls for a reply "
+                        "before it sleeps (0: never)")
     p.add_argument("--runs", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--plot", metavar="PATH", help="write a PNG of TTFT per turn index")
@@ -141,7 +144,7 @@ def _warm_up(topo: Topology, chunk_tokens: int, batch: int) -> None:
 
 def run_one(mode: str, args: argparse.Namespace, spec: WorkloadSpec, sizes: PoolSizes,
             stream: TextIO | None) -> tuple[RunSummary, list[TurnRecord], dict[str, Any]]:
-    config = StoreConfig(cacheable_pin_fraction=args.pin_fraction)
+    config = StoreConfig(cacheable_pin_fraction=args.pin_fraction, reply_spin_s=args.reply_spin_us / 1e6)
     with make_store(mode, args.model, sizes, seed=args.seed, config=config,
                     processes=not args.in_process) as topo:
         _warm_up(topo, args.chunk_tokens, spec.concurrency)

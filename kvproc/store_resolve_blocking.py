@@ -135,7 +135,7 @@ class BlockingResolver:
         try:
             try:
                 answer: Any = tier.query_blocking(req_id, want, deadline=st.deadline, cancel=cancel,
-                                                  overlap=reserve_early)
+                                                  overlap=reserve_early, spin_s=store.config.reply_spin_s)
             except Exception as e:  # noqa: BLE001 - PeerDead / RemoteError / abandoned: the prefix stays as it is
                 answer = e
             res = self._hit_or_raise(answer, st, tier, scope, policy, cancel, len(want))
@@ -213,7 +213,8 @@ class BlockingResolver:
 
         def ask() -> None:  # runs once the Load is on its way
             try:
-                answer.append(tier.query_blocking(req_id, want, deadline=st.deadline, cancel=cancel))
+                answer.append(tier.query_blocking(req_id, want, deadline=st.deadline, cancel=cancel,
+                                                  spin_s=store.config.reply_spin_s))
             except Exception as e:  # noqa: BLE001 - judged after the load, like the plain path's
                 answer.append(e)
 
@@ -289,7 +290,7 @@ class BlockingResolver:
             raise Degrade("cancelled")
         try:
             copied = copier.load_blocking(order, wait_until=st.deadline, on_late=settle_abandoned, cancel=cancel,
-                                          overlap=overlap)
+                                          overlap=overlap, spin_s=store.config.reply_spin_s)
         except Exception as e:  # noqa: BLE001 - the copy failed (or its worker died): nothing was committed
             give_back()
             store.outcomes.record("load", req_id, "failed", type(e).__name__)

@@ -295,3 +295,48 @@ def test_copy_rows_releases_the_gil_for_a_big_copy_and_gets_the_right_bytes():
     for t in ts:
         t.join()
     assert np.array_equal(dst.reshape(n, row)[perm], src.reshape(n, row))
+
+
+@needs_native
+def test_spin_readable_names_the_readable_fd_times_out_and_refuses_bad_fds():
+    import time
+
+    quiet, loud = os.eventfd(0, os.EFD_NONBLOCK), os.eventfd(0, os.EFD_NONBLOCK)
+    try:
+        t0 = time.monotonic()
+        assert N.spin_readable((quiet, loud), 0.05) == -1  # nothing readable: the whole budget, then -1
+        assert time.monotonic() - t0 >= 0.05
+        os.eventfd_write(loud, 1)
+        t0 = time.monotonic()
+        assert N.spin_readable([quiet, loud], 5.0) == 1 and time.monotonic() - t0 < 1.0  # at once, not at 5 s
+        for bad in ((), tuple(range(9)), (-1,), ("x",)):
+            with pytest.raises((ValueError, TypeError)):
+                N.spin_readable(bad, 0.01)
+    finally:
+        os.close(quiet)
+        os.close(loud)
+
+
+@needs_native
+def test_spin_readable_lets_the_other_threads_run():
+    """The spin holds a CPU, not the GIL: a Python thread keeps counting through a 0.3 s spin."""
+    import time
+
+    fd = os.eventfd(0, os.EFD_NONBLOCK)
+    counted, stop = [0], threading.Event()
+
+    def count() -> None:
+        while not stop.is_set():
+            counted[0] += 1
+
+    t = threading.Thread(target=count)
+    try:
+        t.start()
+        time.sleep(0.05)
+        before = counted[0]
+        N.spin_readable((fd,), 0.3)
+        assert counted[0] - before > 1000
+    finally:
+        stop.set()
+        t.join()
+        os.close(fd)

@@ -85,9 +85,11 @@ class BlockingTier(Protocol):
     """Optional: a tier that can answer a query on the calling thread (the store's blocking resolve path)."""
 
     def query_blocking(self, req_id: str, hashes: Sequence[bytes], *, deadline: float,
-                       cancel: CancelToken | None = None, overlap: Callable[[], None] | None = None) -> QueryResult:
+                       cancel: CancelToken | None = None, overlap: Callable[[], None] | None = None,
+                       spin_s: float = 0.0) -> QueryResult:
         """Raises on failure, and once `deadline` passes or `cancel` fires (a late Hit's lease is then released by
-        the tier side's client). `overlap` (must not raise) runs once the query is on its way."""
+        the tier side's client). `overlap` (must not raise) runs once the query is on its way. `spin_s`: how long the
+        thread may poll for the answer before it sleeps (`StoreConfig.reply_spin_s`)."""
         ...
 
 
@@ -95,7 +97,8 @@ class BlockingTier(Protocol):
 class BlockingCopier(Protocol):
     """Optional: a copier that can run a load from the calling thread. Returns the bytes copied, or
     `kvproc.ipc.direct.LATE` when `wait_until` passed first: the order still runs, and its terminal reply
-    (Ok / Failed / PeerDead) goes to `on_late` when it ends."""
+    (Ok / Failed / PeerDead) goes to `on_late` when it ends. `spin_s` as for `BlockingTier.query_blocking`."""
 
     def load_blocking(self, order: LoadOrder, *, wait_until: float, on_late: Callable[[Any], None],
-                      cancel: CancelToken | None = None, overlap: Callable[[], None] | None = None) -> Any: ...
+                      cancel: CancelToken | None = None, overlap: Callable[[], None] | None = None,
+                      spin_s: float = 0.0) -> Any: ...

@@ -172,13 +172,14 @@ class RemoteTier:
         return _query_result(await ac.call_keeping_late(msg, self._late_answer, timeout=max(timeout, 0.001)))
 
     def query_blocking(self, req_id: str, hashes: Sequence[bytes], *, deadline: float,
-                       cancel: CancelToken | None = None, overlap: Callable[[], None] | None = None) -> QueryResult:
+                       cancel: CancelToken | None = None, overlap: Callable[[], None] | None = None,
+                       spin_s: float = 0.0) -> QueryResult:
         """`query` on the calling thread's own socket; raises what the call raises (the resolver degrades), and
         `QueryAbandoned` when `deadline` passes or `cancel` fires first. An answer that comes after that is still
         read: a late Hit's lease is released, never left to the TTL. `overlap` runs while the query is in flight."""
         res = self._client().request(m.Query(req_id, list(hashes)), deadline=deadline + LATE_REPLY_GRACE_S,
                                      wait_until=deadline, on_late=self._late_answer, cancel_token=cancel,
-                                     overlap=overlap)
+                                     overlap=overlap, spin_s=spin_s)
         if res is LATE:
             raise QueryAbandoned("the resolve stopped waiting (deadline or cancellation)")
         return _query_result(res)
@@ -332,7 +333,8 @@ class RemoteCopier:
         return await self._order(m.DeviceCopy(list(copies)))
 
     def load_blocking(self, order: LoadOrder, *, wait_until: float, on_late: Callable[[Any], None],
-                      cancel: CancelToken | None = None, overlap: Callable[[], None] | None = None) -> int | Any:
+                      cancel: CancelToken | None = None, overlap: Callable[[], None] | None = None,
+                      spin_s: float = 0.0) -> int | Any:
         """`load` on the calling thread's own socket: the bytes copied, or `LATE` once `wait_until` passes or
         `cancel` fires (the order is not cancellable: the worker's terminal reply then goes to `on_late`:
         Ok(Copied) / Failed / PeerDead). Raises like `load`. `overlap` (must not raise) runs once the order is on
@@ -347,7 +349,7 @@ class RemoteCopier:
                     self.attaches += 1
         # `cancel` only ends this thread's wait: a copy order is not cancellable, so the token is not sent along.
         res = client.request(m.Load(order), timeout=self.copy_timeout_s, wait_until=wait_until, on_late=on_late,
-                             wake_on=cancel, overlap=overlap)
+                             wake_on=cancel, overlap=overlap, spin_s=spin_s)
         if res is LATE:
             return LATE
         self._loaded(res)
