@@ -92,10 +92,10 @@ def main() -> int:
         store_resolve.verified_run = timed_check  # type: ignore[assignment]
         wait = direct.DirectCalls._wait
 
-        def timed_wait(self: Any, *a: Any) -> Any:
+        def timed_wait(self: Any, *a: Any, **k: Any) -> Any:
             stamp("wait>")
             try:
-                return wait(self, *a)
+                return wait(self, *a, **k)
             finally:
                 stamp("wait<")
 
@@ -110,6 +110,8 @@ def main() -> int:
                 stamp("start")
                 pre = store.resolve_prefix_sync(0, "r", p)
                 stamp("done")
+                if pre.host_tokens != args.blocks * 16:  # a degrade (e.g. a wrapper broke a call) is not timed
+                    raise RuntimeError(f"expected a host hit of {args.blocks} blocks, got {pre}")
                 pre.hold.release()
                 t0 = marks[0][1]
                 if churned and args.churn_every > 1:

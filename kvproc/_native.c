@@ -1,4 +1,4 @@
-/* kvproc._native: the two per-page loops of the hot path that no numpy call can do in one go.
+/* kvproc._native: the hot path's loops that no numpy call can do in one go, and its one bounded spin.
  *
  * - blake2b_chain: the chained page hashes of `kvproc.hashing` (h_i = BLAKE2b-128(h_{i-1} || page_i)). Each hash
  *   depends on the one before, so Python pays a hashlib call per page (~1.2 us, most of it call overhead); here a
@@ -9,6 +9,8 @@
  * - slot_verify: the seqlock check of a speculative load against the host tier's slot table (`slot_table.py`).
  * - SlotMap (`_slotmap.c`): the store's slot cache as one open-addressing table, its lookups and the check before
  *   the copy in one pass (`slot_cache.py`).
+ * - spin_readable: a bounded poll of a few fds without sleeping and without the GIL (a resolving thread waiting for
+ *   a reply: `kvproc/ipc/direct.py`).
  * - copy_plan: the run split of a copy order (`kvproc.workers.copy_exec.split_runs` + `_bounds`) in one pass over
  *   the two id lists, where numpy's version costs ~25 calls of fixed overhead whatever the order's size.
  * - copy_rows: the copy itself for arenas of packed or strided rows: ids checked, then one memmove per run (the GIL
@@ -800,8 +802,8 @@ static double now_s(void) {
  * readable, polled without sleeping and without the GIL (other threads of the process keep running) for at most
  * `seconds`; -1 if none became readable. Why: on a virtualised host a thread that sleeps for a reply a few hundred
  * microseconds away wakes on a cold CPU (whatever ran there meanwhile took its caches), and both the wake-up and the
- * code after it run several times slower (bench/RESULTS.md, "Waiting for a reply"). `kvproc.ipc.direct` spins on a
- * ZeroMQ socket's ZMQ_FD (readable once the socket has something to look at) before it blocks. */
+ * code after it run several times slower (bench/RESULTS.md, "Control path", sixth session). `kvproc.ipc.direct`
+ * spins on a ZeroMQ socket's ZMQ_FD (readable once the socket has something to look at) before it blocks. */
 static PyObject *spin_readable(PyObject *self, PyObject *args) {
     PyObject *fds_o;
     double seconds;

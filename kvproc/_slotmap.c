@@ -305,8 +305,8 @@ done:
 }
 
 /* run_verified(keys, gen_row, tag_row) -> (slots, gens, known): `run`, and of its entries the leading ones the
- * tier's slot table confirms (`slot_holds`: the rule `_native.slot_verify` applies); `known` = the length of the run before the check. The table's rows are
- * prefetched for the whole run before any is compared. */
+ * tier's slot table confirms (`slot_holds`: the rule `_native.slot_verify` applies); `known` = the length of the run
+ * before the check. The table's rows are prefetched for the whole run before any is compared. */
 static PyObject *SlotMap_run_verified(SlotMap *self, PyObject *args) {
     PyObject *ko, *rows[2];
     if (!PyArg_ParseTuple(args, "OOO", &ko, &rows[0], &rows[1])) return NULL;

@@ -46,8 +46,8 @@ class StoreConfig:
     # A resolving thread that waits for the tier's answer or the copy worker's reply polls for it (without sleeping,
     # without the GIL) this long before it sleeps, one thread of the process at a time: on a virtualised host a
     # thread that sleeps through such a wait wakes on a cold CPU, and the wake-up and the code after it run several
-    # times slower (`kvproc/ipc/direct.py`; A/B in bench/RESULTS.md, "Waiting for a reply"). It costs that CPU time
-    # per wait; 0 turns it off.
+    # times slower (`kvproc/ipc/direct.py`; A/B in bench/RESULTS.md, "Control path", sixth session). It costs that
+    # CPU time per wait; 0 turns it off.
     reply_spin_s: float = 0.001
 
 

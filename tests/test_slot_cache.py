@@ -108,7 +108,8 @@ _op = st.one_of(
 
 @settings(max_examples=300, deadline=None)
 @given(st.integers(1, 20), st.lists(_op, max_size=60), st.booleans())
-def test_each_op_agrees_with_the_plain_dict_semantics(capacity: int, ops: list, crafted: bool) -> None:  # type: ignore[type-arg]
+def test_each_op_agrees_with_the_plain_dict_semantics(capacity: int, ops: list,  # type: ignore[type-arg]
+                                                      crafted: bool) -> None:
     """Learns (re-learns, skipped pairs), forgets and runs in any order over a small key space, so that buckets collide,
     probes wrap, deletions shift entries back and the learn-order ring fills and compacts: the cache in use (compiled
     where built) and the plain model give the same runs and sizes after every op. `crafted`: keys that differ only in
@@ -130,7 +131,7 @@ def test_each_op_agrees_with_the_plain_dict_semantics(capacity: int, ops: list, 
 
 
 @pytest.mark.parametrize("form", ["native", "dict"])
-def test_bad_keys_and_negative_slots_are_refused_before_anything_changes(form: str, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_bad_keys_and_negative_slots_are_refused_before_anything_changes(form: str) -> None:
     if form == "native" and NATIVE is None:
         pytest.skip("the compiled helpers are not built")
     c = SlotCache(10)

@@ -27,8 +27,9 @@ was read".
 A caller may also ask for a spin (`spin_s`): before it sleeps, the thread polls the socket's ZMQ_FD (and the fds its
 wait watches) without sleeping and without the GIL, for at most that long (`kvproc._native.spin_readable`). On a
 virtualised host a thread that sleeps through a wait of a few hundred microseconds wakes on a cold CPU, and the wake-up
-and the code after it run several times slower (bench/RESULTS.md, "Waiting for a reply": a 64-block host hit ~130 us
-faster). It costs the CPU time of the spin, so at most one thread of the process spins at a time (the others sleep).
+and the code after it run several times slower (bench/RESULTS.md, "Control path", sixth session: a 64-block host hit
+~120-170 us faster). It costs the CPU time of the spin, so at most one thread of the process spins at a time (the
+others sleep).
 
 A caller that must stop waiting before the call's own deadline but still needs its outcome (a resolve whose deadline
 passes during a copy order, which is not cancellable and keeps its destination reserved until it ends) passes
