@@ -249,8 +249,9 @@ class DirectCalls:
 
     @staticmethod
     def _spin(owned: _Owned, until: float) -> bool:
-        """Poll the socket (and the fds of a polled wait) until it has a message, another fd is readable, or `until`
-        passes; False when this thread may not spin (another one does, or the module is not built)."""
+        """Poll the socket, the death fd and a polled wait's cancel fd (`owned.fds`) until the socket has a message,
+        another fd is readable, or `until` passes; False when this thread may not spin (another one does, or the
+        module is not built)."""
         if NATIVE is None or not _SPINNER.acquire(blocking=False):
             return False
         try:
