@@ -65,6 +65,13 @@ static int sm_key(PyObject *k, uint64_t *k0, uint64_t *k1) {
     return 0;
 }
 
+/* 0 if the map was initialised; else -1 with an exception (a SlotMap made by __new__ alone has no table). */
+static int sm_ready(const SlotMap *m) {
+    if (m->ent) return 0;
+    PyErr_SetString(PyExc_RuntimeError, "SlotMap was not initialised (call SlotMap(capacity))");
+    return -1;
+}
+
 static Py_ssize_t sm_find_from(const SlotMap *m, uint64_t k0, uint64_t k1, Py_ssize_t i) {
     for (;; i = (i + 1) & m->mask) {
         const SmEntry *e = &m->ent[i];
@@ -179,7 +186,7 @@ static int64_t sm_int(PyObject *o, const char *what, Py_ssize_t i, int nonneg) {
  * Every key is checked before anything changes. */
 static PyObject *SlotMap_learn(SlotMap *self, PyObject *args) {
     PyObject *ko, *so, *go;
-    if (!PyArg_ParseTuple(args, "OOO", &ko, &so, &go)) return NULL;
+    if (sm_ready(self) || !PyArg_ParseTuple(args, "OOO", &ko, &so, &go)) return NULL;
     PyObject *keys = PySequence_Fast(ko, "keys must be a sequence");
     PyObject *slots = keys ? PySequence_Fast(so, "slots must be a sequence") : NULL;
     PyObject *gens = slots ? PySequence_Fast(go, "gens must be a sequence") : NULL;
@@ -220,6 +227,7 @@ done:
 
 /* forget(keys); every key is checked before any is forgotten. */
 static PyObject *SlotMap_forget(SlotMap *self, PyObject *ko) {
+    if (sm_ready(self)) return NULL;
     PyObject *keys = PySequence_Fast(ko, "keys must be a sequence");
     if (!keys) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(keys);
@@ -288,6 +296,7 @@ done:
 
 /* run(keys) -> (slots, gens) of the longest leading run of keys the map holds. */
 static PyObject *SlotMap_run(SlotMap *self, PyObject *ko) {
+    if (sm_ready(self)) return NULL;
     PyObject *keys = PySequence_Fast(ko, "keys must be a sequence");
     if (!keys) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(keys), *pos = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(Py_ssize_t));
@@ -309,7 +318,7 @@ done:
  * before the check. The table's rows are prefetched for the whole run before any is compared. */
 static PyObject *SlotMap_run_verified(SlotMap *self, PyObject *args) {
     PyObject *ko, *rows[2];
-    if (!PyArg_ParseTuple(args, "OOO", &ko, &rows[0], &rows[1])) return NULL;
+    if (sm_ready(self) || !PyArg_ParseTuple(args, "OOO", &ko, &rows[0], &rows[1])) return NULL;
     Py_buffer bv[2];
     if (PyObject_GetBuffer(rows[0], &bv[0], PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return NULL;
     if (PyObject_GetBuffer(rows[1], &bv[1], PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -161,3 +162,16 @@ def test_a_full_cache_keeps_working_through_many_generations_of_learns() -> None
     assert len(c) == 100
     assert c.run([k(19_999), k(19_998)]) == ([19_999, 19_998], [19_999, 19_998])
     assert c.run([k(19_999 - 100)]) == ([], [])
+
+
+@pytest.mark.skipif(NATIVE is None, reason="the compiled helpers are not built")
+def test_the_compiled_map_refuses_use_before_its_table_exists() -> None:
+    """`SlotMap.__new__` alone makes no table: every method raises instead of touching memory it does not have."""
+    assert NATIVE is not None
+    m = NATIVE.SlotMap.__new__(NATIVE.SlotMap)
+    for call in (lambda: m.run([k(0)]), lambda: m.learn([k(0)], [1], [1]), lambda: m.forget([k(0)]),
+                 lambda: m.run_verified([k(0)], np.zeros(4, np.int64), np.zeros(4, np.int64))):
+        with pytest.raises(RuntimeError, match="not initialised"):
+            call()
+    with pytest.raises(ValueError):
+        NATIVE.SlotMap(0)
