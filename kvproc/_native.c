@@ -23,7 +23,6 @@
 #include "_native.h"
 
 #include <poll.h>
-#include <sched.h>
 #include <string.h>
 #include <time.h>
 

@@ -1,10 +1,13 @@
 """The server side of kvproc's RPC: one ROUTER socket, one thread that owns it, handlers on a bounded pool.
 
 Threads:
-- the socket thread runs `serve()`: it polls the ROUTER and a wake-up fd, decodes frames, answers the handshake,
-  heartbeats and `Ping` itself (O(1), the transport's own probe) and hands every other request to the pool;
+- the socket thread runs `serve()`: it polls the ROUTER and a wake-up fd (or, when no call is in flight off this
+  thread and the outbox is empty, sleeps in a receive on the ROUTER alone), decodes frames, answers the handshake,
+  heartbeats and `Ping` itself (O(1), the transport's own probe), runs the requests the service declares inline
+  (O(1) and non-blocking) and hands every other request to the pool;
 - handler threads (a bounded `ThreadPoolExecutor`) run the service's handlers and post encoded replies to the outbox
-  queue, then wake the socket thread. The socket thread never runs a handler; a handler never touches the socket.
+  queue, then wake the socket thread. The socket thread never runs a pooled handler; a handler never touches the
+  socket.
 
 Guarantees:
 - every accepted `Call` gets exactly one terminal reply (`_in_flight` is the single place a call lives; a reply pops
