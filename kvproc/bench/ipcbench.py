@@ -21,6 +21,9 @@ DEALER/ROUTER round trip measured in the same run.
   otherwise) timed after the same churn, interleaved with the resolves: the baseline under the same cache state and
   the same moment of a noisy shared host (the first round trip after a churn is the slower one, so raw1 is not
   raw2 / 2);
+- raw1_spin: raw1 with a client that polls for its reply as long as the store's resolving threads do
+  (`--reply-spin-us`, default `StoreConfig.reply_spin_s`) before it sleeps: a spin also shortens the transport's own
+  wake-up, so the overhead against this baseline credits the store only with what it saves beyond that;
 - burst: blocking resolves back to back (one churn per 6, the first dropped), against raw2_burst (raw pairs back to
   back): the case of an engine admitting several requests in a row;
 - overhead, in raw round trips: `beyond needed` = median over the resolves of (resolve - its own Load's copy in situ)
