@@ -171,16 +171,16 @@ def test_pack_tokens_rejects_out_of_range_and_non_ints_and_the_hasher_names_it()
 
 def test_the_pure_python_fallback_passes_the_hashing_and_copy_tests_and_hashes_the_same():
     """Where the module is not built (or `KVPROC_PURE_PYTHON=1`), the same tests pass (hashing, copy planning, the
-    pool's and the host index's book-keeping, the slot-table check, and their hypothesis state machines), and a prompt
-    hashes to the same bytes as with the module: a store built without it reads a tier filled with it, and the other
-    way round."""
+    pool's and the host index's book-keeping, the slot-table check, the slot cache, and their hypothesis state
+    machines), and a prompt hashes to the same bytes as with the module: a store built without it reads a tier filled
+    with it, and the other way round."""
     import subprocess
     import sys
 
     env = dict(os.environ, KVPROC_PURE_PYTHON="1")
     tests = ["tests/test_hashing.py", "tests/test_copy_exec.py", "tests/test_pool.py", "tests/test_pool_properties.py",
              "tests/test_request_kv.py", "tests/test_host_index.py", "tests/test_host_index_properties.py",
-             "tests/test_slot_table.py"]
+             "tests/test_slot_table.py", "tests/test_slot_cache.py"]
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests], env=env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
