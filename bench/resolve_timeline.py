@@ -118,7 +118,7 @@ def main() -> int:
                     continue
                 rows.append([(name, (t - t0) * 1e6) for name, t in marks])
         finally:
-            store_resolve.verified_run = check  # type: ignore[assignment]
+            store_resolve.verified_run = check
             direct.DirectCalls._wait = wait  # type: ignore[method-assign]
             b.close()
     finally:
