@@ -225,44 +225,53 @@ done:
     return result;
 }
 
+/* Every key of a PySequence_Fast as its two halves (k0, k1 per key), into `stack` when it has room for `n` keys
+ * (`stack_keys`), else a new PyMem block (the caller frees it when it is not `stack`); NULL and an exception on a bad
+ * key or no memory. All keys are read before the caller changes or reads anything. */
+static uint64_t *sm_keys(PyObject *keys, uint64_t *stack, Py_ssize_t stack_keys) {
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(keys);
+    PyObject **K = PySequence_Fast_ITEMS(keys);
+    uint64_t *ks = n <= stack_keys ? stack : PyMem_Malloc((size_t)n * 2 * sizeof(uint64_t));
+    if (!ks) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (sm_key(K[i], &ks[2 * i], &ks[2 * i + 1])) {
+            if (ks != stack) PyMem_Free(ks);
+            return NULL;
+        }
+    }
+    return ks;
+}
+
+#define SM_STACK_KEYS 128 /* a resolve's pages fit: no allocation on its path */
+
 /* forget(keys); every key is checked before any is forgotten. */
 static PyObject *SlotMap_forget(SlotMap *self, PyObject *ko) {
     if (sm_ready(self)) return NULL;
     PyObject *keys = PySequence_Fast(ko, "keys must be a sequence");
     if (!keys) return NULL;
+    uint64_t stack[2 * SM_STACK_KEYS], *ks = sm_keys(keys, stack, SM_STACK_KEYS);
     Py_ssize_t n = PySequence_Fast_GET_SIZE(keys);
-    PyObject **K = PySequence_Fast_ITEMS(keys), *result = NULL;
-    uint64_t *ks = PyMem_Malloc((size_t)(n ? n : 1) * 2 * sizeof(uint64_t));
-    if (!ks) {
-        PyErr_NoMemory();
-        goto done;
+    if (ks) {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            Py_ssize_t pos = sm_find(self, ks[2 * i], ks[2 * i + 1]);
+            if (pos >= 0) sm_delete(self, pos); /* its events are stale now */
+        }
+        if (ks != stack) PyMem_Free(ks);
     }
-    for (Py_ssize_t i = 0; i < n; i++)
-        if (sm_key(K[i], &ks[2 * i], &ks[2 * i + 1])) goto done;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        Py_ssize_t pos = sm_find(self, ks[2 * i], ks[2 * i + 1]);
-        if (pos >= 0) sm_delete(self, pos); /* its events are stale now */
-    }
-    result = Py_NewRef(Py_None);
-done:
-    PyMem_Free(ks);
     Py_DECREF(keys);
-    return result;
+    return ks ? Py_NewRef(Py_None) : NULL;
 }
 
 /* The positions of the longest leading run of `keys` the map holds (all buckets prefetched first); -1 and an
  * exception on a bad key. `pos` has room for every key. */
 static Py_ssize_t sm_run(const SlotMap *m, PyObject *keys, Py_ssize_t *pos) {
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(keys);
-    PyObject **K = PySequence_Fast_ITEMS(keys);
-    uint64_t stack[2 * 128], *ks = n <= 128 ? stack : PyMem_Malloc((size_t)n * 2 * sizeof(uint64_t));
-    if (!ks) {
-        PyErr_NoMemory();
-        return -1;
-    }
-    Py_ssize_t known = -1;
+    uint64_t stack[2 * SM_STACK_KEYS], *ks = sm_keys(keys, stack, SM_STACK_KEYS);
+    if (!ks) return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(keys), known;
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (sm_key(K[i], &ks[2 * i], &ks[2 * i + 1])) goto done;
         pos[i] = sm_home(m, ks[2 * i], ks[2 * i + 1]);
         __builtin_prefetch(&m->ent[pos[i]]);
     }
@@ -271,7 +280,6 @@ static Py_ssize_t sm_run(const SlotMap *m, PyObject *keys, Py_ssize_t *pos) {
         if (p < 0) break;
         pos[known] = p;
     }
-done:
     if (ks != stack) PyMem_Free(ks);
     return known;
 }
