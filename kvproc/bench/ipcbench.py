@@ -70,6 +70,7 @@ import zmq
 from kvproc import native
 from kvproc.cluster import ClusterStore
 from kvproc.contract import GroupKind, GroupSpec, KvArena, KvSpec, RepackDirection
+from kvproc.ipc.direct import spin_for_message
 from kvproc.ipc.segment import Segment
 from kvproc.runtime import procutil
 from kvproc.request_kv import RequestKv
@@ -143,16 +144,14 @@ class _RawEcho:
 
     def round_trips(self, k: int = 1, spin_s: float = 0.0) -> float:
         """Seconds for `k` back-to-back round trips; `spin_s`: poll for each reply that long before sleeping, as a
-        resolving thread does (`StoreConfig.reply_spin_s`, `kvproc._native.spin_readable`)."""
+        resolving thread does (`StoreConfig.reply_spin_s`, `kvproc.ipc.direct.spin_for_message`)."""
         sock, data = self._sock, self._data
-        fds = (sock.getsockopt(zmq.FD),)
+        fds = (int(sock.getsockopt(zmq.FD)),)
         t = time.perf_counter()
         for _ in range(k):
             sock.send(data)
-            if spin_s > 0 and native.NATIVE is not None:
-                until = time.perf_counter() + spin_s
-                while not int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN and (left := until - time.perf_counter()) > 0:
-                    native.NATIVE.spin_readable(fds, left)
+            if spin_s > 0:  # the very spin a resolving thread runs
+                spin_for_message(sock, fds, time.monotonic() + spin_s)
             sock.recv()
         return time.perf_counter() - t
 

@@ -69,6 +69,24 @@ BLOCKING_RECEIVE = True  # False: always poll (the A/B arm of bench/RESULTS.md)
 _SPINNER = threading.Lock()  # held by the one thread of the process that spins (`_spin`)
 
 
+def spin_for_message(sock: zmq.Socket[Any], fds: tuple[int, ...], until: float) -> bool:
+    """Poll `fds` (the socket's ZMQ_FD first) without sleeping and without the GIL until the socket has a message,
+    another of the fds is readable, or `until` (time.monotonic) passes; False, at once, when this thread may not spin
+    (another thread of the process does, or `kvproc._native` is not built). The module docstring says why."""
+    if NATIVE is None or not _SPINNER.acquire(blocking=False):
+        return False
+    try:
+        # ZMQ_FD is edge-triggered: it signals only what arrives after ZMQ_EVENTS was last read, so read that first
+        # (a message already queued would never make the fd readable) and again each time the fd says "look" (a
+        # message, or only ZeroMQ's own commands: then spin on).
+        while not cast(int, sock.getsockopt(EVENTS)) & POLLIN and (left := until - time.monotonic()) > 0:
+            if NATIVE.spin_readable(fds, left) > 0:
+                return True  # another fd: the caller's wait handles it
+        return True
+    finally:
+        _SPINNER.release()
+
+
 class _Late:
     """The `request` result when the caller stopped waiting at `wait_until`: the outcome goes to `on_late`."""
 
@@ -249,21 +267,8 @@ class DirectCalls:
 
     @staticmethod
     def _spin(owned: _Owned, until: float) -> bool:
-        """Poll the socket, the death fd and a polled wait's cancel fd (`owned.fds`) until the socket has a message,
-        another fd is readable, or `until` passes; False when this thread may not spin (another one does, or the
-        module is not built)."""
-        if NATIVE is None or not _SPINNER.acquire(blocking=False):
-            return False
-        try:
-            sock, fds = owned.sock, owned.fds
-            while (left := until - time.monotonic()) > 0:
-                ready = NATIVE.spin_readable(fds, left)
-                # The socket's fd says "look": a message, or only ZeroMQ's own commands (then spin on)
-                if ready != 0 or cast(int, sock.getsockopt(EVENTS)) & POLLIN:
-                    return True
-            return True
-        finally:
-            _SPINNER.release()
+        """`spin_for_message` on the socket, the death fd and a polled wait's cancel fd (`owned.fds`)."""
+        return spin_for_message(owned.sock, owned.fds, until)
 
     def _read(self, owned: _Owned, closing: bool = False) -> Any:
         """One waiting frame, decoded: None when it was consumed here (unreadable, or a oneway's reply handed to its
