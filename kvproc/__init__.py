@@ -27,6 +27,7 @@ _EXPORTS: dict[str, str] = {
     "HashAlgorithm": "kvproc.hashing",
     "HashScope": "kvproc.hashing",
     "PAD_TOKEN_ID": "kvproc.hashing",
+    "PageHashes": "kvproc.hashing",
     # pool, holds, requests
     "BlockPool": "kvproc.pool",
     "CopyKind": "kvproc.bounded",
@@ -44,6 +45,7 @@ _EXPORTS: dict[str, str] = {
     "RequestStateError": "kvproc.request_kv",
     # the store and its verbs
     "KvStore": "kvproc.store",
+    "InvalidSealCursor": "kvproc.store_types",
     "KvPrefix": "kvproc.store_types",
     "ResolvePolicy": "kvproc.store_types",
     "SaveClass": "kvproc.store_types",
@@ -86,7 +88,7 @@ if TYPE_CHECKING:
         Sharding,
         validate_layout,
     )
-    from kvproc.hashing import DEFAULT_SCOPE, PAD_TOKEN_ID, BlockHasher, HashAlgorithm, HashScope
+    from kvproc.hashing import DEFAULT_SCOPE, PAD_TOKEN_ID, BlockHasher, HashAlgorithm, HashScope, PageHashes
     from kvproc.holds import HoldConsumedError, MissReason, Pin, PrefixHold, Reservation, ReusePolicy
     from kvproc.paged import PoolExhaustedError, StaleBlockError
     from kvproc.pool import BlockPool
@@ -96,4 +98,4 @@ if TYPE_CHECKING:
     from kvproc.ipc.cancel import CancelToken
     from kvproc.runtime import launch
     from kvproc.store import KvStore
-    from kvproc.store_types import KvPrefix, ResolvePolicy, SaveClass, SealCursor, StoreConfig
+    from kvproc.store_types import InvalidSealCursor, KvPrefix, ResolvePolicy, SaveClass, SealCursor, StoreConfig

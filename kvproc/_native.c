@@ -6,6 +6,7 @@
  * - pack_tokens: a token list as little-endian uint32 bytes, range-checked, in one pass (what the hash reads).
  * - paged_*: the per-block loops of `kvproc.paged.PagedBlocks` (refcounts, generations, the prefix index), one
  *   pass each where numpy needs several calls of fixed overhead on a resolve's few dozen ids.
+ * - fence_cas: the atomic compare-and-swap of a save's fence word (`kvproc/tiers/save_fence.py`).
  * - slot_verify: the seqlock check of a speculative load against the host tier's slot table (`slot_table.py`).
  * - SlotMap (`_slotmap.c`): the store's slot cache as one open-addressing table, its lookups and the check before
  *   the copy in one pass (`slot_cache.py`).
@@ -847,6 +848,26 @@ static PyObject *spin_readable(PyObject *self, PyObject *args) {
     return PyLong_FromLong(ready);
 }
 
+/* fence_cas(row, index, expected, desired) -> bool: one atomic compare-and-swap of row[index] (a writable int64 buffer,
+ * in shared memory: the host tier's save-fence row, `kvproc/tiers/save_fence.py`). The tier and the copy workers are
+ * separate processes writing the same word, so the read-compare-write must be one instruction. */
+static PyObject *fence_cas(PyObject *self, PyObject *args) {
+    Py_buffer row;
+    Py_ssize_t index;
+    long long expected, desired;
+    if (!PyArg_ParseTuple(args, "w*nLL", &row, &index, &expected, &desired)) return NULL;
+    if (row.len % 8 || index < 0 || index >= row.len / 8) {
+        PyErr_Format(PyExc_IndexError, "fence_cas: index %zd outside a row of %zd int64", index, row.len / 8);
+        PyBuffer_Release(&row);
+        return NULL;
+    }
+    int64_t *word = (int64_t *)row.buf + index;
+    int64_t want = (int64_t)expected;
+    int ok = __atomic_compare_exchange_n(word, &want, (int64_t)desired, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+    PyBuffer_Release(&row);
+    return PyBool_FromLong(ok);
+}
+
 static PyMethodDef methods[] = {
     {"blake2b_chain", blake2b_chain, METH_VARARGS, "blake2b_chain(data, page_bytes, seed) -> list of 16-byte hashes"},
     {"b2b", b2b, METH_VARARGS, "b2b(data, digest_size) -> BLAKE2b digest (tests)"},
@@ -867,6 +888,7 @@ static PyMethodDef methods[] = {
     {"spin_readable", spin_readable, METH_VARARGS,
      "spin_readable(fds, seconds) -> index of a readable fd, or -1 (polls without sleeping, without the GIL)"},
     {"slot_verify", slot_verify, METH_VARARGS, "slot_verify(gen_row, tag_row, slots, gens, keys) -> leading matches"},
+    {"fence_cas", fence_cas, METH_VARARGS, "fence_cas(row, index, expected, desired) -> swapped (atomic)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -24,7 +24,7 @@ from typing import Any, Mapping, Sequence
 import posix_ipc
 import torch
 
-from kvproc.contract import ArenaLayout, KvArena, KvContractError, KvModel, validate_layout
+from kvproc.contract import ArenaLayout, KvArena, KvContractError, KvModel, require_model_id, validate_layout
 from kvproc.ipc import messages as m
 from kvproc.ipc.client import RpcClient
 from kvproc.ipc.segment import Segment, SegmentBusyError
@@ -34,6 +34,7 @@ from kvproc.runtime.launcher import Cluster, launch
 from kvproc.store import KvStore
 from kvproc.store_types import StoreConfig
 from kvproc.tiers.host import layout_from_wire, layout_to_wire
+from kvproc.tiers.save_fence import derived_save_ttl
 from kvproc.tiers.layout import HostLayout
 from kvproc.tiers.remote import RemoteCopier, RemoteTier
 
@@ -54,8 +55,9 @@ def fingerprint(model: KvModel, layout: ArenaLayout) -> str:
     """Human-readable capability string: two engines may share a host tier only if theirs are equal."""
     groups = ",".join(f"{g.name}:{g.kind.value}" for g in layout.spec.groups)
     arenas = ",".join(f"{a.name}:{a.stored_bytes}" for _, a in layout.arenas)
-    return (f"kvproc/{m.PROTOCOL_VERSION} model={type(model).__name__} page={layout.spec.page_tokens} "
-            f"groups={groups} arenas={arenas}")
+    name = type(model).__name__
+    return (f"kvproc/{m.PROTOCOL_VERSION} model={name} id={require_model_id(layout.spec, name)} "
+            f"page={layout.spec.page_tokens} groups={groups} arenas={arenas}")
 
 
 def _connect_external_tiers(runtime_dir: str, ranks: int, timeout: float) -> list[RpcClient]:
@@ -118,7 +120,7 @@ class ClusterStore:
 
     @classmethod
     def start(cls, host_bytes: int, *, name: str | None = None, ranks: int = 1, lease_ttl_s: float = 30.0,
-              handoff_ttl_s: float = 300.0, save_ttl_s: float = 60.0, reap_interval_s: float = 1.0,
+              handoff_ttl_s: float = 300.0, save_ttl_s: float | None = None, reap_interval_s: float = 1.0,
               copy_timeout_s: float = 120.0, ready_timeout_s: float = 15.0, shutdown_deadline_s: float = 5.0,
               runtime_dir: str | None = None, max_restarts: int = 3,
               tier_runtime_dir: str | None = None, log_level: str = "info",
@@ -134,6 +136,7 @@ class ClusterStore:
         their GPU (`RoleConfig.cpus`; `kvproc bench ipc --kvproc-cpus` measures both ways)."""
         if ranks < 1:
             raise ValueError(f"ranks must be >= 1, got {ranks}")
+        save_ttl_s = derived_save_ttl(copy_timeout_s, save_ttl_s, StoreConfig.tier_call_timeout_s)
         external: list[RpcClient] = []
         if tier_runtime_dir is not None:
             external = _connect_external_tiers(tier_runtime_dir, ranks, ready_timeout_s)
@@ -214,6 +217,7 @@ class ClusterStore:
         if self.store is not None:
             raise RuntimeError("attach_model was already called: one store per ClusterStore")
         layouts = [validate_layout(model.spec(), model.arenas(r)) for r in range(self.ranks)]
+        require_model_id(layouts[0].spec, type(model).__name__)  # before any process is configured (the fix is named)
         differs = [a.name for _, a in layouts[0].arenas if a.stored_bytes != a.bytes_per_block]
         if differs and not repack:
             raise KvContractError(

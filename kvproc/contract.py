@@ -64,6 +64,10 @@ class GroupSpec:
 class KvSpec:
     page_tokens: int
     groups: tuple[GroupSpec, ...]
+    # The identity of the weights the KV is computed with (a checkpoint id such as "org/model@revision", or a digest
+    # of the weights). Two engines of the same shape with other weights must never share KV: it is part of every page
+    # hash and of the tier's and the hand-off's fingerprints, and a store with a tier refuses a spec without one.
+    model_id: str = ""
     prefix_caching: bool = field(init=False)
     # Why prefix caching is off (None while it is on): shown in stats and miss reasons, never silent.
     prefix_caching_off_reason: str | None = field(init=False)
@@ -75,6 +79,8 @@ class KvSpec:
             raise KvContractError(f"KvSpec.page_tokens must be a positive power of two, got {pt!r}")
         if not self.groups:
             raise KvContractError("KvSpec.groups is empty: a model must declare at least one group")
+        if not isinstance(self.model_id, str):
+            raise KvContractError(f"KvSpec.model_id must be a string (the weights' identity), got {self.model_id!r}")
         seen: set[str] = set()
         for g in self.groups:
             if not isinstance(g, GroupSpec):
@@ -198,6 +204,37 @@ class ArenaLayout:
         return sum(a.stored_bytes for a in self.group_arenas(group))
 
 
+def require_model_id(spec: KvSpec, who: str) -> str:
+    """The spec's model identity, or a `KvContractError` saying how to declare one (a store whose KV leaves the
+    process -- a tier, a hand-off -- needs it: without it two fine-tunes of one shape would serve each other's KV)."""
+    if not spec.model_id:
+        raise KvContractError(
+            f"{who}: KvSpec.model_id is empty; declare the identity of the weights the KV is computed "
+            "with, e.g. KvSpec(page_tokens, groups, model_id='org/model@revision') or a digest of the checkpoint: "
+            "engines with other weights must never share KV through a tier")
+    return spec.model_id
+
+
+def _check_disjoint(pairs: Sequence[tuple[str, KvArena]]) -> None:
+    """Refuse arenas (of any groups) whose byte ranges overlap: a copy into one would overwrite blocks of the other.
+    An arena spans [data_ptr, data_ptr + (num_blocks-1)*block_stride + bytes_per_block) of its device's memory.
+    Sort by start, then each arena must start at or after the furthest end seen so far: O(n log n)."""
+    spans = sorted(
+        (str(a.tensor.device), a.tensor.data_ptr(), a.tensor.data_ptr() + (a.num_blocks - 1) * a.block_stride
+         + a.bytes_per_block, g, a.name)
+        for g, a in pairs
+    )
+    far: tuple[str, int, int, str, str] | None = None  # the furthest-reaching arena so far (a span like `spans`')
+    for span in spans:
+        device, start, end, group, name = span
+        if far is not None and far[0] == device and start < far[2]:
+            raise KvContractError(
+                f"arena {name!r} (group {group!r}) overlaps arena {far[4]!r} (group {far[3]!r}) on {device}: bytes "
+                f"[{start:#x}, {end:#x}) and [{far[1]:#x}, {far[2]:#x}); every arena needs its own memory")
+        if far is None or far[0] != device or end > far[2]:
+            far = span
+
+
 def validate_layout(spec: KvSpec, arenas: Sequence[tuple[str, KvArena]] | Any) -> ArenaLayout:
     """Check a rank's arenas against the spec; raise `KvContractError` naming the field and value."""
     pairs = tuple(arenas)
@@ -212,6 +249,7 @@ def validate_layout(spec: KvSpec, arenas: Sequence[tuple[str, KvArena]] | Any) -
         if arena.name in names:
             raise KvContractError(f"duplicate arena name {arena.name!r}")
         names.add(arena.name)
+    _check_disjoint(pairs)
     paged_counts: dict[int, list[str]] = {}
     bounded_slots: dict[str, int] = {}
     for g in spec.groups:

@@ -22,7 +22,7 @@ from typing import Sequence
 import msgspec
 import numpy as np
 
-from kvproc.contract import ArenaLayout
+from kvproc.contract import ArenaLayout, require_model_id
 from kvproc.hashing import HASH_LAYOUT_VERSION, PAD_TOKEN_ID, HashAlgorithm
 from kvproc.holds import ReusePolicy
 from kvproc.store_types import ResolvePolicy
@@ -41,7 +41,7 @@ class HandoffEnvelope(msgspec.Struct, frozen=True, omit_defaults=True):
 
 
 class FingerprintMismatch(ValueError):
-    """The two engines cannot exchange KV: different model shape, layout, page size or hashing."""
+    """The two engines cannot exchange KV: different weights (model id), model shape, layout, page size or hashing."""
 
 
 def fingerprint(model_name: str, layout: ArenaLayout, algorithm: HashAlgorithm, salt_version: str = "") -> str:
@@ -52,7 +52,8 @@ def fingerprint(model_name: str, layout: ArenaLayout, algorithm: HashAlgorithm, 
         for g in spec.groups
     )
     arenas = ",".join(f"{a.name}={a.stored_bytes}" for _, a in layout.arenas)
-    return (f"kvproc-handoff/v{HANDOFF_VERSION} model={model_name} page={spec.page_tokens} groups=[{groups}] "
+    return (f"kvproc-handoff/v{HANDOFF_VERSION} model={model_name} id={require_model_id(spec, model_name)} "
+            f"page={spec.page_tokens} groups=[{groups}] "
             f"stored=[{arenas}] hash={algorithm.value}/v{HASH_LAYOUT_VERSION} salt={salt_version or '-'}")
 
 

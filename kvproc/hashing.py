@@ -30,7 +30,7 @@ from kvproc.native import NATIVE
 PAD_TOKEN_ID: int = 2**31 - 1
 
 # Version of the hashing layout; part of the seed, so a layout change can never match old hashes.
-HASH_LAYOUT_VERSION = 1
+HASH_LAYOUT_VERSION = 2  # 2: the model identity (namespace) is part of the seed
 
 BlockHash = bytes  # 16 bytes
 
@@ -73,12 +73,17 @@ class HashScope:
 DEFAULT_SCOPE = HashScope()
 
 
-def tokens_to_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
-    """Serialise token ids (validated to lie in [0, 2**31)) as little-endian int32 in one vectorised call."""
+# The largest id a user token may have: PAD_TOKEN_ID names a hand-off's padding only (`hash_prompt(pad_tail=True)`),
+# so no prompt can name the pages of a producer's padded chain.
+MAX_USER_TOKEN_ID: int = PAD_TOKEN_ID - 1
+
+
+def tokens_to_bytes(tokens: Sequence[int] | np.ndarray, *, max_id: int = MAX_USER_TOKEN_ID) -> bytes:
+    """Serialise token ids (validated to lie in [0, max_id]) as little-endian int32 in one vectorised call."""
     if type(tokens) is list:
         if NATIVE is not None:  # one C pass that also range-checks (~3 us for 1,024 tokens)
             try:
-                return NATIVE.pack_tokens(tokens, PAD_TOKEN_ID)
+                return NATIVE.pack_tokens(tokens, max_id)
             except (TypeError, ValueError):
                 pass  # numpy's path below names the problem the same way with or without the module
         # A Python list (what engines pass) packs to uint32 in C ~3x faster than numpy's generic sequence
@@ -87,27 +92,67 @@ def tokens_to_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
             packed = struct.pack(f"<{len(tokens)}I", *tokens)
         except struct.error:
             packed = None  # out of range or not integers: numpy's path below names the problem
-        if packed is not None and (not tokens or int(np.frombuffer(packed, "<u4").max()) <= PAD_TOKEN_ID):
+        if packed is not None and (not tokens or int(np.frombuffer(packed, "<u4").max()) <= max_id):
             return packed
     arr = np.asarray(tokens)
     if arr.ndim != 1:
         raise ValueError(f"tokens must be one-dimensional, got shape {arr.shape}")
     if arr.size and arr.dtype.kind not in "iu":
         raise ValueError(f"tokens must be integers, got dtype {arr.dtype}")
-    if arr.size and (int(arr.min()) < 0 or int(arr.max()) > PAD_TOKEN_ID):
-        raise ValueError(f"token ids must lie in [0, {PAD_TOKEN_ID}], got min {arr.min()} max {arr.max()}")
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) > max_id):
+        hint = f" ({PAD_TOKEN_ID} is the reserved pad id)" if int(arr.max()) == PAD_TOKEN_ID else ""
+        raise ValueError(f"token ids must lie in [0, {max_id}], got min {arr.min()} max {arr.max()}{hint}")
     return arr.astype("<i4", copy=False).tobytes()
 
 
-class BlockHasher:
-    """Hashes prompts into chains of full-page hashes. Stateless and thread-safe."""
+class PageHashes(list[BlockHash]):
+    """A prompt's chain of page hashes that remembers what it was computed from: the token bytes, scope and hasher.
 
-    def __init__(self, page_tokens: int, algorithm: HashAlgorithm = HashAlgorithm.BLAKE2B_128) -> None:
+    `RequestKv(prompt_hashes=...)` takes the resolve's chain instead of hashing the prompt again, and must never index
+    one prompt's KV under another prompt's keys (its next reader would be served the wrong KV): it checks the chain
+    against its own tokens with `covers`, one byte comparison, instead of trusting the caller. A plain list is
+    refused there. The list itself stays a list (index, slice, compare) for every other reader."""
+
+    __slots__ = ("data", "scope", "parent", "hasher_id")
+
+    data: bytes  # the little-endian int32 tokens the chain was computed over (full pages and any tail)
+    scope: "HashScope"
+    parent: BlockHash | None  # the chain continues another one (None: it starts at the scope's seed)
+    hasher_id: tuple[str, str, int]  # (algorithm, namespace, page tokens) of the hasher that made it
+
+    def covers(self, hasher: "BlockHasher", tokens: np.ndarray, scope: "HashScope") -> str | None:
+        """None when this chain is the one `hasher` computes for `tokens` under `scope` (every full page), else
+        why not."""
+        if self.hasher_id != hasher.identity:
+            return f"the hashes come from another hasher ({self.hasher_id}, this pool's is {hasher.identity})"
+        if self.parent is not None:
+            return "the hashes continue another chain (parent=...), they are not a prompt's"
+        if self.scope != scope:
+            return f"the hashes are of scope {self.scope}, the request's is {scope}"
+        full = len(self) * hasher.page_tokens
+        if len(self.data) < 4 * full or tokens.size < full:
+            return "the hashes cover more tokens than the request has"
+        if self.data[: 4 * full] != tokens_to_bytes(tokens[:full]):
+            return "the hashes were computed over other tokens than this request's prompt"
+        return None
+
+
+class BlockHasher:
+    """Hashes prompts into chains of full-page hashes. Stateless and thread-safe.
+
+    `namespace` is the model identity (`KvSpec.model_id`: weights/checkpoint): it is part of every seed, so two models
+    never name a page alike, even with the same tokens and scope."""
+
+    def __init__(self, page_tokens: int, algorithm: HashAlgorithm = HashAlgorithm.BLAKE2B_128, *,
+                 namespace: str = "") -> None:
         if page_tokens <= 0 or page_tokens & (page_tokens - 1):
             raise ValueError(f"page_tokens must be a positive power of two, got {page_tokens}")
         self.page_tokens = page_tokens
         self.algorithm = algorithm
+        self.namespace = namespace
+        self.identity = (algorithm.value, namespace, page_tokens)
         self._fn = _HASH_FNS[algorithm]
+        self._prefix = algorithm.value.encode() + len(namespace.encode()).to_bytes(4, "little") + namespace.encode()
         self._seeds: dict[HashScope, BlockHash] = {}  # scopes are few and frozen: hash each one once
 
     def seed(self, scope: HashScope = DEFAULT_SCOPE) -> BlockHash:
@@ -115,7 +160,7 @@ class BlockHasher:
         if seed is None:
             if len(self._seeds) >= 4096:  # per-request salts could grow it without bound
                 self._seeds.clear()
-            seed = self._seeds[scope] = self._fn(self.algorithm.value.encode() + scope.encode())
+            seed = self._seeds[scope] = self._fn(self._prefix + scope.encode())
         return seed
 
     def hash_prompt(
@@ -124,22 +169,27 @@ class BlockHasher:
         scope: HashScope = DEFAULT_SCOPE,
         *,
         parent: BlockHash | None = None,
-    ) -> list[BlockHash]:
+        pad_tail: bool = False,
+    ) -> PageHashes:
         """Hashes of every full page of `tokens` (a trailing partial page has no hash).
 
         `parent` continues an existing chain (the hash of the page before `tokens[0]`), which is how a running request
-        extends its chain as decode fills pages without rehashing the prompt.
+        extends its chain as decode fills pages without rehashing the prompt. Token ids must be user ids (below
+        PAD_TOKEN_ID); `pad_tail=True` also admits a trailing run of fewer than a page of PAD_TOKEN_ID (a P/D
+        hand-off's padded chain, and nowhere else).
         """
-        data = tokens_to_bytes(tokens)
+        data = self._pack_padded(tokens) if pad_tail else tokens_to_bytes(tokens)
         page_bytes = 4 * self.page_tokens
         n_pages = len(data) // page_bytes
         h = self.seed(scope) if parent is None else parent
+        out = PageHashes()
+        out.data, out.scope, out.parent, out.hasher_id = data, scope, parent, self.identity
         if self.algorithm is HashAlgorithm.BLAKE2B_128 and NATIVE is not None:
-            return NATIVE.blake2b_chain(data, page_bytes, h)
+            out.extend(NATIVE.blake2b_chain(data, page_bytes, h))
+            return out
         # One vectorised split into per-page bytes objects (a numpy void dtype), then one loop per family with the
         # hash constructor inlined: a wrapper call per page would cost more than the hash of a 64-byte page itself.
         pages = np.frombuffer(data, dtype=f"V{page_bytes}", count=n_pages).tolist()
-        out: list[BlockHash] = []
         append = out.append
         if self.algorithm is HashAlgorithm.BLAKE2B_128:
             blake2b = hashlib.blake2b
@@ -158,6 +208,20 @@ class BlockHasher:
                 append(h)
         return out
 
+    def _pack_padded(self, tokens: Sequence[int] | np.ndarray) -> bytes:
+        """User tokens followed by at most `page_tokens - 1` pad ids: any other pad id is refused."""
+        arr = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        n, k = arr.size, 0
+        while k < min(self.page_tokens, n) and arr[n - 1 - k] == PAD_TOKEN_ID:
+            k += 1
+        if k >= self.page_tokens:
+            raise ValueError(f"a padded chain pads less than one page ({self.page_tokens} tokens); {k} or more "
+                             "trailing pad ids")
+        return tokens_to_bytes(arr[: n - k]) + _PAD_BYTES * k
+
     def floor_hash(self, tokens: Sequence[int] | np.ndarray) -> bytes:
         """One hash call over the whole prompt's bytes: the pure data cost benchmarks compare against."""
         return self._fn(tokens_to_bytes(tokens))
+
+
+_PAD_BYTES = PAD_TOKEN_ID.to_bytes(4, "little")

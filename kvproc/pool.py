@@ -60,7 +60,7 @@ class BlockPool:
         hasher: BlockHasher | None = None,
     ) -> None:
         self.spec = spec
-        self.hasher = hasher or BlockHasher(spec.page_tokens)
+        self.hasher = hasher or BlockHasher(spec.page_tokens, namespace=spec.model_id)
         self.rank = rank
         self.page_tokens = spec.page_tokens
         self.lock = threading.Lock()

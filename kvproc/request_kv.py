@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from kvproc.bounded import CopyKind, CopyOrder
-from kvproc.hashing import DEFAULT_SCOPE, PAD_TOKEN_ID, BlockHasher, HashScope
+from kvproc.hashing import DEFAULT_SCOPE, PAD_TOKEN_ID, BlockHasher, HashScope, PageHashes
 from kvproc.holds import PrefixHold
 
 if TYPE_CHECKING:
@@ -146,17 +146,31 @@ class RequestKv:
         self._tokens = _TokenBuffer(prompt_tokens)
         if not self._tokens.n:
             raise ValueError(f"request {req_id!r}: empty prompt")
-        self._hashes: list[bytes] = (
-            list(prompt_hashes) if prompt_hashes is not None else self._hasher.hash_prompt(self._tokens.view(), scope)
-        )
-        if prompt_hashes is not None and len(self._hashes) != self._tokens.n // self.page_tokens:
-            raise ValueError(f"request {req_id!r}: {len(self._hashes)} prompt hashes for "
-                             f"{self._tokens.n // self.page_tokens} full pages of {self._tokens.n} tokens")
+        if prompt_hashes is None:
+            self._hashes: list[bytes] = self._hasher.hash_prompt(self._tokens.view(), scope)
+        else:
+            self._hashes = self._checked_hashes(prompt_hashes)
         self.lifetime_blocks = _cdiv(self._tokens.n + max_output_tokens, self.page_tokens)
         self.num_computed = 0
         self._registered = 0  # pages registered in the prefix index
         self._s = _KvState(req_id=req_id, lifetime=self.lifetime_blocks)
         self._finalize = weakref.finalize(self, pool._defer_release, self._s)
+
+    def _checked_hashes(self, prompt_hashes: Sequence[bytes]) -> list[bytes]:
+        """The resolve's chain, once it is shown to be this prompt's: hashes of another prompt (or scope, or model)
+        would index this request's KV under that prompt's keys, and its next reader would be served this KV."""
+        if not isinstance(prompt_hashes, PageHashes):
+            raise TypeError(f"request {self.req_id!r}: prompt_hashes must be the `KvPrefix.page_hashes` of the "
+                            f"resolve of this prompt (a PageHashes), got {type(prompt_hashes).__name__}: hashes "
+                            "that cannot be checked against the prompt are not taken")
+        full = self._tokens.n // self.page_tokens
+        if len(prompt_hashes) != full:
+            raise ValueError(f"request {self.req_id!r}: {len(prompt_hashes)} prompt hashes for {full} full pages of "
+                             f"{self._tokens.n} tokens")
+        why = prompt_hashes.covers(self._hasher, self._tokens.view(), self.scope)
+        if why is not None:
+            raise ValueError(f"request {self.req_id!r}: prompt_hashes refused: {why}")
+        return list(prompt_hashes)
 
     # -- views ----------------------------------------------------------------------------------------------------
     @property
@@ -373,17 +387,18 @@ class RequestKv:
         if k:
             self._tokens.extend([PAD_TOKEN_ID] * k)
             self.num_computed += k
-            self._seal_full_pages()
+            self._seal_full_pages(pad_tail=True)
         return k
 
-    def _seal_full_pages(self) -> None:
+    def _seal_full_pages(self, *, pad_tail: bool = False) -> None:
         P = self.page_tokens
         known_pages = self._tokens.n // P
         if known_pages > len(self._hashes):
             start = len(self._hashes)
             parent = self._hashes[-1] if self._hashes else None
             self._hashes.extend(
-                self._hasher.hash_prompt(self._tokens.view()[start * P : known_pages * P], self.scope, parent=parent)
+                self._hasher.hash_prompt(self._tokens.view()[start * P : known_pages * P], self.scope, parent=parent,
+                                        pad_tail=pad_tail)
             )
         full = self.num_computed // P
         if full > self._registered and self.pool.spec.prefix_caching:

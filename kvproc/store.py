@@ -30,10 +30,11 @@ from kvproc.holds import ReusePolicy
 from kvproc.ipc.cancel import CancelToken
 from kvproc.loopthread import LoopThread
 from kvproc.pool import BlockPool
-from kvproc.request_kv import RequestKv
+from kvproc.request_kv import RequestKv, RequestStateError
 from kvproc.store_resolve import Resolver
 from kvproc.store_resolve_blocking import BlockingResolver
-from kvproc.store_types import KvPrefix, Outcomes, ResolvePolicy, SaveClass, SealCursor, StoreConfig
+from kvproc.store_types import (InvalidSealCursor, KvPrefix, Outcomes, ResolvePolicy, SaveClass, SealCursor,
+                                StoreConfig)
 from kvproc.tiers.api import Copier, Tier
 from kvproc.tiers.host_index import SaveTicket, Shed
 from kvproc.tiers.slot_cache import SlotCache
@@ -114,6 +115,13 @@ class KvStore:
     def tier_of(self, rank: int) -> Tier | None:
         return self.tiers[rank] if self.tiers else None
 
+    def _check_rank(self, rank: int) -> None:
+        """Refuse a rank this store does not have (a negative one too: it must not silently mean the last rank)."""
+        n = len(self.pools)
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < n:
+            raise ValueError(f"rank {rank!r} is outside this store's ranks [0, {n})"
+                             + (" (a one-rank store has rank 0 only)" if n == 1 else ""))
+
     def count(self, name: str, n: int = 1) -> None:
         """Bump a store counter (engine threads, resolving threads and the loop all count)."""
         with self._count_lock:
@@ -130,6 +138,7 @@ class KvStore:
         cancel: CancelToken | None = None,
     ) -> KvPrefix:
         """Awaitable from any event loop (the work runs on the store's loop)."""
+        self._check_rank(rank)
         return await asyncio.wrap_future(self.submit_resolve(rank, req_id, tokens, scope, policy, cancel))
 
     def submit_resolve(
@@ -147,6 +156,7 @@ class KvStore:
         resolve_threads`): the blocking path, whose host hit costs its round trips and no hop through the loop per
         call; a resolve that has to wait continues on the loop and frees its thread. Full-hit waits (a hand-off's
         consumer) go to the loop at once: they wait anyway."""
+        self._check_rank(rank)
         pool = self._resolve_threads
         if pool is None or policy.wait_for_full_hit:
             return self._loop.submit(self._resolver.resolve(rank, req_id, tokens, scope, policy, cancel))
@@ -177,6 +187,7 @@ class KvStore:
         """Blocking `resolve_prefix`, same result and rules. A host hit that needs no waiting runs on the calling
         thread (`store_resolve_blocking.py`: one or two round trips, no hand-off to the store's loop); the rest
         (Loading, full-hit waits, pool pressure) continues on the loop. Not from the store's own loop."""
+        self._check_rank(rank)
         return self._blocking.resolve(rank, req_id, tokens, scope, policy, cancel)
 
     # -- seal -----------------------------------------------------------------------------------------------------
@@ -184,12 +195,14 @@ class KvStore:
         """Save the pages sealed since `cursor` (and the bounded checkpoint at the last one). Non-blocking: the save
         runs on the store's loop; its source pages stay pinned until the copy lands. Call only after the step that
         wrote them synchronized (i.e. after `kv.apply`)."""
+        self._check_rank(rank)
         if self.tier_of(rank) is None or not self.spec.prefix_caching:
             return
         pool = self.pools[rank]
         P = pool.page_tokens
         end = kv.num_computed // P
         start = cursor.pages
+        self._check_seal(pool, kv, cursor, end)
         if end <= start:
             return
         required = [g.name for g in self.spec.restorable_bounded_groups if not g.optional]
@@ -202,6 +215,13 @@ class KvStore:
         keys = kv.page_hashes[start:end]
         ids = kv.block_ids[start:end]
         with pool.lock:
+            # Each key must name the page its block holds (sealed in place under that hash): a key committed
+            # over other bytes would serve them to every later reader of that prompt.
+            named = list(map(pool.paged.block_hash.__getitem__, ids))
+            if named != keys:
+                self.count("seal_refused_mismatch")
+                raise RequestStateError(f"request {kv.req_id!r}: pages {start}..{end} of its block table are not "
+                                        "sealed under its page hashes (released, or blocks taken over): not saved")
             staging = {g.name: s for g in self.spec.restorable_bounded_groups
                        if (s := pool.checkpoints.get(keys[-1], g.name)) is not None}
         with self._acct:
@@ -224,6 +244,28 @@ class KvStore:
             raise
         self._loop.call(self._start_save, rank, kv.req_id, keys, ids, staging, pin, save_class, cursor, start)
 
+    def _check_seal(self, pool: BlockPool, kv: RequestKv, cursor: SealCursor, end: int) -> None:
+        """Refuse a seal that would commit keys without their bytes (or skip pages): another pool's request, a cursor
+        that is not a page count of this request, a released request with pages left to save."""
+        if kv.pool is not pool:
+            raise ValueError(f"request {kv.req_id!r} belongs to rank {kv.pool.rank}'s pool, not rank {pool.rank}'s")
+        pages = cursor.pages
+        # A hand-off consumer's cursor may sit one page past its computed pages (the padded page it adopted).
+        if isinstance(pages, bool) or not isinstance(pages, int) or not 0 <= pages <= kv.lifetime_blocks:
+            self.count("seal_refused_cursor")
+            raise InvalidSealCursor(f"request {kv.req_id!r}: SealCursor.pages={pages!r} is not a page count of this "
+                                    f"request (0..{kv.lifetime_blocks})")
+        if end <= pages:
+            return  # nothing to save (a retire of a request that never ran gets here too)
+        if kv.released or not kv.admitted:
+            self.count("seal_refused_state")
+            raise RequestStateError(f"request {kv.req_id!r}: seal/retire of a "
+                                    f"{'released' if kv.released else 'not admitted'} request with pages to save: its "
+                                    "blocks may hold other KV now (seal before release)")
+        if end > len(kv.block_ids) or end > len(kv.page_hashes):
+            raise RequestStateError(f"request {kv.req_id!r}: {end} computed pages but {len(kv.block_ids)} blocks and "
+                                    f"{len(kv.page_hashes)} page hashes")
+
     @staticmethod
     def _deepest_checkpoint(pool: BlockPool, hashes: list[bytes], start: int, end: int, required: list[str]) -> int:
         with pool.lock:
@@ -244,6 +286,17 @@ class KvStore:
         state, reason = "failed", "unknown"
         ticket: SaveTicket | Shed | None = None
         tier = self.tier_of(rank)
+        unpinned = False
+
+        def unpin() -> None:  # the pin and its share of the pin budget, once the bytes need not stay put
+            nonlocal unpinned
+            if not unpinned:
+                unpinned = True
+                pin.release()
+                if save_class is SaveClass.CACHEABLE:
+                    with self._acct:
+                        self._cacheable_pinned[rank] -= len(ids)
+
         try:
             assert tier is not None
             if not tier.available:
@@ -257,31 +310,36 @@ class KvStore:
             pairs = [(b, s) for b, s in zip(ids, ticket.page_slots) if s is not None]
             bounded = [BoundedCopy(g, staging[g], s) for g, s in ticket.bounded_slots.items() if s is not None]
             if pairs or bounded:
-                order = SaveOrder(req_id, [b for b, _ in pairs], [s for _, s in pairs], bounded)
+                order = SaveOrder(req_id, [b for b, _ in pairs], [s for _, s in pairs], bounded, ticket.fence,
+                                  ticket.fence_token)
                 await self.copiers[rank].save(order)
+            unpin()  # the bytes are copied: the source blocks need not wait for the commit's answer
             # The bytes are in the slots now: hints for speculative loads (see `tiers/slot_cache.py` for why
             # learning before the commit's reply is safe).
             self.slot_caches[rank].learn(ticket.keys, ticket.page_slots, ticket.page_gens)
-            tier.commit_save(ticket.save_id)
-            state, reason = "ok", ""
+            if await tier.commit_save(ticket.save_id, timeout=self.config.tier_call_timeout_s):
+                state, reason = "ok", ""
+            else:  # the tier gave the slots back first (TTL, abort): nothing of it is visible
+                reason = "commit_refused"
+                ticket = None  # nothing left to abort
         except Exception as e:  # noqa: BLE001 - every failure becomes a recorded outcome
             reason = type(e).__name__
             if isinstance(ticket, SaveTicket) and tier is not None:
                 tier.abort_save(ticket.save_id)
         finally:
-            pin.release()
+            unpin()
             if state != "ok" and save_class is SaveClass.HANDOFF:  # undelivered: the consumer will see a short hit
                 self.count("handoff_save_failed")
                 log.error("handoff save failed", req_id=req_id, reason=reason, pages=len(keys))
             self.count(f"save_{state}")
             self.outcomes.record("save", req_id, state, reason)
-            if self._settle_accounting(rank, len(ids), save_class, cursor, start, shed=state == "shed"):
+            if self._settle_accounting(rank, 0, save_class, cursor, start, shed=state == "shed"):
                 self._unpark(rank, req_id)
 
     def _settle_accounting(self, rank: int, n: int, save_class: SaveClass, cursor: SealCursor, start: int, *,
                            shed: bool) -> bool:
-        """A save ended: give back its pin budget, rewind a shed save's cursor; True when the request has no save
-        left in flight. Under `_acct`: seals (engine threads) and settlements (the loop) race on these counts."""
+        """A save ended: give back `n` blocks of pin budget (what it did not give back when it unpinned), rewind a
+        shed save's cursor; True when the request has no save left in flight. Under `_acct`: seals (engine threads) and settlements (the loop) race on these counts."""
         with self._acct:
             if save_class is SaveClass.CACHEABLE:
                 self._cacheable_pinned[rank] -= n
@@ -296,6 +354,7 @@ class KvStore:
     # -- retire ---------------------------------------------------------------------------------------------------
     def retire(self, rank: int, kv: RequestKv, cursor: SealCursor, save_class: SaveClass = SaveClass.CACHEABLE) -> None:
         """Final seal, then release. Never blocks: with Handoff saves pending, the KV parks until they settle."""
+        self._check_rank(rank)
         self.seal(rank, kv, cursor, save_class)
         if save_class is SaveClass.HANDOFF and cursor.pending:
             self._parked[rank][kv.req_id] = kv
@@ -316,6 +375,7 @@ class KvStore:
             self.outcomes.record("retire", req_id, "ok", "after_handoff_saves")
 
     def parked(self, rank: int) -> list[str]:
+        self._check_rank(rank)
         return list(self._parked[rank])
 
     # -- hand-off leases -------------------------------------------------------------------------------------------
@@ -335,11 +395,14 @@ class KvStore:
             self._loop.call(t.revoke_handoff, producer_req_id)
 
     # -- bounded copies through the worker ------------------------------------------------------------------------
-    def execute_copies(self, rank: int, orders: Sequence[Any]) -> None:
+    def execute_copies(self, rank: int, orders: Sequence[Any]) -> bool:
         """Run bounded SEAL/RESTORE copy orders on the rank's copy worker and fence them (blocking: the engine
-        calls this between steps, and the next step must not write the live slots before it returns)."""
+        calls this between steps, and the next step must not write the live slots before it returns). Returns False
+        when the copies failed (every order fenced as failed: a failed RESTORE leaves its request unschedulable,
+        to be recomputed from scratch by the engine), True otherwise."""
+        self._check_rank(rank)
         if not orders:
-            return
+            return True
         if rank >= len(self.copiers):
             raise RuntimeError(f"rank {rank} has no copier: build the store with one (bounded groups need slot copies "
                                "even without a tier)")
@@ -354,10 +417,13 @@ class KvStore:
             log.error("bounded copy failed", rank=rank, error=repr(e))
         for o in orders:
             pool.fence(o, ok)
+        return ok
 
     # -- flush / observe ------------------------------------------------------------------------------------------
     def flush_saves(self, rank: int, timeout: float | None = None) -> None:
         """Block until every save of `rank` started so far has settled."""
+        self._check_rank(rank)
+
         async def _wait() -> None:
             while self._saves[rank]:
                 await asyncio.gather(*list(self._saves[rank]), return_exceptions=True)
@@ -365,12 +431,15 @@ class KvStore:
 
     def flush_loads(self, rank: int, timeout: float | None = None) -> None:
         """Block until loads abandoned by a resolve deadline have settled (their reservations freed)."""
+        self._check_rank(rank)
+
         async def _wait() -> None:
             while self._loads[rank]:
                 await asyncio.gather(*map(asyncio.wrap_future, list(self._loads[rank])), return_exceptions=True)
         self._loop.submit(_wait()).result(timeout)
 
     def pinned_blocks(self, rank: int) -> int:
+        self._check_rank(rank)
         return self.pools[rank].pinned_blocks()
 
     def stats(self) -> dict[str, Any]:

@@ -122,11 +122,14 @@ class Resolver:
         device hit (held) and what to ask the tier for."""
         store = self.store
         pool = store.pools[rank]
-        deadline = time.monotonic() + (policy.deadline_s or store.config.resolve_deadline_s)
+        deadline = time.monotonic() + (store.config.resolve_deadline_s if policy.deadline_s is None
+                                       else policy.deadline_s)
         if cancel is not None and cancel.cancelled:
             store.outcomes.record("resolve", req_id, "degraded", "cancelled")
             return KvPrefix(pool.probe([], 0))  # an empty hold: no I/O at all
-        hashes = pool.hasher.hash_prompt(tokens, scope)
+        # Pad ids name a P/D hand-off's padded chain, which only its consumer resolves: no user prompt may.
+        hashes = pool.hasher.hash_prompt(tokens, scope, pad_tail=policy.wait_for_full_hit
+                                         or policy.consume_handoff_of is not None)
         n_tokens = len(tokens)
         hold = pool.probe(hashes, n_tokens, policy.reuse)
         P = pool.page_tokens

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import collections
 import itertools
+import math
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Deque, NamedTuple
 
+from kvproc.hashing import PageHashes
 from kvproc.holds import PrefixHold, ReusePolicy
 from kvproc.tiers.host_index import SaveClass
 
-__all__ = ["KvPrefix", "Outcomes", "ResolvePolicy", "SaveClass", "SealCursor", "StoreConfig"]
+__all__ = ["InvalidSealCursor", "KvPrefix", "Outcomes", "ResolvePolicy", "SaveClass", "SealCursor", "StoreConfig"]
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,14 @@ class ResolvePolicy:
     # The consumer's load completing releases this producer's Handoff lease (P/D decode side).
     consume_handoff_of: str | None = None
 
+    def __post_init__(self) -> None:
+        d = self.deadline_s
+        # 0 must not quietly mean "the default" (and a NaN deadline would never pass): None is the only default.
+        if d is not None and (isinstance(d, bool) or not isinstance(d, (int, float)) or not math.isfinite(d)
+                              or d <= 0):
+            raise ValueError(f"ResolvePolicy.deadline_s must be a positive finite number of seconds or None (the "
+                             f"store's resolve_deadline_s), got {d!r}")
+
 
 FULL_HIT = ResolvePolicy(reuse=ReusePolicy.FULL_PAGES, wait_for_full_hit=True)
 
@@ -72,13 +82,18 @@ class KvPrefix:
     device_tokens: int = 0  # served from the device pool
     host_tokens: int = 0  # restored from the host tier
     # The chained hashes of every full page of the prompt, as this resolve computed them (its scope): hand them to
-    # `RequestKv(..., prompt_hashes=...)` for the same prompt and scope, which then does not hash it again. None when
-    # the resolve hashed nothing (it was cancelled before it started).
-    page_hashes: list[bytes] | None = None
+    # `RequestKv(..., prompt_hashes=...)` for the same prompt and scope, which checks them against its tokens (one
+    # byte comparison) and then does not hash it again. None when the resolve hashed nothing (it was cancelled
+    # before it started).
+    page_hashes: PageHashes | None = None
 
     @property
     def hit_tokens(self) -> int:
         return self.device_tokens + self.host_tokens
+
+
+class InvalidSealCursor(ValueError):
+    """A `SealCursor` that is not a page count of the request being sealed (negative, not an int, past its lifetime)."""
 
 
 @dataclass

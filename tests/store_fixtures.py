@@ -28,7 +28,7 @@ class BytesModel:
         groups = [GroupSpec("kv", GroupKind.PAGED)]
         if bounded:
             groups.append(GroupSpec("state", GroupKind.BOUNDED))
-        self._spec = KvSpec(PAGE, tuple(groups))
+        self._spec = KvSpec(PAGE, tuple(groups), model_id="tests-bytes-model")
         self._arenas = [("kv", KvArena(f"kv{i}", torch.zeros(num_blocks * BLOCK_BYTES, dtype=torch.uint8),
                                        num_blocks, BLOCK_BYTES, BLOCK_BYTES)) for i in range(2)]
         if bounded:

@@ -37,7 +37,7 @@ class ShmBytesModel:
         groups = [GroupSpec("kv", GroupKind.PAGED)]
         if bounded:
             groups.append(GroupSpec("state", GroupKind.BOUNDED))
-        self._spec = KvSpec(PAGE, tuple(groups))
+        self._spec = KvSpec(PAGE, tuple(groups), model_id="tests-bytes-model")
         sb = BLOCK_BYTES + STORED_EXTRA if stored else None
         self._arenas = [("kv", KvArena(f"kv{i}", allocator(f"kv{i}", num_blocks * BLOCK_BYTES), num_blocks,
                                        BLOCK_BYTES, BLOCK_BYTES, stored_bytes_per_block=sb)) for i in range(2)]

@@ -27,7 +27,7 @@ class PerRankModel:
     """One paged group; each rank has its own arena (its shard) in the scheduler's shared memory."""
 
     def __init__(self, cs: ClusterStore, ranks: int, num_blocks: int = 16) -> None:
-        self._spec = KvSpec(PAGE, (GroupSpec("kv", GroupKind.PAGED),))
+        self._spec = KvSpec(PAGE, (GroupSpec("kv", GroupKind.PAGED),), model_id="tests-ranks-model")
         self._arenas = {r: [("kv", KvArena(f"kv_r{r}", cs.allocator(f"kv_r{r}", num_blocks * BLOCK), num_blocks,
                                            BLOCK, BLOCK))] for r in range(ranks)}
 

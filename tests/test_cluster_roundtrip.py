@@ -139,7 +139,7 @@ def test_loading_is_waited_through_until_the_other_save_commits() -> None:
         fut = store.submit_resolve(0, "b", list(range(17)))
         time.sleep(0.2)
         assert not fut.done()  # the tier answered Loading; the store waits for the tier's notification
-        tier.commit_save(ticket.save_id)
+        assert store._loop.submit(tier.commit_save(ticket.save_id, timeout=5)).result()
         pre = fut.result(5)
         assert pre.host_tokens == 16  # (bytes were never written: the other engine's copy is not simulated)
         pre.hold.release()

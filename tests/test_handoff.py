@@ -83,7 +83,8 @@ def test_decode_adopts_the_padded_chain_and_copies_the_boundary_page_before_appe
         kv.apply([7])
         assert torch.equal(model.block(0, shared), before)
         pool = store.pools[0]
-        again = pool.probe(pool.hasher.hash_prompt(padded_chain(PROMPT, 10, PAGE)), 12, ReusePolicy.FULL_PAGES)
+        chain = pool.hasher.hash_prompt(padded_chain(PROMPT, 10, PAGE), pad_tail=True)
+        again = pool.probe(chain, 12, ReusePolicy.FULL_PAGES)
         assert again.block_ids[-1] == shared
         kv.release()
 

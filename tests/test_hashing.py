@@ -64,8 +64,18 @@ def test_numpy_and_list_inputs_hash_the_same(hasher):
     assert hasher.hash_prompt(np.array(toks, dtype=np.int32)) == hasher.hash_prompt(toks)
 
 
-def test_pad_token_is_hashable_and_out_of_range_ids_are_rejected(hasher):
-    assert hasher.hash_prompt([1] * 15 + [PAD_TOKEN_ID])
+def test_pad_token_is_hashable_only_as_a_padded_tail_and_out_of_range_ids_are_rejected(hasher):
+    assert hasher.hash_prompt([1] * 15 + [PAD_TOKEN_ID], pad_tail=True)
+    # A user prompt may not name the pages of a producer's padded hand-off chain (`>` where `>=` was meant).
+    with pytest.raises(ValueError, match="reserved pad id"):
+        hasher.hash_prompt([1] * 15 + [PAD_TOKEN_ID])
+    with pytest.raises(ValueError, match="reserved pad id"):
+        hasher.hash_prompt([1] * 15 + [PAD_TOKEN_ID], parent=b"\0" * 16)
+    # Padding is a tail of less than a page: a pad id inside the prompt, or a whole page of them, is refused.
+    with pytest.raises(ValueError, match="reserved pad id"):
+        hasher.hash_prompt([PAD_TOKEN_ID] + [1] * 14 + [PAD_TOKEN_ID], pad_tail=True)
+    with pytest.raises(ValueError, match="less than one page"):
+        hasher.hash_prompt([1] * 16 + [PAD_TOKEN_ID] * 16, pad_tail=True)
     with pytest.raises(ValueError, match="token ids must lie"):
         hasher.hash_prompt([-1] * 16)
     with pytest.raises(ValueError, match="token ids must lie"):

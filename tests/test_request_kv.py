@@ -6,7 +6,9 @@ import gc
 import pytest
 
 from kvproc import (
+    DEFAULT_SCOPE,
     PAD_TOKEN_ID,
+    BlockHasher,
     CopyKind,
     LifetimeExceededError,
     MissReason,
@@ -20,10 +22,33 @@ from tests.helpers_pool import PAGE, bounded_pool, paged_pool, run_prompt
 
 def test_prompt_hashes_handed_in_must_cover_every_full_page_of_the_prompt():
     pool = paged_pool()
-    own = RequestKv(pool, "a", list(range(10)), 0).page_hashes  # 2 full pages of 4 tokens
+    own = pool.hasher.hash_prompt(list(range(10)))  # 2 full pages of 4 tokens
     assert RequestKv(pool, "b", list(range(10)), 0, prompt_hashes=own).page_hashes == own
+    short = pool.hasher.hash_prompt(list(range(4)))
     with pytest.raises(ValueError, match="1 prompt hashes for 2 full pages of 10 tokens"):
-        RequestKv(pool, "c", list(range(10)), 0, prompt_hashes=own[:1])
+        RequestKv(pool, "c", list(range(10)), 0, prompt_hashes=short)
+
+
+def test_prompt_hashes_of_another_prompt_are_refused_not_trusted():
+    """Hashes of prompt A with the tokens of prompt B would index B's KV under A's keys: A's next reader would be
+    served B's KV. Only the length used to be checked; now the chain is checked against the tokens it names."""
+    pool = paged_pool()
+    a = list(range(12))
+    b = a[:4] + [99, 98, 97, 96] + a[8:]  # same first and last page, another middle page
+    hashes_a = pool.hasher.hash_prompt(a)
+    with pytest.raises(ValueError, match="other tokens than this request's prompt"):
+        RequestKv(pool, "b", b, 0, prompt_hashes=hashes_a)
+    with pytest.raises(ValueError, match="scope"):
+        RequestKv(pool, "s", a, 0, prompt_hashes=hashes_a, scope=dataclasses.replace(DEFAULT_SCOPE, cache_salt="x"))
+    with pytest.raises(TypeError, match="KvPrefix.page_hashes"):  # a plain list cannot be checked: refused
+        RequestKv(pool, "l", a, 0, prompt_hashes=list(hashes_a))
+    other_model = BlockHasher(PAGE, namespace="another-model")
+    with pytest.raises(ValueError, match="another hasher"):
+        RequestKv(pool, "m", a, 0, prompt_hashes=other_model.hash_prompt(a))
+    continued = pool.hasher.hash_prompt(a, parent=hashes_a[0])
+    with pytest.raises(ValueError, match="continue another chain"):
+        RequestKv(pool, "c", a, 0, prompt_hashes=continued)
+    assert RequestKv(pool, "a", a, 0, prompt_hashes=hashes_a).page_hashes == hashes_a
 
 
 def test_lifetime_is_frozen_at_creation():
@@ -115,9 +140,11 @@ def test_pad_to_boundary_names_the_last_page():
     kv.apply()
     assert kv.pad_to_boundary() == 2
     assert kv.tokens[-2:] == [PAD_TOKEN_ID] * 2 and kv.num_computed == 8
-    padded = RequestKv(pool, "d", list(range(6)) + [PAD_TOKEN_ID] * 2, 0)
-    hold = pool.probe(padded.page_hashes, 8, ReusePolicy.FULL_PAGES)
+    padded = pool.hasher.hash_prompt(list(range(6)) + [PAD_TOKEN_ID] * 2, pad_tail=True)  # the consumer's chain
+    hold = pool.probe(padded, 8, ReusePolicy.FULL_PAGES)
     assert hold.num_blocks == 2
+    with pytest.raises(ValueError, match="reserved pad id"):  # a user prompt cannot name the padded page
+        RequestKv(pool, "d", list(range(6)) + [PAD_TOKEN_ID] * 2, 0)
 
 
 def test_release_on_garbage_collection_returns_everything():

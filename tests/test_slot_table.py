@@ -83,7 +83,7 @@ def test_the_layout_keeps_the_table_inside_the_budget_and_apart_from_the_regions
     arenas = [("kv", KvArena(f"a{i}", torch.zeros(4 * u, dtype=torch.uint8), 4, u, u)) for i, u in enumerate(units)]
     layout = validate_layout(KvSpec(16, (GroupSpec("kv", GroupKind.PAGED),)), arenas)
     hl = HostLayout.plan(layout, host_bytes)
-    assert hl.slot_table_offset % ALIGN == 0 and hl.slot_table_bytes == 16 * hl.page_slots
+    assert hl.slot_table_offset % ALIGN == 0 and hl.slot_table_bytes == 24 * hl.page_slots  # 3 int64 rows
     assert all(r.offset + r.slots * r.unit_bytes <= hl.slot_table_offset for r in hl.regions)
     assert hl.slot_table_offset + hl.slot_table_bytes <= hl.total_bytes
     if hl.page_slots > 1:  # the budget was enough for more than the minimum

@@ -117,7 +117,7 @@ def test_loading_is_waited_through_until_ready():
         fut = store.submit_resolve(0, "b", list(range(17)))
         time.sleep(0.1)
         assert not fut.done()  # the tier answered Loading; the store waits for its notification
-        store._loop.call(tier.commit_save, ticket.save_id)
+        assert store._loop.submit(tier.commit_save(ticket.save_id, timeout=5)).result()
         pre = fut.result(5)
         assert pre.host_tokens == 16
 

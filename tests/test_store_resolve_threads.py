@@ -52,7 +52,7 @@ def test_a_resolve_that_must_wait_continues_on_the_loop_and_frees_its_only_threa
         check_bytes(model, pre_b, written_b)
         pre_b.hold.release()
         assert not fut_a.done() and store.counters["resolve_via_loop"] >= 1
-        tier.commit_save(ticket.save_id)
+        assert store._loop.submit(tier.commit_save(ticket.save_id, timeout=5)).result()
         pre_a = fut_a.result(5)
         assert pre_a.host_tokens == 16 and store.outcomes.for_request("a", "resolve")[-1].state == "ok"
         pre_a.hold.release()

@@ -18,6 +18,7 @@ from dataclasses import replace
 import pytest
 
 from kvproc.store_types import FULL_HIT, StoreConfig
+from kvproc.tiers.layout import SLOT_TABLE_BYTES
 from kvproc.tiers.slot_table import GEN
 from tests.test_cluster_fixtures import (LIES, check_bytes, churn, cluster_store, compute, lie_about_a, load_reasons,
                                          nothing_left, resolve_on, restores, saved, stopped, wait_for)
@@ -26,8 +27,8 @@ pytestmark = pytest.mark.timeout(60)
 CONFIG = StoreConfig(resolve_deadline_s=3.0, resolve_threads=0)  # speculative and verified loads: the defaults
 # "loop": `submit_resolve` on the store's loop (resolve_threads=0); its resolve threads run the blocking path.
 both_paths = pytest.mark.parametrize("path", ["blocking", "loop"])
-# A tier of exactly 4 page slots for this model (two 256 B arenas): 3 alignment pages of slack, 4 * (512 + 16) bytes.
-FOUR_SLOTS = 3 * 4096 + 4 * (512 + 16)
+# A tier of exactly 4 page slots for this model (two 256 B arenas): 3 alignment pages of slack, 4 * (512 + table row).
+FOUR_SLOTS = 3 * 4096 + 4 * (512 + SLOT_TABLE_BYTES)
 
 
 @both_paths

@@ -50,6 +50,9 @@ class _Ready:
     req: Request
     prefix: KvPrefix | None
     kv: RequestKv | None = None  # built on the first admission attempt, reused while the head waits
+    # Its restore failed: admitted again without a prefix, to compute everything (a hand-off too: not rejected as
+    # a short hit; its anchor is already in its output).
+    recompute: bool = False
 
 
 @dataclass(eq=False)
@@ -187,7 +190,8 @@ class Engine:
         while self._inbox and len(self._running) < self.max_batch:
             head = self._inbox[0]
             req = head.req
-            if req.handoff_in is not None and head.kv is None and not self._handoff_hit_is_full(head):
+            if req.handoff_in is not None and head.kv is None and not head.recompute and \
+                    not self._handoff_hit_is_full(head):
                 # Short hit: reject before taking a slot; the router can retry through prefill.
                 got = head.prefix.hold.num_tokens if head.prefix is not None else 0
                 self._inbox.popleft()
@@ -202,7 +206,8 @@ class Engine:
             if head.kv is None:
                 head.kv = self._request_kv(req, head.prefix)
             credit = head.prefix.hold.num_blocks if head.prefix is not None else 0
-            if req.handoff_in is not None and req.handoff_in.committed_len % self.page_tokens:
+            if head.prefix is not None and req.handoff_in is not None and req.handoff_in.committed_len % \
+                    self.page_tokens:
                 credit -= 1  # the padded page is replaced by a private copy: one block of slack for it
             if not head.kv.try_admit(credit):
                 self.counters["admission_waits"] += 1
@@ -254,7 +259,9 @@ class Engine:
         # Zeros are every model's initial bounded state; a restore then overwrites the slot with the checkpoint.
         for group, slot in kv.live_slots.items():
             self.model.reset_slot(group, slot)
-        self.store.execute_copies(self.rank, orders)  # fenced before the first step writes the slots
+        if not self.store.execute_copies(self.rank, orders):  # fenced before the first step writes the slots
+            self._recompute_after_failed_restore(r)
+            return
         hit = kv.num_computed
         if r.prefix is not None:
             req.device_hit_tokens = min(hit, r.prefix.device_tokens)
@@ -264,6 +271,15 @@ class Engine:
         req.admitted_at = self.clock()
         self._running[req.req_id] = _Active(req, kv, cursor, turn_end)
         self.counters["admitted"] += 1
+
+    def _recompute_after_failed_restore(self, r: _Ready) -> None:
+        """A restore copy failed (a copy worker crashed mid-restore): the request's live bounded state is invalid
+        and it could never be scheduled. Give back its KV (the prefix blocks included) and admit it again, at the
+        head of the inbox, without a prefix: it computes everything, so its tokens are what they would have been."""
+        assert r.kv is not None
+        r.kv.release()
+        self.counters["restore_failed_recomputed"] += 1
+        self._inbox.appendleft(_Ready(r.req, None, recompute=True))
 
     def _unblock_admission(self) -> bool:
         """With nothing running, holds of requests queued behind the head can starve it (they pin blocks no one

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import threading
 import time
 from typing import Any, Callable, cast
@@ -44,7 +45,7 @@ from kvproc.ipc import messages as m
 from kvproc.ipc.cancel import CancelToken
 from kvproc.ipc.client import RpcClient
 from kvproc.ipc.errors import HandshakeRefused, PeerDeadError
-from kvproc.ipc.sockets import EVENTS, NOBLOCK, POLLIN, configure_socket
+from kvproc.ipc.sockets import EVENTS, GOODBYE_LINGER_MS, NOBLOCK, POLLIN, configure_socket, new_session
 
 log = structlog.get_logger(__name__)
 _encode = m.encode
@@ -92,6 +93,7 @@ class AsyncRpcClient:
         self._loop = asyncio.get_running_loop()
         self._thread_id = threading.get_ident()
         self._ids = itertools.count(1)  # 0 is reserved for frame errors that carry no call id
+        self._session = new_session()  # this socket's session id: its every message carries it (`messages.py`)
         self._pending: dict[int, _Entry] = {}
         self._dead: str | None = None
         self._closed = False
@@ -120,7 +122,7 @@ class AsyncRpcClient:
         self._hs_timer: asyncio.TimerHandle | None = None
         if handshake_timeout_s is not None:
             self._hs_timer = self._loop.call_later(handshake_timeout_s, self._handshake_timeout, handshake_timeout_s)
-        self._send(_encode(m.Hello(m.PROTOCOL_VERSION, token, name)))
+        self._send(_encode(m.Hello(m.PROTOCOL_VERSION, token, f"{name}@{os.getpid()}", self._session)))
 
     @classmethod
     def for_client(cls, client: RpcClient, **kw: Any) -> "AsyncRpcClient":
@@ -242,7 +244,7 @@ class AsyncRpcClient:
         now = time.monotonic()
         if deadline is None:
             deadline = now + (self.default_timeout_s if timeout is None else timeout)
-        data = _encode(m.Call(call_id, int(deadline * 1e9), msg, token.id if token is not None else 0))
+        data = _encode(m.Call(call_id, int(deadline * 1e9), msg, token.id if token is not None else 0, self._session))
         entry = _Entry(sink, self._loop.call_later(max(0.0, deadline - now) + self._grace, self._expire, call_id))
         self._pending[call_id] = entry
         if defer:
@@ -273,7 +275,7 @@ class AsyncRpcClient:
         if self._sock is not None:
             if self._outbox:
                 self._flush()
-            self._send(_encode(m.Cancel(token_id)))
+            self._send(_encode(m.Cancel(token_id, self._session)))
 
     def _flush(self) -> None:
         """Send the deferred fire-and-forget calls (those that did not end meanwhile), in order."""
@@ -386,11 +388,11 @@ class AsyncRpcClient:
         except RuntimeError:  # the loop is closed: nothing runs there any more, so settle from here
             self._die(reason)
 
-    def _die(self, reason: str, exc: BaseException | None = None) -> None:
+    def _die(self, reason: str, exc: BaseException | None = None, goodbye: bool = False) -> None:
         with self._die_lock:
-            self._die_locked(reason, exc)
+            self._die_locked(reason, exc, goodbye)
 
-    def _die_locked(self, reason: str, exc: BaseException | None) -> None:
+    def _die_locked(self, reason: str, exc: BaseException | None, goodbye: bool = False) -> None:
         if self._dead is None:
             self._dead = reason
         if self._hs_timer is not None:
@@ -410,7 +412,12 @@ class AsyncRpcClient:
         if sock is not None:
             if not self._loop.is_closed():
                 self._loop.remove_reader(self._fd)
-            sock.close(linger=0)
+            if goodbye:  # closed by its owner: tell the server to forget this connection now
+                try:
+                    sock.send(_encode(m.Goodbye("client closed", self._session)), _NOBLOCK)
+                except zmq.ZMQError:
+                    goodbye = False
+            sock.close(linger=GOODBYE_LINGER_MS if goodbye else 0)
 
     def close(self, timeout: float = 5.0) -> None:
         """Fail whatever is pending with PeerDead("client closed") and close the socket. From the loop's thread, or
@@ -424,18 +431,18 @@ class AsyncRpcClient:
             self._unfollow = None
         reason = f"{self.peer}: client closed"
         if self.on_owner_thread or not self._loop.is_running():
-            self._die(reason)
+            self._die(reason, goodbye=True)
             return
         done = threading.Event()
 
         def close_here() -> None:
-            self._die(reason)
+            self._die(reason, goodbye=True)
             done.set()
 
         try:
             self._loop.call_soon_threadsafe(close_here)
         except RuntimeError:  # closed between the check and now
-            self._die(reason)
+            self._die(reason, goodbye=True)
             return
         if not done.wait(timeout):
             log.warning("async_client_close_timed_out", peer=self.peer)

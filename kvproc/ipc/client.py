@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import os
 import queue
 import threading
 import time
@@ -31,7 +32,7 @@ from kvproc.ipc import messages as m
 from kvproc.ipc.cancel import CancelToken
 from kvproc.ipc.direct import LATE, DirectCalls
 from kvproc.ipc.errors import CallCancelled, DeadlineExceeded, HandshakeRefused, PeerDeadError
-from kvproc.ipc.sockets import NOBLOCK, POLLIN, configure_socket
+from kvproc.ipc.sockets import GOODBYE_LINGER_MS, NOBLOCK, POLLIN, configure_socket, new_session
 from kvproc.ipc.wake import Waker
 
 log = structlog.get_logger(__name__)
@@ -74,6 +75,11 @@ class RpcClient:
         self._liveness = liveness
         self._grace = deadline_grace_s
         self._ids = itertools.count(1)  # 0 is reserved for frame errors that carry no call id
+        # The I/O socket's session id: every message on it carries it (`messages.py`, "Sessions"). `identity` is the
+        # client identity the server bounds its peers by: one per process (the threads' own sockets: `direct.py`).
+        self._session = new_session()
+        self.identity = f"{name}@{os.getpid()}"
+        self._goodbye = False  # close(): the I/O socket says Goodbye before it closes
         self._lock = threading.Lock()
         self._pending: dict[int, _Pending] = {}
         self._dead: str | None = None
@@ -98,7 +104,7 @@ class RpcClient:
         if self._thread is None:
             self._thread = threading.Thread(target=self._io_main, name=f"kvproc-client-{self.peer}", daemon=True)
             self._thread.start()
-            self._post(_encode(m.Hello(m.PROTOCOL_VERSION, self._token, self.name)))
+            self._post(_encode(m.Hello(m.PROTOCOL_VERSION, self._token, self.identity, self._session)))
         try:
             welcome = self._welcome.result(timeout)
         except TimeoutError:
@@ -113,8 +119,10 @@ class RpcClient:
     def close(self) -> None:
         """Fail whatever is pending with PeerDead("client closed") and stop the I/O thread. The calling threads' own
         sockets close first, while the peer is still reachable: their fire-and-forget replies are read (bounded by
-        `direct.ONEWAY_SETTLE_S`), not reported unread."""
+        `direct.ONEWAY_SETTLE_S`), not reported unread. Every socket says `Goodbye` on the way out (when the peer is
+        not dead), so the server forgets it at once rather than when it sees the connection close."""
         self._direct.close()
+        self._goodbye = True
         self.mark_dead(f"{self.peer}: client closed")
         self._closing = True
         self._waker.wake()
@@ -222,7 +230,8 @@ class RpcClient:
                 fut.set_result(m.PeerDead(call_id, self._dead))
                 return fut
             self._pending[call_id] = _Pending(fut, cancel_token, listener)
-        data = _encode(m.Call(call_id, int(deadline * 1e9), msg, cancel_token.id if cancel_token else 0))
+        data = _encode(m.Call(call_id, int(deadline * 1e9), msg, cancel_token.id if cancel_token else 0,
+                              self._session))
         self._outbox.put((data, call_id, deadline))
         self._waker.wake()
         if cancel_token is not None and not cancel_token.add_listener(self._send_cancel):
@@ -294,7 +303,7 @@ class RpcClient:
         self._send_cancel(token_id)
 
     def _send_cancel(self, token_id: int) -> None:
-        self._post(_encode(m.Cancel(token_id)))
+        self._post(_encode(m.Cancel(token_id, self._session)))
 
     def _post(self, data: bytes) -> None:
         self._outbox.put((data, 0, 0.0))
@@ -329,7 +338,15 @@ class RpcClient:
             log.exception("client_io_crashed", peer=self.peer)
             self.mark_dead(f"{self.peer}: client I/O thread crashed: {e!r}")
         finally:
-            sock.close(linger=0)
+            if self._goodbye and self._welcome.done() and self._welcome.exception() is None:
+                # Closed by its owner while the server is reachable: tell it to forget this connection now.
+                try:
+                    sock.send(_encode(m.Goodbye("client closed", self._session)), NOBLOCK)
+                except zmq.ZMQError:
+                    pass
+                sock.close(linger=GOODBYE_LINGER_MS)
+            else:
+                sock.close(linger=0)
             self._waker.close()
 
     def _io_loop(self, sock: zmq.Socket[Any]) -> None:
@@ -378,7 +395,7 @@ class RpcClient:
                     hb_seq += 1
                     last_hb = now
                     try:
-                        sock.send(_encode(m.Heartbeat(hb_seq)), NOBLOCK)
+                        sock.send(_encode(m.Heartbeat(hb_seq, self._session)), NOBLOCK)
                     except zmq.Again:
                         pass
 

@@ -53,7 +53,7 @@ import zmq
 
 from kvproc.ipc import messages as m
 from kvproc.ipc.errors import HandshakeRefused, PeerDeadError
-from kvproc.ipc.sockets import EVENTS, NOBLOCK, POLLIN, configure_socket
+from kvproc.ipc.sockets import EVENTS, GOODBYE_LINGER_MS, NOBLOCK, POLLIN, configure_socket, new_session
 from kvproc.native import NATIVE
 
 if TYPE_CHECKING:
@@ -99,10 +99,11 @@ _GONE = object()  # `_read`: the peer said Goodbye
 
 
 class _Owned:
-    __slots__ = ("sock", "poller", "busy", "oneways", "on_thread_exit", "rcvtimeo", "fds")
+    __slots__ = ("sock", "poller", "busy", "oneways", "on_thread_exit", "rcvtimeo", "fds", "session")
 
     def __init__(self, sock: zmq.Socket[Any], poller: zmq.Poller) -> None:
         self.sock, self.poller, self.busy = sock, poller, False
+        self.session = new_session()  # this socket's session id: its every message carries it (`messages.py`)
         self.rcvtimeo = -1  # the socket's ZMQ_RCVTIMEO as last set (ms; -1: ZeroMQ's default, block)
         self.fds: tuple[int, ...] = ()  # what a spin watches: the socket's ZMQ_FD first, then its wait's fds
         self.oneways: dict[int, Callable[[Any], None]] = {}  # fire-and-forget calls whose reply is not read yet
@@ -152,7 +153,7 @@ class DirectCalls:
             for owned in idle:
                 if owned.oneways:
                     self._drain_ready(owned, closing=True)  # replies that did arrive are delivered, not "unread"
-                owned.sock.close(linger=0)
+                _close(owned, goodbye=True)
                 owned.busy = False
             self._owned = [o for o in self._owned if o not in idle]
             self._release_fd()
@@ -196,7 +197,10 @@ class DirectCalls:
         owned = _Owned(sock, poller)
         owned.fds = (cast(int, sock.getsockopt(zmq.FD)), self.death_fd)
         sock.connect(self._client.endpoint)
-        sock.send(m.encode(m.Hello(m.PROTOCOL_VERSION, self._client._token, f"{self._client.name}/thread")))
+        # The threads' sockets of one process share a client identity: the server bounds their number (and evicts
+        # the least recently used past it), so a process that leaks them cannot lock others out.
+        name = f"{self._client.name}/thread@{os.getpid()}"
+        sock.send(m.encode(m.Hello(m.PROTOCOL_VERSION, self._client._token, name, owned.session)))
         reply = self._wait(owned, 0, min(deadline, time.monotonic() + 5.0))
         if type(reply) is m.Refused:
             sock.close(linger=0)
@@ -206,7 +210,7 @@ class DirectCalls:
             return None  # timed out or died: the caller reports it
         with self._lock:
             if self._closed:
-                sock.close(linger=0)
+                _close(owned, goodbye=True)
                 return None
             self._owned.append(owned)
         keeper = _ThreadKeeper()
@@ -319,7 +323,8 @@ class DirectCalls:
         listener = client._send_cancel if token is not None else None
         late = False
         try:
-            data = m.encode(m.Call(call_id, int(deadline * 1e9), msg, token.id if token is not None else 0))
+            data = m.encode(m.Call(call_id, int(deadline * 1e9), msg, token.id if token is not None else 0,
+                                   owned.session))
             owned.sock.send(data)
             if token is not None and not token.add_listener(client._send_cancel):
                 client._send_cancel(token.id)
@@ -394,7 +399,7 @@ class DirectCalls:
         call_id = next(self._client._ids)
         owned.oneways[call_id] = on_reply
         try:
-            owned.sock.send(m.encode(m.Call(call_id, int(deadline * 1e9), msg, 0)), NOBLOCK)
+            owned.sock.send(m.encode(m.Call(call_id, int(deadline * 1e9), msg, 0, owned.session)), NOBLOCK)
         except zmq.ZMQError:  # at the high-water mark (or closing): the I/O thread path reports it
             owned.oneways.pop(call_id, None)
             return False
@@ -432,12 +437,23 @@ class DirectCalls:
             owned.busy = False
             if owned.oneways:
                 self._drain_ready(owned, closing=True)
-            owned.sock.close(linger=0)
+            _close(owned, goodbye=self._client._dead is None or self._closed)
             if owned in self._owned:
                 self._owned.remove(owned)
             if self._closed:
                 self._release_fd()
         _unread(owned)
+
+
+def _close(owned: _Owned, goodbye: bool) -> None:
+    """Close an admitted socket; with `goodbye`, first tell the server to forget it (its connection closes too, which
+    the server notices on its own, a little later)."""
+    if goodbye:
+        try:
+            owned.sock.send(m.encode(m.Goodbye("socket closed", owned.session)), NOBLOCK)
+        except zmq.ZMQError:
+            goodbye = False
+    owned.sock.close(linger=GOODBYE_LINGER_MS if goodbye else 0)
 
 
 def _report(done: Callable[[Any], None], reply: Any) -> None:

@@ -23,14 +23,14 @@ Tag table (ranges: 1-49 envelope and control, 100-199 runtime requests, 200-299 
 
 | tag | type           | direction          | meaning                                                          |
 |-----|----------------|--------------------|------------------------------------------------------------------|
-| 1   | Hello          | client -> server   | handshake: protocol version, auth token, client name             |
-| 2   | Welcome        | server -> client   | handshake accepted: version, role, rank, pid                     |
+| 1   | Hello          | client -> server   | handshake: protocol version, auth token, client name, session id |
+| 2   | Welcome        | server -> client   | handshake accepted: version, role, rank, pid, session id         |
 | 3   | Refused        | server -> client   | handshake refused: code, message, server version                 |
-| 4   | Call           | client -> server   | request envelope: call id, absolute deadline, cancel token, body |
+| 4   | Call           | client -> server   | request envelope: call id, absolute deadline, cancel token, body, session id |
 | 5   | Cancel         | client -> server   | cancel every call carrying this token (no reply)                 |
 | 6   | Heartbeat      | client -> server   | liveness probe when idle                                         |
 | 7   | HeartbeatAck   | server -> client   | answer to Heartbeat, sent by the socket thread                   |
-| 8   | Goodbye        | server -> client   | the server is leaving: fail every pending call with PeerDead     |
+| 8   | Goodbye        | both               | server: it is leaving (fail every pending call with PeerDead); client: this socket closes (forget it) |
 | 10  | Ok             | server -> client   | terminal: success with a typed payload                           |
 | 11  | Failed         | server -> client   | terminal: error code, remote exception type, message             |
 | 12  | Cancelled      | server -> client   | terminal: the call's token was cancelled                         |
@@ -74,6 +74,12 @@ Tag table (ranges: 1-49 envelope and control, 100-199 runtime requests, 200-299 
 | 600 | Copied         | copy-worker payload| bytes copied by an order                                         |
 | 601 | Attached       | copy-worker payload| AttachArenas done: arenas mapped, host bytes mapped              |
 
+Sessions: a connection's `Hello` carries a random nonzero session id (the client's choice, so calls can be pipelined
+behind the Hello; 0 asks the server to pick one, returned in `Welcome`); every later message on that connection
+(`Call`, `Cancel`, `Heartbeat`, `Goodbye`) carries it, and the server serves only what carries the session its routing
+id was admitted with. A ZeroMQ routing id can be reused by a socket that reconnects with ZMQ_ROUTING_ID set; the
+session cannot (version 2; version 1 trusted the routing id alone).
+
 Deadlines are absolute `CLOCK_MONOTONIC` nanoseconds (`time.monotonic_ns()`), which Linux shares between all
 processes of one host (and across containers without a time namespace): comparable on one node, immune to wall-clock
 steps. kvproc's tcp endpoints serve engines on the same node, so this holds there too.
@@ -88,7 +94,7 @@ import msgspec
 from kvproc.ipc.errors import CallCancelled, PeerDeadError, RemoteError
 from kvproc.workers.orders import LoadOrder, SaveOrder, SlotCopy
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 class Wire(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -109,7 +115,8 @@ class Payload(Wire):
 class Hello(Wire, tag=1):
     version: int
     token: str
-    client: str = ""
+    client: str = ""  # the client's identity (the server bounds its peers per identity), e.g. "engine@<pid>"
+    session: int = 0  # this connection's session id (nonzero; 0: the server picks one, see the module docstring)
 
 
 class Welcome(Wire, tag=2):
@@ -117,6 +124,7 @@ class Welcome(Wire, tag=2):
     role: str
     rank: int
     pid: int
+    session: int = 0  # the session id the connection was admitted with
 
 
 class Refused(Wire, tag=3):
@@ -127,10 +135,12 @@ class Refused(Wire, tag=3):
 
 class Cancel(Wire, tag=5):
     token: int
+    session: int = 0
 
 
 class Heartbeat(Wire, tag=6):
     seq: int = 0
+    session: int = 0
 
 
 class HeartbeatAck(Wire, tag=7):
@@ -139,6 +149,7 @@ class HeartbeatAck(Wire, tag=7):
 
 class Goodbye(Wire, tag=8):
     reason: str = ""
+    session: int = 0  # client -> server: the closing connection's session id
 
 
 # ---- terminal replies: every Call ends in exactly one of these ---------------------------------------------------
@@ -351,6 +362,8 @@ class TierSaveTicket(Payload, tag=404):
     bounded_slots: dict[str, Union[int, None]]
     expires: float  # the tier's monotonic clock; informational
     page_gens: list[Union[int, None]] = []  # generation of each reserved page slot (None: not reserved)
+    fence: int = -1  # the save's fence word (`kvproc/tiers/save_fence.py`); -1: none
+    fence_token: int = 0
 
 
 class TierShed(Payload, tag=405):
@@ -432,6 +445,7 @@ class Call(Wire, tag=4):
     deadline_ns: int  # absolute time.monotonic_ns()
     body: RequestBody
     token: int = 0  # cancel token id; 0 = not cancellable
+    session: int = 0  # the connection's session id (`Hello.session`)
 
 
 class Ok(Wire, tag=10):
@@ -443,7 +457,7 @@ class Ok(Wire, tag=10):
 
 
 Reply = Union[Ok, Failed, Cancelled, PeerDead]
-ClientMsg = Union[Hello, Call, Cancel, Heartbeat]
+ClientMsg = Union[Hello, Call, Cancel, Heartbeat, Goodbye]
 ServerMsg = Union[Welcome, Refused, Ok, Failed, Cancelled, PeerDead, HeartbeatAck, Goodbye]
 StartupMsg = Union[Ready, StartupFailed]
 

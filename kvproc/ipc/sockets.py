@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 from typing import Any
 
 import zmq
@@ -16,6 +17,17 @@ def configure_socket(sock: zmq.Socket[Any], *, hwm: int) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, hwm)
     sock.setsockopt(zmq.RCVHWM, hwm)
+
+
+# How long a closing client socket keeps its `Goodbye` queued for a reachable server (zmq_close never blocks on it).
+GOODBYE_LINGER_MS = 100
+
+
+def new_session() -> int:
+    """A connection's session id (`messages.Hello.session`): random, nonzero, a msgpack int64. Every later message
+    on that connection carries it, so a socket that takes over an authenticated routing id without saying Hello
+    (a reconnect with a chosen ZMQ_ROUTING_ID) is not served: it cannot know the id."""
+    return secrets.randbits(63) | 1
 
 
 def ipc_endpoint(runtime_dir: str, name: str) -> str:

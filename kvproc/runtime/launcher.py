@@ -14,13 +14,16 @@ fail fast with PeerDead and the store degrades instead of hanging.
 
 Shutdown (`Cluster.shutdown(deadline_s)`), against one deadline: a `Shutdown` message to every child (reverse start
 order), then SIGTERM to those still alive at 60% of the deadline, then SIGKILL at 90%; then segments are swept and
-the runtime directory removed. A `weakref.finalize` backstop kills leftover children if the owner never shuts down.
+the runtime directory removed (only if it carries kvproc's marker and this launcher owns it: see `manifest`). A
+`weakref.finalize` backstop kills leftover children if the owner never shuts down.
+
+Every pid in the manifest comes with the process's identity (its start time), recorded at launch, so that
+`kvproc down --force` never signals a process that merely reuses a kvproc pid.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import threading
 import time
@@ -47,15 +50,17 @@ from kvproc.runtime.supervisor import PROCESS_LOCK, ChildHandle, Supervisor, des
 log = structlog.get_logger(__name__)
 
 
-def _kill_leftovers(children: dict[tuple[str, int], ChildHandle], runtime_dir: str) -> None:
-    # weakref.finalize backstop: holds only the child table and a path, never the Cluster itself.
+def _kill_leftovers(
+    children: dict[tuple[str, int], ChildHandle], runtime_dir: str, owner: mf.ProcessIdentity | None
+) -> None:
+    # weakref.finalize backstop: holds only the child table, a path and an identity, never the Cluster itself.
     for child in list(children.values()):
         if not child.exited.is_set():
             try:
                 os.kill(child.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-    shutil.rmtree(runtime_dir, ignore_errors=True)
+    mf.remove_runtime_dir(runtime_dir, owner)
 
 
 class Cluster:
@@ -73,6 +78,9 @@ class Cluster:
         self._restarts: dict[tuple[str, int], int] = {k: 0 for k in self._order}
         self._replacing: set[tuple[str, int]] = set()
         self._all_pids: set[int] = set()
+        self.identity = mf.process_identity(os.getpid())  # the launcher's, in the manifest and the dir's marker
+        self._identities: dict[int, mf.ProcessIdentity | None] = {}  # pid -> identity, recorded at start
+        self.runtime_dir_removal: mf.DirRemoval | None = None  # what shutdown did to the runtime dir
         self._cond = threading.Condition()
         self._restart_lock = threading.Lock()
         self._stopping = False
@@ -84,7 +92,7 @@ class Cluster:
         # Counters of what the launcher's process embeds (the store), shown by `kvproc console status` with the
         # launcher's own: each provider returns a flat {name: int}.
         self.counter_providers: list[Callable[[], Mapping[str, int]]] = []
-        self._finalizer = weakref.finalize(self, _kill_leftovers, self._children, runtime_dir)
+        self._finalizer = weakref.finalize(self, _kill_leftovers, self._children, runtime_dir, self.identity)
 
     # ---- public API ----
 
@@ -154,7 +162,9 @@ class Cluster:
             self._control.stop()
         self._supervisor.stop()
         sweep_dead_segments(pids=self._all_pids)
-        shutil.rmtree(self.runtime_dir, ignore_errors=True)
+        self.runtime_dir_removal = mf.remove_runtime_dir(self.runtime_dir, self.identity)
+        log.info("runtime_dir_removed" if self.runtime_dir_removal.done else "runtime_dir_kept",
+                 detail=self.runtime_dir_removal.message)
         self._finalizer.detach()
         with self._cond:
             for k in self._order:
@@ -195,9 +205,12 @@ class Cluster:
         w.close()
         assert proc.pid is not None
         self._all_pids.add(proc.pid)
+        self._identities[proc.pid] = mf.process_identity(proc.pid)  # before anything could reap it and reuse the pid
         return ChildHandle(cfg.role, cfg.rank, proc, proc.pid, time.time()), r
 
-    def _await_ready(self, child: ChildHandle, conn: Connection, deadline: float) -> None:
+    def _await_ready(self, child: ChildHandle, conn: Connection, deadline: float, limit_s: float) -> None:
+        """Wait until `deadline` for the child's ready report; `limit_s` is the ready timeout it is held to (the
+        error names it: the time left of a deadline shared by every child is 0 when the wait fails)."""
         timeout = max(0.0, deadline - time.monotonic())
         try:
             ready = wait([conn, child.process.sentinel], timeout)
@@ -214,7 +227,8 @@ class Cluster:
                     with PROCESS_LOCK:
                         code = child.process.exitcode
                     raise ClusterStartError(f"{child.label} exited ({describe_exit(code)}) before it was ready")
-                raise ClusterStartError(f"{child.label} did not come up within {timeout:.1f}s (no ready report)")
+                raise ClusterStartError(f"{child.label} did not come up within {limit_s:g}s, the ready timeout (no "
+                                        "ready report)")
         finally:
             conn.close()
         child.endpoints, child.segments = list(msg.endpoints), list(msg.segments)
@@ -234,7 +248,7 @@ class Cluster:
                 self._children[key] = child
                 started.append((child, conn))
             for child, conn in started:
-                self._await_ready(child, conn, deadline)
+                self._await_ready(child, conn, deadline, ready_timeout_s)
         except BaseException:
             for child, conn in started:
                 conn.close()
@@ -264,7 +278,7 @@ class Cluster:
             self._set_state(key, "restarting")
             child, conn = self._start_child(self._configs[key])
             try:
-                self._await_ready(child, conn, time.monotonic() + timeout)
+                self._await_ready(child, conn, time.monotonic() + timeout, timeout)
             except ClusterStartError as e:
                 self._signal([child], signal.SIGKILL, "kill_after_failed_restart")
                 self._children[key] = child  # so its exit is observed (and ignored: state is unavailable)
@@ -354,12 +368,14 @@ class Cluster:
                 restarts=self._restarts[k],
                 exitcode=c.exitcode,
                 segments=c.segments,
+                identity=self._identities.get(c.pid),
             )  # fmt: skip
             for k in self._order
             if (c := self._children.get(k)) is not None
         ]
         manifest = mf.Manifest(
-            mf.MANIFEST_VERSION, self.name, self.runtime_dir, os.getpid(), self.created_at, self.control_endpoint, procs
+            mf.MANIFEST_VERSION, self.name, self.runtime_dir, os.getpid(), self.created_at, self.control_endpoint, procs,
+            launcher_identity=self.identity,
         )
         return mf.write_manifest(self.runtime_dir, manifest)
 
@@ -401,6 +417,10 @@ def launch(
     swept = sweep_dead_segments()  # leftovers of any kvproc process that died without cleaning up
     if swept:
         log.warning("swept_dead_segments", segments=swept)
+    if runtime_dir is None:  # runtime dirs that crashed launchers left in the default base (only provably dead ones)
+        swept_dirs = mf.sweep_stale_runtime_dirs(os.path.dirname(mf.default_runtime_dir(cluster_name)))
+        if swept_dirs:
+            log.warning("swept_stale_runtime_dirs", dirs=swept_dirs)
     path = mf.prepare_runtime_dir(cluster_name, runtime_dir)
     cluster = Cluster(cluster_name, path, mf.write_token(path), roles)
     try:
@@ -410,7 +430,7 @@ def launch(
         cluster.write_manifest()
     except BaseException:
         cluster._supervisor.stop()
-        shutil.rmtree(path, ignore_errors=True)
+        mf.remove_runtime_dir(path, cluster.identity)
         cluster._finalizer.detach()
         raise
     log.info("cluster_up", cluster=cluster_name, seconds=round(time.monotonic() - t0, 3), roles=len(roles))

@@ -7,7 +7,13 @@ kvproc up   [--cluster NAME] [--runtime-dir DIR] [--tcp tcp://127.0.0.1:PORT] [-
     no rank. With `--tcp`, rank r listens on PORT + r (port 0: each picks a free port).
 kvproc down [--cluster NAME] [--runtime-dir DIR] [--timeout S] [--force]
     asks the cluster's launcher (any launcher: `kvproc up` or an engine) for an orderly shutdown through its
-    control endpoint and waits until the cluster's runtime dir is gone; `--force` then kills what is left
+    control endpoint and waits until the cluster's runtime dir is gone, then says what became of the dir (removed;
+    a dir the launcher left behind is removed only if it carries kvproc's marker and its launcher is provably dead);
+    `--force` then SIGKILLs what is left: only processes that are still the ones the launcher recorded (same pid and
+    start time), every other pid is reported and never signalled
+
+Runtime dirs: `--runtime-dir DIR` must be new, empty, or one kvproc marked (`.kvproc-runtime`); a non-empty dir
+without the marker is refused, and nothing unmarked is ever deleted.
 """
 
 from __future__ import annotations
@@ -48,11 +54,15 @@ def up_main(argv: list[str]) -> int:
     from kvproc.runtime.launcher import RoleConfig, launch
 
     options = {"host_bytes": args.host_mib << 20, "lease_ttl_s": args.lease_ttl, "handoff_ttl_s": args.handoff_ttl}
-    cluster = launch(
-        [RoleConfig("host_tier", r, tcp=_rank_tcp(args.tcp, r), options=options) for r in range(args.ranks)],
-        cluster_name=args.cluster,
-        runtime_dir=args.runtime_dir,
-    )
+    try:
+        cluster = launch(
+            [RoleConfig("host_tier", r, tcp=_rank_tcp(args.tcp, r), options=options) for r in range(args.ranks)],
+            cluster_name=args.cluster,
+            runtime_dir=args.runtime_dir,
+        )
+    except (mf.RuntimeDirError, mf.ClusterRunningError, PermissionError) as e:
+        print(f"kvproc up: {e}", file=sys.stderr)
+        return 2
     wake = threading.Event()
 
     def on_signal(*_: Any) -> None:
@@ -69,7 +79,8 @@ def up_main(argv: list[str]) -> int:
     print(f"kvproc: cluster {args.cluster!r} up; manifest {cluster.manifest_path}", flush=True)
     wake.wait()
     cluster.shutdown(args.shutdown_deadline)
-    print(f"kvproc: cluster {args.cluster!r} down", flush=True)
+    removal = cluster.runtime_dir_removal
+    print(f"kvproc: cluster {args.cluster!r} down" + (f"; {removal.message}" if removal else ""), flush=True)
     return 0
 
 
@@ -83,9 +94,20 @@ def _rank_tcp(endpoint: str | None, rank: int) -> str | None:
     return f"{base}:{int(port) + rank if int(port) else 0}"
 
 
-def _gone(runtime_dir: str, launcher_pid: int) -> bool:
+def _launcher_identity(manifest: mf.Manifest, runtime_dir: str) -> mf.ProcessIdentity | None:
+    if manifest.launcher_identity is not None:
+        return manifest.launcher_identity
+    marker = mf.read_marker(runtime_dir)  # a manifest written before identities were recorded
+    if marker is not None and marker.launcher is not None and marker.launcher.pid == manifest.launcher_pid:
+        return marker.launcher
+    return None
+
+
+def _gone(runtime_dir: str, launcher_pid: int, launcher: mf.ProcessIdentity | None = None) -> bool:
     if not os.path.exists(os.path.join(runtime_dir, "manifest.json")):
         return True
+    if launcher is not None:
+        return mf.process_state(launcher) == "gone"  # a pid reused by another process does not keep it "running"
     try:
         os.kill(launcher_pid, 0)
     except ProcessLookupError:
@@ -93,40 +115,92 @@ def _gone(runtime_dir: str, launcher_pid: int) -> bool:
     return False
 
 
+def _runtime_dir_outcome(runtime_dir: str, launcher: mf.ProcessIdentity | None, until: float) -> str:
+    """What became of the runtime dir: the launcher removes it as the last step of its shutdown (wait for that until
+    `until`); one a dead launcher left behind is removed here, if marked and its launcher is provably dead."""
+    while (
+        mf.read_marker(runtime_dir) is not None and mf.process_state(launcher) != "gone" and time.monotonic() < until
+    ):
+        time.sleep(0.05)  # a CLI waiting for another process to finish; not a hot path
+    if not os.path.lexists(runtime_dir):
+        return f"removed runtime dir {runtime_dir}"
+    if mf.read_marker(runtime_dir) is None:
+        try:
+            empty = not os.listdir(runtime_dir)
+        except OSError:
+            empty = False
+        if empty:
+            return f"emptied runtime dir {runtime_dir} (kept the directory: it existed before kvproc)"
+        return f"kept runtime dir {runtime_dir}: it has no {mf.RUNTIME_MARKER} marker, so kvproc did not create it"
+    return mf.remove_runtime_dir(runtime_dir).message
+
+
+def _force_kill(manifest: mf.Manifest, launcher: mf.ProcessIdentity | None) -> tuple[list[str], list[str]]:
+    """SIGKILL every recorded process that is still the one recorded; returns (killed, skipped with the reason)."""
+    targets = [(f"{p.role}[{p.rank}]", p.pid, p.identity) for p in manifest.processes]
+    targets.append(("launcher", manifest.launcher_pid, launcher))
+    killed: list[str] = []
+    skipped: list[str] = []
+    for label, pid, identity in targets:
+        if identity is not None and identity.pid != pid:
+            identity = None
+        state = mf.signal_if_same(identity, signal.SIGKILL)
+        if state == "running":
+            killed.append(f"{label} pid {pid}")
+        elif state == "gone":
+            skipped.append(f"{label} pid {pid}: not the process kvproc started any more (it exited, or the pid "
+                           "now belongs to another process)")
+        else:
+            skipped.append(f"{label} pid {pid}: cannot verify it is the process kvproc started (no identity "
+                           "recorded, or recorded in another pid namespace)")
+    return killed, skipped
+
+
 def down_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="kvproc down", description="orderly shutdown of a running cluster")
     parser.add_argument("--cluster", default="default")
     parser.add_argument("--runtime-dir", default=None)
     parser.add_argument("--timeout", type=float, default=10.0)
-    parser.add_argument("--force", action="store_true", help="SIGKILL the launcher and children after the timeout")
+    parser.add_argument("--force", action="store_true",
+                        help="after the timeout, SIGKILL the launcher and children that are still the processes "
+                             "recorded at launch (same pid and start time); other pids are reported, not signalled")
     args = parser.parse_args(argv)
     try:
         runtime_dir = mf.find_runtime_dir(args.cluster, args.runtime_dir)
     except FileNotFoundError as e:
+        path = args.runtime_dir or mf.default_runtime_dir(args.cluster)
+        if mf.read_marker(path) is not None:  # a launcher that died before writing its manifest
+            removal = mf.remove_runtime_dir(path)
+            if removal.done:
+                print(f"kvproc down: no running cluster {args.cluster!r}; {removal.message}")
+                return 0
         print(f"kvproc down: {e}", file=sys.stderr)
         return 2
     manifest = mf.read_manifest(runtime_dir)
-    client = RpcClient(manifest.control_endpoint, token=mf.read_token(runtime_dir), name="down", peer="launcher")
-    try:
-        client.connect(2.0)
-        client.request(m.Shutdown("kvproc down"), timeout=5.0)
-    except IpcError as e:
-        print(f"kvproc down: launcher pid {manifest.launcher_pid} did not take the request: {e}", file=sys.stderr)
-    finally:
-        client.close()
+    launcher = _launcher_identity(manifest, runtime_dir)
+    if not _gone(runtime_dir, manifest.launcher_pid, launcher):
+        client = RpcClient(manifest.control_endpoint, token=mf.read_token(runtime_dir), name="down", peer="launcher")
+        try:
+            client.connect(2.0)
+            client.request(m.Shutdown("kvproc down"), timeout=5.0)
+        except IpcError as e:
+            print(f"kvproc down: launcher pid {manifest.launcher_pid} did not take the request: {e}", file=sys.stderr)
+        finally:
+            client.close()
     end = time.monotonic() + args.timeout
-    while not _gone(runtime_dir, manifest.launcher_pid) and time.monotonic() < end:
+    while not _gone(runtime_dir, manifest.launcher_pid, launcher) and time.monotonic() < end:
         time.sleep(0.05)  # a CLI waiting for another process to finish; not a hot path
-    if _gone(runtime_dir, manifest.launcher_pid):
-        print(f"kvproc down: cluster {manifest.cluster!r} stopped")
+    if _gone(runtime_dir, manifest.launcher_pid, launcher):
+        outcome = _runtime_dir_outcome(runtime_dir, launcher, max(end, time.monotonic() + 2.0))
+        print(f"kvproc down: cluster {manifest.cluster!r} stopped; {outcome}")
         return 0
     if not args.force:
         print(f"kvproc down: cluster {manifest.cluster!r} still running after {args.timeout:.1f}s", file=sys.stderr)
         return 1
-    for pid in [p.pid for p in manifest.processes] + [manifest.launcher_pid]:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    print(f"kvproc down: cluster {manifest.cluster!r} killed (--force)", file=sys.stderr)
+    killed, skipped = _force_kill(manifest, launcher)
+    for line in skipped:
+        print(f"kvproc down: not signalled: {line}", file=sys.stderr)
+    outcome = _runtime_dir_outcome(runtime_dir, launcher, time.monotonic() + 2.0)
+    print(f"kvproc down: cluster {manifest.cluster!r} killed (--force): SIGKILL to "
+          f"{', '.join(killed) if killed else 'nothing'}; {outcome}", file=sys.stderr)
     return 1

@@ -45,6 +45,7 @@ from kvproc.ipc.service import handles
 from kvproc.runtime.role import Role, RoleEnv
 from kvproc.tiers.host_index import Hit, HostIndex, Loading, SaveClass, SaveTicket
 from kvproc.tiers.layout import HostLayout, Region
+from kvproc.tiers.save_fence import DEFAULT_COPY_TIMEOUT_S, derived_save_ttl
 from kvproc.tiers.slot_table import ROWS
 
 log = structlog.get_logger("kvproc.host_tier")
@@ -81,7 +82,8 @@ class HostTierRole(Role):
         self.host_bytes = int(opts.get("host_bytes", 0))
         self.lease_ttl_s = float(opts.get("lease_ttl_s", 30.0))
         self.handoff_ttl_s = float(opts.get("handoff_ttl_s", 300.0))
-        self.save_ttl_s = float(opts.get("save_ttl_s", 60.0))
+        # Default: outlives the default copy deadline of the stores that may share this tier (`kvproc up`).
+        self.save_ttl_s = float(opts.get("save_ttl_s") or derived_save_ttl(DEFAULT_COPY_TIMEOUT_S))
         self.reap_interval_s = float(opts.get("reap_interval_s", 1.0))
         if nbytes := int(opts.get("segment_bytes", 0)):
             self.create_segment(nbytes)  # scratch segment (runtime tests of segment clean-up)
@@ -186,14 +188,17 @@ class HostTierRole(Role):
         if not isinstance(t, SaveTicket):
             return m.TierShed(t.reason)
         return m.TierSaveTicket(t.save_id, t.req_id, t.save_class.value, list(t.keys), list(t.page_slots),
-                                dict(t.bounded_slots), t.expires, list(t.page_gens))
+                                dict(t.bounded_slots), t.expires, list(t.page_gens), t.fence, t.fence_token)
 
     @handles(m.CommitSave)
     def commit_save(self, msg: m.CommitSave, ctx: CallContext) -> m.Done:
         with self._lock:
-            if not self._index().commit_save(msg.save_id):
-                self.counters.inc("commit_unknown_save")  # reclaimed by its TTL before the copy landed
+            committed = self._index().commit_save(msg.save_id)
         self._answer_settled()
+        if not committed:
+            self.counters.inc("commit_unknown_save")  # reclaimed (TTL, abort) before the copy's commit came
+            raise HandlerError("save_reclaimed", f"save {msg.save_id} was given back before its commit: its copy "
+                                                 "may not stand, nothing was committed")
         return m.Done()
 
     @handles(m.AbortSave)

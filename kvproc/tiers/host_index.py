@@ -38,7 +38,8 @@ import numpy as np
 
 from kvproc.lru import RunLru
 from kvproc.native import NATIVE
-from kvproc.tiers.slot_table import GEN, ROWS, TAG, key_tags
+from kvproc.tiers.save_fence import BUSY, NO_FENCE, REVOKED, FenceTable
+from kvproc.tiers.slot_table import FENCE, GEN, ROWS, TAG, key_tags
 
 
 class SaveClass(enum.Enum):
@@ -79,6 +80,9 @@ class SaveTicket:
     bounded_slots: dict[str, int | None]  # artifacts at keys[-1]; None: already present
     expires: float
     page_gens: tuple[int | None, ...] = ()  # generation of each reserved page slot (None where page_slots is None)
+    # The save's fence word and token (`save_fence.py`): the copy worker claims it before writing the slots.
+    fence: int = NO_FENCE
+    fence_token: int = 0
 
     @property
     def copies(self) -> int:
@@ -111,6 +115,7 @@ class HostIndex:
         save_ttl_s: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
         slot_table: np.ndarray | None = None,
+        max_remembered_revokes: int = 65536,
     ) -> None:
         if page_slots <= 0:
             raise ValueError(f"page_slots must be positive, got {page_slots}")
@@ -133,6 +138,10 @@ class HostIndex:
         slot_table[GEN] = secrets.randbits(40) << 20  # a random base per incarnation; room for 2**43 bumps a slot
         slot_table[TAG] = 0
         self._use_slot_table(slot_table)
+        self.fences = FenceTable(slot_table[FENCE])
+        # Saves given back (TTL, abort) while a copy still held their fence: their slots stay out of every free list
+        # until the write is over and the fence is revoked (`save_fence.py`), retried by `reap`.
+        self.quarantine: dict[int, SaveTicket] = {}
         self.free_bounded: dict[str, list[int]] = {g: list(range(n - 1, -1, -1)) for g, n in self.bounded_capacity.items()}
         self.entries: dict[bytes, int] = {}  # committed key -> its page slot
         self.slot_key: list[bytes | None] = [None] * page_slots
@@ -150,6 +159,16 @@ class HostIndex:
         self._save_holds: dict[int, list[int]] = {}
         self.leases: dict[int, _Lease] = {}
         self.handoffs: dict[str, tuple[list[bytes], float]] = {}  # producer req -> (keys, expiry)
+        # Revoked (or consumed) producers -> when to forget them (the hand-off TTL), oldest first. A revoke can reach
+        # the tier before its hand-off's commit (a producer cancelled with saves in flight; a save deduplicated
+        # against another producer's pages, so its consumer's full hit came first): a HANDOFF save of a producer
+        # remembered here commits without pinning. Kept until expiry rather than dropped at the first commit, as a
+        # producer may have several saves in flight. At most `max_remembered_revokes` (the oldest is forgotten,
+        # counted).
+        if max_remembered_revokes <= 0:
+            raise ValueError(f"max_remembered_revokes must be positive, got {max_remembered_revokes}")
+        self.max_remembered_revokes = max_remembered_revokes
+        self.revoked: dict[str, float] = {}
         self._ids = itertools.count(1)
         self.counters: Counter[str] = Counter()
         self.on_settled: Callable[[SaveTicket, bool], None] | None = None
@@ -161,6 +180,7 @@ class HostIndex:
     def detach_slot_table(self) -> None:
         """Keep going on a private copy of the table (the tier is stopping: its segment may unmap now)."""
         self._use_slot_table(self.slot_table.copy())
+        self.fences.rebind(self.slot_table[FENCE])
 
     # -- query ----------------------------------------------------------------------------------------------------
     def query(self, req_id: str, hashes: Sequence[bytes]) -> QueryResult:
@@ -277,6 +297,11 @@ class HostIndex:
             self._unref(present)
             self.counters[f"save_shed_{save_class.value}"] += 1
             return Shed(reason=f"host tier full: {len(new_pages)} page slots wanted, none evictable")
+        fence = self.fences.issue()
+        if fence is None:  # as many saves open as the table has fence words
+            self._unref(present)
+            self.counters[f"save_shed_{save_class.value}"] += 1
+            return Shed(reason=f"host tier busy: {self.fences.open} saves open, no fence word free")
         new_set = set(new_pages)
         page_slots = tuple(self.free_pages.pop() if k in new_set else None for k in keys)
         slot_gen = self.slot_gen
@@ -290,7 +315,7 @@ class HostIndex:
         for g in want_bounded:
             bounded[g] = self.free_bounded[g].pop()
         ticket = SaveTicket(next(self._ids), req_id, save_class, tuple(keys), page_slots, bounded,
-                            self.clock() + self.save_ttl_s, page_gens)
+                            self.clock() + self.save_ttl_s, page_gens, *fence)
         self.saves[ticket.save_id] = ticket
         if present:
             self._save_holds[ticket.save_id] = present
@@ -339,9 +364,20 @@ class HostIndex:
         return False
 
     def commit_save(self, save_id: int) -> bool:
-        """The copy landed: make every entry of the save visible at once. False if the save is unknown (reclaimed)."""
+        """The copy landed: make every entry of the save visible at once. False -- the save's slots were given back
+        (its TTL reaped it, or it was aborted), so its bytes may sit in slots another save owns: nothing becomes
+        visible, and the store must count the save failed."""
         t = self.saves.pop(save_id, None)
         if t is None:
+            q = self.quarantine.pop(save_id, None)
+            if q is not None:  # its copy is over (the store commits after the copy's reply): retry the revoke now
+                self._settle_quarantined(q)
+            self.counters["commits_refused_reclaimed"] += 1
+            return False
+        if self.fences.revoke(t.fence, t.fence_token) != REVOKED:  # a copy still writes it (or it was revoked)
+            self.saves[save_id] = t
+            self.abort_save(save_id)
+            self.counters["commits_refused_fence"] += 1
             return False
         now = self.clock()
         entries, slot_key = self.entries, self.slot_key
@@ -365,7 +401,11 @@ class HostIndex:
                 self.free_bounded[g].append(bslot)  # the page it belongs to is gone, or a duplicate
             else:
                 self.bounded.setdefault(last, {})[g] = bslot
-        if t.save_class is SaveClass.HANDOFF:
+        if t.save_class is SaveClass.HANDOFF and t.req_id in self.revoked:
+            # Its producer was revoked (or consumed) before this commit: nobody will read it, so it pins nothing
+            # (its fresh entries become evictable below, like a cacheable save's).
+            self.counters["handoffs_revoked_before_commit"] += 1
+        elif t.save_class is SaveClass.HANDOFF:
             keys = [k for k in t.keys if k in entries]
             pinned = [entries[k] for k in keys]
             for slot in pinned:
@@ -383,6 +423,8 @@ class HostIndex:
         return True
 
     def abort_save(self, save_id: int) -> bool:
+        """The save will not commit: its pages stop being pending at once; its slots go back to the free lists once
+        its fence is revoked (now, unless a copy still writes them: then they wait in `quarantine`)."""
         t = self.saves.pop(save_id, None)
         if t is None:
             return False
@@ -390,20 +432,41 @@ class HostIndex:
         for k, slot in zip(t.keys, t.page_slots):
             if slot is not None:
                 self.pending.pop(k, None)
-                self.free_pages.append(slot)
-        for g, slot in t.bounded_slots.items():
-            if slot is not None:
-                self.free_bounded[g].append(slot)
+        self._settle_quarantined(t)
         self.counters["saves_aborted"] += 1
         if self.on_settled:
             self.on_settled(t, False)
         return True
 
+    def _settle_quarantined(self, t: SaveTicket) -> None:
+        """Free a settled save's slots if its fence can be revoked; else keep them out of use, in `quarantine`."""
+        state = self.fences.revoke(t.fence, t.fence_token)
+        if state == BUSY:
+            if t.save_id not in self.quarantine:
+                self.counters["saves_quarantined"] += 1
+            self.quarantine[t.save_id] = t
+            return
+        self.quarantine.pop(t.save_id, None)
+        for slot in t.page_slots:
+            if slot is not None:
+                self.free_pages.append(slot)
+        for g, slot in t.bounded_slots.items():
+            if slot is not None:
+                self.free_bounded[g].append(slot)
+
     # -- hand-off -------------------------------------------------------------------------------------------------
     def revoke_handoff(self, producer_req_id: str, *, consumed: bool = False) -> bool:
-        """Release a producer's hand-off pins ("nobody will read this", or the consumer's load completed)."""
+        """Release a producer's hand-off pins ("nobody will read this", or the consumer's load completed), and
+        remember the revoke until the hand-off TTL: a later commit of that producer's hand-off then pins nothing.
+        False if no commit of it had pinned anything yet."""
+        revoked = self.revoked
+        if revoked.pop(producer_req_id, None) is None and len(revoked) >= self.max_remembered_revokes:
+            del revoked[next(iter(revoked))]  # the oldest: its commit is the least likely still to come
+            self.counters["revokes_forgotten_full"] += 1
+        revoked[producer_req_id] = self.clock() + self.handoff_ttl_s  # (re)inserted last: the dict stays by expiry
         got = self.handoffs.pop(producer_req_id, None)
         if got is None:
+            self.counters["revokes_of_unknown_handoff"] += 1  # remembered: its commit may come later
             return False
         free: list[int] = []
         for k in got[0]:
@@ -436,6 +499,12 @@ class HostIndex:
             out["saves"].append(self.saves[sid].req_id)
             self.abort_save(sid)
             self.counters["saves_reclaimed_by_ttl"] += 1
+        for t in list(self.quarantine.values()):  # writes that outlived their save: free once they are over
+            self._settle_quarantined(t)
+        revoked = self.revoked  # remembered revokes past the hand-off TTL (oldest first): forgotten, not a bug
+        while revoked and (first := next(iter(revoked.items())))[1] <= now:
+            del revoked[first[0]]
+            self.counters["revokes_expired"] += 1
         return out
 
     # -- observability --------------------------------------------------------------------------------------------
@@ -448,7 +517,9 @@ class HostIndex:
             "pending_pages": len(self.pending),
             "open_saves": len(self.saves),
             "open_leases": len(self.leases),
+            "quarantined_saves": len(self.quarantine),
             "open_handoffs": len(self.handoffs),
+            "remembered_revokes": len(self.revoked),
         }
         out.update(self.counters)
         return out

@@ -87,8 +87,8 @@ class LocalTier:
                            save_class: SaveClass, *, timeout: float) -> SaveTicket | Shed:
         return self.index.reserve_save(req_id, keys, bounded_groups, save_class)
 
-    def commit_save(self, save_id: int) -> None:
-        self.index.commit_save(save_id)
+    async def commit_save(self, save_id: int, *, timeout: float) -> bool:
+        return self.index.commit_save(save_id)
 
     def abort_save(self, save_id: int) -> None:
         self.index.abort_save(save_id)

@@ -217,7 +217,7 @@ class RemoteTier:
         if isinstance(res, m.TierShed):
             return Shed(res.reason)
         return SaveTicket(res.save_id, res.req_id, SaveClass(res.save_class), tuple(res.keys), tuple(res.page_slots),
-                          dict(res.bounded_slots), res.expires, tuple(res.page_gens))
+                          dict(res.bounded_slots), res.expires, tuple(res.page_gens), res.fence, res.fence_token)
 
     async def stats(self) -> dict[str, int]:
         res = await _acall(self._link, self._client(), m.TierStats(), self.oneway_timeout_s)
@@ -231,8 +231,16 @@ class RemoteTier:
     def touch(self, keys: Sequence[bytes]) -> None:
         self._oneway(m.TouchPages(list(keys)))
 
-    def commit_save(self, save_id: int) -> None:
-        self._oneway(m.CommitSave(save_id))
+    async def commit_save(self, save_id: int, *, timeout: float) -> bool:
+        # Answered, not fire-and-forget: a commit the tier refuses (the save was reaped) is a failed save.
+        try:
+            await _acall(self._link, self._client(), m.CommitSave(save_id), timeout)
+        except RemoteError as e:
+            if e.code == "save_reclaimed":
+                self.counters["commits_refused"] += 1
+                return False
+            raise
+        return True
 
     def abort_save(self, save_id: int) -> None:
         self._oneway(m.AbortSave(save_id))

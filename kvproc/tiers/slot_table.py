@@ -1,6 +1,6 @@
 """The host tier's page-slot table: what a store reads, without asking, to know a copy from a slot read one page.
 
-Two int64 rows of `page_slots` entries in the host arena (`HostLayout.slot_table_offset`), written by the host tier's
+Int64 rows of `page_slots` entries in the host arena (`HostLayout.slot_table_offset`), written by the host tier's
 index only, mapped by stores (just that window, never the KV bytes):
 
 - `GEN`: the slot's generation. It goes up each time the slot is handed to a save, before that save is answered, so
@@ -19,6 +19,9 @@ copies are ordered by the messages between them (a save's copy starts after the 
 bump; a commit's tag follows the copy's reply), and each check reads after the event it follows (the first before the
 Load is sent, the second after its reply is received).
 
+A third row, `FENCE`, is not about slots: its words are the save fences (`kvproc.tiers.save_fence`), one per open save,
+which the copy workers claim before writing a save's slots; there are as many as page slots.
+
 A key whose first 8 bytes are zero never verifies (0 means "nothing committed"): it just goes the query's way.
 """
 
@@ -30,9 +33,9 @@ import numpy as np
 
 from kvproc.native import NATIVE
 
-GEN, TAG = 0, 1  # the table's rows
+GEN, TAG, FENCE = 0, 1, 2  # the table's rows (FENCE: one word per open save, `save_fence.py`; not per slot)
 ROW_BYTES = 8  # one int64 per slot and row
-ROWS = 2
+ROWS = 3
 
 
 def key_tags(keys: Sequence[bytes]) -> np.ndarray:

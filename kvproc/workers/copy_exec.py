@@ -35,7 +35,9 @@ import torch
 
 from kvproc.contract import ArenaLayout, GroupKind, RepackDirection
 from kvproc.native import NATIVE
+from kvproc.tiers import save_fence
 from kvproc.tiers.layout import HostLayout
+from kvproc.tiers.slot_table import FENCE, ROW_BYTES
 from kvproc.workers.orders import LoadOrder, SaveOrder, SlotCopy
 
 RepackFn = Callable[[str, RepackDirection, torch.Tensor, torch.Tensor], None]
@@ -190,6 +192,11 @@ class CopyExecutor:
         threads: int = 2,
     ) -> None:
         self.repack_fn = repack
+        # The host tier's save-fence words (the slot table's FENCE row), where this host arena has a table.
+        self.fence_row: np.ndarray | None = None
+        if host is not None and host_layout is not None and host_layout.slot_table_offset >= 0:
+            off = host_layout.slot_table_offset + FENCE * host_layout.page_slots * ROW_BYTES
+            self.fence_row = host[off : off + host_layout.page_slots * ROW_BYTES].view(np.int64)
         arenas = []
         for group, a in layout.arenas:
             base = a.byte_view().numpy()
@@ -238,11 +245,17 @@ class CopyExecutor:
 
     # -- orders ---------------------------------------------------------------------------------------------------
     def save(self, order: SaveOrder) -> int:
-        if not order.bounded and (n := self._direct(order.device_blocks, order.host_slots, True)) is not None:
-            return n
-        jobs = self._plan(order.device_blocks, order.host_slots, [(b.group, b.device_slot, b.host_slot)
-                                                                   for b in order.bounded], to_host=True)
-        return self._run(jobs)
+        """Copy a save's pages and bounded slots into the host tier, holding the save's fence for the whole write:
+        a save the tier has given back (`FenceRevoked`) writes nothing (`kvproc/tiers/save_fence.py`)."""
+        save_fence.claim(self.fence_row, order.fence, order.fence_token)
+        try:
+            if not order.bounded and (n := self._direct(order.device_blocks, order.host_slots, True)) is not None:
+                return n
+            jobs = self._plan(order.device_blocks, order.host_slots, [(b.group, b.device_slot, b.host_slot)
+                                                                       for b in order.bounded], to_host=True)
+            return self._run(jobs)
+        finally:
+            save_fence.release(self.fence_row, order.fence, order.fence_token)
 
     def load(self, order: LoadOrder) -> int:
         if not order.bounded and (n := self._direct(order.device_blocks, order.host_slots, False)) is not None:

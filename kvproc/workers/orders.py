@@ -20,6 +20,10 @@ class SaveOrder(msgspec.Struct, array_like=True, frozen=True, gc=False):
     device_blocks: list[int]
     host_slots: list[int]
     bounded: list[BoundedCopy] = []
+    # The save's fence word and token (`kvproc/tiers/save_fence.py`): claimed before a byte is written, so slots the
+    # tier has given back are never written by this order. -1: no fence (a layout without a shared slot table).
+    fence: int = -1
+    fence_token: int = 0
 
 
 class LoadOrder(msgspec.Struct, array_like=True, frozen=True, gc=False):

@@ -8,6 +8,7 @@ restore a prefix by copying bytes and have the model continue as if it had compu
 from __future__ import annotations
 
 import abc
+import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -57,9 +58,15 @@ class Rng:
 
     def __init__(self, seed: int) -> None:
         self.gen = torch.Generator().manual_seed(seed)
+        self._digest = hashlib.blake2b(digest_size=8)  # of every weight made: the model's identity (`KvSpec.model_id`)
 
     def normal(self, *shape: int, std: float) -> torch.Tensor:
-        return torch.randn(*shape, generator=self.gen, dtype=torch.float32) * std
+        t = torch.randn(*shape, generator=self.gen, dtype=torch.float32) * std
+        self._digest.update(t.numpy().tobytes())
+        return t
+
+    def weights_digest(self) -> str:
+        return self._digest.hexdigest()
 
     def linear(self, fan_in: int, fan_out: int, gain: float = 1.0) -> torch.Tensor:
         """A [fan_in, fan_out] weight (x @ W) with variance-preserving scale."""
@@ -102,6 +109,12 @@ class TinyModel(abc.ABC):
         self._allocator = allocator
         self._arenas: list[tuple[str, KvArena]] = []
         self._rng = Rng(seed)
+
+    @property
+    def model_id(self) -> str:
+        """The identity of these weights (a digest of every weight the seeded factory made): two tiny models share
+        KV only if their weights are bit-identical."""
+        return f"kvproc-tiny/{self.name}@{self._rng.weights_digest()}"
 
     # --- KvModel -------------------------------------------------------------------------------------------------
 

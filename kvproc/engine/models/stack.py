@@ -3,6 +3,8 @@ only builds its layers (and its KV groups) and says nothing about the forward pa
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from kvproc.contract import KvSpec
@@ -17,6 +19,8 @@ class StackModel(TinyModel):
     blocks: list[Block]
 
     def spec(self) -> KvSpec:
+        if not self._spec.model_id:  # the weights exist once the constructor has run: their digest names them
+            self._spec = dataclasses.replace(self._spec, model_id=self.model_id)
         return self._spec
 
     def _hidden(self, items: list[PreparedItem]) -> tuple[torch.Tensor, StepCtx]:
