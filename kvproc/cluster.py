@@ -122,7 +122,7 @@ class ClusterStore:
     def start(cls, host_bytes: int, *, name: str | None = None, ranks: int = 1, lease_ttl_s: float = 30.0,
               handoff_ttl_s: float = 300.0, save_ttl_s: float | None = None, reap_interval_s: float = 1.0,
               copy_timeout_s: float = 120.0, ready_timeout_s: float = 15.0, shutdown_deadline_s: float = 5.0,
-              runtime_dir: str | None = None, max_restarts: int = 3,
+              runtime_dir: str | None = None, max_restarts: int = 3, restart_window_s: float = 300.0,
               tier_runtime_dir: str | None = None, log_level: str = "info",
               cpus: Mapping[str, Sequence[int]] | None = None) -> "ClusterStore":
         """Launch the host tier (if `host_bytes`) and one copy worker per rank; wait until all are up.
@@ -147,7 +147,8 @@ class ClusterStore:
             roles += [RoleConfig("host_tier", r, log_level=log_level, options={
                 "host_bytes": host_bytes, "lease_ttl_s": lease_ttl_s, "handoff_ttl_s": handoff_ttl_s,
                 "save_ttl_s": save_ttl_s, "reap_interval_s": reap_interval_s}) for r in range(ranks)]
-        roles += [RoleConfig("copy_worker", r, max_restarts=max_restarts, log_level=log_level) for r in range(ranks)]
+        roles += [RoleConfig("copy_worker", r, max_restarts=max_restarts, restart_window_s=restart_window_s,
+                             log_level=log_level) for r in range(ranks)]
         if cpus:
             roles = _pinned(roles, cpus)
         try:

@@ -19,7 +19,10 @@ class RoleConfig:
     role_class: str | None = None  # "module:Class"; default ROLE_CLASSES[role]
     options: Mapping[str, Any] = field(default_factory=dict)  # handed to the role as env.options
     restart: bool | None = None  # None: the role class's `restartable`
+    # The restart budget is a rate: at most `max_restarts` automatic restarts within any `restart_window_s` (a
+    # lifetime count made the 4th crash in a long-lived cluster's life final, however far apart the crashes were).
     max_restarts: int = 3
+    restart_window_s: float = 300.0
     tcp: str | None = None  # also bind here, e.g. "tcp://127.0.0.1:0"; the auth token is required there too
     workers: int = 4  # handler threads
     max_in_flight: int = 256

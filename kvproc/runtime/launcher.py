@@ -9,8 +9,8 @@ naming the child that did not come up and why.
 
 Supervision: the `Supervisor` thread sees a child exit through its sentinel at once; the launcher then fails every
 pending call to it with PeerDead (`RpcClient.mark_dead`), unlinks the dead child's segments, records the crash and
-either restarts it (restartable roles, e.g. copy workers, up to `max_restarts`) or marks it unavailable, so callers
-fail fast with PeerDead and the store degrades instead of hanging.
+either restarts it (restartable roles, e.g. copy workers, up to `max_restarts` within any `restart_window_s`) or
+marks it unavailable, so callers fail fast with PeerDead and the store degrades instead of hanging.
 
 Shutdown (`Cluster.shutdown(deadline_s)`), against one deadline: a `Shutdown` message to every child (reverse start
 order), then SIGTERM to those still alive at 60% of the deadline, then SIGKILL at 90%; then segments are swept and
@@ -23,6 +23,7 @@ Every pid in the manifest comes with the process's identity (its start time), re
 
 from __future__ import annotations
 
+import collections
 import os
 import signal
 import threading
@@ -75,7 +76,9 @@ class Cluster:
         self._order = [(c.role, c.rank) for c in configs]
         self._children: dict[tuple[str, int], ChildHandle] = {}
         self._state: dict[tuple[str, int], str] = {}
-        self._restarts: dict[tuple[str, int], int] = {k: 0 for k in self._order}
+        self._restarts: dict[tuple[str, int], int] = {k: 0 for k in self._order}  # lifetime count (stats)
+        self._restart_times: dict[tuple[str, int], collections.deque[float]] = {k: collections.deque()
+                                                                                 for k in self._order}
         self._replacing: set[tuple[str, int]] = set()
         self._all_pids: set[int] = set()
         self.identity = mf.process_identity(os.getpid())  # the launcher's, in the manifest and the dir's marker
@@ -290,6 +293,7 @@ class Cluster:
                 self._replacing.discard(key)
             self._children[key] = child
             self._restarts[key] += 1
+            self._restart_times[key].append(time.monotonic())
             self._supervisor.watch(child)
             self._record(key, child.pid, "restarted", f"restart {self._restarts[key]}")
             self._set_state(key, "up")
@@ -313,12 +317,19 @@ class Cluster:
         self._record(key, child.pid, "crashed", reason)
         cfg = self._configs[key]
         restart = cfg.restart if cfg.restart is not None else resolve_role_class(cfg.class_path).restartable
-        if restart and self._restarts[key] < cfg.max_restarts:
+        if restart and self._restarts_in_window(key, cfg.restart_window_s) < cfg.max_restarts:
             self._set_state(key, "restarting")
             threading.Thread(target=self._auto_restart, args=(key,), name="kvproc-restart", daemon=True).start()
         else:
             self._record(key, child.pid, "unavailable", "not restartable" if not restart else "too many restarts")
             self._set_state(key, "unavailable")
+
+    def _restarts_in_window(self, key: tuple[str, int], window_s: float) -> int:
+        """Restarts of `key` within the last `window_s` (older ones no longer count against the budget)."""
+        times, since = self._restart_times[key], time.monotonic() - window_s
+        while times and times[0] < since:
+            times.popleft()
+        return len(times)
 
     def _auto_restart(self, key: tuple[str, int]) -> None:
         try:
