@@ -216,3 +216,27 @@ def test_the_restart_budget_is_a_rate_not_a_lifetime_count() -> None:
         _crash_and_wait(cluster, 1)
         assert not cluster.available("copy_worker", 1)
         assert [e.what for e in cluster.events if e.rank == 1] == ["crashed", "restarted", "crashed", "unavailable"]
+
+
+def test_a_stalled_child_is_reconnected_when_it_answers_again_not_left_dead() -> None:
+    """SIGSTOP a copy worker past the heartbeat liveness (3 s): its client is declared dead though the process lives.
+    Before, that was final (`client()` kept returning the dead client, `available` stayed False); now the launcher
+    reconnects it once it answers, same process, and says so in its events and the manifest."""
+    with launch(_roles(), cluster_name="ltstall", runtime_dir=f"/tmp/kvlt-stall-{os.getpid()}") as cluster:
+        pid = cluster.pid("copy_worker", 0)
+        dead = cluster.client("copy_worker", 0)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            deadline = time.monotonic() + 20
+            while dead.alive:
+                assert time.monotonic() < deadline, "the stalled worker was never declared dead"
+                time.sleep(0.1)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        client = cluster.wait_available("copy_worker", 0, timeout=20)
+        assert client is not dead and client.request(m.Ping(b"back"), timeout=5).data == b"back"
+        assert cluster.pid("copy_worker", 0) == pid  # reconnected, not restarted
+        assert [e.what for e in cluster.events if e.rank == 0 and e.role == "copy_worker"] == \
+            ["unresponsive", "reconnected"]
+        states = {(p.role, p.rank): p.state for p in mf.read_manifest(cluster.runtime_dir).processes}
+        assert states[("copy_worker", 0)] == "up"

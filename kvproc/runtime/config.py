@@ -44,6 +44,6 @@ class PeerEvent:
     role: str
     rank: int
     pid: int
-    what: str  # crashed | restarted | unavailable
+    what: str  # crashed | restarted | unavailable | unresponsive | reconnected
     detail: str
     at: float

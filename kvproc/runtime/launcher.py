@@ -24,6 +24,7 @@ Every pid in the manifest comes with the process's identity (its start time), re
 from __future__ import annotations
 
 import collections
+import functools
 import os
 import signal
 import threading
@@ -241,6 +242,7 @@ class Cluster:
         except IpcError as e:
             raise ClusterStartError(f"{child.label} reported ready but did not answer the handshake: {e}") from e
         child.client = client
+        client.add_death_listener(functools.partial(self._on_client_dead, child))
 
     def _start_all(self, ready_timeout_s: float) -> None:
         deadline = time.monotonic() + ready_timeout_s
@@ -330,6 +332,44 @@ class Cluster:
         while times and times[0] < since:
             times.popleft()
         return len(times)
+
+    def _on_client_dead(self, child: ChildHandle, reason: str) -> None:
+        """The child's client was declared dead. An exit is the supervisor's (restart or unavailable); a live child
+        declared dead -- it stopped answering heartbeats for a while: stopped, starved, swapping -- is reconnected
+        once it answers again, on a thread of its own (this runs on the client's I/O thread)."""
+        if self._stopping or child.exited.is_set():
+            return
+        threading.Thread(target=self._reconnect, args=(child, reason), name="kvproc-reconnect", daemon=True).start()
+
+    def _reconnect(self, child: ChildHandle, reason: str) -> None:
+        key = (child.role, child.rank)
+        # Let an exit that caused the death (the sentinel may be a moment behind the socket) be seen first.
+        if child.exited.wait(0.2) or self._stopping or key in self._replacing or self._children.get(key) is not child:
+            return
+        log.warning("child_unresponsive", child=child.label, reason=reason)
+        self._record(key, child.pid, "unresponsive", reason)
+        self._set_state(key, "unresponsive")
+        while not (self._stopping or child.exited.is_set() or key in self._replacing
+                   or self._children.get(key) is not child):
+            client = RpcClient(child.endpoints[0], token=self.token, name=f"launcher-{os.getpid()}", peer=child.label)
+            try:
+                client.connect(1.0)
+            except IpcError:
+                client.close()
+                time.sleep(0.5)
+                continue
+            with self._restart_lock:  # a restart must not interleave with the swap
+                if self._stopping or child.exited.is_set() or self._children.get(key) is not child:
+                    client.close()
+                    return
+                old, child.client = child.client, client
+                client.add_death_listener(functools.partial(self._on_client_dead, child))
+                self._record(key, child.pid, "reconnected", f"answering again after: {reason}")
+                self._set_state(key, "up")
+            log.info("child_reconnected", child=child.label)
+            if old is not None:
+                old.close()
+            return
 
     def _auto_restart(self, key: tuple[str, int]) -> None:
         try:
