@@ -18,10 +18,13 @@ import dataclasses
 import functools
 import itertools
 import os
+import threading
+import time
 import weakref
 from typing import Any, Mapping, Sequence
 
 import posix_ipc
+import structlog
 import torch
 
 from kvproc.contract import ArenaLayout, KvArena, KvContractError, KvModel, require_model_id, validate_layout
@@ -34,11 +37,12 @@ from kvproc.runtime.launcher import Cluster, launch
 from kvproc.store import KvStore
 from kvproc.store_types import StoreConfig
 from kvproc.tiers.host import layout_from_wire, layout_to_wire
-from kvproc.tiers.save_fence import derived_save_ttl
 from kvproc.tiers.layout import HostLayout
 from kvproc.tiers.remote import RemoteCopier, RemoteTier
+from kvproc.tiers.save_fence import derived_save_ttl
 
 _names = itertools.count()
+log = structlog.get_logger("kvproc.cluster")
 ARENA_ROLE = "arena"  # the role part of the scheduler's segment names: kvproc.<cluster>.arena.<pid>.<n>
 
 
@@ -60,8 +64,8 @@ def fingerprint(model: KvModel, layout: ArenaLayout) -> str:
             f"page={layout.spec.page_tokens} groups={groups} arenas={arenas}")
 
 
-def _connect_external_tiers(runtime_dir: str, ranks: int, timeout: float) -> list[RpcClient]:
-    """Rank r's client to `host_tier[r]` of a shared cluster (`kvproc up --ranks N`), for r < `ranks`."""
+def _connect_external_tiers(runtime_dir: str, ranks: int, timeout: float) -> tuple[list[RpcClient], str]:
+    """Rank r's client to `host_tier[r]` of a shared cluster (`kvproc up --ranks N`), for r < `ranks`; its token."""
     manifest = mf.read_manifest(mf.find_runtime_dir(runtime_dir=runtime_dir))
     tiers = {p.rank: p for p in manifest.processes if p.role == "host_tier" and p.state == "up"}
     if not tiers:
@@ -72,16 +76,17 @@ def _connect_external_tiers(runtime_dir: str, ranks: int, timeout: float) -> lis
             f"the shared cluster at {runtime_dir} runs host tiers for ranks {sorted(tiers)}; this store has {ranks}"
             f" rank(s) and each needs its own (a tier's keys carry no rank): start it with `kvproc up --ranks {ranks}`")
     clients: list[RpcClient] = []
+    token = mf.read_token(manifest.runtime_dir)
     try:
         for r in range(ranks):
-            clients.append(RpcClient(tiers[r].endpoint, token=mf.read_token(manifest.runtime_dir), name="engine",
+            clients.append(RpcClient(tiers[r].endpoint, token=token, name="engine",
                                      peer=f"shared host tier[{r}] ({manifest.cluster})"))
             clients[-1].connect(timeout)
     except BaseException:
         for c in clients:
             c.close()
         raise
-    return clients
+    return clients, token
 
 
 def _pinned(roles: list[RoleConfig], cpus: Mapping[str, Sequence[int]]) -> list[RoleConfig]:
@@ -117,6 +122,8 @@ class ClusterStore:
         # Host tiers this store does not own (`kvproc up`, shared by several engines), one per rank: reached through
         # their manifest, watched by heartbeats (no sentinel to wait on), and never shut down by this store.
         self._external_tiers: list[RpcClient] = []
+        self._external_token = ""
+        self.tier_reconnects = 0  # shared tiers reconnected after a stall
 
     @classmethod
     def start(cls, host_bytes: int, *, name: str | None = None, ranks: int = 1, lease_ttl_s: float = 30.0,
@@ -138,8 +145,9 @@ class ClusterStore:
             raise ValueError(f"ranks must be >= 1, got {ranks}")
         save_ttl_s = derived_save_ttl(copy_timeout_s, save_ttl_s, StoreConfig.tier_call_timeout_s)
         external: list[RpcClient] = []
+        token = ""
         if tier_runtime_dir is not None:
-            external = _connect_external_tiers(tier_runtime_dir, ranks, ready_timeout_s)
+            external, token = _connect_external_tiers(tier_runtime_dir, ranks, ready_timeout_s)
             host_bytes = host_bytes or 1
         name = name or f"cs{os.getpid()}x{next(_names)}"
         roles: list[RoleConfig] = []
@@ -159,7 +167,41 @@ class ClusterStore:
             raise
         cs = cls(cluster, host_bytes, ranks, copy_timeout_s=copy_timeout_s, shutdown_deadline_s=shutdown_deadline_s)
         cs._external_tiers = external
+        cs._external_token = token
+        for r, client in enumerate(external):
+            client.add_death_listener(functools.partial(cs._external_tier_dead, r, client))
         return cs
+
+    def _external_tier_dead(self, rank: int, old: RpcClient, reason: str) -> None:
+        """A shared tier's client was declared dead (heartbeats: it stalled; or it left). Runs on the client's I/O
+        thread: the reconnect runs on its own."""
+        if not self._closed:
+            threading.Thread(target=self._reconnect_external, args=(rank, old, reason), daemon=True,
+                             name="kvproc-tier-reconnect").start()
+
+    def _reconnect_external(self, rank: int, old: RpcClient, reason: str) -> None:
+        """Reconnect to the same tier process once it answers again (a stall); a tier that was replaced by another
+        process (its index and segment are not the ones this store attached to) is not re-attached: this store then
+        serves without it, as before."""
+        log.warning("shared_tier_unresponsive", rank=rank, reason=reason)
+        while not self._closed:
+            client = RpcClient(old.endpoint, token=self._external_token, name="engine", peer=old.peer)
+            try:
+                client.connect(1.0)
+            except Exception:  # noqa: BLE001 - not answering yet (or gone): try again
+                client.close()
+                time.sleep(0.5)
+                continue
+            if client.server_pid != old.server_pid or self._closed:
+                log.error("shared_tier_replaced", rank=rank, old_pid=old.server_pid, new_pid=client.server_pid)
+                client.close()
+                return
+            self._external_tiers[rank] = client
+            client.add_death_listener(functools.partial(self._external_tier_dead, rank, client))
+            self.tier_reconnects += 1
+            log.info("shared_tier_reconnected", rank=rank, pid=client.server_pid)
+            old.close()
+            return
 
     def _tier_client(self, rank: int = 0) -> RpcClient:
         return self._external_tiers[rank] if self._external_tiers else self.cluster.client("host_tier", rank)

@@ -61,3 +61,51 @@ def test_handoff_between_two_engines_through_a_shared_kvproc_up_tier():
                        capture_output=True)
         up.wait(10)
     assert not list_segments("sharedt") and not os.path.exists(rd)
+
+
+def test_an_engine_reattaches_to_a_shared_tier_that_stalled_and_answers_again():
+    """SIGSTOP a `kvproc up` tier past the heartbeat liveness: the engine's client to it is declared dead (the store
+    serves device-only meanwhile). Before, that was final for the engine; now it reconnects to the same tier process
+    once it answers, and saves and restores go through it again."""
+    import signal
+    import time
+
+    from kvproc.runtime import manifest as mf
+
+    rd = f"/tmp/kvup-stall{os.getpid()}"
+    up = subprocess.Popen([sys.executable, "-m", "kvproc", "up", "--cluster", "stallt", "--runtime-dir", rd,
+                           "--host-mib", "8"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert "up; manifest" in (up.stdout.readline() if up.stdout else "")
+        tier_pid = next(p.pid for p in mf.read_manifest(rd).processes if p.role == "host_tier")
+        with ClusterStore.start(1 << 20, tier_runtime_dir=rd) as cs:
+            model = SharedMemoryModel(cs.allocator)
+            store = cs.attach_model(model, live_slots=2)
+            os.kill(tier_pid, signal.SIGSTOP)
+            try:
+                deadline = time.monotonic() + 20
+                while store.tier is not None and store.tier.available:
+                    assert time.monotonic() < deadline, "the stalled tier was never declared dead"
+                    time.sleep(0.1)
+            finally:
+                os.kill(tier_pid, signal.SIGCONT)
+            deadline = time.monotonic() + 20
+            while not (store.tier is not None and store.tier.available):
+                assert time.monotonic() < deadline, "never reconnected to the tier"
+                time.sleep(0.1)
+            assert cs.tier_reconnects == 1
+            toks = list(range(1, 13))  # 3 full pages: a checkpoint at the last one (the model has a bounded group)
+            kv = RequestKv(store.pools[0], "a", toks, 4)
+            assert kv.try_admit()
+            kv.schedule(12)
+            kv.apply()
+            store.execute_copies(0, kv.seal_by_copy())
+            store.retire(0, kv, SealCursor.after_prefix(0))
+            store.flush_saves(0, 10)
+            assert store.outcomes.for_request("a", "save")[-1].state == "ok"
+            assert store.stats()["tier"]["saves_committed"] >= 1
+    finally:
+        subprocess.run([sys.executable, "-m", "kvproc", "down", "--runtime-dir", rd, "--timeout", "10"], check=False,
+                       capture_output=True)
+        up.wait(10)
+    assert not list_segments("stallt") and not os.path.exists(rd)
