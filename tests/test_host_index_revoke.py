@@ -9,16 +9,7 @@ import pytest
 
 from kvproc.tiers.host_index import Hit, HostIndex, SaveClass, SaveTicket, Shed
 from tests.test_cluster_fixtures import cluster_store, compute, stopped, wait_for
-
-K = [bytes([i]) * 16 for i in range(32)]
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
+from tests.test_host_index import K, Clock
 
 
 def reserve(idx: HostIndex, keys: list[bytes], req: str, cls: SaveClass = SaveClass.HANDOFF) -> SaveTicket:

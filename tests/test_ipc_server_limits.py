@@ -13,7 +13,6 @@ forkserver child, and servers on a thread of this process where a test needs its
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
 import os
 import signal
 import socket
@@ -33,9 +32,8 @@ from kvproc.ipc.context import CallContext, Deferred
 from kvproc.ipc.server import RpcServer
 from kvproc.ipc.service import Service, handles
 from kvproc.ipc.sockets import ipc_endpoint, new_session
-from kvproc.runtime.child import ChildSpec, child_main
+from tests.test_ipc_rpc import TOKEN, serve_role
 
-TOKEN = "limits-t0ken"
 
 
 # ---- helpers -------------------------------------------------------------------------------------------------------
@@ -92,18 +90,10 @@ class _Child:
 def child() -> Iterator[_Child]:
     """A host-tier role in its own process, with the server's default limits."""
     with tempfile.TemporaryDirectory(prefix="kvlim-", dir="/tmp") as d:
-        endpoint = ipc_endpoint(d, "host_tier-0")
-        spec = ChildSpec("limits", "host_tier", 0, "kvproc.runtime.roles:HostTierRole", d, (endpoint,), TOKEN,
-                         os.getpid(), {}, workers=2)
-        ctx = multiprocessing.get_context("forkserver")
-        r, w = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=child_main, args=(spec, w), daemon=True)
-        proc.start()
-        w.close()
-        assert r.poll(30.0), "child did not report ready"
-        assert type(m.startup_decoder().decode(r.recv_bytes())) is m.Ready
+        served = serve_role(d)
+        proc = served.proc
         try:
-            yield _Child(proc, endpoint)
+            yield _Child(proc, served.endpoint)
         finally:
             if proc.is_alive() and proc.pid is not None:
                 os.kill(proc.pid, signal.SIGKILL)

@@ -19,18 +19,10 @@ from kvproc.tiers import save_fence
 from kvproc.tiers.host_index import HostIndex, SaveTicket
 from kvproc.tiers.slot_table import FENCE
 from tests.store_fixtures import Gate, make_store
+from tests.test_host_index import K, Clock
 from tests.test_store_contract import churn, compute
 
 torch.manual_seed(0)
-K = [bytes([i]) * 16 for i in range(1, 9)]
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def _index(page_slots: int = 4, save_ttl_s: float = 10.0) -> tuple[HostIndex, Clock]:

@@ -375,8 +375,7 @@ class HostIndex:
             self.counters["commits_refused_reclaimed"] += 1
             return False
         if self.fences.revoke(t.fence, t.fence_token) != REVOKED:  # a copy still writes it (or it was revoked)
-            self.saves[save_id] = t
-            self.abort_save(save_id)
+            self._abort(t)
             self.counters["commits_refused_fence"] += 1
             return False
         now = self.clock()
@@ -428,7 +427,12 @@ class HostIndex:
         t = self.saves.pop(save_id, None)
         if t is None:
             return False
-        self._unref(self._save_holds.pop(save_id, []))
+        self._abort(t)
+        return True
+
+    def _abort(self, t: SaveTicket) -> None:
+        """`abort_save` of a ticket already taken out of `saves`."""
+        self._unref(self._save_holds.pop(t.save_id, []))
         for k, slot in zip(t.keys, t.page_slots):
             if slot is not None:
                 self.pending.pop(k, None)
@@ -436,7 +440,6 @@ class HostIndex:
         self.counters["saves_aborted"] += 1
         if self.on_settled:
             self.on_settled(t, False)
-        return True
 
     def _settle_quarantined(self, t: SaveTicket) -> None:
         """Free a settled save's slots if its fence can be revoked; else keep them out of use, in `quarantine`."""

@@ -62,7 +62,7 @@ class Rng:
 
     def normal(self, *shape: int, std: float) -> torch.Tensor:
         t = torch.randn(*shape, generator=self.gen, dtype=torch.float32) * std
-        self._digest.update(t.numpy().tobytes())
+        self._digest.update(t.numpy().data)  # the buffer itself: no copy
         return t
 
     def weights_digest(self) -> str:
