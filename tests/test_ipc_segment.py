@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import stat
 import subprocess
+import sys
 from collections.abc import Iterator
 
 import numpy as np
@@ -22,8 +24,9 @@ from kvproc.ipc.segment import (
     parse_name,
     sweep_dead_segments,
 )
+from kvproc.ipc.segment_owner import OwnerLockError, owner_path
 
-CLUSTER = "segtest"
+CLUSTER = f"segtest{os.getpid()}"  # this run's own: the fixture cleans only what it started
 
 
 @pytest.fixture(autouse=True)
@@ -121,16 +124,87 @@ def test_too_large_segment_fails_cleanly_and_leaves_no_name() -> None:
         Segment.create(CLUSTER, "host_tier", free + (1 << 30))
 
 
-def test_sweep_removes_segments_of_dead_owners_only() -> None:
-    gone = subprocess.Popen(["true"])
-    gone.wait(10)
-    dead = posix_ipc.SharedMemory(f"/kvproc.{CLUSTER}.x.{gone.pid}.0", posix_ipc.O_CREX, mode=0o600, size=4096)
-    dead.close_fd()
-    dead_name = dead.name.lstrip("/")
+def _orphan(role: str) -> str:
+    """A segment whose creator died without unlinking it (a child that exits at once, skipping every cleanup)."""
+    code = ("import os; from kvproc.ipc.segment import Segment; "
+            f"s = Segment.create({CLUSTER!r}, {role!r}, 4096); print(s.name, flush=True); os._exit(0)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    return out.stdout.strip()
+
+
+def test_sweep_removes_segments_of_provably_dead_owners_only() -> None:
+    dead_name = _orphan("x")
+    dead_pid = parse_name(dead_name).pid  # type: ignore[union-attr]
+    assert os.path.exists(owner_path(CLUSTER, "x", dead_pid))  # the dead owner's lock file, free now
     with Segment.create(CLUSTER, "live", 4096) as live:
         assert set(list_segments(CLUSTER)) == {dead_name, live.name}
         assert sweep_dead_segments(CLUSTER) == [dead_name]
         assert list_segments(CLUSTER) == [live.name]
+        assert not os.path.exists(owner_path(CLUSTER, "x", dead_pid))  # its lock file went with it
+        assert os.path.exists(owner_path(CLUSTER, "live", os.getpid()))
+    assert not os.path.exists(owner_path(CLUSTER, "live", os.getpid()))  # the last unlink drops this one's file
+
+
+def test_a_segment_whose_owner_cannot_be_proven_dead_is_kept() -> None:
+    """No owner lock file (a pid of another namespace, or an older kvproc): a free pid here proves nothing."""
+    gone = subprocess.Popen(["true"])
+    gone.wait(10)
+    name = f"kvproc.{CLUSTER}.nolock.{gone.pid}.0"
+    posix_ipc.SharedMemory("/" + name, posix_ipc.O_CREX, mode=0o600, size=4096).close_fd()
+    try:
+        assert sweep_dead_segments(CLUSTER) == []
+        assert name in list_segments(CLUSTER)
+    finally:
+        posix_ipc.unlink_shared_memory("/" + name)
+
+
+def test_a_live_owner_of_another_pid_namespace_keeps_its_segments() -> None:
+    """The container case: the segment names a pid that is free here, but its owner lock is held (by a process
+    that, seen from here, has another pid): the sweep must leave it alone."""
+    gone = subprocess.Popen(["true"])
+    gone.wait(10)
+    name = f"kvproc.{CLUSTER}.other.{gone.pid}.0"
+    path = owner_path(CLUSTER, "other", gone.pid)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600);"
+         " fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); time.sleep(120)", path],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        posix_ipc.SharedMemory("/" + name, posix_ipc.O_CREX, mode=0o600, size=4096).close_fd()
+        assert sweep_dead_segments(CLUSTER) == []
+        assert name in list_segments(CLUSTER)
+        holder.kill()
+        holder.wait(10)
+        assert sweep_dead_segments(CLUSTER) == [name]  # once the owner is gone, its lock is free: proven dead
+        assert not os.path.exists(path)
+    finally:
+        holder.kill()
+        holder.wait(10)
+        if os.path.exists(path):
+            os.unlink(path)
+        with contextlib.suppress(posix_ipc.ExistentialError):
+            posix_ipc.unlink_shared_memory("/" + name)
+
+
+def test_a_second_live_owner_of_the_same_identity_is_refused() -> None:
+    """Two processes of two pid namespaces with the same cluster, role and pid would clash on segment names: the
+    second one's creation fails with the reason instead of sharing (or sweeping) the first one's segments."""
+    path = owner_path(CLUSTER, "clash", os.getpid())
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600);"
+         " fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); time.sleep(120)", path],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        with pytest.raises(OwnerLockError, match="another pid namespace"):
+            Segment.create(CLUSTER, "clash", 4096)
+        assert not list_segments(CLUSTER)
+    finally:
+        holder.kill()
+        holder.wait(10)
+        if os.path.exists(path):
+            os.unlink(path)
 
 
 def test_pinning_is_a_no_op_without_cuda() -> None:

@@ -1,7 +1,8 @@
 """`Segment`: a POSIX shared-memory segment with zero-copy numpy/torch views that can never dangle.
 
-- Created exclusively (O_CREX), mode 0600, named `kvproc.<cluster>.<role>.<owner pid>.<n>` so that a sweep can tell
-  whose it is; sized with `posix_fallocate` so a too-small /dev/shm fails here with ENOSPC instead of a SIGBUS on
+- Created exclusively (O_CREX), mode 0600, named `kvproc.<cluster>.<role>.<owner pid>.<n>`, under the creator's
+  owner lock (`segment_owner`), so that a sweep removes it only once it can prove the creator dead, whatever pid
+  namespace the creator ran in; sized with `posix_fallocate` so a too-small /dev/shm fails here with ENOSPC instead of a SIGBUS on
   first write; mapped with MAP_POPULATE so page faults are paid at creation/attach, never on a hot path.
 - Attached by name with size 0 (a non-zero size would truncate the segment).
 - Every view is a numpy array over the mmap (torch views via `torch.from_numpy`, never `torch.frombuffer`, which
@@ -20,6 +21,8 @@ from typing import TYPE_CHECKING, Any, Iterable, NamedTuple
 
 import numpy as np
 import posix_ipc
+
+from kvproc.ipc import segment_owner
 
 if TYPE_CHECKING:
     import torch
@@ -64,6 +67,7 @@ class Segment:
         self.owner = owner  # True in the creating process (the one that unlinks)
         self._mm: mmap.mmap | None = mm
         self.pinned = False  # set by kvproc.ipc.pinning
+        self._owner_held = owner  # this process counts the segment under its owner lock until it unlinks it
 
     @classmethod
     def create(cls, cluster: str, role: str, nbytes: int) -> Segment:
@@ -72,7 +76,12 @@ class Segment:
         if nbytes <= 0:
             raise ValueError(f"segment size must be positive, got {nbytes}")
         name = f"kvproc.{cluster}.{role}.{os.getpid()}.{next(_seq)}"
-        shm = posix_ipc.SharedMemory("/" + name, posix_ipc.O_CREX, mode=0o600, size=0)
+        segment_owner.hold(cluster, role)  # before the name exists, so no sweep ever sees it without a live owner
+        try:
+            shm = posix_ipc.SharedMemory("/" + name, posix_ipc.O_CREX, mode=0o600, size=0)
+        except BaseException:
+            segment_owner.release(cluster, role)
+            raise
         try:
             try:
                 os.posix_fallocate(shm.fd, 0, nbytes)
@@ -85,6 +94,7 @@ class Segment:
         except BaseException:
             shm.close_fd()
             shm.unlink()
+            segment_owner.release(cluster, role)
             raise
         shm.close_fd()  # the mapping keeps the memory; the fd is not needed any more
         return cls(name, mm, nbytes, owner=True)
@@ -157,6 +167,11 @@ class Segment:
             posix_ipc.unlink_shared_memory("/" + self.name)
         except posix_ipc.ExistentialError:
             pass
+        if self._owner_held:
+            self._owner_held = False
+            parsed = parse_name(self.name)
+            assert parsed is not None
+            segment_owner.release(parsed.cluster, parsed.role)
 
     def address(self) -> int:
         """The mapping's base address (for pinned-memory registration)."""
@@ -175,16 +190,6 @@ class Segment:
         return f"Segment({self.name!r}, {self.nbytes} B, owner={self.owner}, closed={self.closed})"
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    return True
-
-
 def list_segments(cluster: str | None = None) -> list[str]:
     names = []
     for entry in os.listdir(SHM_DIR):
@@ -195,17 +200,30 @@ def list_segments(cluster: str | None = None) -> list[str]:
 
 
 def sweep_dead_segments(cluster: str | None = None, pids: Iterable[int] | None = None) -> list[str]:
-    """Unlink kvproc segments whose owner process is dead (optionally only these pids / this cluster)."""
+    """Unlink kvproc segments whose creator is provably dead (optionally only these pids / this cluster): its owner
+    lock file exists and nobody holds it. A pid alone proves nothing (containers sharing /dev/shm have pid
+    namespaces of their own), so a segment without an owner lock file is kept. Owner lock files left without
+    segments by dead processes go too."""
     only = set(pids) if pids is not None else None
-    removed = []
+    by_owner: dict[tuple[str, str, int], list[str]] = {}
     for entry in list_segments(cluster):
         parsed = parse_name(entry)
         assert parsed is not None
-        if (only is not None and parsed.pid not in only) or _pid_alive(parsed.pid):
+        by_owner.setdefault((parsed.cluster, parsed.role, parsed.pid), []).append(entry)
+    for owner in segment_owner.owner_files():
+        if cluster is None or owner[0] == cluster:
+            by_owner.setdefault(owner, [])
+    removed = []
+    for (c, role, pid), entries in sorted(by_owner.items()):
+        if only is not None and pid not in only:
             continue
-        try:
-            posix_ipc.unlink_shared_memory("/" + entry)
-            removed.append(entry)
-        except posix_ipc.ExistentialError:  # someone else swept it first
-            pass
+        with segment_owner.claim_if_dead(c, role, pid) as dead:
+            if not dead:
+                continue
+            for entry in entries:
+                try:
+                    posix_ipc.unlink_shared_memory("/" + entry)
+                    removed.append(entry)
+                except posix_ipc.ExistentialError:  # someone else swept it first
+                    pass
     return removed
