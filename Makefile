@@ -8,7 +8,7 @@ TORCH   := torch==2.13.0
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml setup.py kvproc/_native.c kvproc/_slotmap.c kvproc/_native.h
+$(STAMP): pyproject.toml setup.py kvproc/native/_native.c kvproc/native/_slotmap.c kvproc/native/_native.h
 	test -x $(PY) || python3 -m venv .venv
 	$(PY) -m pip install -q --upgrade pip
 	# CPU wheel first, so nothing below pulls a multi-GB CUDA build of torch.
@@ -26,4 +26,4 @@ bench: $(STAMP)
 	$(PY) -m kvproc bench all
 
 clean:
-	rm -rf .venv build *.egg-info kvproc/*.so
+	rm -rf .venv build *.egg-info kvproc/native/*.so

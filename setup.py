@@ -1,14 +1,14 @@
 """Only the optional compiled helpers; everything else is in pyproject.toml.
 
-`kvproc._native` (kvproc/_native.c) is optional: where no C compiler is found the build skips it and kvproc uses its
-pure-Python forms (slower hashing and copy planning, same results).
+`kvproc.native._native` (kvproc/native/_native.c) is optional: where no C compiler is found the build skips it and
+kvproc uses its pure-Python forms (slower hashing and copy planning, same results).
 """
 
 from setuptools import Extension, setup
 
 setup(
     ext_modules=[
-        Extension("kvproc._native", ["kvproc/_native.c", "kvproc/_slotmap.c"], depends=["kvproc/_native.h"],
-                  optional=True, extra_compile_args=["-O3"]),
+        Extension("kvproc.native._native", ["kvproc/native/_native.c", "kvproc/native/_slotmap.c"],
+                  depends=["kvproc/native/_native.h"], optional=True, extra_compile_args=["-O3"]),
     ],
 )

@@ -16,7 +16,7 @@ import time
 import numpy as np
 
 from kvproc import GroupKind, GroupSpec, KvSpec, RequestKv
-from kvproc.pool import BlockPool
+from kvproc.core.pool import BlockPool
 
 
 def _us(fn, reps: int) -> float:

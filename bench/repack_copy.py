@@ -24,7 +24,7 @@ from kvproc.contract import validate_layout
 from kvproc.engine.models.mla import MlaModel
 from kvproc.tiers.layout import HostLayout
 from kvproc.workers.copy_exec import CopyExecutor
-from kvproc.workers.orders import LoadOrder, SaveOrder
+from kvproc.ipc.orders import LoadOrder, SaveOrder
 
 BLOCKS = 1024
 

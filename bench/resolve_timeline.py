@@ -17,11 +17,11 @@ import sys
 import time
 from typing import Any, Callable
 
-from kvproc import store_resolve
+from kvproc.store import resolve as store_resolve
 from kvproc.bench.ipcbench import ARENA_BLOCK, CONCURRENCY, _Bench, _Model
-from kvproc.cluster import ClusterStore
+from kvproc.store.cluster import ClusterStore
 from kvproc.ipc import direct
-from kvproc.store_types import StoreConfig
+from kvproc.store.types import StoreConfig
 
 FORMS = {
     "verified": StoreConfig(cacheable_pin_fraction=1.0),

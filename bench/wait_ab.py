@@ -20,9 +20,9 @@ import sys
 import time
 
 from kvproc.bench.ipcbench import ARENA_BLOCK, CONCURRENCY, _Bench, _Model, _RawEcho
-from kvproc.cluster import ClusterStore
+from kvproc.store.cluster import ClusterStore
 from kvproc.ipc import direct
-from kvproc.store_types import StoreConfig
+from kvproc.store.types import StoreConfig
 
 
 def main() -> int:

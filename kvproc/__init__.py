@@ -22,37 +22,37 @@ _EXPORTS: dict[str, str] = {
     "Sharding": "kvproc.contract",
     "validate_layout": "kvproc.contract",
     # hashing
-    "BlockHasher": "kvproc.hashing",
-    "DEFAULT_SCOPE": "kvproc.hashing",
-    "HashAlgorithm": "kvproc.hashing",
-    "HashScope": "kvproc.hashing",
-    "PAD_TOKEN_ID": "kvproc.hashing",
-    "PageHashes": "kvproc.hashing",
+    "BlockHasher": "kvproc.core.hashing",
+    "DEFAULT_SCOPE": "kvproc.core.hashing",
+    "HashAlgorithm": "kvproc.core.hashing",
+    "HashScope": "kvproc.core.hashing",
+    "PAD_TOKEN_ID": "kvproc.core.hashing",
+    "PageHashes": "kvproc.core.hashing",
     # pool, holds, requests
-    "BlockPool": "kvproc.pool",
-    "CopyKind": "kvproc.bounded",
-    "CopyOrder": "kvproc.bounded",
-    "HoldConsumedError": "kvproc.holds",
-    "MissReason": "kvproc.holds",
-    "Pin": "kvproc.holds",
-    "PrefixHold": "kvproc.holds",
-    "Reservation": "kvproc.holds",
-    "ReusePolicy": "kvproc.holds",
-    "PoolExhaustedError": "kvproc.paged",
-    "StaleBlockError": "kvproc.paged",
-    "LifetimeExceededError": "kvproc.request_kv",
-    "RequestKv": "kvproc.request_kv",
-    "RequestStateError": "kvproc.request_kv",
+    "BlockPool": "kvproc.core.pool",
+    "CopyKind": "kvproc.core.bounded",
+    "CopyOrder": "kvproc.core.bounded",
+    "HoldConsumedError": "kvproc.core.holds",
+    "MissReason": "kvproc.core.holds",
+    "Pin": "kvproc.core.holds",
+    "PrefixHold": "kvproc.core.holds",
+    "Reservation": "kvproc.core.holds",
+    "ReusePolicy": "kvproc.core.holds",
+    "PoolExhaustedError": "kvproc.core.paged",
+    "StaleBlockError": "kvproc.core.paged",
+    "LifetimeExceededError": "kvproc.core.request_kv",
+    "RequestKv": "kvproc.core.request_kv",
+    "RequestStateError": "kvproc.core.request_kv",
     # the store and its verbs
-    "KvStore": "kvproc.store",
-    "InvalidSealCursor": "kvproc.store_types",
-    "KvPrefix": "kvproc.store_types",
-    "ResolvePolicy": "kvproc.store_types",
-    "SaveClass": "kvproc.store_types",
-    "SealCursor": "kvproc.store_types",
-    "StoreConfig": "kvproc.store_types",
-    "build_local_store": "kvproc.build",
-    "ClusterStore": "kvproc.cluster",
+    "KvStore": "kvproc.store.kv_store",
+    "InvalidSealCursor": "kvproc.store.types",
+    "KvPrefix": "kvproc.store.types",
+    "ResolvePolicy": "kvproc.store.types",
+    "SaveClass": "kvproc.store.types",
+    "SealCursor": "kvproc.store.types",
+    "StoreConfig": "kvproc.store.types",
+    "build_local_store": "kvproc.store.build",
+    "ClusterStore": "kvproc.store.cluster",
     # processes
     "launch": "kvproc.runtime",
     "CancelToken": "kvproc.ipc.cancel",
@@ -75,7 +75,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from kvproc.bounded import CopyKind, CopyOrder
+    from kvproc.core.bounded import CopyKind, CopyOrder
     from kvproc.contract import (
         ArenaLayout,
         GroupKind,
@@ -88,14 +88,14 @@ if TYPE_CHECKING:
         Sharding,
         validate_layout,
     )
-    from kvproc.hashing import DEFAULT_SCOPE, PAD_TOKEN_ID, BlockHasher, HashAlgorithm, HashScope, PageHashes
-    from kvproc.holds import HoldConsumedError, MissReason, Pin, PrefixHold, Reservation, ReusePolicy
-    from kvproc.paged import PoolExhaustedError, StaleBlockError
-    from kvproc.pool import BlockPool
-    from kvproc.request_kv import LifetimeExceededError, RequestKv, RequestStateError
-    from kvproc.build import build_local_store
-    from kvproc.cluster import ClusterStore
+    from kvproc.core.hashing import DEFAULT_SCOPE, PAD_TOKEN_ID, BlockHasher, HashAlgorithm, HashScope, PageHashes
+    from kvproc.core.holds import HoldConsumedError, MissReason, Pin, PrefixHold, Reservation, ReusePolicy
+    from kvproc.core.paged import PoolExhaustedError, StaleBlockError
+    from kvproc.core.pool import BlockPool
+    from kvproc.core.request_kv import LifetimeExceededError, RequestKv, RequestStateError
+    from kvproc.store.build import build_local_store
+    from kvproc.store.cluster import ClusterStore
     from kvproc.ipc.cancel import CancelToken
     from kvproc.runtime import launch
-    from kvproc.store import KvStore
-    from kvproc.store_types import InvalidSealCursor, KvPrefix, ResolvePolicy, SaveClass, SealCursor, StoreConfig
+    from kvproc.store.kv_store import KvStore
+    from kvproc.store.types import InvalidSealCursor, KvPrefix, ResolvePolicy, SaveClass, SealCursor, StoreConfig

@@ -11,7 +11,7 @@ from typing import Callable, Sequence
 
 # subcommand -> (module, function taking argv, one-line help)
 COMMANDS: dict[str, tuple[str, str, str]] = {
-    "demo": ("kvproc.demo", "main", "run the reference engine demo (the main job)"),
+    "demo": ("kvproc.demo.single", "main", "run the reference engine demo (the main job)"),
     "bench": ("kvproc.bench.cli", "main", "benchmarks: replay, copy, ipc, hash"),
     "console": ("kvproc.runtime.console", "main", "inspect a running cluster: status, profile"),
     "up": ("kvproc.runtime.standalone", "up_main", "start a standalone host tier shared by engines on this node"),

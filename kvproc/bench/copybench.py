@@ -3,7 +3,7 @@
 Both sides live in POSIX shared memory, pre-faulted (as kvproc's segments are), so neither run pays first-touch page
 faults. The baseline is one `np.copyto` of the whole batch, contiguous: the physical limit for that byte volume in the
 same run. "scattered" permutes the device block ids (and host slots), so nothing coalesces. Where an arena's pages
-are stored as they execute (no repack hook), blocks move in one `kvproc._native.copy_rows` call per arena (ids
+are stored as they execute (no repack hook), blocks move in one `kvproc.native._native.copy_rows` call per arena (ids
 checked, then one memmove per run). The same scattered orders also run on the numpy path ("scattered, numpy":
 `CopyExecutor.use_copy_rows = False`, the path before `copy_rows` and the fallback where the module is not built:
 below `GATHER_MAX_BLOCK_BYTES` one fancy-index gather per arena, from it on one slice copy per block), in the same
@@ -25,7 +25,7 @@ import torch
 from kvproc.contract import GroupKind, GroupSpec, KvArena, KvSpec, validate_layout
 from kvproc.tiers.layout import HostLayout
 from kvproc.workers.copy_exec import CopyExecutor
-from kvproc.workers.orders import LoadOrder, SaveOrder
+from kvproc.ipc.orders import LoadOrder, SaveOrder
 
 SIZES = {"4KiB": 4 << 10, "64KiB": 64 << 10, "1MiB": 1 << 20, "16MiB": 16 << 20}
 

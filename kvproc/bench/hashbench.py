@@ -32,9 +32,9 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from kvproc.contract import GroupKind, GroupSpec, KvSpec
-from kvproc.hashing import BlockHasher, HashAlgorithm
-from kvproc.pool import BlockPool
-from kvproc.request_kv import RequestKv
+from kvproc.core.hashing import BlockHasher, HashAlgorithm
+from kvproc.core.pool import BlockPool
+from kvproc.core.request_kv import RequestKv
 
 PAGE_TOKENS = 16
 SIZES = (1024, 32 * 1024, 128 * 1024)

@@ -42,7 +42,7 @@ DEALER/ROUTER round trip measured in the same run.
 - `--ab N`: on the loop path, the store loop's own sockets vs the sync clients' I/O threads, for whole host-hit
   resolves (1 and 16 blocks), alternating batches of 10 resolves (N batches each).
 - `--ab-native N`: blocking host-hit resolves of 16/64/256 blocks with the store side's compiled helpers
-  (`kvproc._native`: hash chain, pool book-keeping) on vs off, interleaved batches of 5 (N x 10 each).
+  (`kvproc.native._native`: hash chain, pool book-keeping) on vs off, interleaved batches of 5 (N x 10 each).
 Medians. A page is 2 arenas x 2 KiB (4 KiB per block, 16 tokens).
 """
 
@@ -69,14 +69,14 @@ import torch
 import zmq
 
 from kvproc import native
-from kvproc.cluster import ClusterStore
+from kvproc.store.cluster import ClusterStore
 from kvproc.contract import GroupKind, GroupSpec, KvArena, KvSpec, RepackDirection
 from kvproc.ipc.direct import spin_for_message
 from kvproc.ipc.segment import Segment
 from kvproc.runtime import procutil
-from kvproc.request_kv import RequestKv
-from kvproc.store import KvStore
-from kvproc.store_types import SealCursor, StoreConfig
+from kvproc.core.request_kv import RequestKv
+from kvproc.store.kv_store import KvStore
+from kvproc.store.types import SealCursor, StoreConfig
 from kvproc.workers.copy_exec import CopyExecutor
 
 PAGE = 16
@@ -308,7 +308,7 @@ class _Bench:
 def _loop_calls(b: _Bench, n: int) -> dict[str, float]:
     """Median Ping round trip awaited on the store's loop: its own socket vs the sync client's I/O thread."""
     from kvproc.ipc import messages as m
-    from kvproc.tiers.remote import _call
+    from kvproc.tiers.remote import await_sync_call
 
     tier: Any = b.store.tier
     sync = b.cs.cluster.client("host_tier")
@@ -319,7 +319,7 @@ def _loop_calls(b: _Bench, n: int) -> dict[str, float]:
         for i in range(n + 20):
             for kind in ("own_socket", "io_thread") if i % 2 else ("io_thread", "own_socket"):
                 t = time.perf_counter()
-                await (own.call(m.Ping(), timeout=5) if kind == "own_socket" else _call(sync, m.Ping(), 5))
+                await (own.call(m.Ping(), timeout=5) if kind == "own_socket" else await_sync_call(sync, m.Ping(), 5))
                 if i >= 20:
                     times[kind].append(time.perf_counter() - t)
         return {k: round(_median_us(v), 1) for k, v in times.items()}
@@ -354,7 +354,7 @@ def _ab(b: _Bench, batches: int) -> dict[str, dict[str, float]]:
 def _ab_native(b: _Bench, batches: int) -> dict[str, dict[str, float]]:
     """Median blocking host-hit resolve with the store side's compiled helpers (hash chain, pool book-keeping) on vs
     off, in interleaved batches of 5 (ABBA) on one ClusterStore; the workers and the tier keep theirs."""
-    from kvproc import hashing, paged
+    from kvproc.core import hashing, paged
 
     native_mod = hashing.NATIVE
     out: dict[str, dict[str, float]] = {}

@@ -30,10 +30,10 @@ from typing import Any, Iterator
 import numpy as np
 
 from kvproc.contract import GroupKind, GroupSpec, KvSpec
-from kvproc.hashing import BlockHasher, HashAlgorithm
-from kvproc.holds import ReusePolicy
-from kvproc.pool import BlockPool
-from kvproc.request_kv import RequestKv
+from kvproc.core.hashing import BlockHasher, HashAlgorithm
+from kvproc.core.holds import ReusePolicy
+from kvproc.core.pool import BlockPool
+from kvproc.core.request_kv import RequestKv
 from kvproc.tiers.host_index import Hit, HostIndex, SaveTicket
 
 TRACE_BLOCK = 512

@@ -135,7 +135,7 @@ def engine_process_main(spec: EngineSpec, conn: Connection) -> None:
     """One scheduler process: its own ClusterStore (copy worker) attached to the shared host tier, and an Engine."""
     import setproctitle
 
-    from kvproc.cluster import ClusterStore
+    from kvproc.store.cluster import ClusterStore
     from kvproc.engine.engine import Engine
     from kvproc.engine.models import build_model
     from kvproc.engine.repack import REPACK_PATHS

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvproc.handoff import HandoffEnvelope
+from kvproc.store.handoff import HandoffEnvelope
 
 
 @dataclass(eq=False)  # identity: a request is one object moving through the engine
@@ -33,7 +33,7 @@ class Request:
     device_hit_tokens: int = 0
     host_hit_tokens: int = 0
     failed: str | None = None  # why the request was rejected (admission can never honour it)
-    # -- P/D hand-off (kvproc/handoff.py) ----------------------------------------------------------------------
+    # -- P/D hand-off (kvproc/store/handoff.py) ----------------------------------------------------------------------
     handoff_out: bool = False  # prefill side: stop after the first token, pad, seal with Handoff, emit `envelope`
     handoff_in: HandoffEnvelope | None = None  # decode side: continue from the producer's KV, never recompute it
     envelope: HandoffEnvelope | None = None  # set by the prefill side when the hand-off is emitted

@@ -5,7 +5,7 @@ Modes:
 - `device_only`: prefix caching from the device pool only (no tier).
 - `kvproc`: the device pool plus the host tier and its copy path.
 
-With `processes=True` (what `kvproc demo` runs) the `device_only` and `kvproc` stores are `kvproc.cluster`
+With `processes=True` (what `kvproc demo` runs) the `device_only` and `kvproc` stores are `kvproc.store.cluster`
 stores: the copy worker (and, for `kvproc`, the host tier) run as their own processes, the model's arenas live in
 shared memory the scheduler owns. `processes=False` keeps everything in this process (`build_local_store`): the
 tests use it, being faster to start.
@@ -18,11 +18,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Self
 
-from kvproc.build import build_local_store
+from kvproc.store.build import build_local_store
 from kvproc.contract import GroupKind
 from kvproc.engine.models import TinyModel, build_model
-from kvproc.store import KvStore
-from kvproc.store_types import StoreConfig
+from kvproc.store.kv_store import KvStore
+from kvproc.store.types import StoreConfig
 
 MODES = ("no_cache", "device_only", "kvproc")
 
@@ -79,7 +79,7 @@ def make_store(mode: str, model_name: str, sizes: PoolSizes, *, seed: int = 0,
 
 
 def _cluster_topology(mode: str, model_name: str, sizes: PoolSizes, seed: int, config: StoreConfig) -> Topology:
-    from kvproc.cluster import ClusterStore
+    from kvproc.store.cluster import ClusterStore
     from kvproc.engine.repack import REPACK_PATHS
 
     cs = ClusterStore.start(host_bytes=sizes.host_bytes if mode == "kvproc" else 0)

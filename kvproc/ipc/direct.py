@@ -25,7 +25,7 @@ log a failure that did not happen); what still has no reply then is reported as 
 was read".
 
 A caller may also ask for a spin (`spin_s`): before it sleeps, the thread polls the socket's ZMQ_FD (and the fds its
-wait watches) without sleeping and without the GIL, for at most that long (`kvproc._native.spin_readable`). On a
+wait watches) without sleeping and without the GIL, for at most that long (`kvproc.native._native.spin_readable`). On a
 virtualised host a thread that sleeps through a wait of a few hundred microseconds wakes on a cold CPU, and the wake-up
 and the code after it run several times slower (bench/RESULTS.md, "Control path", sixth session: a 64-block host hit
 ~120-170 us faster). It costs the CPU time of the spin, so at most one thread of the process spins at a time (the
@@ -72,7 +72,7 @@ _SPINNER = threading.Lock()  # held by the one thread of the process that spins 
 def spin_for_message(sock: zmq.Socket[Any], fds: tuple[int, ...], until: float) -> bool:
     """Poll `fds` (the socket's ZMQ_FD first) without sleeping and without the GIL until the socket has a message,
     another of the fds is readable, or `until` (time.monotonic) passes; False, at once, when this thread may not spin
-    (another thread of the process does, or `kvproc._native` is not built). The module docstring says why."""
+    (another thread of the process does, or `kvproc.native._native` is not built). The module docstring says why."""
     if NATIVE is None or not _SPINNER.acquire(blocking=False):
         return False
     try:

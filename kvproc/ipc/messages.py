@@ -92,7 +92,7 @@ from typing import Any, NoReturn, Union, get_args
 import msgspec
 
 from kvproc.ipc.errors import CallCancelled, PeerDeadError, RemoteError
-from kvproc.workers.orders import LoadOrder, SaveOrder, SlotCopy
+from kvproc.ipc.orders import LoadOrder, SaveOrder, SlotCopy
 
 PROTOCOL_VERSION = 2
 

@@ -450,7 +450,7 @@ def launch(
     *,
     cluster_name: str = "default",
     runtime_dir: str | None = None,
-    ready_timeout_s: float = 15.0,
+    ready_timeout_s: float = 60.0,
     control: bool = True,
 ) -> Cluster:
     """Start every role's process, wait until each is ready and connected, and return the supervised cluster.

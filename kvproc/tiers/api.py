@@ -1,6 +1,6 @@
 """What the store needs from a tier and from a copy worker, as two small async protocols.
 
-Two implementations of each: in-process (`kvproc.tiers.local`: the same `HostIndex` and `CopyExecutor`, no process
+Two implementations of each: in-process (`kvproc.store.local_tier`: the same `HostIndex` and `CopyExecutor`, no process
 boundary; used by unit tests of the store's side of the contract and by single-process embeddings) and remote
 (`kvproc.tiers.remote`: the host-tier and copy-worker processes over kvproc's IPC). All methods run on the store's
 event loop. Fire-and-forget calls (`release_lease`, `commit_save`, ...) never raise: a dead peer's state is reclaimed
@@ -16,7 +16,7 @@ import numpy as np
 from kvproc.ipc.cancel import CancelToken
 from kvproc.tiers.host_index import QueryResult, SaveClass, SaveTicket, Shed
 from kvproc.tiers.layout import HostLayout
-from kvproc.workers.orders import LoadOrder, SaveOrder, SlotCopy
+from kvproc.ipc.orders import LoadOrder, SaveOrder, SlotCopy
 
 
 # A query's message deadline runs this far past the resolve's own: an answer that comes just after the resolve gave up

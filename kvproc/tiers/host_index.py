@@ -18,7 +18,7 @@ Lifecycles:
 
 Storage: an entry *is* its page slot. `entries` maps a key to its slot; per-slot numpy arrays hold the lease
 references and whether the slot may sit in the LRU; the LRU is a `RunLru` of slots, like the device pool's. So a
-query's or a release's per-page work is the pool's book-keeping (`kvproc._native.paged_acquire` / `paged_release`:
+query's or a release's per-page work is the pool's book-keeping (`kvproc.native._native.paged_acquire` / `paged_release`:
 one C pass; numpy where it is not built), not a Python object and an OrderedDict move per page (a 64-page query +
 release cost ~44 us of the tier's Python that way).
 """
@@ -36,7 +36,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from kvproc.lru import RunLru
+from kvproc.core.lru import RunLru
 from kvproc.native import NATIVE
 from kvproc.tiers.save_fence import BUSY, NO_FENCE, REVOKED, FenceTable
 from kvproc.tiers.slot_table import FENCE, GEN, ROWS, TAG, key_tags

@@ -1,5 +1,5 @@
 """`RemoteTier` and `RemoteCopier`: the store's `Tier` / `Copier` protocols over kvproc's RPC to the host-tier and
-copy-worker processes. Same semantics as `kvproc.tiers.local` (the reference), with the process boundary's rules:
+copy-worker processes. Same semantics as `kvproc.store.local_tier` (the reference), with the process boundary's rules:
 
 - Every call made on the store's loop goes through the loop's own socket to the peer (`_LoopLink`: an
   `AsyncRpcClient` per incarnation, read by the loop itself; no client I/O thread, no cross-thread future), with the
@@ -41,7 +41,7 @@ from kvproc.tiers.api import LATE_REPLY_GRACE_S
 from kvproc.tiers.host_index import Hit, Loading, Miss, QueryResult, SaveClass, SaveTicket, Shed
 from kvproc.tiers.layout import HostLayout
 from kvproc.tiers.slot_table import ROWS
-from kvproc.workers.orders import LoadOrder, SaveOrder, SlotCopy
+from kvproc.ipc.orders import LoadOrder, SaveOrder, SlotCopy
 
 log = structlog.get_logger("kvproc.remote")
 
@@ -91,11 +91,11 @@ async def _acall(link: _LoopLink, sync: RpcClient, msg: m.RequestBody, timeout: 
     or the reply's typed exception (RemoteError, PeerDeadError, CallCancelled)."""
     ac = link.get(sync)
     if ac is None:
-        return await _call(sync, msg, timeout)
+        return await await_sync_call(sync, msg, timeout)
     return await ac.call(msg, timeout=max(timeout, 0.001))
 
 
-async def _call(client: RpcClient, msg: m.RequestBody, timeout: float,
+async def await_sync_call(client: RpcClient, msg: m.RequestBody, timeout: float,
                 on_late: Callable[[Any], None] | None = None) -> Any:
     """Await one call through the sync client's I/O thread (the fallback off the store's loop); the payload, or the
     reply's typed exception (RemoteError, PeerDeadError, CallCancelled).
@@ -168,7 +168,7 @@ class RemoteTier:
         sync = self._client()
         ac = self._link.get(sync)
         if ac is None:
-            return _query_result(await _call(sync, msg, timeout, on_late=self._late_answer))
+            return _query_result(await await_sync_call(sync, msg, timeout, on_late=self._late_answer))
         return _query_result(await ac.call_keeping_late(msg, self._late_answer, timeout=max(timeout, 0.001)))
 
     def query_blocking(self, req_id: str, hashes: Sequence[bytes], *, deadline: float,

@@ -17,7 +17,7 @@ in shared memory (the slot table's `FENCE` row, `slot_table.py`), and writing is
 So the order is fixed by the word, not by timeouts. A worker killed in the middle of a write leaves its claim behind:
 the save's slots stay quarantined (counted, `saves_quarantined`): lost capacity, never wrong bytes.
 
-The compare-and-swap is `kvproc._native.fence_cas` (atomic across processes). Without the C module the pure-Python
+The compare-and-swap is `kvproc.native._native.fence_cas` (atomic across processes). Without the C module the pure-Python
 form reads, compares and writes in three steps: same protocol, but a write racing a revoke in that window is not
 excluded (no compiler, no atomics: the C build is what production runs).
 """

@@ -2,7 +2,7 @@
 
 hash -> (page slot, slot generation), learned from this store's own saves once their copy has landed, and from
 query hits. A hint is never trusted: a load started from it before the tier is asked (the blocking resolve's
-speculative load, `kvproc/store_resolve_blocking.py`) keeps only the leading pages whose (slot, generation) the
+speculative load, `kvproc/store/resolve_blocking.py`) keeps only the leading pages whose (slot, generation) the
 tier's hit names too. Why that is safe: the tier bumps a slot's generation each time it hands the slot to a save
 and never rewrites a live entry, so an unchanged pair means the slot held that page's bytes from the moment the
 store learned it until the hit, and the hit's lease holds it from then on; a copy at any time in between read the
@@ -17,9 +17,9 @@ That check trusts the belief no more than the hit does.
 Bounded (the tier's page slots: more entries than the tier can hold are stale by construction), the oldest learned
 forgotten first; thread-safe (the store's loop learns from saves, resolving threads read and learn from hits).
 
-Two forms, one behaviour (a hypothesis test runs them side by side): `kvproc._native.SlotMap` where the compiled
+Two forms, one behaviour (a hypothesis test runs them side by side): `kvproc.native._native.SlotMap` where the compiled
 helpers are built -- an open-addressing table of 32-byte inline entries whose lookups of a resolve's pages prefetch
-every bucket and then every slot-table row before comparing any (`kvproc/_slotmap.c`: on a resolve's critical path,
+every bucket and then every slot-table row before comparing any (`kvproc/native/_slotmap.c`: on a resolve's critical path,
 right after an engine step, the dict form's dependent cache misses were most of its cost) -- else a dict.
 """
 
@@ -39,7 +39,7 @@ from kvproc.tiers.slot_table import GEN, TAG, verified_run
 _KNOWN = partial(is_not, None)
 
 
-KEY_BYTES = 16  # a page hash (`kvproc.hashing.BlockHash`)
+KEY_BYTES = 16  # a page hash (`kvproc.core.hashing.BlockHash`)
 
 
 class SlotCache:
@@ -96,7 +96,7 @@ class SlotCache:
     def run_verified(self, keys: list[bytes], table: np.ndarray) -> tuple[list[int], list[int], int]:
         """`run`, checked against the tier's slot table before a copy is ordered from it (`verified_run`): the
         (slots, generations) of the leading keys the table confirms, and how many leading keys this cache knows at
-        all (the ones past the confirmed run are stale beliefs). One C pass where `kvproc._native` is built."""
+        all (the ones past the confirmed run are stale beliefs). One C pass where `kvproc.native._native` is built."""
         if self._map is not None:
             with self._lock:
                 slots, gens, known = self._map.run_verified(keys, table[GEN], table[TAG])

@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 from typing import Sequence
 
-from kvproc.loopthread import LoopThread
+from kvproc.runtime.loopthread import LoopThread
 from kvproc.tiers.api import Tier
 
 

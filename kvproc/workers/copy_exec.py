@@ -1,13 +1,13 @@
 """The copy path: move blocks between device arenas and the host arena, coalesced and vectorised.
 
-Where `kvproc._native` is built, an arena whose stored layout is its execution layout moves an order's blocks in one
+Where `kvproc.native._native` is built, an arena whose stored layout is its execution layout moves an order's blocks in one
 C call (`copy_rows`: every id checked first, then one memmove per run where both sides are consecutive and packed,
 else one per block): no plan is built in Python at all (a 1-block load of two arenas: ~3 us in all, against ~16 us
 through the plan and numpy below). What follows is that planned path: repacked arenas, big orders, and the build
 without the compiled module.
 
 Pairs (device id, host slot) are split into runs where both sides are consecutive: one pass in C where
-`kvproc._native` is built (a 64-block order plans in ~3 us), else a Python loop for short orders and numpy for long
+`kvproc.native._native` is built (a 64-block order plans in ~3 us), else a Python loop for short orders and numpy for long
 ones (~80 us of fixed per-call cost at 64 blocks: more than copying 256 KiB). A run of at
 least `LONG_RUN` blocks is one slice copy per arena: contiguous host units and, when the arena packs its blocks
 (stride == bytes), contiguous device bytes, i.e. one memcpy. In an arena of small blocks (< `GATHER_MAX_BLOCK_BYTES`)
@@ -38,7 +38,7 @@ from kvproc.native import NATIVE
 from kvproc.tiers import save_fence
 from kvproc.tiers.layout import HostLayout
 from kvproc.tiers.slot_table import FENCE, ROW_BYTES
-from kvproc.workers.orders import LoadOrder, SaveOrder, SlotCopy
+from kvproc.ipc.orders import LoadOrder, SaveOrder, SlotCopy
 
 RepackFn = Callable[[str, RepackDirection, torch.Tensor, torch.Tensor], None]
 PARALLEL_BYTES = 8 << 20  # below this, a second thread costs more than it saves
@@ -72,7 +72,7 @@ SMALL_ORDER = 32  # blocks: below this, planning in plain Python beats numpy's f
 def runs(src: Sequence[int] | np.ndarray, dst: Sequence[int] | np.ndarray) -> list[tuple[int, int, int]]:
     """(src_start, dst_start, length) of maximal runs where both sides advance by one.
 
-    One C pass where `kvproc._native` is built. Without it: up to `SMALL_ORDER` pairs one pass over two short lists
+    One C pass where `kvproc.native._native` is built. Without it: up to `SMALL_ORDER` pairs one pass over two short lists
     (~3 us for 32); numpy's version costs ~8 calls at 1-3 us each whatever the size, so it takes over only where its
     per-element speed pays (a resolve's typical load is a few blocks; `kvproc bench copy` / `bench ipc` measure both
     ends)."""
@@ -128,7 +128,7 @@ Bounds = tuple[int, int, int, int]  # (src min, src max, dst min, dst max)
 def plan_runs(src: Sequence[int], dst: Sequence[int], long_run: int = LONG_RUN
               ) -> tuple[list[tuple[int, int, int]], np.ndarray, np.ndarray, Bounds | None]:
     """`split_runs` with `long_run` as the threshold, plus the ids' bounds (None for an empty order): what a copy
-    plan needs, in one C pass where `kvproc._native` is built. `long_run=1` returns every run as long."""
+    plan needs, in one C pass where `kvproc.native._native` is built. `long_run=1` returns every run as long."""
     if NATIVE is not None:
         long_runs, gs, gd, bounds = NATIVE.copy_plan(src, dst, long_run)
         return (long_runs, np.asarray(gs, dtype=np.int64) if gs else _NO_IDS,
@@ -176,7 +176,7 @@ def _bounds(ids: Sequence[int]) -> tuple[int, int]:
 
 
 class CopyExecutor:
-    # Move non-repacked pages with `kvproc._native.copy_rows` where it is built; False plans them for numpy (long runs
+    # Move non-repacked pages with `kvproc.native._native.copy_rows` where it is built; False plans them for numpy (long runs
     # as slices, the rest in one gather): the A/B knob behind `kvproc bench copy`'s "numpy path" rows.
     use_copy_rows = True
     # A repacked arena's blocks go through the hook in batches (`_repack_copies`); False: one call per run, the path
@@ -476,7 +476,7 @@ class _GatherCopy:
 @dataclass(frozen=True)
 class _RowCopy:
     """Row dst_ids[i] of `dst` = row src_ids[i] of `src` over flat byte buffers (rows `*_stride` bytes apart): one
-    `kvproc._native.copy_rows` call, ids checked first, one memmove per contiguous run."""
+    `kvproc.native._native.copy_rows` call, ids checked first, one memmove per contiguous run."""
 
     dst: np.ndarray
     dst_stride: int

@@ -1,0 +1,203 @@
+"""Paged block book-keeping for one rank: free -> active (referenced) -> inactive (sealed, unreferenced, matchable).
+
+Not thread-safe by itself: `BlockPool` calls it under its one lock. Every block id carries a generation that changes
+each time the block is handed out again, so a handle that crossed a boundary can be checked before its bytes are
+trusted (a stale id would otherwise read someone else's KV).
+
+Hot-path rule: refcounts and generations are numpy arrays. Where `kvproc.native._native` is built each operation is one C
+pass over them (and over the prefix index dict); without it, one fancy-index numpy call per step, the only per-block
+Python work being the prefix index's dict traffic. Both forms check every id before changing anything, and give the
+same results (tests run both). The C form matters because a resolve moves a few dozen ids at a time, where numpy's
+fixed cost per call (a 64-id list takes ~4 us just to become an array) is most of the work.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from itertools import takewhile
+from operator import is_not
+from typing import Callable, Sequence
+
+import numpy as np
+
+from kvproc.core.lru import RunLru
+from kvproc.native import NATIVE
+
+_NOT_NONE = partial(is_not, None)
+
+
+class PoolExhaustedError(RuntimeError):
+    """An allocation asked for more blocks than free + evictable; nothing was taken (all-or-nothing)."""
+
+
+class StaleBlockError(RuntimeError):
+    """A block handle's generation no longer matches: the block was reused since the handle was made."""
+
+
+class PagedBlocks:
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.refcount = np.zeros(num_blocks, dtype=np.int32)
+        self.generation = np.zeros(num_blocks, dtype=np.int64)
+        self.hashed = np.zeros(num_blocks, dtype=bool)
+        self.block_hash: list[bytes | None] = [None] * num_blocks  # the hash each block is registered under
+        # Stack: popping from the end hands out low ids first, which keeps early runs contiguous for the copy path.
+        self.free: list[int] = list(range(num_blocks - 1, -1, -1))
+        # LRU of sealed, unreferenced blocks: first item is evicted first.
+        self.inactive = RunLru(num_blocks)
+        self.index: dict[bytes, int] = {}
+        self.evictions = 0
+
+    # -- capacity -------------------------------------------------------------------------------------------------
+    @property
+    def available(self) -> int:
+        """Blocks an allocation can obtain now: free plus evictable."""
+        return len(self.free) + len(self.inactive)
+
+    # -- allocation -----------------------------------------------------------------------------------------------
+    def allocate(self, n: int) -> list[int]:
+        """Take `n` blocks (refcount 1 each), evicting LRU inactive blocks if needed; all-or-nothing."""
+        return self.allocate_with_generations(n)[0]
+
+    def allocate_with_generations(self, n: int) -> tuple[list[int], np.ndarray]:
+        """`allocate`, and the blocks' new generations (a handle's), in the same pass."""
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} blocks")
+        if n > self.available:
+            raise PoolExhaustedError(f"asked for {n} blocks, only {self.available} free or evictable")
+        take = min(n, len(self.free))
+        ids = self.free[len(self.free) - take :]
+        del self.free[len(self.free) - take :]
+        ids.reverse()
+        if n > take:
+            evicted = self.inactive.pop_oldest(n - take)
+            self._unhash(evicted)
+            ids.extend(evicted)
+        self.evictions += n - take
+        if not ids:
+            return ids, np.empty(0, dtype=np.int64)
+        if NATIVE is not None:
+            return ids, np.frombuffer(NATIVE.paged_take(self.refcount, self.generation, ids), dtype=np.int64)
+        idx = np.asarray(ids, dtype=np.int64)
+        self.refcount[idx] = 1
+        self.generation[idx] += 1
+        return ids, self.generation[idx]  # fancy indexing copies
+
+    def _unhash(self, ids: list[int]) -> None:
+        if NATIVE is not None:
+            NATIVE.paged_unhash(self.hashed, self.block_hash, self.index, ids)
+            return
+        index, block_hash = self.index, self.block_hash  # a displaced duplicate no longer owns its index entry
+        for bid in ids:
+            h = block_hash[bid]
+            if h is not None and index.get(h) == bid:
+                del index[h]
+            block_hash[bid] = None
+        self.hashed[ids] = False
+
+    def acquire(self, ids: Sequence[int]) -> None:
+        """Add one reference to each block (blocks must be active or inactive, never free)."""
+        if not len(ids):
+            return
+        if NATIVE is not None:
+            left_lru, free = NATIVE.paged_acquire(self.refcount, self.hashed, self.inactive.stamp, ids)
+            if free:
+                raise RuntimeError(f"acquire of free blocks {free}")
+            self.inactive.removed(left_lru)
+            return
+        idx = np.asarray(ids, dtype=np.int64)
+        rc = self.refcount[idx]
+        cold = idx[rc == 0]
+        if cold.size:
+            if not self.hashed[cold].all():
+                raise RuntimeError(f"acquire of free blocks {cold[~self.hashed[cold]].tolist()[:8]}")
+            self.inactive.remove(cold)  # a referenced block leaves the LRU
+        # Plain fancy-index add: the ids of one hold / request / pin are distinct by construction.
+        self.refcount[idx] += 1
+
+    def release(self, ids: Sequence[int]) -> list[int]:
+        """Drop one reference from each block; returns the ids that became unreferenced.
+
+        Blocks are released tail-first so that, within one request, the tail of a chain is evicted before its head
+        (a head shared by many prompts is worth more than a tail).
+        """
+        if not len(ids):
+            return []
+        if NATIVE is not None:
+            hashed_zero, free_zero, underflow = NATIVE.paged_release(self.refcount, self.hashed, ids)
+            if underflow is not None:
+                raise RuntimeError(f"refcount underflow releasing blocks {underflow}")
+            if hashed_zero:
+                self.inactive.insert(hashed_zero)
+            self.free.extend(free_zero)
+            return hashed_zero + free_zero
+        idx = np.asarray(ids, dtype=np.int64)[::-1]
+        rc = self.refcount[idx] - 1
+        if (rc < 0).any():
+            raise RuntimeError(f"refcount underflow releasing blocks {idx[rc < 0].tolist()}")
+        self.refcount[idx] = rc  # ids of one holder are distinct, so a plain fancy-index store is exact
+        zero = idx[rc == 0]
+        if zero.size:
+            hashed = self.hashed[zero]
+            self.inactive.insert(zero[hashed])
+            self.free.extend(zero[~hashed].tolist())
+        return zero.tolist()
+
+    # -- the prefix index -----------------------------------------------------------------------------------------
+    def register(self, ids: Sequence[int] | np.ndarray, hashes: Sequence[bytes]) -> None:
+        """Make sealed blocks matchable under their page hashes.
+
+        If a hash is already indexed (the same prefix was computed twice, or restored while computed) the newest
+        block takes the index entry: both hold identical KV, and the displaced block keeps its hash but is no longer
+        reachable, so it simply ages out of the LRU. This keeps registration one C-level dict update per call.
+        """
+        if NATIVE is not None:
+            NATIVE.paged_register(self.hashed, self.block_hash, self.index, ids, hashes)
+            return
+        idx = np.asarray(ids, dtype=np.int64)
+        hashes = list(hashes)
+        already = self.hashed[idx]
+        if already.any():
+            keep = ~already
+            idx = idx[keep]
+            hashes = [h for h, k in zip(hashes, keep.tolist()) if k]
+        if not idx.size:
+            return
+        ids_list = idx.tolist()
+        self.index.update(zip(hashes, ids_list))
+        block_hash = self.block_hash
+        for bid, h in zip(ids_list, hashes):
+            block_hash[bid] = h
+        self.hashed[idx] = True
+
+    def match(self, hashes: Sequence[bytes]) -> list[int]:
+        """Block ids of the longest indexed prefix of `hashes` (one dict probe per page, in C)."""
+        get: Callable[[bytes], int | None] = self.index.get
+        return list(takewhile(_NOT_NONE, map(get, hashes)))  # type: ignore[arg-type]
+
+    # -- generations ----------------------------------------------------------------------------------------------
+    def generations(self, ids: Sequence[int]) -> np.ndarray:
+        if not len(ids):
+            return np.empty(0, dtype=np.int64)  # a miss's hold: skip the fancy-index round trip
+        if NATIVE is not None:
+            return np.frombuffer(NATIVE.paged_gens(self.generation, ids), dtype=np.int64)  # a writable copy
+        return self.generation[np.asarray(ids, dtype=np.int64)]  # fancy indexing already returns a copy
+
+    def check(self, ids: Sequence[int] | np.ndarray, gens: np.ndarray) -> None:
+        if NATIVE is not None:
+            stale = NATIVE.paged_check(self.generation, ids, np.ascontiguousarray(gens, dtype=np.int64))
+            if stale:
+                raise StaleBlockError(f"stale block handles (reused since issued): {stale}")
+            return
+        idx = np.asarray(ids, dtype=np.int64)
+        bad = self.generation[idx] != np.asarray(gens)
+        if bad.any():
+            raise StaleBlockError(f"stale block handles (reused since issued): {idx[bad].tolist()[:8]}")
+
+    # -- invariants (tests) ---------------------------------------------------------------------------------------
+    def state_of(self) -> dict[str, set[int]]:
+        active = set(np.nonzero(self.refcount > 0)[0].tolist())
+        return {"free": set(self.free), "inactive": set(self.inactive), "active": active}
+

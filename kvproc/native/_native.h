@@ -1,0 +1,29 @@
+/* What the source files of `kvproc.native._native` share. */
+#ifndef KVPROC_NATIVE_H
+#define KVPROC_NATIVE_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+
+static inline uint64_t load64_le(const uint8_t *p) {
+    /* Byte by byte: correct on any endianness; compilers turn it into one load on little-endian targets. */
+    return (uint64_t)p[0] | ((uint64_t)p[1] << 8) | ((uint64_t)p[2] << 16) | ((uint64_t)p[3] << 24) |
+           ((uint64_t)p[4] << 32) | ((uint64_t)p[5] << 40) | ((uint64_t)p[6] << 48) | ((uint64_t)p[7] << 56);
+}
+
+/* The one rule of the host tier's slot table (`kvproc/tiers/slot_table.py`) that every check applies: slot `s` holds
+ * the committed bytes of the key tagged `t` (its first 8 bytes, little endian) at generation `g`. Tag 0 means
+ * "nothing committed" and never matches; a slot outside the table never matches. The table is shared memory the tier
+ * writes: callers fence (acquire) before their reads. */
+static inline int slot_holds(const int64_t *gen, const int64_t *tag, Py_ssize_t limit, long long s, long long g,
+                             uint64_t t) {
+    if (s < 0 || s >= limit || t == 0) return 0;
+    return __atomic_load_n(&gen[s], __ATOMIC_RELAXED) == (int64_t)g &&
+           (uint64_t)__atomic_load_n(&tag[s], __ATOMIC_RELAXED) == t;
+}
+
+/* _slotmap.c: adds the SlotMap type to the module; -1 with an exception set on failure. */
+int kvproc_add_slotmap(PyObject *module);
+
+#endif

@@ -1,0 +1,329 @@
+"""`ClusterStore`: the multi-process store an engine uses (host tier and copy workers in their own processes).
+
+    with ClusterStore.start(host_bytes=1 << 30) as cs:
+        model = build_model("dense", ..., allocator=cs.allocator)   # arenas live in segments the scheduler owns
+        store = cs.attach_model(model, live_slots=8)                 # a KvStore with RemoteTier + RemoteCopier
+        ...
+
+Processes: `host_tier[r]` and `copy_worker[r]` for each rank (the tiers only when `host_bytes > 0`: `host_bytes` each,
+a rank's shard in its own tier), launched and supervised by `kvproc.runtime.launch`. Ownership: the scheduler owns
+the arena segments (`cs.allocator`), each host tier owns its host segment, the copy workers own nothing (they attach
+both). `close()` closes the store (flushing saves and abandoned loads), shuts the cluster down (message, SIGTERM,
+SIGKILL against one deadline) and unlinks the arena segments: nothing is left in /dev/shm and no process is left.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import os
+import threading
+import time
+import weakref
+from typing import Any, Mapping, Sequence
+
+import posix_ipc
+import structlog
+import torch
+
+from kvproc.contract import ArenaLayout, KvArena, KvContractError, KvModel, require_model_id, validate_layout
+from kvproc.ipc import messages as m
+from kvproc.ipc.client import RpcClient
+from kvproc.ipc.segment import Segment, SegmentBusyError
+from kvproc.runtime import manifest as mf
+from kvproc.runtime.config import RoleConfig
+from kvproc.runtime.launcher import Cluster, launch
+from kvproc.store.kv_store import KvStore
+from kvproc.store.types import StoreConfig
+from kvproc.tiers.host import layout_from_wire, layout_to_wire
+from kvproc.tiers.layout import HostLayout
+from kvproc.tiers.remote import RemoteCopier, RemoteTier
+from kvproc.tiers.save_fence import derived_save_ttl
+
+_names = itertools.count()
+log = structlog.get_logger("kvproc.store.cluster")
+ARENA_ROLE = "arena"  # the role part of the scheduler's segment names: kvproc.<cluster>.arena.<pid>.<n>
+
+
+def _unlink_all(names: list[str]) -> None:
+    # weakref.finalize backstop: holds names only, never the ClusterStore.
+    for name in names:
+        try:
+            posix_ipc.unlink_shared_memory("/" + name)
+        except posix_ipc.ExistentialError:
+            pass
+
+
+def fingerprint(model: KvModel, layout: ArenaLayout) -> str:
+    """Human-readable capability string: two engines may share a host tier only if theirs are equal."""
+    groups = ",".join(f"{g.name}:{g.kind.value}" for g in layout.spec.groups)
+    arenas = ",".join(f"{a.name}:{a.stored_bytes}" for _, a in layout.arenas)
+    name = type(model).__name__
+    return (f"kvproc/{m.PROTOCOL_VERSION} model={name} id={require_model_id(layout.spec, name)} "
+            f"page={layout.spec.page_tokens} groups={groups} arenas={arenas}")
+
+
+def _connect_external_tiers(runtime_dir: str, ranks: int, timeout: float) -> tuple[list[RpcClient], str]:
+    """Rank r's client to `host_tier[r]` of a shared cluster (`kvproc up --ranks N`), for r < `ranks`; its token."""
+    manifest = mf.read_manifest(mf.find_runtime_dir(runtime_dir=runtime_dir))
+    tiers = {p.rank: p for p in manifest.processes if p.role == "host_tier" and p.state == "up"}
+    if not tiers:
+        raise RuntimeError(f"no running host tier in the cluster at {runtime_dir} (start one with `kvproc up`)")
+    missing = [r for r in range(ranks) if r not in tiers]
+    if missing:
+        raise RuntimeError(
+            f"the shared cluster at {runtime_dir} runs host tiers for ranks {sorted(tiers)}; this store has {ranks}"
+            f" rank(s) and each needs its own (a tier's keys carry no rank): start it with `kvproc up --ranks {ranks}`")
+    clients: list[RpcClient] = []
+    token = mf.read_token(manifest.runtime_dir)
+    try:
+        for r in range(ranks):
+            clients.append(RpcClient(tiers[r].endpoint, token=token, name="engine",
+                                     peer=f"shared host tier[{r}] ({manifest.cluster})"))
+            clients[-1].connect(timeout)
+    except BaseException:
+        for c in clients:
+            c.close()
+        raise
+    return clients, token
+
+
+def _pinned(roles: list[RoleConfig], cpus: Mapping[str, Sequence[int]]) -> list[RoleConfig]:
+    """`roles` with their CPU sets from `cpus` (keys: a role for all its ranks, or "role[rank]" for one)."""
+    names = {c.role for c in roles} | {f"{c.role}[{c.rank}]" for c in roles}
+    unknown = sorted(set(cpus) - names)
+    if unknown:
+        raise ValueError(f"cpus names {unknown}: this cluster has {sorted(names)}")
+    out = []
+    for c in roles:
+        want = cpus.get(f"{c.role}[{c.rank}]", cpus.get(c.role))
+        out.append(dataclasses.replace(c, cpus=tuple(want)) if want is not None else c)
+    return out
+
+
+class ClusterStore:
+    def __init__(self, cluster: Cluster, host_bytes: int, ranks: int, *, copy_timeout_s: float,
+                 shutdown_deadline_s: float) -> None:
+        self.cluster = cluster
+        self.host_bytes = host_bytes
+        self.ranks = ranks
+        self.copy_timeout_s = copy_timeout_s
+        self.shutdown_deadline_s = shutdown_deadline_s
+        self.store: KvStore | None = None
+        self.tiers: list[RemoteTier] = []  # one per rank
+        self.copiers: list[RemoteCopier] = []
+        self.host_layouts: list[HostLayout] = []  # per rank
+        self.host_segments: list[str] = []  # per rank
+        self._segments: list[Segment] = []
+        self._segment_names: list[str] = []
+        self._closed = False
+        self._finalizer = weakref.finalize(self, _unlink_all, self._segment_names)
+        # Host tiers this store does not own (`kvproc up`, shared by several engines), one per rank: reached through
+        # their manifest, watched by heartbeats (no sentinel to wait on), and never shut down by this store.
+        self._external_tiers: list[RpcClient] = []
+        self._external_token = ""
+        self.tier_reconnects = 0  # shared tiers reconnected after a stall
+
+    @classmethod
+    def start(cls, host_bytes: int, *, name: str | None = None, ranks: int = 1, lease_ttl_s: float = 30.0,
+              handoff_ttl_s: float = 300.0, save_ttl_s: float | None = None, reap_interval_s: float = 1.0,
+              copy_timeout_s: float = 120.0, ready_timeout_s: float = 60.0, shutdown_deadline_s: float = 5.0,
+              runtime_dir: str | None = None, max_restarts: int = 3, restart_window_s: float = 300.0,
+              tier_runtime_dir: str | None = None, log_level: str = "info",
+              cpus: Mapping[str, Sequence[int]] | None = None) -> "ClusterStore":
+        """Launch the host tier (if `host_bytes`) and one copy worker per rank; wait until all are up.
+
+        `tier_runtime_dir` attaches to running shared host tiers instead (`kvproc up [--ranks N]`, found through
+        their manifest; rank r to `host_tier[r]`); `host_bytes` is then the budget this engine asks of each.
+
+        `cpus` pins kvproc's processes: {"copy_worker": [1], "host_tier": [1]} runs every rank's worker and tier on
+        CPU 1, "copy_worker[2]" names one rank (it wins over the role's entry). Unnamed ones run wherever the OS
+        puts them (the default). For machines with cores to spare: kvproc's processes off the engine's cores, near
+        their GPU (`RoleConfig.cpus`; `kvproc bench ipc --kvproc-cpus` measures both ways)."""
+        if ranks < 1:
+            raise ValueError(f"ranks must be >= 1, got {ranks}")
+        save_ttl_s = derived_save_ttl(copy_timeout_s, save_ttl_s, StoreConfig.tier_call_timeout_s)
+        external: list[RpcClient] = []
+        token = ""
+        if tier_runtime_dir is not None:
+            external, token = _connect_external_tiers(tier_runtime_dir, ranks, ready_timeout_s)
+            host_bytes = host_bytes or 1
+        name = name or f"cs{os.getpid()}x{next(_names)}"
+        roles: list[RoleConfig] = []
+        if host_bytes > 0 and not external:  # one host tier per rank, `host_bytes` each: ranks never share one
+            roles += [RoleConfig("host_tier", r, log_level=log_level, options={
+                "host_bytes": host_bytes, "lease_ttl_s": lease_ttl_s, "handoff_ttl_s": handoff_ttl_s,
+                "save_ttl_s": save_ttl_s, "reap_interval_s": reap_interval_s}) for r in range(ranks)]
+        roles += [RoleConfig("copy_worker", r, max_restarts=max_restarts, restart_window_s=restart_window_s,
+                             log_level=log_level) for r in range(ranks)]
+        if cpus:
+            roles = _pinned(roles, cpus)
+        try:
+            cluster = launch(roles, cluster_name=name, runtime_dir=runtime_dir, ready_timeout_s=ready_timeout_s)
+        except BaseException:
+            for c in external:
+                c.close()
+            raise
+        cs = cls(cluster, host_bytes, ranks, copy_timeout_s=copy_timeout_s, shutdown_deadline_s=shutdown_deadline_s)
+        cs._external_tiers = external
+        cs._external_token = token
+        for r, client in enumerate(external):
+            client.add_death_listener(functools.partial(cs._external_tier_dead, r, client))
+        return cs
+
+    def _external_tier_dead(self, rank: int, old: RpcClient, reason: str) -> None:
+        """A shared tier's client was declared dead (heartbeats: it stalled; or it left). Runs on the client's I/O
+        thread: the reconnect runs on its own."""
+        if not self._closed:
+            threading.Thread(target=self._reconnect_external, args=(rank, old, reason), daemon=True,
+                             name="kvproc-tier-reconnect").start()
+
+    def _reconnect_external(self, rank: int, old: RpcClient, reason: str) -> None:
+        """Reconnect to the same tier process once it answers again (a stall); a tier that was replaced by another
+        process (its index and segment are not the ones this store attached to) is not re-attached: this store then
+        serves without it, as before."""
+        log.warning("shared_tier_unresponsive", rank=rank, reason=reason)
+        while not self._closed:
+            client = RpcClient(old.endpoint, token=self._external_token, name="engine", peer=old.peer)
+            try:
+                client.connect(1.0)
+            except Exception:  # noqa: BLE001 - not answering yet (or gone): try again
+                client.close()
+                time.sleep(0.5)
+                continue
+            if client.server_pid != old.server_pid or self._closed:
+                log.error("shared_tier_replaced", rank=rank, old_pid=old.server_pid, new_pid=client.server_pid)
+                client.close()
+                return
+            self._external_tiers[rank] = client
+            client.add_death_listener(functools.partial(self._external_tier_dead, rank, client))
+            self.tier_reconnects += 1
+            log.info("shared_tier_reconnected", rank=rank, pid=client.server_pid)
+            old.close()
+            return
+
+    def _tier_client(self, rank: int = 0) -> RpcClient:
+        return self._external_tiers[rank] if self._external_tiers else self.cluster.client("host_tier", rank)
+
+    # Rank 0's tier, host layout and segment (a one-rank store's only ones); the lists hold every rank's.
+    @property
+    def tier(self) -> RemoteTier | None:
+        return self.tiers[0] if self.tiers else None
+
+    @property
+    def host_layout(self) -> HostLayout | None:
+        return self.host_layouts[0] if self.host_layouts else None
+
+    @property
+    def host_segment(self) -> str:
+        return self.host_segments[0] if self.host_segments else ""
+
+    # ---- arenas ----
+
+    def allocator(self, name: str, nbytes: int) -> torch.Tensor:
+        """(arena name, nbytes) -> a zeroed uint8 tensor backed by a segment this process owns (the copy workers
+        attach it). Pass as a model's `allocator`."""
+        del name  # segment names identify the owner (for sweeps), not the arena
+        seg = Segment.create(self.cluster.name, ARENA_ROLE, nbytes)
+        self._segments.append(seg)
+        self._segment_names.append(seg.name)
+        return seg.torch(torch.uint8, 0, nbytes)
+
+    def _locate(self, arena: KvArena) -> tuple[str, int]:
+        ptr = arena.tensor.data_ptr()
+        for seg in self._segments:
+            base = seg.address()
+            if base <= ptr < base + seg.nbytes:
+                return seg.name, ptr - base
+        raise KvContractError(f"arena {arena.name!r} was not allocated through ClusterStore.allocator: a copy worker"
+                              " can only reach arenas in shared memory; build the model with allocator=cs.allocator")
+
+    def _arena_refs(self, layout: ArenaLayout) -> list[m.ArenaRef]:
+        refs = []
+        for group, a in layout.arenas:
+            seg, off = self._locate(a)
+            stored = a.stored_bytes_per_block if a.stored_bytes_per_block not in (None, a.bytes_per_block) else 0
+            refs.append(m.ArenaRef(group, layout.spec.group(group).kind.value, a.name, seg, off, a.num_blocks,
+                                   a.bytes_per_block, a.block_stride, stored or 0))
+        return refs
+
+    # ---- the store ----
+
+    def attach_model(self, model: KvModel, *, live_slots: int, config: StoreConfig = StoreConfig(),
+                     repack: str | None = None, bounded_fraction: float = 0.25,
+                     attach_timeout_s: float = 10.0) -> KvStore:
+        """Configure the host tier for the model, attach every rank's copy worker, and return the `KvStore`.
+
+        `repack` is the "module:function" import path of a `(group, direction, src, dst)` callable the copy workers
+        run where the model's stored layout differs from its execution layout (required then)."""
+        if self.store is not None:
+            raise RuntimeError("attach_model was already called: one store per ClusterStore")
+        layouts = [validate_layout(model.spec(), model.arenas(r)) for r in range(self.ranks)]
+        require_model_id(layouts[0].spec, type(model).__name__)  # before any process is configured (the fix is named)
+        differs = [a.name for _, a in layouts[0].arenas if a.stored_bytes != a.bytes_per_block]
+        if differs and not repack:
+            raise KvContractError(
+                f"{type(model).__name__}: arenas {differs} declare a stored layout different from the execution one,"
+                " so the copy workers need its repack: pass repack='package.module:function' (a (group, direction,"
+                " src, dst) callable importable in a worker process)")
+        wires: list[m.HostLayoutSpec | None] = [None] * self.ranks
+        if self.host_bytes > 0:  # each rank's shard goes to its own tier, configured with that rank's arenas
+            required = [g.name for g in layouts[0].spec.restorable_bounded_groups if not g.optional]
+            for r, layout in enumerate(layouts):
+                planned = HostLayout.plan(layout, self.host_bytes, bounded_fraction)
+                conf = self._tier_client(r).request(
+                    m.Configure(fingerprint(model, layout), layout_to_wire(planned), required),
+                    timeout=attach_timeout_s)
+                wires[r] = conf.layout
+                self.host_segments.append(conf.segment)
+                self.host_layouts.append(layout_from_wire(conf.layout))  # a joined tier's layout wins over our plan
+                self.tiers.append(RemoteTier(functools.partial(self._tier_client, r), self.host_layouts[r],
+                                             segment=conf.segment))
+        for r, layout in enumerate(layouts):
+            msg = m.AttachArenas(self._arena_refs(layout), self.host_segments[r] if self.host_segments else "",
+                                 wires[r], repack or "", layout.spec.page_tokens)
+            copier = RemoteCopier(self._copy_client(r), msg, copy_timeout_s=self.copy_timeout_s)
+            copier.attach_now(attach_timeout_s)  # fail here (bad repack path, bad arena) rather than at first copy
+            self.copiers.append(copier)
+        self.store = KvStore(layouts, live_slots=live_slots, tiers=self.tiers or None, copiers=self.copiers,
+                             config=config)
+        self.cluster.counter_providers.append(self.store.counters_flat)  # `kvproc console status` shows them
+        return self.store
+
+    def _copy_client(self, rank: int) -> Any:
+        return lambda: self.cluster.client("copy_worker", rank)
+
+    # ---- lifetime ----
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self.store is not None:
+                self.store.close()
+            for c in self.copiers:
+                c.close()
+            for t in self.tiers:
+                t.close()
+            for client in self._external_tiers:
+                client.close()
+        finally:
+            self.cluster.shutdown(self.shutdown_deadline_s)
+            for seg in self._segments:
+                seg.unlink()
+                try:
+                    seg.close()
+                except SegmentBusyError:
+                    pass  # the model still views it: the memory goes with the last view (the name is gone now)
+            self._finalizer.detach()
+
+    def __enter__(self) -> "ClusterStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+__all__ = ["ClusterStore", "fingerprint"]

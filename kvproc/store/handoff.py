@@ -1,0 +1,76 @@
+"""Prefill/decode hand-off through the store (reference design section 6): the envelope and the fingerprint.
+
+The prefill side pads the prompt's partial last page with PAD_TOKEN_ID (`RequestKv.pad_to_boundary`), checkpoints
+every group, seals with `SaveClass.HANDOFF` and emits a `HandoffEnvelope`. The decode side checks the fingerprint
+(rejecting a mismatch with both strings), rebuilds the same padded chain (`padded_chain`), resolves it with
+`HANDOFF_RESOLVE` (full pages, wait for the full hit, and consume the producer's lease when its load completes),
+asserts the full hit before admission, and adopts it with `RequestKv.adopt_handoff_prefix` (copy-on-restore of the
+padded page).
+
+Lease decision: the producer's Handoff entries are released when the consumer's **load completes** (the resolve
+consumes the lease right after committing the loaded pages), not at the admission assertion: between the two the
+pages exist only on the host tier, and releasing earlier would let them be evicted under a consumer that has not
+read them. A consumer that hits entirely in its own device pool (no load) releases them at admission
+(`KvStore.release_handoff`); a rejected or cancelled request revokes them (`KvStore.revoke_handoff`); a TTL on the
+tier reclaims forgotten ones, counted and logged.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import msgspec
+import numpy as np
+
+from kvproc.contract import ArenaLayout, require_model_id
+from kvproc.core.hashing import HASH_LAYOUT_VERSION, PAD_TOKEN_ID, HashAlgorithm
+from kvproc.core.holds import ReusePolicy
+from kvproc.store.types import ResolvePolicy
+
+HANDOFF_VERSION = 1
+
+
+class HandoffEnvelope(msgspec.Struct, frozen=True, omit_defaults=True):
+    """What the prefill side sends the decode side (through the router), besides the request itself."""
+
+    producer_req_id: str
+    fingerprint: str
+    committed_len: int  # real prompt tokens whose KV is in the store (the padding is not counted)
+    anchor_token_id: int | None  # the first sampled token; None when it was EOS (decode then stops at once)
+    draft_tokens: list[int] = []
+
+
+class FingerprintMismatch(ValueError):
+    """The two engines cannot exchange KV: different weights (model id), model shape, layout, page size or hashing."""
+
+
+def fingerprint(model_name: str, layout: ArenaLayout, algorithm: HashAlgorithm, salt_version: str = "") -> str:
+    """A human-readable capability string: equal strings mean the decode side can restore the producer's KV."""
+    spec = layout.spec
+    groups = ",".join(
+        f"{g.name}:{g.kind.value}{':opt' if g.optional else ''}{':nockpt' if not g.checkpointable else ''}"
+        for g in spec.groups
+    )
+    arenas = ",".join(f"{a.name}={a.stored_bytes}" for _, a in layout.arenas)
+    return (f"kvproc-handoff/v{HANDOFF_VERSION} model={model_name} id={require_model_id(spec, model_name)} "
+            f"page={spec.page_tokens} groups=[{groups}] "
+            f"stored=[{arenas}] hash={algorithm.value}/v{HASH_LAYOUT_VERSION} salt={salt_version or '-'}")
+
+
+def check_fingerprint(mine: str, theirs: str) -> None:
+    if mine != theirs:
+        raise FingerprintMismatch(f"hand-off fingerprint mismatch: producer {theirs!r}, this engine {mine!r}")
+
+
+def padded_chain(tokens: Sequence[int] | np.ndarray, committed_len: int, page_tokens: int) -> np.ndarray:
+    """The producer's padded token chain: the first `committed_len` tokens, padded to the page boundary."""
+    arr = np.asarray(tokens, dtype=np.int64)[:committed_len]
+    if arr.size != committed_len:
+        raise ValueError(f"the request has {arr.size} tokens, the envelope commits {committed_len}")
+    pad = (-committed_len) % page_tokens
+    return np.concatenate([arr, np.full(pad, PAD_TOKEN_ID, dtype=np.int64)]) if pad else arr
+
+
+def handoff_resolve_policy(producer_req_id: str, deadline_s: float | None = None) -> ResolvePolicy:
+    return ResolvePolicy(reuse=ReusePolicy.FULL_PAGES, wait_for_full_hit=True, deadline_s=deadline_s,
+                         consume_handoff_of=producer_req_id)

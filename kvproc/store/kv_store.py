@@ -1,0 +1,511 @@
+"""`KvStore`: the scheduler process's one KV object, with per-rank pools, a tier and copy workers, frozen after build.
+
+The three verbs (reference design section 4):
+- `resolve_prefix`: probe the device pool, ask the tier for the rest under one deadline, reserve opportunistically,
+  load, commit into the index, return the held prefix. Degradation only shortens the prefix (reason in stats).
+- `seal`: save pages sealed since the cursor (pinned until the copy lands) and the bounded checkpoint at the
+  boundary, asynchronously; Cacheable saves are shed under pin pressure, Handoff saves are leased by the tier.
+- `retire`: final seal, then release; with Handoff saves pending the request parks until they settle.
+
+Threading: verbs may be called from any thread. Async work runs on the store's own event loop thread
+(`LoopThread`); the pools are lock-protected. Every async operation ends in one recorded `Outcome`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import threading
+import time
+from collections import Counter
+from typing import Any, Sequence
+
+import numpy as np
+import structlog
+
+from kvproc.contract import ArenaLayout
+from kvproc.core.hashing import DEFAULT_SCOPE, HashScope
+from kvproc.core.holds import ReusePolicy
+from kvproc.ipc.cancel import CancelToken
+from kvproc.runtime.loopthread import LoopThread
+from kvproc.core.pool import BlockPool
+from kvproc.core.request_kv import RequestKv, RequestStateError
+from kvproc.store.resolve import Resolver
+from kvproc.store.resolve_blocking import BlockingResolver
+from kvproc.store.types import (InvalidSealCursor, KvPrefix, Outcomes, ResolvePolicy, SaveClass, SealCursor,
+                                StoreConfig)
+from kvproc.tiers.api import Copier, Tier
+from kvproc.tiers.host_index import SaveTicket, Shed
+from kvproc.tiers.slot_cache import SlotCache
+from kvproc.tiers.touch_batch import TouchBatch
+from kvproc.ipc.orders import BoundedCopy, SaveOrder, SlotCopy
+
+log = structlog.get_logger("kvproc.store.kv_store")
+
+
+def _cache_capacity(tier: Tier) -> int:
+    """A tier holds at most its page slots: more hints than that are stale by construction."""
+    layout = getattr(tier, "layout", None)
+    return max(1, int(getattr(layout, "page_slots", 0) or 1 << 16))
+
+
+class KvStore:
+    def __init__(
+        self,
+        layouts: Sequence[ArenaLayout],
+        *,
+        live_slots: int,
+        tier: Tier | None = None,
+        copiers: Sequence[Copier] | None = None,
+        config: StoreConfig = StoreConfig(),
+        pools: Sequence[BlockPool] | None = None,
+        tiers: Sequence[Tier] | None = None,
+    ) -> None:
+        """`tier`: the host tier of a one-rank store; `tiers`: one per rank (a tier's index has no rank in its keys,
+        so ranks never share one: each rank's shard lives in its own tier)."""
+        if tier is not None and tiers is not None:
+            raise ValueError("pass tier= (one rank) or tiers= (one per rank), not both")
+        if tiers is None:
+            if tier is not None and len(layouts) > 1:
+                raise ValueError(f"a store of {len(layouts)} ranks needs one tier per rank (tiers=[...]): ranks "
+                                 "sharing one tier would be served each other's shards")
+            tiers = [tier] if tier is not None else []
+        elif len(tiers) != len(layouts):
+            raise ValueError(f"{len(tiers)} tiers for {len(layouts)} ranks: one tier per rank")
+        if tiers and (copiers is None or len(copiers) != len(layouts)):
+            raise ValueError("a store with a tier needs one copier per rank")
+        self.config = config
+        self.layouts = tuple(layouts)
+        self.pools = tuple(pools) if pools is not None else tuple(
+            BlockPool.from_layout(lay, live_slots=live_slots, rank=r) for r, lay in enumerate(layouts)
+        )
+        self.spec = self.layouts[0].spec
+        self.tiers: tuple[Tier, ...] = tuple(tiers)
+        self.copiers = tuple(copiers or ())
+        self.outcomes = Outcomes(config.outcome_history)
+        self.counters: Counter[str] = Counter()
+        self._count_lock = threading.Lock()
+        self._loop = LoopThread()
+        self._saves: list[set[asyncio.Task[None]]] = [set() for _ in self.layouts]
+        # Loads a resolve stopped waiting for (asyncio futures from the loop path, concurrent ones from the blocking
+        # path), until they settle.
+        self._loads: list[set[Any]] = [set() for _ in self.layouts]
+        self._late_lock = threading.Lock()  # a blocking load turning late vs its reply arriving on the reaper thread
+        self._parked: list[dict[str, RequestKv]] = [{} for _ in self.layouts]
+        self._cacheable_pinned = [0] * len(self.layouts)
+        self._acct = threading.Lock()  # cacheable pin budget and seal cursors: touched by engine threads and the loop
+        # Per rank: where the tier holds pages this store saved or was served (hints for speculative loads).
+        self.slot_caches = tuple(SlotCache(_cache_capacity(t)) for t in self.tiers)
+        # Per rank: pages restored by verified loads, told to the tier in batches (its LRU sees the use).
+        self.touches = tuple(TouchBatch(self._loop, t) for t in self.tiers)
+        self._resolver = Resolver(self)
+        self._blocking = BlockingResolver(self, self._resolver)
+        self._resolve_threads: concurrent.futures.ThreadPoolExecutor | None = None
+        if config.resolve_threads > 0 and self._blocking.capable:
+            self._resolve_threads = concurrent.futures.ThreadPoolExecutor(config.resolve_threads,
+                                                                          thread_name_prefix="kvproc-resolve")
+        self._closed = False
+
+    @property
+    def tier(self) -> Tier | None:
+        """Rank 0's tier (a one-rank store's only one); `tiers[rank]` for the others."""
+        return self.tiers[0] if self.tiers else None
+
+    def tier_of(self, rank: int) -> Tier | None:
+        return self.tiers[rank] if self.tiers else None
+
+    def _check_rank(self, rank: int) -> None:
+        """Refuse a rank this store does not have (a negative one too: it must not silently mean the last rank)."""
+        n = len(self.pools)
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < n:
+            raise ValueError(f"rank {rank!r} is outside this store's ranks [0, {n})"
+                             + (" (a one-rank store has rank 0 only)" if n == 1 else ""))
+
+    def count(self, name: str, n: int = 1) -> None:
+        """Bump a store counter (engine threads, resolving threads and the loop all count)."""
+        with self._count_lock:
+            self.counters[name] += n
+
+    # -- resolve --------------------------------------------------------------------------------------------------
+    async def resolve_prefix(
+        self,
+        rank: int,
+        req_id: str,
+        tokens: Sequence[int] | np.ndarray,
+        scope: HashScope = DEFAULT_SCOPE,
+        policy: ResolvePolicy = ResolvePolicy(),
+        cancel: CancelToken | None = None,
+    ) -> KvPrefix:
+        """Awaitable from any event loop (the work runs on the store's loop)."""
+        self._check_rank(rank)
+        return await asyncio.wrap_future(self.submit_resolve(rank, req_id, tokens, scope, policy, cancel))
+
+    def submit_resolve(
+        self,
+        rank: int,
+        req_id: str,
+        tokens: Sequence[int] | np.ndarray,
+        scope: HashScope = DEFAULT_SCOPE,
+        policy: ResolvePolicy = ResolvePolicy(),
+        cancel: CancelToken | None = None,
+    ) -> concurrent.futures.Future[KvPrefix]:
+        """Thread form of `resolve_prefix`: a future with the `KvPrefix` (never an exception for a degrade).
+
+        Runs on the store's resolve threads where the tier and copiers have blocking forms (`StoreConfig.
+        resolve_threads`): the blocking path, whose host hit costs its round trips and no hop through the loop per
+        call; a resolve that has to wait continues on the loop and frees its thread. Full-hit waits (a hand-off's
+        consumer) go to the loop at once: they wait anyway."""
+        self._check_rank(rank)
+        pool = self._resolve_threads
+        if pool is None or policy.wait_for_full_hit:
+            return self._loop.submit(self._resolver.resolve(rank, req_id, tokens, scope, policy, cancel))
+        out: concurrent.futures.Future[KvPrefix] = concurrent.futures.Future()
+
+        def run() -> None:
+            if not out.set_running_or_notify_cancel():
+                return  # the caller cancelled the future before a thread took it: nothing was started
+            try:
+                r = self._blocking.resolve_or_continue(rank, req_id, tokens, scope, policy, cancel)
+            except BaseException as e:  # a bug (a degrade is a result): the caller sees it, as on the loop
+                out.set_exception(e)
+                return
+            if isinstance(r, KvPrefix):
+                out.set_result(r)
+            else:
+                r.add_done_callback(functools.partial(_relay, out))
+
+        try:
+            pool.submit(run)
+        except RuntimeError:  # the store is closing: the loop takes it (and refuses it if closed too)
+            return self._loop.submit(self._resolver.resolve(rank, req_id, tokens, scope, policy, cancel))
+        return out
+
+    def resolve_prefix_sync(self, rank: int, req_id: str, tokens: Sequence[int] | np.ndarray,
+                            scope: HashScope = DEFAULT_SCOPE, policy: ResolvePolicy = ResolvePolicy(),
+                            cancel: CancelToken | None = None) -> KvPrefix:
+        """Blocking `resolve_prefix`, same result and rules. A host hit that needs no waiting runs on the calling
+        thread (`store/resolve_blocking.py`: one or two round trips, no hand-off to the store's loop); the rest
+        (Loading, full-hit waits, pool pressure) continues on the loop. Not from the store's own loop."""
+        self._check_rank(rank)
+        return self._blocking.resolve(rank, req_id, tokens, scope, policy, cancel)
+
+    # -- seal -----------------------------------------------------------------------------------------------------
+    def seal(self, rank: int, kv: RequestKv, cursor: SealCursor, save_class: SaveClass = SaveClass.CACHEABLE) -> None:
+        """Save the pages sealed since `cursor` (and the bounded checkpoint at the last one). Non-blocking: the save
+        runs on the store's loop; its source pages stay pinned until the copy lands. Call only after the step that
+        wrote them synchronized (i.e. after `kv.apply`)."""
+        self._check_rank(rank)
+        if self.tier_of(rank) is None or not self.spec.prefix_caching:
+            return
+        pool = self.pools[rank]
+        P = pool.page_tokens
+        end = kv.num_computed // P
+        start = cursor.pages
+        self._check_seal(pool, kv, cursor, end)
+        if end <= start:
+            return
+        required = [g.name for g in self.spec.restorable_bounded_groups if not g.optional]
+        if required:
+            # Pages past the last complete bounded checkpoint are useless on their own (one index at checkpoint
+            # granularity): save only up to the deepest boundary where every required group has a sealed copy.
+            end = self._deepest_checkpoint(pool, kv.page_hashes, start, end, required)
+            if end <= start:
+                return
+        keys = kv.page_hashes[start:end]
+        ids = kv.block_ids[start:end]
+        with pool.lock:
+            # Each key must name the page its block holds (sealed in place under that hash): a key committed
+            # over other bytes would serve them to every later reader of that prompt.
+            named = list(map(pool.paged.block_hash.__getitem__, ids))
+            if named != keys:
+                self.count("seal_refused_mismatch")
+                raise RequestStateError(f"request {kv.req_id!r}: pages {start}..{end} of its block table are not "
+                                        "sealed under its page hashes (released, or blocks taken over): not saved")
+            staging = {g.name: s for g in self.spec.restorable_bounded_groups
+                       if (s := pool.checkpoints.get(keys[-1], g.name)) is not None}
+        with self._acct:
+            if save_class is SaveClass.CACHEABLE:
+                budget = int(pool.paged.num_blocks * self.config.cacheable_pin_fraction)
+                pinned = self._cacheable_pinned[rank]
+                # A save larger than the whole budget still goes when nothing else is pinned, or it never would.
+                if pinned and pinned + len(ids) > budget:
+                    self.count("save_shed_pin_pressure")
+                    self.outcomes.record("save", kv.req_id, "shed", "pin_pressure")
+                    return  # the cursor does not advance: a later seal retries
+                self._cacheable_pinned[rank] += len(ids)
+            cursor.pages = end
+            cursor.pending += 1
+            cursor.settled.clear()
+        try:
+            pin = pool.pin(ids, kv.block_generations()[start:end], staging)
+        except Exception:
+            self._settle_accounting(rank, len(ids), save_class, cursor, start, shed=True)
+            raise
+        self._loop.call(self._start_save, rank, kv.req_id, keys, ids, staging, pin, save_class, cursor, start)
+
+    def _check_seal(self, pool: BlockPool, kv: RequestKv, cursor: SealCursor, end: int) -> None:
+        """Refuse a seal that would commit keys without their bytes (or skip pages): another pool's request, a cursor
+        that is not a page count of this request, a released request with pages left to save."""
+        if kv.pool is not pool:
+            raise ValueError(f"request {kv.req_id!r} belongs to rank {kv.pool.rank}'s pool, not rank {pool.rank}'s")
+        pages = cursor.pages
+        # A hand-off consumer's cursor may sit one page past its computed pages (the padded page it adopted).
+        if isinstance(pages, bool) or not isinstance(pages, int) or not 0 <= pages <= kv.lifetime_blocks:
+            self.count("seal_refused_cursor")
+            raise InvalidSealCursor(f"request {kv.req_id!r}: SealCursor.pages={pages!r} is not a page count of this "
+                                    f"request (0..{kv.lifetime_blocks})")
+        if end <= pages:
+            return  # nothing to save (a retire of a request that never ran gets here too)
+        if kv.released or not kv.admitted:
+            self.count("seal_refused_state")
+            raise RequestStateError(f"request {kv.req_id!r}: seal/retire of a "
+                                    f"{'released' if kv.released else 'not admitted'} request with pages to save: its "
+                                    "blocks may hold other KV now (seal before release)")
+        if end > len(kv.block_ids) or end > len(kv.page_hashes):
+            raise RequestStateError(f"request {kv.req_id!r}: {end} computed pages but {len(kv.block_ids)} blocks and "
+                                    f"{len(kv.page_hashes)} page hashes")
+
+    @staticmethod
+    def _deepest_checkpoint(pool: BlockPool, hashes: list[bytes], start: int, end: int, required: list[str]) -> int:
+        with pool.lock:
+            for e in range(end, start, -1):
+                if all(pool.checkpoints.get(hashes[e - 1], g) is not None for g in required):
+                    return e
+        return start
+
+    def _start_save(self, rank: int, req_id: str, keys: list[bytes], ids: list[int], staging: dict[str, int],
+                    pin: Any, save_class: SaveClass, cursor: SealCursor, start: int) -> None:
+        task = asyncio.get_running_loop().create_task(
+            self._save(rank, req_id, keys, ids, staging, pin, save_class, cursor, start))
+        self._saves[rank].add(task)
+        task.add_done_callback(self._saves[rank].discard)
+
+    async def _save(self, rank: int, req_id: str, keys: list[bytes], ids: list[int], staging: dict[str, int],
+                    pin: Any, save_class: SaveClass, cursor: SealCursor, start: int) -> None:
+        state, reason = "failed", "unknown"
+        ticket: SaveTicket | Shed | None = None
+        tier = self.tier_of(rank)
+        unpinned = False
+
+        def unpin() -> None:  # the pin and its share of the pin budget, once the bytes need not stay put
+            nonlocal unpinned
+            if not unpinned:
+                unpinned = True
+                pin.release()
+                if save_class is SaveClass.CACHEABLE:
+                    with self._acct:
+                        self._cacheable_pinned[rank] -= len(ids)
+
+        try:
+            assert tier is not None
+            if not tier.available:
+                state, reason = "shed", "tier_unavailable"
+                return
+            ticket = await tier.reserve_save(req_id, keys, sorted(staging), save_class,
+                                             timeout=self.config.tier_call_timeout_s)
+            if isinstance(ticket, Shed):
+                state, reason = "shed", "tier_full"
+                return
+            pairs = [(b, s) for b, s in zip(ids, ticket.page_slots) if s is not None]
+            bounded = [BoundedCopy(g, staging[g], s) for g, s in ticket.bounded_slots.items() if s is not None]
+            if pairs or bounded:
+                order = SaveOrder(req_id, [b for b, _ in pairs], [s for _, s in pairs], bounded, ticket.fence,
+                                  ticket.fence_token)
+                await self.copiers[rank].save(order)
+            unpin()  # the bytes are copied: the source blocks need not wait for the commit's answer
+            # The bytes are in the slots now: hints for speculative loads (see `tiers/slot_cache.py` for why
+            # learning before the commit's reply is safe).
+            self.slot_caches[rank].learn(ticket.keys, ticket.page_slots, ticket.page_gens)
+            if await tier.commit_save(ticket.save_id, timeout=self.config.tier_call_timeout_s):
+                state, reason = "ok", ""
+            else:  # the tier gave the slots back first (TTL, abort): nothing of it is visible
+                reason = "commit_refused"
+                ticket = None  # nothing left to abort
+        except Exception as e:  # noqa: BLE001 - every failure becomes a recorded outcome
+            reason = type(e).__name__
+            if isinstance(ticket, SaveTicket) and tier is not None:
+                tier.abort_save(ticket.save_id)
+        finally:
+            unpin()
+            if state != "ok" and save_class is SaveClass.HANDOFF:  # undelivered: the consumer will see a short hit
+                self.count("handoff_save_failed")
+                log.error("handoff save failed", req_id=req_id, reason=reason, pages=len(keys))
+            self.count(f"save_{state}")
+            self.outcomes.record("save", req_id, state, reason)
+            if self._settle_accounting(rank, 0, save_class, cursor, start, shed=state == "shed"):
+                self._unpark(rank, req_id)
+
+    def _settle_accounting(self, rank: int, n: int, save_class: SaveClass, cursor: SealCursor, start: int, *,
+                           shed: bool) -> bool:
+        """A save ended: give back `n` blocks of pin budget (what it did not give back when it unpinned), rewind a
+        shed save's cursor; True when the request has no save left in flight. Under `_acct`: seals (engine threads) and settlements (the loop) race on these counts."""
+        with self._acct:
+            if save_class is SaveClass.CACHEABLE:
+                self._cacheable_pinned[rank] -= n
+            if shed and cursor.pages > start:
+                cursor.pages = start  # a later seal retries
+            cursor.pending -= 1
+            if cursor.pending:
+                return False
+            cursor.settled.set()
+            return True
+
+    # -- retire ---------------------------------------------------------------------------------------------------
+    def retire(self, rank: int, kv: RequestKv, cursor: SealCursor, save_class: SaveClass = SaveClass.CACHEABLE) -> None:
+        """Final seal, then release. Never blocks: with Handoff saves pending, the KV parks until they settle."""
+        self._check_rank(rank)
+        self.seal(rank, kv, cursor, save_class)
+        if save_class is SaveClass.HANDOFF and cursor.pending:
+            self._parked[rank][kv.req_id] = kv
+            self.count("retire_parked")
+            self._loop.call(self._unpark_if_settled, rank, kv.req_id, cursor)
+            return
+        kv.release()
+        self.outcomes.record("retire", kv.req_id, "ok")
+
+    def _unpark_if_settled(self, rank: int, req_id: str, cursor: SealCursor) -> None:
+        if cursor.pending == 0:
+            self._unpark(rank, req_id)
+
+    def _unpark(self, rank: int, req_id: str) -> None:
+        kv = self._parked[rank].pop(req_id, None)
+        if kv is not None:
+            kv.release()
+            self.outcomes.record("retire", req_id, "ok", "after_handoff_saves")
+
+    def parked(self, rank: int) -> list[str]:
+        self._check_rank(rank)
+        return list(self._parked[rank])
+
+    # -- hand-off leases -------------------------------------------------------------------------------------------
+    def release_handoff(self, producer_req_id: str) -> None:
+        """The consumer has the hand-off's KV without a load (a device hit): release the producer's entries."""
+        self._revoke_everywhere(producer_req_id, "handoff_released_at_admission")
+
+    def revoke_handoff(self, producer_req_id: str) -> None:
+        """Nobody will read this hand-off (the request was cancelled or rejected): release it now, not at TTL."""
+        self._revoke_everywhere(producer_req_id, "handoff_revoked")
+
+    def _revoke_everywhere(self, producer_req_id: str, counter: str) -> None:
+        live = [t for t in self.tiers if t.available]  # every rank's shard of the hand-off
+        if live:
+            self.count(counter)
+        for t in live:
+            self._loop.call(t.revoke_handoff, producer_req_id)
+
+    # -- bounded copies through the worker ------------------------------------------------------------------------
+    def execute_copies(self, rank: int, orders: Sequence[Any]) -> bool:
+        """Run bounded SEAL/RESTORE copy orders on the rank's copy worker and fence them (blocking: the engine
+        calls this between steps, and the next step must not write the live slots before it returns). Returns False
+        when the copies failed (every order fenced as failed: a failed RESTORE leaves its request unschedulable,
+        to be recomputed from scratch by the engine), True otherwise."""
+        self._check_rank(rank)
+        if not orders:
+            return True
+        if rank >= len(self.copiers):
+            raise RuntimeError(f"rank {rank} has no copier: build the store with one (bounded groups need slot copies "
+                               "even without a tier)")
+        pool = self.pools[rank]
+        copies = [SlotCopy(o.group, o.src_slot, o.dst_slot) for o in orders]
+        fut = self._loop.submit(self.copiers[rank].device_copy(copies))
+        ok = True
+        try:
+            fut.result()
+        except Exception as e:  # noqa: BLE001
+            ok = False
+            log.error("bounded copy failed", rank=rank, error=repr(e))
+        for o in orders:
+            pool.fence(o, ok)
+        return ok
+
+    # -- flush / observe ------------------------------------------------------------------------------------------
+    def flush_saves(self, rank: int, timeout: float | None = None) -> None:
+        """Block until every save of `rank` started so far has settled."""
+        self._check_rank(rank)
+
+        async def _wait() -> None:
+            while self._saves[rank]:
+                await asyncio.gather(*list(self._saves[rank]), return_exceptions=True)
+        self._loop.submit(_wait()).result(timeout)
+
+    def flush_loads(self, rank: int, timeout: float | None = None) -> None:
+        """Block until loads abandoned by a resolve deadline have settled (their reservations freed)."""
+        self._check_rank(rank)
+
+        async def _wait() -> None:
+            while self._loads[rank]:
+                await asyncio.gather(*map(asyncio.wrap_future, list(self._loads[rank])), return_exceptions=True)
+        self._loop.submit(_wait()).result(timeout)
+
+    def pinned_blocks(self, rank: int) -> int:
+        self._check_rank(rank)
+        return self.pools[rank].pinned_blocks()
+
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"store": dict(self.counters), "outcomes": dict(self.outcomes.counts)}
+        for r, pool in enumerate(self.pools):
+            out[f"rank{r}"] = pool.stats() | {"parked": len(self._parked[r]),
+                                              "saves_in_flight": len(self._saves[r]),
+                                              "loads_abandoned_in_flight": len(self._loads[r]),
+                                              "cacheable_pinned": self._cacheable_pinned[r],
+                                              "slot_hints": len(self.slot_caches[r]) if self.slot_caches else 0}
+        out["tier_available"] = bool(self.tier is not None and self.tier.available)
+        for r, tier in enumerate(self.tiers):  # "tier" is rank 0's (a one-rank store's), "tier1".. the others'
+            if tier.available:
+                key = "tier" if r == 0 else f"tier{r}"
+                try:
+                    out[key] = self._loop.submit(tier.stats()).result(self.config.tier_call_timeout_s)
+                except Exception as e:  # noqa: BLE001
+                    out[key] = {"error": repr(e)}
+        return out
+
+    def counters_flat(self) -> dict[str, int]:
+        """The store's counters, its outcomes and every pool's stats as one flat {name: int} (for the console; no
+        call to the tier, unlike `stats()`)."""
+        out = {f"store.{k}": int(v) for k, v in list(self.counters.items())}
+        out.update({f"outcome.{k}": int(v) for k, v in list(self.outcomes.counts.items())})
+        for r, pool in enumerate(self.pools):
+            out.update({f"rank{r}.{k}": int(v) for k, v in pool.stats().items()})
+            out[f"rank{r}.parked"] = len(self._parked[r])
+            if self.slot_caches:
+                out[f"rank{r}.slot_hints"] = len(self.slot_caches[r])
+        return out
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._resolve_threads is not None:  # resolves already taken finish (a waiting one continues on the loop)
+            self._resolve_threads.shutdown(wait=True)
+        deadline = time.monotonic() + 10
+        for r in range(len(self.pools)):
+            try:
+                self.flush_saves(r, max(0.1, deadline - time.monotonic()))
+                self.flush_loads(r, max(0.1, deadline - time.monotonic()))
+            except Exception:  # noqa: BLE001
+                pass
+            for kv in list(self._parked[r].values()):
+                kv.release()
+            self._parked[r].clear()
+        for t in self.touches:
+            t.flush()
+        self._loop.stop()
+
+    def __enter__(self) -> "KvStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _relay(out: "concurrent.futures.Future[KvPrefix]", done: "concurrent.futures.Future[KvPrefix]") -> None:
+    """A resolve continued on the loop has ended: its result (or exception) becomes the caller's."""
+    exc = done.exception() if not done.cancelled() else concurrent.futures.CancelledError()
+    if exc is not None:
+        out.set_exception(exc)
+    else:
+        out.set_result(done.result())
+
+
+__all__ = ["KvPrefix", "KvStore", "ResolvePolicy", "ReusePolicy", "SaveClass", "SealCursor", "StoreConfig"]

@@ -1,0 +1,480 @@
+"""The read path of `KvStore.resolve_prefix`, as one coroutine on the store's loop (reference design section 4).
+
+Steps: cancelled already -> empty prefix; probe the device pool (the hold pins the match); ask the tier for the rest
+under one deadline (Miss / Loading -> wait for the tier's notification / Hit); reserve destination blocks only above
+the admission floor, else release the lease and wait on the pool's capacity waiter; load (not cancellable: its
+reservation travels with it until it settles, even past the deadline); commit into the index; return the hold.
+The lease is released on every path that does not consume it.
+
+Speculative load (`StoreConfig.speculative_loads`, paged-only specs), as on the blocking path
+(`store/resolve_blocking.py`): when the store's `SlotCache` knows where the tier holds the next pages, their Load
+starts on free blocks before the first query; the hit then keeps the leading pages whose (slot, generation) it names,
+the rest of the hit is loaded as usual, and a speculation the answer does not use settles in the background (its
+blocks go back when its copy ends; `flush_loads` waits for it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Awaitable, Sequence
+
+import numpy as np
+
+from kvproc.core.hashing import HashScope
+from kvproc.core.holds import ReusePolicy
+from kvproc.ipc.cancel import CancelToken
+from kvproc.store.types import KvPrefix, ResolvePolicy
+from kvproc.tiers.host_index import Hit, Loading, Miss
+from kvproc.tiers.api import LATE_REPLY_GRACE_S
+from kvproc.tiers.slot_table import verified_run
+from kvproc.ipc.orders import BoundedCopy, LoadOrder
+
+if TYPE_CHECKING:
+    from kvproc.store.kv_store import KvStore
+
+
+class Degrade(Exception):
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def load_order(req_id: str, res: Hit, reservation: Any) -> LoadOrder:
+    """A hit's page slots into the reservation's blocks, and its bounded artifacts into the reserved staging slots."""
+    staging = reservation.staging
+    return LoadOrder(req_id, list(res.page_slots), reservation.block_ids,
+                     [BoundedCopy(g, staging[g][0], res.bounded_slots[g]) for g in staging])
+
+
+class MissBreaker:
+    """After `threshold` consecutive cold misses for a scope, stop asking the tier for `cooldown_s`."""
+
+    def __init__(self, threshold: int, cooldown_s: float) -> None:
+        self.threshold, self.cooldown_s = threshold, cooldown_s
+        self._misses: dict[HashScope, int] = {}
+        self._open_until: dict[HashScope, float] = {}
+
+    def allows(self, scope: HashScope) -> bool:
+        until = self._open_until.get(scope)
+        if until is None:
+            return True
+        if time.monotonic() >= until:
+            self._open_until.pop(scope, None)  # pop: resolving threads and the loop may both get here
+            self._misses[scope] = 0
+            return True
+        return False
+
+    def miss(self, scope: HashScope) -> bool:
+        n = self._misses.get(scope, 0) + 1
+        self._misses[scope] = n
+        if n >= self.threshold:
+            self._open_until[scope] = time.monotonic() + self.cooldown_s
+            return True
+        return False
+
+    def hit(self, scope: HashScope) -> None:
+        self._misses[scope] = 0
+
+
+@dataclass
+class _Speculation:
+    """A Load started from the slot cache before the tier answered (module docstring)."""
+
+    slots: list[int]
+    gens: list[int]
+    reservation: Any
+    load: "asyncio.Future[int]"
+    skip_query: bool  # every wanted page, verifiable against the slot table: no query unless it fails
+    taken: bool = False  # a hit (or the verification) took it over (it settles there, whatever happens)
+
+
+def confirmed_pages(slots: Sequence[int], gens: Sequence[int], res: Hit) -> int:
+    """How many leading pages of a speculative load the hit confirms: same slot and same generation."""
+    n = min(len(slots), res.pages, len(res.page_gens))
+    ok = 0
+    while ok < n and slots[ok] == res.page_slots[ok] and gens[ok] == res.page_gens[ok]:
+        ok += 1
+    return ok
+
+
+@dataclass
+class Started:
+    """A resolve that needs the tier: its device hit so far, the hashes and how far the tier may extend it."""
+
+    prefix: KvPrefix
+    hashes: list[bytes]
+    dev: int  # pages held on the device
+    cap: int  # pages the prompt may reuse
+    deadline: float
+    page_tokens: int
+
+
+class Resolver:
+    def __init__(self, store: "KvStore") -> None:
+        self.store = store
+        self.breaker = MissBreaker(store.config.breaker_misses, store.config.breaker_cooldown_s)
+
+    def begin(self, rank: int, req_id: str, tokens: Sequence[int] | np.ndarray, scope: HashScope,
+              policy: ResolvePolicy, cancel: CancelToken | None) -> KvPrefix | Started:
+        """Everything before the tier (any thread): the finished prefix when the tier has nothing to add, else the
+        device hit (held) and what to ask the tier for."""
+        store = self.store
+        pool = store.pools[rank]
+        deadline = time.monotonic() + (store.config.resolve_deadline_s if policy.deadline_s is None
+                                       else policy.deadline_s)
+        if cancel is not None and cancel.cancelled:
+            store.outcomes.record("resolve", req_id, "degraded", "cancelled")
+            return KvPrefix(pool.probe([], 0))  # an empty hold: no I/O at all
+        # Pad ids name a P/D hand-off's padded chain, which only its consumer resolves: no user prompt may.
+        hashes = pool.hasher.hash_prompt(tokens, scope, pad_tail=policy.wait_for_full_hit
+                                         or policy.consume_handoff_of is not None)
+        n_tokens = len(tokens)
+        hold = pool.probe(hashes, n_tokens, policy.reuse)
+        P = pool.page_tokens
+        cap = min(len(hashes), n_tokens // P) if policy.reuse is ReusePolicy.FULL_PAGES else (n_tokens - 1) // P
+        dev_pages = hold.num_blocks
+        prefix = KvPrefix(hold, device_tokens=dev_pages * P, page_hashes=hashes)
+        tier = store.tier_of(rank)
+        if tier is None or dev_pages >= cap or not store.spec.prefix_caching:
+            store.outcomes.record("resolve", req_id, "ok", "device_only" if tier is None else "")
+            return prefix
+        if not tier.available:
+            store.outcomes.record("resolve", req_id, "degraded", "tier_unavailable")
+            return prefix
+        if not policy.wait_for_full_hit and not self.breaker.allows(scope):
+            store.count("breaker_skips")
+            store.outcomes.record("resolve", req_id, "ok", "breaker_open")
+            return prefix
+        return Started(prefix, hashes, dev_pages, cap, deadline, P)
+
+    def finish(self, req_id: str, st: Started, pages: int | Degrade) -> KvPrefix:
+        """Record the resolve's one outcome and return its prefix (`pages` restored from the tier, or a degrade)."""
+        if isinstance(pages, Degrade):
+            self.store.count(f"resolve_degraded_{pages.reason}")
+            self.store.outcomes.record("resolve", req_id, "degraded", pages.reason)
+        else:
+            st.prefix.host_tokens = pages * st.page_tokens
+            self.store.outcomes.record("resolve", req_id, "ok")
+        return st.prefix
+
+    async def resolve(self, rank: int, req_id: str, tokens: Sequence[int] | np.ndarray, scope: HashScope,
+                      policy: ResolvePolicy, cancel: CancelToken | None) -> KvPrefix:
+        st = self.begin(rank, req_id, tokens, scope, policy, cancel)
+        if isinstance(st, KvPrefix):
+            return st
+        return await self.resolve_started(rank, req_id, st, scope, policy, cancel)
+
+    async def resolve_started(self, rank: int, req_id: str, st: Started, scope: HashScope, policy: ResolvePolicy,
+                              cancel: CancelToken | None) -> KvPrefix:
+        try:
+            pages: int | Degrade = await self._from_tier(rank, req_id, st.hashes, st.prefix.hold, st.dev, st.cap,
+                                                          scope, policy, cancel, st.deadline)
+        except Degrade as d:
+            pages = d
+        return self.finish(req_id, st, pages)
+
+    async def _wait(self, aw: Awaitable[Any], deadline: float, cancel: CancelToken | None, what: str) -> Any:
+        """Await `aw` until the deadline, waking early on cancellation (the token's listener sets an event)."""
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            if asyncio.iscoroutine(aw):
+                aw.close()  # never started: close it rather than leave an un-awaited coroutine behind
+            raise Degrade(f"deadline_{what}")
+        task = asyncio.ensure_future(aw)
+        waiters: list[asyncio.Future[Any]] = [task]
+        cancel_ev: asyncio.Event | None = None
+        if cancel is not None:
+            loop = asyncio.get_running_loop()
+            ev = cancel_ev = asyncio.Event()
+
+            def on_cancel(_id: int) -> None:
+                loop.call_soon_threadsafe(ev.set)
+
+            if not cancel.add_listener(on_cancel):
+                ev.set()
+            waiters.append(asyncio.ensure_future(ev.wait()))
+        try:
+            done, _ = await asyncio.wait(waiters, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waiters[1:]:
+                w.cancel()
+        if task in done:
+            return task.result()
+        task.cancel()
+        if cancel_ev is not None and cancel_ev.is_set():
+            raise Degrade("cancelled")
+        raise Degrade(f"deadline_{what}")
+
+    async def _from_tier(self, rank: int, req_id: str, hashes: list[bytes], hold: Any, dev: int, cap: int,
+                         scope: HashScope, policy: ResolvePolicy, cancel: CancelToken | None,
+                         deadline: float) -> int:
+        want = hashes[dev:cap]
+        spec = self._speculate(rank, req_id, want, policy)
+        if spec is not None and spec.skip_query:
+            spec.taken = True  # settled here, whatever happens
+            return await self._verified(rank, req_id, hashes, hold, dev, cap, scope, policy, cancel, deadline, spec)
+        try:
+            return await self._from_tier_answers(rank, req_id, hashes, hold, dev, want, scope, policy, cancel,
+                                                 deadline, spec)
+        finally:
+            if spec is not None and not spec.taken:
+                self._drop_speculation(rank, req_id, spec)
+
+    async def _verified(self, rank: int, req_id: str, hashes: list[bytes], hold: Any, dev: int, cap: int,
+                        scope: HashScope, policy: ResolvePolicy, cancel: CancelToken | None, deadline: float,
+                        spec: _Speculation) -> int:
+        """The speculative load covers every wanted page: verify it against the tier's slot table instead of asking
+        (`kvproc/tiers/slot_table.py`); only what did not verify goes to the tier."""
+        await self._settle_load(rank, req_id, spec.load, spec.reservation, None, cancel, deadline)
+        ok = self.keep_verified(rank, req_id, hashes, hold, dev, spec.slots, spec.gens, spec.reservation)
+        if ok == len(spec.slots):
+            self.breaker.hit(scope)
+            return ok
+        try:
+            return ok + await self._from_tier_answers(rank, req_id, hashes, hold, dev + ok, hashes[dev + ok : cap],
+                                                      scope, policy, cancel, deadline, None)
+        except Degrade:
+            if not ok:
+                raise
+            self.store.count("verified_rest_declined")  # the verified part stays
+            return ok
+
+    def _speculate(self, rank: int, req_id: str, want: list[bytes], policy: ResolvePolicy) -> _Speculation | None:
+        store = self.store
+        slots, gens, skip_query = self.speculation(rank, store.tier_of(rank), want, policy)
+        if not slots:
+            return None
+        reservation = store.pools[rank].reserve_loaded_blocks(len(slots), free_only=True)  # evicts nothing
+        if reservation is None:
+            return None
+        store.count("speculative_loads_started")
+        load = asyncio.ensure_future(store.copiers[rank].load(LoadOrder(req_id, slots, reservation.block_ids, [])))
+        return _Speculation(slots, gens, reservation, load, skip_query)
+
+    def _drop_speculation(self, rank: int, req_id: str, spec: _Speculation) -> None:
+        """The answer did not use the speculative load: its blocks go back once its copy has ended."""
+        store = self.store
+
+        def settled(f: asyncio.Future[Any]) -> None:
+            spec.reservation.release()
+            store._loads[rank].discard(f)
+            ok = not f.cancelled() and f.exception() is None
+            store.outcomes.record("load", req_id, "ok" if ok else "failed", "speculative_unused")
+
+        store.count("speculative_pages_dropped", len(spec.slots))
+        store._loads[rank].add(spec.load)
+        spec.load.add_done_callback(settled)
+
+    async def _from_tier_answers(self, rank: int, req_id: str, hashes: list[bytes], hold: Any, dev: int,
+                                 want: list[bytes], scope: HashScope, policy: ResolvePolicy,
+                                 cancel: CancelToken | None, deadline: float, spec: _Speculation | None) -> int:
+        store = self.store
+        tier = store.tier_of(rank)
+        assert tier is not None
+        pool = store.pools[rank]
+        staging_groups = [g.name for g in store.spec.restorable_bounded_groups]
+        while True:
+            if cancel is not None and cancel.cancelled:
+                raise Degrade("cancelled")
+            remaining = deadline - time.monotonic()
+            try:
+                # The message's own deadline runs a grace past the resolve's: an answer that comes just late is still
+                # read (a late Hit's lease goes back at once) rather than answered "deadline exceeded" by the tier.
+                res = await self._wait(tier.query(req_id, want, timeout=remaining + LATE_REPLY_GRACE_S), deadline,
+                                       cancel, "query")
+            except Degrade:
+                raise
+            except Exception as e:  # noqa: BLE001 - PeerDead / RemoteError / TierUnavailable
+                raise Degrade(f"tier_{type(e).__name__}") from None
+            if isinstance(res, Miss):
+                if not policy.wait_for_full_hit:
+                    # Only a cold miss (nothing on the device either) counts: a multi-turn request whose history
+                    # hit the device always misses on its new tokens, and that says nothing about the tier.
+                    if dev == 0 and self.breaker.miss(scope):
+                        store.count("breaker_opened")
+                    return 0
+                await self._wait(tier.wait_key(want[-1], timeout=deadline - time.monotonic()), deadline, cancel,
+                                 "full_hit")
+                continue
+            if isinstance(res, Loading):
+                await self._wait(tier.wait_settled(res.save_id, timeout=deadline - time.monotonic()), deadline,
+                                 cancel, "loading")
+                continue
+            assert isinstance(res, Hit)
+            if policy.wait_for_full_hit and res.pages < len(want):
+                tier.release_lease(res.lease_id)
+                await self._wait(tier.wait_key(want[-1], timeout=deadline - time.monotonic()), deadline, cancel,
+                                 "full_hit")
+                continue
+            if spec is not None:
+                spec.taken = True
+                pages = await self._keep_speculation(rank, req_id, hashes, hold, dev, res, spec, policy, cancel,
+                                                     deadline)
+                self.breaker.hit(scope)
+                return pages
+            groups = [g for g in staging_groups if g in res.bounded_slots]
+            reservation = pool.reserve_loaded_blocks(res.pages, groups)
+            if reservation is None:
+                # A pool that cannot hold the prefix could not admit the request either: wait for capacity
+                # (released lease first, so the tier can evict meanwhile), then query again.
+                tier.release_lease(res.lease_id)
+                store.count("resolve_waited_for_pool")
+                await self._wait(self._capacity(pool), deadline, cancel, "pool_pressure")
+                continue
+            pages = await self._load(rank, req_id, hashes, hold, dev, res, reservation, policy, cancel, deadline)
+            self.breaker.hit(scope)
+            return pages
+
+    async def _keep_speculation(self, rank: int, req_id: str, hashes: list[bytes], hold: Any, dev: int, res: Hit,
+                                spec: _Speculation, policy: ResolvePolicy, cancel: CancelToken | None,
+                                deadline: float) -> int:
+        """The hit came: wait for the speculative copy, commit what the hit confirms, load the rest as usual."""
+        await self._settle_load(rank, req_id, spec.load, spec.reservation, res.lease_id, cancel, deadline)
+        ok, rest, reservation = self.keep_confirmed(rank, req_id, hashes, hold, dev, res, spec.slots, spec.gens,
+                                                    spec.reservation, policy)
+        if rest is None:
+            return ok
+        try:
+            return ok + await self._load(rank, req_id, hashes, hold, dev + ok, rest, reservation, policy, cancel,
+                                         deadline)
+        except Degrade:  # the rest's load failed or was abandoned (its outcome is recorded): the confirmed part stays
+            self.store.count("speculative_rest_failed")
+            return ok
+
+    def speculation(self, rank: int, tier: Any, want: list[bytes],
+                    policy: ResolvePolicy) -> tuple[list[int], list[int], bool]:
+        """What to load before (or instead of) asking the tier: the (slots, generations) of the leading wanted pages
+        the slot cache knows -- checked against the tier's slot table first when it publishes one, so a stale belief
+        costs no copy -- and whether the load may skip the query: it covers every wanted page and the table can verify
+        it after the copy (`kvproc/tiers/slot_table.py`). Not for a hand-off (its consumption is a message to the
+        tier) or a full-hit wait (a partly verified prefix would wait on the tier anyway). Both paths use it."""
+        store = self.store
+        if not store.config.speculative_loads or store.spec.restorable_bounded_groups:
+            return [], [], False
+        cache = store.slot_caches[rank]
+        table = tier.slot_table if store.config.verified_loads else None
+        if table is None:
+            slots, gens = cache.run(want)
+            return slots, gens, False
+        slots, gens, known = cache.run_verified(want, table)  # the lookup and the check before the copy, one pass
+        if len(slots) < known:
+            store.count("slot_hints_stale", known - len(slots))
+            cache.forget(want[len(slots) : known])
+        skip_query = len(slots) == len(want) and policy.consume_handoff_of is None and not policy.wait_for_full_hit
+        return slots, gens, skip_query
+
+    def keep_verified(self, rank: int, req_id: str, hashes: list[bytes], hold: Any, dev: int, slots: list[int],
+                      gens: list[int], reservation: Any) -> int:
+        """A speculative copy of every wanted page (checked against the slot table before it was ordered) has landed:
+        commit the leading pages the table still confirms, drop (and forget) the rest, tell the tier what was used,
+        record the load's outcome. Returns the pages kept. Both paths use it."""
+        store = self.store
+        tier = store.tier_of(rank)
+        assert tier is not None and tier.slot_table is not None
+        ok = verified_run(tier.slot_table, slots, gens, hashes[dev : dev + len(slots)])  # after the copy: the seqlock's
+        # second read
+        self._keep_leading("verified", rank, hashes, hold, dev, len(slots), reservation, ok)
+        if ok:
+            store.touches[rank].add(hashes[dev : dev + ok])  # the tier's LRU sees the use, later and batched
+        reason = "verified" if ok == len(slots) else "verified_partial" if ok else "verified_unused"
+        store.outcomes.record("load", req_id, "ok", reason)
+        return ok
+
+    def _keep_leading(self, kind: str, rank: int, hashes: list[bytes], hold: Any, dev: int, loaded: int,
+                      reservation: Any, ok: int) -> None:
+        """Commit the first `ok` of `loaded` speculatively copied pages into the hold; drop the rest with their blocks
+        and forget where the slot cache believed they were (counters `<kind>_pages_kept` / `_dropped`)."""
+        store = self.store
+        pool = store.pools[rank]
+        store.count(f"{kind}_pages_kept", ok)
+        if ok < loaded:
+            store.count(f"{kind}_pages_dropped", loaded - ok)
+            store.slot_caches[rank].forget(hashes[dev + ok : dev + loaded])
+        pool.trim_reservation(reservation, ok)
+        pool.commit_loaded_blocks(reservation, hold, hashes[dev : dev + ok])  # 0 pages: released
+
+    def keep_confirmed(self, rank: int, req_id: str, hashes: list[bytes], hold: Any, dev: int, res: Hit | None,
+                       slots: list[int], gens: list[int], spec_reservation: Any,
+                       policy: ResolvePolicy) -> tuple[int, Hit | None, Any]:
+        """A speculative copy has landed and the tier answered (`res`; None: a miss). Commit the leading pages the hit
+        confirms, drop (and forget) the rest of the guess, and record the speculative load's outcome. Returns (pages
+        kept, the rest of the hit to load the usual way with its reservation) -- rest None when nothing is left to
+        load: the lease is then released (consumed for a hand-off when the whole hit was kept). Both paths use it."""
+        store = self.store
+        pool = store.pools[rank]
+        tier = store.tier_of(rank)
+        assert tier is not None
+        ok = 0 if res is None else confirmed_pages(slots, gens, res)
+        self._keep_leading("speculative", rank, hashes, hold, dev, len(slots), spec_reservation, ok)
+        if res is None or ok == res.pages:
+            if res is not None:
+                tier.release_lease(res.lease_id, consume_handoff=policy.consume_handoff_of)
+            store.outcomes.record("load", req_id, "ok", "speculative" if ok else "speculative_unused")
+            return ok, None, None
+        store.outcomes.record("load", req_id, "ok", "speculative_partial" if ok else "speculative_unused")
+        rest = Hit(res.pages - ok, res.lease_id, res.page_slots[ok:], {}, res.page_gens[ok:])
+        reservation = pool.reserve_loaded_blocks(rest.pages)
+        if reservation is None:  # pool pressure: keep the confirmed part rather than wait
+            tier.release_lease(res.lease_id)
+            store.count("speculative_rest_declined")
+            return ok, None, None
+        return ok, rest, reservation
+
+    async def _settle_load(self, rank: int, req_id: str, load: "asyncio.Future[Any]", reservation: Any,
+                           lease_id: int | None, cancel: CancelToken | None, deadline: float) -> None:
+        """Wait for a load order under the resolve's deadline and token. Raises `Degrade` if it failed (reservation
+        and lease released at once) or if the resolve stopped waiting (both released when the copy ends, which
+        `flush_loads` waits for)."""
+        store = self.store
+        tier = store.tier_of(rank)
+        assert tier is not None
+
+        def settle_abandoned(f: asyncio.Future[Any]) -> None:
+            reservation.release()
+            if lease_id is not None:  # a verified load holds no lease
+                tier.release_lease(lease_id)
+            store._loads[rank].discard(f)
+            store.outcomes.record("load", req_id, "ok" if not f.cancelled() and f.exception() is None
+                                  else "failed", "abandoned")
+
+        try:
+            await self._wait(asyncio.shield(load), deadline, cancel, "load")
+        except Degrade:
+            store.count("loads_abandoned")
+            store._loads[rank].add(load)
+            load.add_done_callback(settle_abandoned)
+            raise
+        except Exception as e:  # noqa: BLE001 - the copy failed: nothing was committed
+            reservation.release()
+            if lease_id is not None:
+                tier.release_lease(lease_id)
+            store.outcomes.record("load", req_id, "failed", type(e).__name__)
+            raise Degrade("load_failed") from None
+
+    async def _capacity(self, pool: Any) -> None:
+        loop = asyncio.get_running_loop()
+        ev = asyncio.Event()
+        unsubscribe = pool.on_capacity_freed(lambda: loop.call_soon_threadsafe(ev.set))
+        try:
+            await ev.wait()
+        finally:
+            unsubscribe()
+
+    async def _load(self, rank: int, req_id: str, hashes: list[bytes], hold: Any, dev: int, res: Hit,
+                    reservation: Any, policy: ResolvePolicy, cancel: CancelToken | None, deadline: float) -> int:
+        store = self.store
+        tier = store.tier_of(rank)
+        assert tier is not None
+        order = load_order(req_id, res, reservation)
+        # Not cancellable once submitted: the reservation travels with the copy until it settles.
+        load = asyncio.ensure_future(store.copiers[rank].load(order))
+        await self._settle_load(rank, req_id, load, reservation, res.lease_id, cancel, deadline)
+        pool = store.pools[rank]
+        pool.commit_loaded_blocks(reservation, hold, hashes[dev : dev + res.pages])
+        tier.release_lease(res.lease_id, consume_handoff=policy.consume_handoff_of)
+        if store.config.speculative_loads and res.page_gens:  # the next resolve of these pages may speculate
+            store.slot_caches[rank].learn(hashes[dev : dev + res.pages], res.page_slots, res.page_gens)
+        store.outcomes.record("load", req_id, "ok")
+        return res.pages

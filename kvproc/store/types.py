@@ -1,0 +1,150 @@
+"""Value types of the store's verbs: configuration, policies, the resolve result, the seal cursor, outcomes."""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Deque, NamedTuple
+
+from kvproc.core.hashing import PageHashes
+from kvproc.core.holds import PrefixHold, ReusePolicy
+from kvproc.tiers.host_index import SaveClass
+
+__all__ = ["InvalidSealCursor", "KvPrefix", "Outcomes", "ResolvePolicy", "SaveClass", "SealCursor", "StoreConfig"]
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    # One deadline for a whole resolve: a safety net, not a latency target (reference design section 4).
+    resolve_deadline_s: float = 15.0
+    # Cacheable saves may pin at most this fraction of a rank's pool; beyond it they are shed (Handoff saves are
+    # not counted against it: they only back-pressure admission). Benchmark: `kvproc demo --runs kvproc
+    # --pin-fraction F` (bench/RESULTS.md, "Pin budget"): at 0.05, 0.25 and 1.0 no save was ever shed and TTFT was
+    # unchanged, so the bound only matters for a slow tier; the reference system's 25% is kept as that safety margin.
+    cacheable_pin_fraction: float = 0.25
+    # Miss-breaker: after this many consecutive cold misses for a scope, skip the tier for `breaker_cooldown_s`.
+    breaker_misses: int = 64
+    breaker_cooldown_s: float = 2.0
+    tier_call_timeout_s: float = 5.0
+    outcome_history: int = 4096
+    # Resolves (blocking and loop paths) start the load of the pages this store knows the tier's slots of (its own
+    # saves, earlier hits) together with the query, and keep what the hit confirms (`store/resolve_blocking.py`,
+    # `store/resolve.py`; A/B in bench/RESULTS.md, "Control path"). False: query first, then load.
+    speculative_loads: bool = True
+    # When such a load covers every wanted page and the tier publishes its page-slot table, check the pages against it
+    # before the copy and after it instead of asking the tier: one round trip instead of two, no lease
+    # (`kvproc/tiers/slot_table.py`; A/B in bench/RESULTS.md, "Control path"). Plain resolves only (not a hand-off's,
+    # not a full-hit wait).
+    verified_loads: bool = True
+    # `submit_resolve` (the engine's non-blocking form) runs a resolve that may complete without waiting on this many
+    # threads, each with its own sockets (the blocking path: no hop through the store's loop per tier call), and
+    # continues one that must wait (Loading, pool pressure) on the loop without holding its thread; full-hit waits go
+    # to the loop directly. 0: every `submit_resolve` runs on the loop. A/B in bench/RESULTS.md ("Control path").
+    resolve_threads: int = 2
+    # A resolving thread that waits for the tier's answer or the copy worker's reply polls for it (without sleeping,
+    # without the GIL) this long before it sleeps, one thread of the process at a time: on a virtualised host a
+    # thread that sleeps through such a wait wakes on a cold CPU, and the wake-up and the code after it run several
+    # times slower (`kvproc/ipc/direct.py`; A/B in bench/RESULTS.md, "Control path", sixth session). It costs that
+    # CPU time per wait; 0 turns it off.
+    reply_spin_s: float = 0.001
+
+
+@dataclass(frozen=True)
+class ResolvePolicy:
+    reuse: ReusePolicy = ReusePolicy.CAPPED
+    # Wait through misses until the producer's save lands (decode side of a P/D hand-off).
+    wait_for_full_hit: bool = False
+    deadline_s: float | None = None  # None: StoreConfig.resolve_deadline_s
+    # The consumer's load completing releases this producer's Handoff lease (P/D decode side).
+    consume_handoff_of: str | None = None
+
+    def __post_init__(self) -> None:
+        d = self.deadline_s
+        # 0 must not quietly mean "the default" (and a NaN deadline would never pass): None is the only default.
+        if d is not None and (isinstance(d, bool) or not isinstance(d, (int, float)) or not math.isfinite(d)
+                              or d <= 0):
+            raise ValueError(f"ResolvePolicy.deadline_s must be a positive finite number of seconds or None (the "
+                             f"store's resolve_deadline_s), got {d!r}")
+
+
+FULL_HIT = ResolvePolicy(reuse=ReusePolicy.FULL_PAGES, wait_for_full_hit=True)
+
+
+@dataclass
+class KvPrefix:
+    """The one result of a resolve: the held prefix. Degradation shows only as fewer tokens (and in stats)."""
+
+    hold: PrefixHold
+    device_tokens: int = 0  # served from the device pool
+    host_tokens: int = 0  # restored from the host tier
+    # The chained hashes of every full page of the prompt, as this resolve computed them (its scope): hand them to
+    # `RequestKv(..., prompt_hashes=...)` for the same prompt and scope, which checks them against its tokens (one
+    # byte comparison) and then does not hash it again. None when the resolve hashed nothing (it was cancelled
+    # before it started).
+    page_hashes: PageHashes | None = None
+
+    @property
+    def hit_tokens(self) -> int:
+        return self.device_tokens + self.host_tokens
+
+
+class InvalidSealCursor(ValueError):
+    """A `SealCursor` that is not a page count of the request being sealed (negative, not an int, past its lifetime)."""
+
+
+@dataclass
+class SealCursor:
+    """How far a request's pages have been handed to the tier (pages). Starts after the prefix hit: pages that
+    came from the cache are not re-saved. A shed save moves it back so a later seal retries."""
+
+    pages: int = 0
+    pending: int = 0  # saves in flight for this request
+    settled: threading.Event = field(default_factory=threading.Event)
+
+    @classmethod
+    def after_prefix(cls, prefix_pages: int) -> "SealCursor":
+        c = cls(prefix_pages)
+        c.settled.set()
+        return c
+
+
+class Outcome(NamedTuple):
+    """Immutable, and a NamedTuple rather than a frozen dataclass: two are made per resolve, and a frozen
+    dataclass's `__init__` (one `object.__setattr__` per field) costs ~10x more."""
+
+    op: str  # resolve | save | load | retire
+    req_id: str
+    state: str  # ok | degraded | failed | shed
+    reason: str
+    at: float
+
+
+class Outcomes:
+    """Every async operation's terminal state, with its request id: counted, and the recent ones kept."""
+
+    def __init__(self, keep: int) -> None:
+        self.recent: Deque[Outcome] = collections.deque(maxlen=keep)
+        self.counts: collections.Counter[str] = collections.Counter()
+        self._lock = threading.Lock()
+
+    def record(self, op: str, req_id: str, state: str, reason: str = "") -> Outcome:
+        o = Outcome(op, req_id, state, reason, time.time())
+        key = f"{op}.{state}.{reason}" if reason else f"{op}.{state}"
+        with self._lock:
+            self.recent.append(o)
+            self.counts[key] += 1
+        return o
+
+    def for_request(self, req_id: str, op: str | None = None, last: int | None = None) -> list[Outcome]:
+        """The recent outcomes of one request (of one kind of operation, if `op`), oldest first. A load a resolve
+        stopped waiting for, or did not use, settles after the resolve: its outcome may come after the resolve's.
+        `last`: search only the newest `last` outcomes (a caller that has just finished the request: the whole
+        history is thousands of entries, a scan that costs more than a resolve)."""
+        with self._lock:
+            recent = self.recent if last is None else itertools.islice(reversed(self.recent), last)
+            found = [o for o in recent if o.req_id == req_id and (op is None or o.op == op)]
+        return found if last is None else found[::-1]

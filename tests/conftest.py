@@ -1,0 +1,232 @@
+"""Shared helpers of the `test_cluster_*` tests (no tests here): a byte-level model whose arenas live in the
+scheduler's shared memory (`cs.allocator`), a ClusterStore context that checks nothing is left behind, and the
+compute/churn helpers of the store contract tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from typing import Any, Callable, Iterator
+
+import psutil
+import torch
+
+from kvproc import GroupKind, GroupSpec, KvArena, KvSpec, RepackDirection, RequestKv
+from kvproc.store.cluster import ClusterStore
+from kvproc.ipc.segment import list_segments
+from kvproc.store.kv_store import KvStore
+from kvproc.store.types import SealCursor, StoreConfig
+
+PAGE = 4
+BLOCK_BYTES = 256
+SLOT_BYTES = 128
+STORED_EXTRA = 16  # a repacking model stores 16 more bytes per block
+
+_SHARED = ("multiprocessing.forkserver", "multiprocessing.resource_tracker")
+
+
+class ShmBytesModel:
+    """Paged group `kv` (two arenas) and optionally a bounded group `state` (two arenas), allocated through
+    `allocator`. With `stored=True` the paged arenas declare a wider stored layout (repacked by `xor_repack`)."""
+
+    def __init__(self, allocator: Callable[[str, int], torch.Tensor], num_blocks: int, *, bounded: bool = False,
+                 slots: int = 6, stored: bool = False) -> None:
+        groups = [GroupSpec("kv", GroupKind.PAGED)]
+        if bounded:
+            groups.append(GroupSpec("state", GroupKind.BOUNDED))
+        self._spec = KvSpec(PAGE, tuple(groups), model_id="tests-bytes-model")
+        sb = BLOCK_BYTES + STORED_EXTRA if stored else None
+        self._arenas = [("kv", KvArena(f"kv{i}", allocator(f"kv{i}", num_blocks * BLOCK_BYTES), num_blocks,
+                                       BLOCK_BYTES, BLOCK_BYTES, stored_bytes_per_block=sb)) for i in range(2)]
+        if bounded:
+            self._arenas += [("state", KvArena(f"st{i}", allocator(f"st{i}", slots * SLOT_BYTES), slots,
+                                               SLOT_BYTES, SLOT_BYTES)) for i in range(2)]
+
+    def spec(self) -> KvSpec:
+        return self._spec
+
+    def arenas(self, rank: int) -> list[tuple[str, KvArena]]:
+        return list(self._arenas)
+
+    def repack(self, group: str, direction: RepackDirection, src: torch.Tensor, dst: torch.Tensor) -> None:
+        xor_repack(group, direction, src, dst)
+
+    def block(self, arena: int, bid: int) -> torch.Tensor:
+        return self._arenas[arena][1].tensor[bid * BLOCK_BYTES : (bid + 1) * BLOCK_BYTES]
+
+    def slot(self, arena: int, slot: int) -> torch.Tensor:
+        return self._arenas[2 + arena][1].tensor[slot * SLOT_BYTES : (slot + 1) * SLOT_BYTES]
+
+    def zero(self) -> None:
+        for _, a in self._arenas:
+            a.tensor.zero_()
+
+
+def xor_repack(group: str, direction: RepackDirection, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Stored row = payload XOR 0x5A, then 16 bytes of 0xEE; LOAD checks the trailer (a misplaced row fails)."""
+    if direction is RepackDirection.SAVE:
+        dst[:, :BLOCK_BYTES] = src ^ 0x5A
+        dst[:, BLOCK_BYTES:] = 0xEE
+    else:
+        if not bool((src[:, BLOCK_BYTES:] == 0xEE).all()):
+            raise ValueError("stored row has no trailer")
+        dst.copy_(src[:, :BLOCK_BYTES] ^ 0x5A)
+
+
+def descendants() -> set[int]:
+    procs = psutil.Process().children(recursive=True)
+    out = set()
+    for p in procs:
+        try:
+            if not any(s in " ".join(p.cmdline()) for s in _SHARED):
+                out.add(p.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+@contextlib.contextmanager
+def cluster_store(host_bytes: int = 1 << 20, *, num_blocks: int = 32, bounded: bool = False, stored: bool = False,
+                  repack: str | None = None, config: StoreConfig = StoreConfig(resolve_deadline_s=3.0),
+                  live_slots: int = 2, **start: Any) -> Iterator[tuple[ClusterStore, KvStore, ShmBytesModel]]:
+    """A started ClusterStore with an attached ShmBytesModel; on exit: closed, and no process or segment left."""
+    before = descendants()
+    cs = ClusterStore.start(host_bytes, **start)
+    name = cs.cluster.name
+    try:
+        model = ShmBytesModel(cs.allocator, num_blocks, bounded=bounded, stored=stored)
+        store = cs.attach_model(model, live_slots=live_slots, config=config, repack=repack)
+        yield cs, store, model
+    finally:
+        cs.close()
+    deadline = time.monotonic() + 5
+    while (left := descendants() - before) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not left, f"processes left behind: {left}"
+    assert not list_segments(name), f"segments left behind: {list_segments(name)}"
+
+
+def compute(store: KvStore, model: ShmBytesModel, rid: str, tokens: list[int], max_out: int = 4,
+            ) -> tuple[RequestKv, SealCursor, Any, dict[bytes, tuple[torch.Tensor, torch.Tensor]]]:
+    """Admit with the resolved prefix, compute the rest, write random bytes into the new blocks; returns kv, cursor,
+    prefix and {page hash: (bytes of arena 0, bytes of arena 1)} of every full page."""
+    pool = store.pools[0]
+    prefix = store.resolve_prefix_sync(0, rid, tokens)
+    kv = RequestKv(pool, rid, tokens, max_out)
+    assert kv.try_admit(prefix.hold.num_blocks)
+    store.execute_copies(0, kv.match_and_add_prefix(prefix.hold))
+    start = kv.num_computed // PAGE
+    kv.schedule(len(tokens) - kv.num_computed)
+    for b in kv.block_ids[start:]:
+        for a in range(2):
+            model.block(a, b)[:] = torch.randint(0, 256, (BLOCK_BYTES,), dtype=torch.uint8)
+    kv.apply()
+    written = {kv.page_hashes[i]: (model.block(0, b).clone(), model.block(1, b).clone())
+               for i, b in enumerate(kv.block_ids[: len(tokens) // PAGE])}
+    return kv, SealCursor.after_prefix(start), prefix, written
+
+
+def churn(store: KvStore) -> None:
+    """Evict every unreferenced block of the device pool."""
+    pool = store.pools[0]
+    with pool.lock:
+        ids = pool.paged.allocate(pool.paged.available)
+        pool.paged.release(ids)
+
+
+Written = dict[bytes, tuple[torch.Tensor, torch.Tensor]]
+
+
+def saved(store: KvStore, model: ShmBytesModel, rid: str, toks: list[int]) -> Written:
+    """Compute and retire a request, wait until its save landed and the tier committed it (a fire-and-forget message:
+    until then the tier's slot table does not show the pages committed), churn the device pool; its page bytes."""
+    kv, cur, _, written = compute(store, model, rid, toks)
+    store.retire(0, kv, cur)
+    store.flush_saves(0, 10)
+    wait_for(lambda: store.stats()["tier"]["open_saves"] == 0, what="the save committed")
+    churn(store)
+    return written
+
+
+def resolve_on(store: KvStore, path: str, rid: str, toks: list[int]) -> Any:
+    """Resolve on the blocking path (`resolve_prefix_sync`) or the store loop's (`submit_resolve`)."""
+    if path == "blocking":
+        return store.resolve_prefix_sync(0, rid, toks)
+    return store.submit_resolve(0, rid, toks).result(10)
+
+
+def check_bytes(model: ShmBytesModel, prefix: Any, written: Written) -> None:
+    """Every block of the prefix holds exactly the bytes saved under its hash."""
+    for h, b in zip(prefix.hold.hashes, prefix.hold.block_ids):
+        assert torch.equal(model.block(0, b), written[h][0]) and torch.equal(model.block(1, b), written[h][1])
+
+
+def restores(store: KvStore, model: ShmBytesModel, rid: str, toks: list[int], written: Written,
+             path: str = "blocking") -> int:
+    """Resolve `toks` after a churn, on zeroed arenas; checks every restored block's bytes; the pages restored."""
+    churn(store)
+    model.zero()
+    prefix = resolve_on(store, path, rid, toks)
+    check_bytes(model, prefix, written)
+    pages = int(prefix.hold.num_blocks)
+    prefix.hold.release()
+    return pages
+
+
+def load_reasons(store: KvStore, rid: str) -> list[str]:
+    """The reasons of the load outcomes recorded for a request, in order ("" for a plain load)."""
+    return [o.reason for o in store.outcomes.for_request(rid, "load")]
+
+
+LIES = ("another_pages_slots", "stale_generation", "both")
+
+
+def lie_about_a(store: KvStore, model: ShmBytesModel, lie: str) -> tuple[list[int], Written, tuple[Any, Any]]:
+    """Save two prompts A and B, then make the slot cache wrong about A: B's live slots with their current
+    generations (`another_pages_slots`), A's own slots with old generations (`stale_generation`), or B's slots with
+    made-up generations (`both`). Returns A's tokens, A's page bytes and the truth about A (slots, generations)."""
+    a, b = list(range(17)), list(range(1000, 1017))
+    written = saved(store, model, "a", a)
+    written_b = saved(store, model, "b", b)
+    cache = store.slot_caches[0]
+    keys_a, keys_b = list(written), list(written_b)
+    slots_a, gens_a = cache.run(keys_a)
+    slots_b, gens_b = cache.run(keys_b)
+    if lie == "another_pages_slots":
+        cache.learn(keys_a, slots_b, gens_b)
+    elif lie == "stale_generation":
+        cache.learn(keys_a, slots_a, [g - 1 for g in gens_a])
+    else:
+        cache.learn(keys_a, slots_b, [g + 7 for g in gens_b])
+    return a, written, (slots_a, gens_a)
+
+
+def nothing_left(store: KvStore) -> None:
+    """Loads settled (a speculation the loop path did not use settles in the background), no block held or reserved,
+    every lease back."""
+    store.flush_loads(0, 5)
+    assert store.stats()["rank0"]["active_blocks"] == 0
+    wait_for(lambda: store.stats()["tier"]["open_leases"] == 0, what="every lease back")
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 5.0, what: str = "condition") -> None:
+    """Test-side wait for an observable state of another process (short sleeps; the code under test never polls)."""
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.005)
+
+
+@contextlib.contextmanager
+def stopped(pid: int) -> Iterator[None]:
+    """SIGSTOP a child for the block (keep it under ~1 s: idle heartbeats declare a peer dead after 3 s)."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)

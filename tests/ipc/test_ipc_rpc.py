@@ -1,0 +1,394 @@
+"""RPC across real processes: a role served in a forkserver child, called over real ipc:// ZeroMQ sockets."""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing
+import os
+import signal
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from kvproc.ipc import messages as m
+from kvproc.ipc.cancel import new_token
+from kvproc.ipc import server as server_mod
+from kvproc.ipc.client import RpcClient
+from kvproc.ipc.context import CallContext
+from kvproc.ipc.direct import LATE, ONEWAY_SETTLE_S
+from kvproc.ipc.errors import CallCancelled, HandshakeRefused, PeerDeadError, RemoteError
+from kvproc.ipc.server import RpcServer
+from kvproc.ipc.service import Service, handles
+from kvproc.ipc.sockets import ipc_endpoint
+from kvproc.runtime.child import ChildSpec, child_main
+from tests.ipc.conftest import TOKEN, Served, serve_role
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[Served]:
+    with tempfile.TemporaryDirectory(prefix="kvt-", dir="/tmp") as d:
+        s = serve_role(d)
+        try:
+            yield s
+        finally:
+            if s.proc.is_alive():
+                os.kill(s.proc.pid, signal.SIGKILL)
+            s.proc.join(5)
+
+
+@pytest.fixture
+def client(served: Served) -> Iterator[RpcClient]:
+    c = served.client()
+    yield c
+    c.close()
+
+
+def test_ping_round_trips_payload_and_names_the_server_pid(client: RpcClient, served: Served) -> None:
+    pong = client.request(m.Ping(b"abc"), timeout=5)
+    assert pong == m.Pong(b"abc", served.proc.pid)
+
+
+def test_stats_reports_counters_from_the_server_process(client: RpcClient, served: Served) -> None:
+    report = client.request(m.Stats(), timeout=5)
+    assert report.pid == served.proc.pid and report.role == "host_tier"
+    assert report.msgs_in >= 1 and report.rss_bytes > 0
+
+
+def test_remote_exception_arrives_typed_with_code(client: RpcClient) -> None:
+    with pytest.raises(RemoteError) as err:
+        client.request(m.Fail("boom", code="debug_code"), timeout=5)
+    assert err.value.code == "debug_code" and err.value.exc_type == "HandlerError" and "boom" in err.value.message
+
+
+def test_deadline_in_the_message_ends_a_long_call_with_deadline_exceeded(client: RpcClient) -> None:
+    t0 = time.monotonic()
+    reply = client.call(m.Sleep(10.0), timeout=0.3).result(5)
+    assert isinstance(reply, m.Failed) and reply.code == "deadline_exceeded"
+    assert time.monotonic() - t0 < 2.0
+
+
+def test_already_expired_deadline_is_refused_without_running(client: RpcClient) -> None:
+    reply = client.call(m.Sleep(1.0), deadline=time.monotonic() - 1).result(5)
+    assert isinstance(reply, m.Failed) and reply.code == "deadline_exceeded"
+
+
+def test_cancel_reaches_a_call_waiting_in_the_server_process(client: RpcClient) -> None:
+    token = new_token()
+    fut = client.call(m.Sleep(10.0), timeout=10, cancel_token=token)
+    time.sleep(0.2)  # let it start sleeping over there
+    t0 = time.monotonic()
+    token.cancel()
+    reply = fut.result(5)
+    assert reply == m.Cancelled(reply.call_id, token.id)
+    assert time.monotonic() - t0 < 1.0
+    with pytest.raises(CallCancelled):
+        reply.unwrap()
+
+
+def test_cancelled_token_short_circuits_new_calls(client: RpcClient) -> None:
+    token = new_token()
+    token.cancel()
+    assert isinstance(client.call(m.Sleep(1.0), cancel_token=token).result(1), m.Cancelled)
+
+
+def test_many_concurrent_calls_from_threads_each_get_their_own_reply(client: RpcClient) -> None:
+    results: list[Any] = []
+
+    def worker(i: int) -> None:
+        for j in range(50):
+            results.append(client.request(m.Ping(f"{i}-{j}".encode()), timeout=10).data)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert sorted(results) == sorted(f"{i}-{j}".encode() for i in range(4) for j in range(50))
+
+
+def test_handshake_with_wrong_token_is_refused(served: Served) -> None:
+    with pytest.raises(HandshakeRefused) as err:
+        served.client(token="wrong")
+    assert err.value.code == "bad_token"
+
+
+def test_handshake_with_other_protocol_version_is_refused_naming_both(served: Served) -> None:
+    import zmq
+
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(served.endpoint)
+        sock.send(m.encode(m.Hello(m.PROTOCOL_VERSION + 7, TOKEN, "old")))
+        assert sock.poll(5000)
+        reply = m.client_decoder().decode(sock.recv())
+    finally:
+        sock.close()
+    assert isinstance(reply, m.Refused) and reply.code == "protocol_mismatch"
+    assert str(m.PROTOCOL_VERSION + 7) in reply.message and str(m.PROTOCOL_VERSION) in reply.message
+
+
+def test_sigkill_fails_every_outstanding_call_with_peer_dead() -> None:
+    with tempfile.TemporaryDirectory(prefix="kvt-", dir="/tmp") as d:
+        s = serve_role(d)
+        c = s.client(heartbeat_s=0.1, liveness=3)
+        try:
+            futs = [c.call(m.Sleep(30.0), timeout=30) for _ in range(5)]
+            time.sleep(0.1)
+            os.kill(s.proc.pid, signal.SIGKILL)
+            t0 = time.monotonic()
+            replies = [f.result(5) for f in futs]
+            # No supervisor here: detection is by heartbeats (0.1 s x 3); with the launcher it is the sentinel.
+            assert time.monotonic() - t0 < 2.0
+            assert all(isinstance(r, m.PeerDead) for r in replies)
+            with pytest.raises(PeerDeadError):
+                c.request(m.Ping(), timeout=1)
+        finally:
+            c.close()
+            s.proc.join(5)
+
+
+def test_blocked_request_on_its_own_socket_wakes_with_peer_dead_when_the_peer_is_declared_dead(served: Served) -> None:
+    c = served.client()
+    outcome: list[BaseException] = []
+
+    def blocked() -> None:
+        try:
+            c.request(m.Sleep(10.0), timeout=10)
+        except BaseException as e:
+            outcome.append(e)
+
+    t = threading.Thread(target=blocked)
+    t.start()
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    c.mark_dead("declared dead by the test")
+    t.join(5)
+    assert time.monotonic() - t0 < 0.5
+    assert len(outcome) == 1 and isinstance(outcome[0], PeerDeadError)
+    c.close()
+
+
+def test_asyncio_awaits_a_call_through_wrap_future(client: RpcClient) -> None:
+    import asyncio
+
+    async def main() -> Any:
+        replies = await asyncio.gather(*(asyncio.wrap_future(client.call(m.Echo(b"%d" % i))) for i in range(20)))
+        return [r.unwrap().data for r in replies]
+
+    assert asyncio.run(main()) == [b"%d" % i for i in range(20)]
+
+
+def test_request_with_wait_until_returns_late_and_hands_the_real_reply_over_later(client: RpcClient) -> None:
+    got: list[Any] = []
+    arrived = threading.Event()
+
+    def on_late(reply: Any) -> None:
+        got.append(reply)
+        arrived.set()
+
+    client.request(m.Ping(), timeout=5)  # this thread has its own socket now
+    t0 = time.monotonic()
+    res = client.request(m.Sleep(0.3), timeout=5, wait_until=time.monotonic() + 0.05, on_late=on_late)
+    assert res is LATE and time.monotonic() - t0 < 0.25 and not got
+    assert arrived.wait(5)
+    assert isinstance(got[0], m.Ok) and time.monotonic() - t0 >= 0.3
+    # the late call's socket went to its reaper: this thread's next call opens a new one and works
+    assert client.request(m.Ping(b"x"), timeout=5).data == b"x"
+
+
+def test_a_blocking_receive_slice_never_outlasts_the_callers_wait(client: RpcClient,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The thread sleeps in receive slices (no poll) when nothing but the reply can end its wait: the last slice is cut
+    to what is left of the wait, and a slice that passes without a reply just starts the next one."""
+    from kvproc.ipc import direct
+
+    monkeypatch.setattr(direct, "DEATH_CHECK_MS", 2000)
+    client.request(m.Ping(), timeout=5)  # this thread has its own socket now
+    t0 = time.monotonic()
+    res = client.request(m.Sleep(0.3), timeout=5, wait_until=time.monotonic() + 0.05, on_late=lambda r: None)
+    assert res is LATE and time.monotonic() - t0 < 1.0  # not the 2 s slice
+    monkeypatch.setattr(direct, "DEATH_CHECK_MS", 10)
+    t0 = time.monotonic()
+    client.request(m.Sleep(0.2), timeout=5)  # ~20 slices pass without a reply, then it comes
+    assert time.monotonic() - t0 >= 0.2
+
+
+def test_a_late_call_whose_peer_is_declared_dead_reports_peer_dead(served: Served) -> None:
+    c = served.client()
+    got: list[Any] = []
+    arrived = threading.Event()
+    res = c.request(m.Sleep(10.0), timeout=10, wait_until=time.monotonic() + 0.05,
+                    on_late=lambda r: (got.append(r), arrived.set()))
+    assert res is LATE
+    c.mark_dead("declared dead by the test")
+    assert arrived.wait(2) and isinstance(got[0], m.PeerDead)
+    c.close()
+
+
+def test_oneway_on_the_threads_socket_is_answered_at_its_next_call(client: RpcClient) -> None:
+    got: list[Any] = []
+    client.request(m.Ping(), timeout=5)
+    client.send_oneway(m.Fail("nope", code="oneway_test"), timeout=5, on_reply=got.append)
+    time.sleep(0.05)
+    assert got == []  # nobody read the socket yet
+    client.request(m.Ping(), timeout=5)
+    assert len(got) == 1 and isinstance(got[0], m.Failed) and got[0].code == "oneway_test"
+
+
+def test_oneway_replies_still_unread_at_close_are_reported(served: Served) -> None:
+    """A close waits `ONEWAY_SETTLE_S` for fire-and-forget replies; one that takes longer is reported, not lost."""
+    c = served.client()
+    got: list[Any] = []
+    c.request(m.Ping(), timeout=5)
+    c.send_oneway(m.Sleep(ONEWAY_SETTLE_S + 1.5), timeout=5, on_reply=got.append)
+    t = time.monotonic()
+    c.close()
+    assert ONEWAY_SETTLE_S - 0.05 <= time.monotonic() - t < ONEWAY_SETTLE_S + 1.0  # bounded: no hang on a slow peer
+    assert len(got) == 1 and isinstance(got[0], m.PeerDead) and "before the reply was read" in got[0].reason
+
+
+def test_a_oneway_answered_soon_after_close_gets_its_real_reply(served: Served) -> None:
+    c = served.client()
+    got: list[Any] = []
+    c.request(m.Ping(), timeout=5)
+    c.send_oneway(m.Fail("last act", code="settled"), timeout=5, on_reply=got.append)
+    c.close()
+    assert len(got) == 1 and isinstance(got[0], m.Failed) and got[0].code == "settled"
+
+
+def test_a_oneway_sent_as_a_threads_last_act_gets_its_real_reply(served: Served) -> None:
+    """A resolving thread that ends right after releasing its lease: the release's reply is still read (no false
+    "unread" failure, which the store would log as a lost release)."""
+    c = served.client()
+    got: list[Any] = []
+    done = threading.Event()
+
+    def last_act() -> None:
+        c.request(m.Ping(), timeout=5)  # the thread owns a socket now
+        c.send_oneway(m.Fail("bye", code="last_act"), timeout=5, on_reply=lambda r: (got.append(r), done.set()))
+
+    t = threading.Thread(target=last_act)
+    t.start()
+    t.join(5)
+    gc.collect()
+    assert done.wait(5) and isinstance(got[0], m.Failed) and got[0].code == "last_act"
+    c.close()
+
+
+def test_oneway_from_a_thread_without_a_socket_goes_through_the_io_thread(client: RpcClient) -> None:
+    got: list[Any] = []
+    done = threading.Event()
+
+    def fresh_thread() -> None:
+        client.send_oneway(m.Fail("x", code="io_path"), timeout=5, on_reply=lambda r: (got.append(r), done.set()))
+
+    t = threading.Thread(target=fresh_thread)
+    t.start()
+    t.join(5)
+    assert done.wait(5) and isinstance(got[0], m.Failed) and got[0].code == "io_path"
+
+
+def test_a_thread_that_only_sends_oneways_still_gets_their_replies(client: RpcClient) -> None:
+    got: list[Any] = []
+    client.request(m.Ping(), timeout=5)
+    client.send_oneway(m.Fail("first", code="first"), timeout=5, on_reply=got.append)
+    time.sleep(0.1)
+    client.send_oneway(m.Fail("second", code="second"), timeout=5, on_reply=got.append)  # reads what is waiting first
+    assert [r.code for r in got] == ["first"]
+
+
+def test_a_threads_own_socket_is_closed_when_the_thread_ends(served: Served) -> None:
+    c = served.client()
+    threads = [threading.Thread(target=lambda: c.request(m.Ping(), timeout=5)) for _ in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(5)
+    gc.collect()
+    deadline = time.monotonic() + 5
+    while c._direct._owned and time.monotonic() < deadline:  # a thread's locals go at its exit
+        time.sleep(0.01)
+    assert c._direct._owned == []  # a thread per request leaves no socket per request behind
+    assert c.request(m.Ping(b"still"), timeout=5).data == b"still"
+    c.close()
+
+
+class _Pooled(Service):
+    """Echo through the handler pool: every reply is posted to the socket thread's outbox from another thread."""
+
+    @handles(m.Echo)
+    def echo(self, msg: m.Echo, ctx: CallContext) -> m.Pong:
+        return m.Pong(msg.data, os.getpid())
+
+
+def test_pooled_replies_reach_the_caller_while_the_socket_thread_sleeps_in_its_idle_receive(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The socket thread of a server with nothing in flight sleeps in a receive (not watching the outbox waker); a
+    pooled handler's reply must still go out at once, whatever the interleaving of the handler finishing and the socket
+    thread going back to sleep (the call leaves `_in_flight` and enters the outbox in one step). The idle slice is made
+    long here, so a stranded reply would show as a wait of seconds."""
+    monkeypatch.setattr(server_mod, "IDLE_SLICE_MS", 3000)
+    monkeypatch.setattr(RpcServer, "receive_when_idle", True)
+    with tempfile.TemporaryDirectory(prefix="kvt-", dir="/tmp") as d:
+        srv = RpcServer(_Pooled(), endpoints=[ipc_endpoint(d, "pooled")], token=TOKEN, role="pooled", workers=2)
+        (endpoint,) = srv.bind()
+        thread = srv.start()
+        c = RpcClient(endpoint, token=TOKEN, peer="pooled[0]")
+        try:
+            c.connect(5.0)
+            slowest = 0.0
+            for i in range(200):
+                t0 = time.monotonic()
+                assert c.request(m.Echo(b"%d" % i), timeout=10).data == b"%d" % i
+                slowest = max(slowest, time.monotonic() - t0)
+            assert slowest < 1.0  # no reply waited for the end of a 3 s slice
+            assert srv.transport_stats()["in_flight"] == 0
+        finally:
+            c.close()
+            srv.stop()
+            thread.join(10)
+        assert not thread.is_alive()  # stop() is seen at the slice's end
+
+
+def test_a_spinning_wait_gets_its_reply_and_a_cancel_or_a_death_still_ends_it_at_once(served: Served) -> None:
+    """`spin_s`: the thread polls for the reply before it sleeps; the fds its wait watches are polled too, so a cancel
+    token or the peer's death ends a long spin at once rather than at its end."""
+    c = served.client()
+    try:
+        assert c.request(m.Ping(b"s"), timeout=5, spin_s=0.5).data == b"s"
+        token = new_token()
+        threading.Timer(0.1, token.cancel).start()
+        t0 = time.monotonic()
+        res = c.request(m.Sleep(1.0), timeout=5, wait_until=time.monotonic() + 4, on_late=lambda r: None,
+                        wake_on=token, spin_s=3.0)
+        assert res is LATE and time.monotonic() - t0 < 0.8
+        threading.Timer(0.1, c.mark_dead, args=("declared dead by the test",)).start()
+        t0 = time.monotonic()
+        with pytest.raises(PeerDeadError):
+            c.request(m.Sleep(2.0), timeout=5, spin_s=3.0)
+        assert time.monotonic() - t0 < 0.8
+    finally:
+        c.close()
+
+
+def test_threads_that_ask_to_spin_at_once_all_get_their_replies(client: RpcClient) -> None:
+    """One thread of a process spins at a time; the others sleep as usual and lose nothing."""
+    got: list[bytes] = []
+    lock = threading.Lock()
+
+    def ask(i: int) -> None:
+        for j in range(20):
+            data = client.request(m.Echo(b"%d-%d" % (i, j)), timeout=10, spin_s=0.01).data
+            with lock:
+                got.append(data)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert sorted(got) == sorted(b"%d-%d" % (i, j) for i in range(4) for j in range(20))

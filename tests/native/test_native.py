@@ -1,0 +1,342 @@
+"""`kvproc.native._native` (the compiled hash chain and copy planner) agrees with hashlib and with plain-Python reference
+loops on any input, and rejects bad input with an error instead of reading out of bounds."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvproc import native
+from kvproc.core.hashing import BlockHasher, HashScope, tokens_to_bytes
+from kvproc.workers.copy_exec import plan_runs
+
+# CI builds the module (gcc is part of the machine); a missing build must fail loudly there, not fall back silently.
+if native._native is None and os.environ.get("KVPROC_ALLOW_PURE_PYTHON") != "1":
+    pytest.fail("kvproc.native._native is not built (set KVPROC_ALLOW_PURE_PYTHON=1 where no C compiler exists)",
+                pytrace=False)
+N = native._native
+needs_native = pytest.mark.skipif(N is None, reason="kvproc.native._native not built")
+
+
+def reference_chain(data: bytes, page_bytes: int, seed: bytes) -> list[bytes]:
+    h, out = seed, []
+    for i in range(len(data) // page_bytes):
+        h = hashlib.blake2b(h + data[i * page_bytes : (i + 1) * page_bytes], digest_size=16).digest()
+        out.append(h)
+    return out
+
+
+def reference_plan(src: list[int], dst: list[int], long_run: int):
+    long_runs, gs, gd = [], [], []
+    i = 0
+    while i < len(src):
+        k = 1
+        while i + k < len(src) and src[i + k] == src[i] + k and dst[i + k] == dst[i] + k:
+            k += 1
+        if k >= long_run:
+            long_runs.append((src[i], dst[i], k))
+        else:
+            gs += src[i : i + k]
+            gd += dst[i : i + k]
+        i += k
+    bounds = (min(src), max(src), min(dst), max(dst)) if src else None
+    return long_runs, gs, gd, bounds
+
+
+@needs_native
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=700), st.integers(1, 64))
+def test_blake2b_equals_hashlib_at_every_length_and_digest_size(data, size):
+    assert N.b2b(data, size) == hashlib.blake2b(data, digest_size=size).digest()
+
+
+@needs_native
+def test_blake2b_block_boundaries():
+    for n in (0, 1, 111, 112, 127, 128, 129, 255, 256, 257, 1024):
+        data = os.urandom(n)
+        assert N.b2b(data, 16) == hashlib.blake2b(data, digest_size=16).digest(), n
+
+
+@needs_native
+@settings(max_examples=100, deadline=None)
+@given(st.binary(max_size=2000), st.sampled_from([4, 16, 64, 128, 256, 1024]), st.binary(min_size=16, max_size=16))
+def test_chain_equals_the_hashlib_chain_for_any_page_size_and_parent(data, page_bytes, seed):
+    assert N.blake2b_chain(data, page_bytes, seed) == reference_chain(data, page_bytes, seed)
+
+
+@needs_native
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 2**31 - 2), max_size=300), st.sampled_from([1, 4, 16, 32]),
+       st.text(max_size=8))
+def test_hasher_gives_the_same_hashes_as_the_pure_python_chain(tokens, page_tokens, salt):
+    """What `BlockHasher.hash_prompt` returns with the native chain is byte-for-byte the hashlib chain (hashes saved
+    by a store built without the module stay valid with it, and the other way round)."""
+    hasher = BlockHasher(page_tokens)
+    scope = HashScope(cache_salt=salt)
+    want = reference_chain(tokens_to_bytes(tokens), 4 * page_tokens, hasher.seed(scope))
+    assert hasher.hash_prompt(tokens, scope) == want
+    half = (len(tokens) // page_tokens // 2) * page_tokens
+    if half:  # a chain continued from a parent, as a running request extends it
+        head = hasher.hash_prompt(tokens[:half], scope)
+        assert head + hasher.hash_prompt(tokens[half:], scope, parent=head[-1]) == want
+
+
+@needs_native
+def test_chain_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="seed must be 16 bytes"):
+        N.blake2b_chain(b"x" * 64, 64, b"short")
+    with pytest.raises(ValueError, match="page_bytes must be positive"):
+        N.blake2b_chain(b"x" * 64, 0, b"s" * 16)
+    with pytest.raises(TypeError):
+        N.blake2b_chain("not bytes", 64, b"s" * 16)
+    assert N.blake2b_chain(b"x" * 63, 64, b"s" * 16) == []  # no full page
+
+
+@needs_native
+def test_chain_runs_without_the_gil_and_stays_correct_across_threads():
+    data = os.urandom(64 * 2000)
+    want = reference_chain(data, 64, b"\0" * 16)
+    got: list[list[bytes]] = []
+
+    def run() -> None:
+        got.append(N.blake2b_chain(data, 64, b"\0" * 16))
+
+    threads = [threading.Thread(target=run) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == [want] * 4
+
+
+@needs_native
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_copy_plan_equals_the_reference_split(data):
+    n = data.draw(st.integers(0, 80))
+    contiguous = data.draw(st.booleans())
+    src = list(range(7, 7 + n)) if contiguous else data.draw(st.lists(st.integers(0, 200), min_size=n, max_size=n))
+    dst = data.draw(st.lists(st.integers(0, 200), min_size=n, max_size=n)) if data.draw(st.booleans()) else \
+        list(range(3, 3 + n))
+    long_run = data.draw(st.integers(1, 6))
+    want = reference_plan(src, dst, long_run)
+    assert N.copy_plan(src, dst, long_run) == want
+    runs_, gs, gd, bounds = plan_runs(src, dst, long_run)  # the wrapper the copy executor calls
+    assert (runs_, gs.tolist(), gd.tolist(), bounds) == want
+    assert gs.dtype == np.int64 and gd.dtype == np.int64
+
+
+@needs_native
+def test_copy_plan_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="3 source ids against 2"):
+        N.copy_plan([1, 2, 3], [1, 2], 4)
+    with pytest.raises(TypeError):
+        N.copy_plan([1, "x"], [1, 2], 4)
+    with pytest.raises(TypeError):
+        N.copy_plan(5, [1], 4)
+    with pytest.raises(OverflowError):
+        N.copy_plan([2**70], [1], 4)
+    assert N.copy_plan(np.arange(5), np.arange(5), 4) == ([(0, 0, 5)], [], [], (0, 4, 0, 4))
+
+
+def test_describe_names_the_form_in_use():
+    assert native.describe() in ("native", "pure-python (turned off)", "pure-python (not built)")
+    assert (native.NATIVE is None) == native.describe().startswith("pure-python")
+
+
+@needs_native
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 2**31 - 1), max_size=200))
+def test_pack_tokens_equals_little_endian_uint32(tokens):
+    assert N.pack_tokens(tokens, 2**31 - 1) == np.asarray(tokens, dtype="<u4").tobytes()
+    assert tokens_to_bytes(tokens, max_id=2**31 - 1) == np.asarray(tokens, dtype="<i4").tobytes()
+
+
+@needs_native
+def test_pack_tokens_rejects_out_of_range_and_non_ints_and_the_hasher_names_it():
+    for bad in ([1, -1], [2**31], [2**80], [1, 2.0], [True, "x"]):
+        with pytest.raises((ValueError, TypeError)):
+            N.pack_tokens(bad, 2**31 - 1)
+    with pytest.raises(ValueError, match="token ids must lie in"):
+        tokens_to_bytes([5, -3])
+    with pytest.raises(ValueError, match="must be integers"):
+        tokens_to_bytes([5, 2.5])
+
+
+def test_the_pure_python_fallback_passes_the_hashing_and_copy_tests_and_hashes_the_same():
+    """Where the module is not built (or `KVPROC_PURE_PYTHON=1`), the same tests pass (hashing, copy planning, the
+    pool's and the host index's book-keeping, the slot-table check, the slot cache, and their hypothesis state
+    machines), and a prompt hashes to the same bytes as with the module: a store built without it reads a tier filled
+    with it, and the other way round."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, KVPROC_PURE_PYTHON="1")
+    tests = ["tests/core/test_hashing.py", "tests/workers/test_copy_exec.py", "tests/core/test_pool.py", "tests/core/test_pool_properties.py",
+             "tests/core/test_request_kv.py", "tests/tiers/test_host_index.py", "tests/tiers/test_host_index_properties.py",
+             "tests/tiers/test_slot_table.py", "tests/tiers/test_slot_cache.py"]
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    code = ("from kvproc import native; from kvproc.core.hashing import BlockHasher; assert native.NATIVE is None; "
+            "print(b''.join(BlockHasher(16).hash_prompt(list(range(5000)))).hex())")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == b"".join(BlockHasher(16).hash_prompt(list(range(5000)))).hex()
+
+
+@needs_native
+def test_paged_ops_change_nothing_when_one_id_is_bad():
+    """Every C book-keeping op checks all ids before it writes: a bad id in the middle leaves the arrays as they were
+    (the numpy forms fail the same way: a fancy index raises before assigning)."""
+    from kvproc.core.paged import PagedBlocks, StaleBlockError
+
+    pb = PagedBlocks(8)
+    ids = pb.allocate(4)  # [0, 1, 2, 3]
+    pb.register(ids[:2], [b"a" * 16, b"b" * 16])
+    before = (pb.refcount.copy(), pb.generation.copy(), pb.hashed.copy(), list(pb.block_hash), dict(pb.index))
+
+    def unchanged() -> bool:
+        return (np.array_equal(pb.refcount, before[0]) and np.array_equal(pb.generation, before[1])
+                and np.array_equal(pb.hashed, before[2]) and pb.block_hash == before[3] and pb.index == before[4])
+
+    for bad in ([0, 99], [0, -1]):
+        with pytest.raises(IndexError):
+            N.paged_take(pb.refcount, pb.generation, bad)
+        with pytest.raises(IndexError):
+            N.paged_release(pb.refcount, pb.hashed, bad)
+        with pytest.raises(IndexError):
+            N.paged_register(pb.hashed, pb.block_hash, pb.index, [2] + bad[1:], [b"c" * 16, b"d" * 16])
+        assert unchanged()
+    with pytest.raises(RuntimeError, match="refcount underflow"):
+        pb.release([0, 5])  # 5 is free: nothing may be released, not even 0
+    assert unchanged()
+    with pytest.raises(RuntimeError, match="acquire of free blocks"):
+        pb.acquire([0, 6])
+    assert unchanged()
+    with pytest.raises(StaleBlockError, match=r"\[1\]"):
+        pb.check([0, 1], np.array([pb.generation[0], pb.generation[1] + 1]))
+    with pytest.raises(TypeError, match="1-d array of 4-byte"):
+        N.paged_take(pb.generation, pb.generation, [0])
+    with pytest.raises(TypeError, match="not bytes"):
+        N.paged_register(pb.hashed, pb.block_hash, pb.index, [2], ["str"])
+    assert unchanged()
+
+
+def reference_rows(dst: np.ndarray, dstride: int, dids: list[int], src: np.ndarray, sstride: int, sids: list[int],
+                   row: int) -> None:
+    for d, s in zip(dids, sids):
+        dst[d * dstride : d * dstride + row] = src[s * sstride : s * sstride + row]
+
+
+@needs_native
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_copy_rows_moves_what_a_row_by_row_loop_moves_and_nothing_else(data):
+    """Packed rows (runs become one memmove) and strided rows (padding between them never written), ids in runs or
+    scattered, repeated destinations included (the later row wins, as in the loop)."""
+    row = data.draw(st.integers(1, 24))
+    dstride = row + data.draw(st.sampled_from([0, 0, 3]))
+    sstride = row + data.draw(st.sampled_from([0, 0, 5]))
+    nd, ns = data.draw(st.integers(1, 40)), data.draw(st.integers(1, 40))
+    n = data.draw(st.integers(0, 30))
+    run = data.draw(st.booleans()) and n <= min(nd, ns)
+    d0, s0 = data.draw(st.integers(0, nd - n if run else 0)), data.draw(st.integers(0, ns - n if run else 0))
+    dids = list(range(d0, d0 + n)) if run else data.draw(st.lists(st.integers(0, nd - 1), min_size=n, max_size=n))
+    sids = list(range(s0, s0 + n)) if run else data.draw(st.lists(st.integers(0, ns - 1), min_size=n, max_size=n))
+    rng = np.random.default_rng(n)
+    src = rng.integers(0, 256, ns * sstride, dtype=np.uint8)
+    dst = rng.integers(0, 256, nd * dstride, dtype=np.uint8)
+    want = dst.copy()
+    reference_rows(want, dstride, dids, src, sstride, sids, row)
+    assert N.copy_rows(dst, dstride, dids, src, sstride, np.asarray(sids), row) == n * row
+    assert np.array_equal(dst, want)
+
+
+@needs_native
+def test_copy_rows_checks_every_id_before_any_byte_moves():
+    src = np.arange(64, dtype=np.uint8)
+    dst = np.zeros(64, dtype=np.uint8)
+    # the last row of a buffer whose length is not a multiple of the stride still fits: (len - row) // stride
+    assert N.copy_rows(dst[:60], 16, [3], src, 16, [0], 12) == 12 and dst[48:60].tolist() == list(range(12))
+    dst[:] = 0
+    for dids, sids in (([0, 4], [1, 2]), ([0, 1], [1, -1]), ([0, 1], [2**40, 0])):
+        with pytest.raises(IndexError, match="ids out of range"):
+            N.copy_rows(dst, 16, dids, src, 16, sids, 16)
+        assert not dst.any()
+    with pytest.raises(ValueError, match="2 destination ids against 1"):
+        N.copy_rows(dst, 16, [0, 1], src, 16, [0], 16)
+    with pytest.raises(ValueError, match="bad geometry"):
+        N.copy_rows(dst, 8, [0], src, 16, [0], 16)  # a row longer than the destination's stride
+    with pytest.raises((TypeError, BufferError)):
+        N.copy_rows(src.tobytes(), 16, [0], src, 16, [0], 16)  # read-only destination
+    with pytest.raises(TypeError):
+        N.copy_rows(dst, 16, [0.5], src, 16, [0], 16)
+
+
+@needs_native
+def test_copy_rows_releases_the_gil_for_a_big_copy_and_gets_the_right_bytes():
+    """>= 1 MiB copies run without the GIL (the executor's two copy threads split those): two threads copying halves
+    at once still land every row."""
+    row, n = 64 << 10, 64
+    src = np.random.default_rng(1).integers(0, 256, n * row, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    perm = np.random.default_rng(2).permutation(n).tolist()
+    halves = [(perm[: n // 2], list(range(n // 2))), (perm[n // 2 :], list(range(n // 2, n)))]
+    ts = [threading.Thread(target=N.copy_rows, args=(dst, row, d, src, row, s, row)) for d, s in halves]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert np.array_equal(dst.reshape(n, row)[perm], src.reshape(n, row))
+
+
+@needs_native
+def test_spin_readable_names_the_readable_fd_times_out_and_refuses_bad_fds():
+    import time
+
+    quiet, loud = os.eventfd(0, os.EFD_NONBLOCK), os.eventfd(0, os.EFD_NONBLOCK)
+    try:
+        t0 = time.monotonic()
+        assert N.spin_readable((quiet, loud), 0.05) == -1  # nothing readable: the whole budget, then -1
+        assert time.monotonic() - t0 >= 0.05
+        os.eventfd_write(loud, 1)
+        t0 = time.monotonic()
+        assert N.spin_readable([quiet, loud], 5.0) == 1 and time.monotonic() - t0 < 1.0  # at once, not at 5 s
+        for bad in ((), tuple(range(9)), (-1,), ("x",)):
+            with pytest.raises((ValueError, TypeError)):
+                N.spin_readable(bad, 0.01)
+    finally:
+        os.close(quiet)
+        os.close(loud)
+
+
+@needs_native
+def test_spin_readable_lets_the_other_threads_run():
+    """The spin holds a CPU, not the GIL: a Python thread keeps counting through a 0.3 s spin."""
+    import time
+
+    fd = os.eventfd(0, os.EFD_NONBLOCK)
+    counted, stop = [0], threading.Event()
+
+    def count() -> None:
+        while not stop.is_set():
+            counted[0] += 1
+
+    t = threading.Thread(target=count)
+    try:
+        t.start()
+        time.sleep(0.05)
+        before = counted[0]
+        N.spin_readable((fd,), 0.3)
+        assert counted[0] - before > 1000
+    finally:
+        stop.set()
+        t.join()
+        os.close(fd)
