@@ -21,7 +21,7 @@ from typing import Callable
 
 import numpy as np
 
-from kvproc.bench.ipcbench import _Bench, _Model
+from kvproc.bench.ipcbench import IpcBench, IpcBenchModel
 from kvproc.store.cluster import ClusterStore
 from kvproc.store.types import StoreConfig
 from kvproc.ipc.orders import LoadOrder
@@ -36,9 +36,9 @@ def main() -> int:
     args = ap.parse_args()
     cs = ClusterStore.start(64 << 20, log_level="warning")
     try:
-        model = _Model(cs.allocator, 2048)
+        model = IpcBenchModel(cs.allocator, 2048)
         store = cs.attach_model(model, live_slots=16, config=StoreConfig())
-        b = _Bench(cs, store, model)
+        b = IpcBench(cs, store, model)
         host = b.local.arenas[0].host
         assert host is not None
         slots = host.shape[0]

@@ -18,7 +18,7 @@ import time
 from typing import Any, Callable
 
 from kvproc.store import resolve as store_resolve
-from kvproc.bench.ipcbench import ARENA_BLOCK, CONCURRENCY, _Bench, _Model
+from kvproc.bench.ipcbench import ARENA_BLOCK, CONCURRENCY, IpcBench, IpcBenchModel
 from kvproc.store.cluster import ClusterStore
 from kvproc.ipc import direct
 from kvproc.store.types import StoreConfig
@@ -60,9 +60,9 @@ def main() -> int:
 
     cs = ClusterStore.start(args.n * args.blocks * 2 * 2 * ARENA_BLOCK + (8 << 20), log_level="warning")
     try:
-        model = _Model(cs.allocator, max(2048, 4 * args.blocks))
+        model = IpcBenchModel(cs.allocator, max(2048, 4 * args.blocks))
         store = cs.attach_model(model, live_slots=CONCURRENCY, config=FORMS[args.form])
-        b = _Bench(cs, store, model)
+        b = IpcBench(cs, store, model)
         prompts = [b.prompt(args.blocks) for _ in range(args.n)]
         for p in prompts:
             b.seal(p)

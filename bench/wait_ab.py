@@ -19,7 +19,7 @@ import statistics
 import sys
 import time
 
-from kvproc.bench.ipcbench import ARENA_BLOCK, CONCURRENCY, _Bench, _Model, _RawEcho
+from kvproc.bench.ipcbench import ARENA_BLOCK, CONCURRENCY, IpcBench, IpcBenchModel, _RawEcho
 from kvproc.store.cluster import ClusterStore
 from kvproc.ipc import direct
 from kvproc.store.types import StoreConfig
@@ -37,9 +37,9 @@ def main() -> int:
     cs = ClusterStore.start(n_prompts * args.blocks * 2 * ARENA_BLOCK + (8 << 20), log_level="warning")
     raw = _RawEcho()
     try:
-        model = _Model(cs.allocator, max(2048, 4 * args.blocks))
+        model = IpcBenchModel(cs.allocator, max(2048, 4 * args.blocks))
         store = cs.attach_model(model, live_slots=CONCURRENCY, config=StoreConfig(cacheable_pin_fraction=1.0))
-        b = _Bench(cs, store, model)
+        b = IpcBench(cs, store, model)
         prompts = [b.prompt(args.blocks) for _ in range(n_prompts)]
         for p in prompts:
             b.seal(p)

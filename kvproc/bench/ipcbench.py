@@ -104,7 +104,7 @@ while True:
 """
 
 
-class _Model:
+class IpcBenchModel:
     """One paged group of two arenas (like two layers), allocated in the ClusterStore's shared memory."""
 
     def __init__(self, allocator: Callable[[str, int], torch.Tensor], num_blocks: int) -> None:
@@ -169,8 +169,8 @@ class _RawEcho:
         shutil.rmtree(self._tmp, ignore_errors=True)
 
 
-class _Bench:
-    def __init__(self, cs: ClusterStore, store: KvStore, model: _Model) -> None:
+class IpcBench:
+    def __init__(self, cs: ClusterStore, store: KvStore, model: IpcBenchModel) -> None:
         self.cs, self.store, self.model = cs, store, model
         self.pool = store.pools[0]
         self._next = 0
@@ -305,7 +305,7 @@ class _Bench:
         return time.perf_counter() - t
 
 
-def _loop_calls(b: _Bench, n: int) -> dict[str, float]:
+def _loop_calls(b: IpcBench, n: int) -> dict[str, float]:
     """Median Ping round trip awaited on the store's loop: its own socket vs the sync client's I/O thread."""
     from kvproc.ipc import messages as m
     from kvproc.tiers.remote import await_sync_call
@@ -327,7 +327,7 @@ def _loop_calls(b: _Bench, n: int) -> dict[str, float]:
     return b.store._loop.submit(run()).result(60)
 
 
-def _ab(b: _Bench, batches: int) -> dict[str, dict[str, float]]:
+def _ab(b: IpcBench, batches: int) -> dict[str, dict[str, float]]:
     """Median host-hit resolve, store loop's own sockets vs the sync clients' I/O threads, in alternating batches."""
     links = [getattr(b.store.tier, "_link")] + [getattr(c, "_link") for c in b.store.copiers]
     out: dict[str, dict[str, float]] = {}
@@ -351,7 +351,7 @@ def _ab(b: _Bench, batches: int) -> dict[str, dict[str, float]]:
     return out
 
 
-def _ab_native(b: _Bench, batches: int) -> dict[str, dict[str, float]]:
+def _ab_native(b: IpcBench, batches: int) -> dict[str, dict[str, float]]:
     """Median blocking host-hit resolve with the store side's compiled helpers (hash chain, pool book-keeping) on vs
     off, in interleaved batches of 5 (ABBA) on one ClusterStore; the workers and the tier keep theirs."""
     from kvproc.core import hashing, paged
@@ -377,7 +377,7 @@ def _ab_native(b: _Bench, batches: int) -> dict[str, dict[str, float]]:
     return out
 
 
-def _concurrent(b: _Bench, per_thread: int, blocks: int) -> float:
+def _concurrent(b: IpcBench, per_thread: int, blocks: int) -> float:
     prompts = [[b.prompt(blocks) for _ in range(per_thread)] for _ in range(CONCURRENCY)]
     for ps in prompts:
         for p in ps:
@@ -436,10 +436,10 @@ def main(argv: list[str]) -> int:
     seals: list[dict[str, Any]] = []
     cs = ClusterStore.start(host_bytes, cpus={"copy_worker": cpus, "host_tier": cpus} if cpus else None)
     try:
-        model = _Model(cs.allocator, 2048)
+        model = IpcBenchModel(cs.allocator, 2048)
         store = cs.attach_model(model, live_slots=CONCURRENCY, config=StoreConfig(
             cacheable_pin_fraction=1.0, reply_spin_s=args.reply_spin_us / 1e6))
-        b = _Bench(cs, store, model)
+        b = IpcBench(cs, store, model)
         try:
             for blocks in sizes:
                 print(f"  ipc bench: {blocks} blocks ...", file=sys.stderr, flush=True)
