@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 _EXPORTS: dict[str, str] = {
     # the contract
+    "ArenaId": "kvproc.contract",
     "ArenaLayout": "kvproc.contract",
     "GroupKind": "kvproc.contract",
     "GroupSpec": "kvproc.contract",
@@ -77,6 +78,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:
     from kvproc.core.bounded import CopyKind, CopyOrder
     from kvproc.contract import (
+        ArenaId,
         ArenaLayout,
         GroupKind,
         GroupSpec,

@@ -11,9 +11,11 @@ declaration fails when the model is built and never as corrupted KV later.
 from __future__ import annotations
 
 import enum
+import inspect
+import re
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING, Any, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Protocol, Sequence, runtime_checkable
 
 if TYPE_CHECKING:
     # torch is imported lazily: processes that only route metadata (the host tier) must not pay ~2 s for it.
@@ -118,13 +120,27 @@ class KvSpec:
         return tuple(g for g in self.bounded_groups if g.checkpointable)
 
 
+class ArenaId(NamedTuple):
+    """Which arena a repack batch belongs to: its name, and its position among its group's arenas (declaration
+    order; e.g. the layer of a per-layer arena)."""
+
+    name: str
+    index: int
+
+
+_LAYOUT_NAME = re.compile(r"^[A-Za-z0-9_.@+-]{1,64}$")
+
+
 @dataclass(frozen=True, eq=False)
 class KvArena:
     """One physical region of a group: `num_blocks` blocks (pages, or slots for a bounded group), each
     `bytes_per_block` long, `block_stride` bytes apart, starting at byte 0 of `tensor`.
 
-    `stored_bytes_per_block` is the size of one block in the stored (tier) layout when the model's `repack` hook
-    widens or narrows it; None means the stored layout is the execution layout.
+    `stored_layout` names the layout a block has in the tier (e.g. "mla-wire-v2") when it is not the execution
+    layout; the model's `repack` hook then converts every block of this arena on every save and load, whatever the
+    sizes (a transposed K of the same size is another layout). None: stored as executed, never repacked. The name is
+    part of the tier's and the hand-off's fingerprints, so engines that store other layouts never exchange KV.
+    `stored_bytes_per_block` is one block's size in that stored layout when it differs (only with a `stored_layout`).
     """
 
     name: str
@@ -133,6 +149,7 @@ class KvArena:
     bytes_per_block: int
     block_stride: int
     stored_bytes_per_block: int | None = None
+    stored_layout: str | None = None
 
     def __post_init__(self) -> None:
         import torch
@@ -162,10 +179,29 @@ class KvArena:
         sb = self.stored_bytes_per_block
         if sb is not None and (isinstance(sb, bool) or not isinstance(sb, int) or sb <= 0):
             raise KvContractError(f"{where}: KvArena.stored_bytes_per_block must be a positive int, got {sb!r}")
+        sl = self.stored_layout
+        if sl is not None and (not isinstance(sl, str) or not _LAYOUT_NAME.match(sl)):
+            raise KvContractError(f"{where}: KvArena.stored_layout must be a layout name of 1-64 characters of "
+                                  f"[A-Za-z0-9_.@+-] (e.g. 'mla-wire-v2'), got {sl!r}")
+        if sl is None and sb is not None and sb != self.bytes_per_block:
+            raise KvContractError(
+                f"{where}: stored_bytes_per_block={sb} differs from bytes_per_block={self.bytes_per_block} but no "
+                "stored_layout is declared; name the stored layout (KvArena(..., stored_layout='my-layout-v1')) so "
+                "the repack hook runs for it and the fingerprint tells engines that store it apart")
 
     @property
     def stored_bytes(self) -> int:
         return self.stored_bytes_per_block or self.bytes_per_block
+
+    @property
+    def repacked(self) -> bool:
+        """Whether blocks go through the model's repack hook (a declared stored layout), whatever the sizes."""
+        return self.stored_layout is not None
+
+    @property
+    def layout_tag(self) -> str:
+        """`name:stored bytes:stored layout` ("-": as executed): this arena's entry in the fingerprints."""
+        return f"{self.name}:{self.stored_bytes}:{self.stored_layout or '-'}"
 
     def byte_view(self) -> "torch.Tensor":
         """The arena as a flat uint8 tensor (zero-copy)."""
@@ -182,9 +218,29 @@ class KvModel(Protocol):
 
     def arenas(self, rank: int) -> Sequence[tuple[str, KvArena]]: ...
 
-    def repack(self, group: str, direction: RepackDirection, src: "torch.Tensor", dst: "torch.Tensor") -> None:
-        """Convert `src` rows (one block each) into `dst` rows. The default copies bytes unchanged."""
+    def repack(self, group: str, direction: RepackDirection, src: "torch.Tensor", dst: "torch.Tensor",
+               arena: ArenaId) -> None:
+        """Convert `src` rows (one block each of arena `arena` of group `group`) into `dst` rows. Called for every
+        arena that declares a `stored_layout`. The default copies bytes unchanged."""
         dst.copy_(src)
+
+
+RepackHook = Callable[[str, RepackDirection, "torch.Tensor", "torch.Tensor", ArenaId], None]
+
+
+def check_repack_hook(fn: Any, who: str) -> RepackHook:
+    """`fn` as a repack hook, or a `KvContractError` with the fix: it must take (group, direction, src, dst, arena)."""
+    if not callable(fn):
+        raise KvContractError(f"{who}: the repack hook {fn!r} is not callable")
+    try:
+        inspect.signature(fn).bind("g", RepackDirection.SAVE, None, None, ArenaId("a", 0))
+    except TypeError:
+        raise KvContractError(
+            f"{who}: the repack hook {getattr(fn, '__qualname__', fn)!r} must take (group, direction, src, dst, arena)"
+            " (arena: an ArenaId(name, index)); add the `arena` parameter") from None
+    except ValueError:  # no signature to read (a builtin): it is called as declared
+        pass
+    return fn  # type: ignore[no-any-return]
 
 
 @dataclass(frozen=True)
@@ -202,6 +258,15 @@ class ArenaLayout:
     def stored_bytes_per_block(self, group: str) -> int:
         """Bytes one block (or slot) of `group` takes in the stored layout, summed over its arenas."""
         return sum(a.stored_bytes for a in self.group_arenas(group))
+
+    def arena_id(self, name: str) -> ArenaId:
+        """The arena's name and its position among its group's arenas (what its repack batches are called with)."""
+        group = next(g for g, a in self.arenas if a.name == name)
+        return ArenaId(name, [a.name for a in self.group_arenas(group)].index(name))
+
+    @property
+    def repacked_arenas(self) -> list[str]:
+        return [a.name for _, a in self.arenas if a.repacked]
 
 
 def require_model_id(spec: KvSpec, who: str) -> str:

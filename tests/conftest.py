@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator
 import psutil
 import torch
 
-from kvproc import GroupKind, GroupSpec, KvArena, KvSpec, RepackDirection, RequestKv
+from kvproc import ArenaId, GroupKind, GroupSpec, KvArena, KvSpec, RepackDirection, RequestKv
 from kvproc.store.cluster import ClusterStore
 from kvproc.ipc.segment import list_segments
 from kvproc.store.kv_store import KvStore
@@ -40,7 +40,8 @@ class ShmBytesModel:
         self._spec = KvSpec(PAGE, tuple(groups), model_id="tests-bytes-model")
         sb = BLOCK_BYTES + STORED_EXTRA if stored else None
         self._arenas = [("kv", KvArena(f"kv{i}", allocator(f"kv{i}", num_blocks * BLOCK_BYTES), num_blocks,
-                                       BLOCK_BYTES, BLOCK_BYTES, stored_bytes_per_block=sb)) for i in range(2)]
+                                       BLOCK_BYTES, BLOCK_BYTES, stored_bytes_per_block=sb,
+                                       stored_layout="xor-trailer-v1" if sb else None)) for i in range(2)]
         if bounded:
             self._arenas += [("state", KvArena(f"st{i}", allocator(f"st{i}", slots * SLOT_BYTES), slots,
                                                SLOT_BYTES, SLOT_BYTES)) for i in range(2)]
@@ -51,8 +52,9 @@ class ShmBytesModel:
     def arenas(self, rank: int) -> list[tuple[str, KvArena]]:
         return list(self._arenas)
 
-    def repack(self, group: str, direction: RepackDirection, src: torch.Tensor, dst: torch.Tensor) -> None:
-        xor_repack(group, direction, src, dst)
+    def repack(self, group: str, direction: RepackDirection, src: torch.Tensor, dst: torch.Tensor,
+               arena: ArenaId) -> None:
+        xor_repack(group, direction, src, dst, arena)
 
     def block(self, arena: int, bid: int) -> torch.Tensor:
         return self._arenas[arena][1].tensor[bid * BLOCK_BYTES : (bid + 1) * BLOCK_BYTES]
@@ -65,7 +67,7 @@ class ShmBytesModel:
             a.tensor.zero_()
 
 
-def xor_repack(group: str, direction: RepackDirection, src: torch.Tensor, dst: torch.Tensor) -> None:
+def xor_repack(group: str, direction: RepackDirection, src: torch.Tensor, dst: torch.Tensor, arena: ArenaId) -> None:
     """Stored row = payload XOR 0x5A, then 16 bytes of 0xEE; LOAD checks the trailer (a misplaced row fails)."""
     if direction is RepackDirection.SAVE:
         dst[:, :BLOCK_BYTES] = src ^ 0x5A

@@ -70,7 +70,7 @@ import zmq
 
 from kvproc import native
 from kvproc.store.cluster import ClusterStore
-from kvproc.contract import GroupKind, GroupSpec, KvArena, KvSpec, RepackDirection
+from kvproc.contract import ArenaId, GroupKind, GroupSpec, KvArena, KvSpec, RepackDirection
 from kvproc.ipc.direct import spin_for_message
 from kvproc.ipc.segment import Segment
 from kvproc.runtime import procutil
@@ -118,7 +118,8 @@ class IpcBenchModel:
     def arenas(self, rank: int) -> list[tuple[str, KvArena]]:
         return list(self._arenas)
 
-    def repack(self, group: str, direction: RepackDirection, src: torch.Tensor, dst: torch.Tensor) -> None:
+    def repack(self, group: str, direction: RepackDirection, src: torch.Tensor, dst: torch.Tensor,
+               arena: ArenaId) -> None:
         dst.copy_(src)
 
 

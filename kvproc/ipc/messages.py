@@ -393,6 +393,7 @@ class ArenaRef(Wire):
     bytes_per_block: int
     block_stride: int
     stored_bytes_per_block: int = 0  # 0 = same as bytes_per_block
+    stored_layout: str = ""  # "" = stored as executed (no repack); else the declared stored layout's name
 
 
 class AttachArenas(Request, tag=500):

@@ -6,22 +6,22 @@ multi-process topology is `kvproc.store.cluster.ClusterStore.start(...).attach_m
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
-from kvproc.contract import ArenaLayout, KvModel, RepackDirection, validate_layout
+from kvproc.contract import ArenaLayout, KvModel, RepackHook, check_repack_hook, validate_layout
 from kvproc.store.kv_store import KvStore
 from kvproc.store.types import StoreConfig
 from kvproc.tiers.layout import HostLayout
 from kvproc.store.local_tier import LocalCopier, LocalTier
 from kvproc.workers.copy_exec import CopyExecutor
 
-RepackFn = Callable[[str, RepackDirection, Any, Any], None]
+RepackFn = RepackHook
 
 
 def model_repack(model: KvModel, layout: ArenaLayout) -> RepackFn | None:
     """The model's repack hook if any arena declares a stored layout, else None (plain byte copies)."""
-    if any(a.stored_bytes != a.bytes_per_block for _, a in layout.arenas):
-        return model.repack
+    if layout.repacked_arenas:
+        return check_repack_hook(model.repack, type(model).__name__)
     return None
 
 

@@ -58,7 +58,7 @@ def _unlink_all(names: list[str]) -> None:
 def fingerprint(model: KvModel, layout: ArenaLayout) -> str:
     """Human-readable capability string: two engines may share a host tier only if theirs are equal."""
     groups = ",".join(f"{g.name}:{g.kind.value}" for g in layout.spec.groups)
-    arenas = ",".join(f"{a.name}:{a.stored_bytes}" for _, a in layout.arenas)
+    arenas = ",".join(a.layout_tag for _, a in layout.arenas)
     name = type(model).__name__
     return (f"kvproc/{m.PROTOCOL_VERSION} model={name} id={require_model_id(layout.spec, name)} "
             f"page={layout.spec.page_tokens} groups={groups} arenas={arenas}")
@@ -245,7 +245,7 @@ class ClusterStore:
             seg, off = self._locate(a)
             stored = a.stored_bytes_per_block if a.stored_bytes_per_block not in (None, a.bytes_per_block) else 0
             refs.append(m.ArenaRef(group, layout.spec.group(group).kind.value, a.name, seg, off, a.num_blocks,
-                                   a.bytes_per_block, a.block_stride, stored or 0))
+                                   a.bytes_per_block, a.block_stride, stored or 0, a.stored_layout or ""))
         return refs
 
     # ---- the store ----
@@ -261,12 +261,12 @@ class ClusterStore:
             raise RuntimeError("attach_model was already called: one store per ClusterStore")
         layouts = [validate_layout(model.spec(), model.arenas(r)) for r in range(self.ranks)]
         require_model_id(layouts[0].spec, type(model).__name__)  # before any process is configured (the fix is named)
-        differs = [a.name for _, a in layouts[0].arenas if a.stored_bytes != a.bytes_per_block]
+        differs = layouts[0].repacked_arenas
         if differs and not repack:
             raise KvContractError(
                 f"{type(model).__name__}: arenas {differs} declare a stored layout different from the execution one,"
                 " so the copy workers need its repack: pass repack='package.module:function' (a (group, direction,"
-                " src, dst) callable importable in a worker process)")
+                " src, dst, arena) callable importable in a worker process)")
         wires: list[m.HostLayoutSpec | None] = [None] * self.ranks
         if self.host_bytes > 0:  # each rank's shard goes to its own tier, configured with that rank's arenas
             required = [g.name for g in layouts[0].spec.restorable_bounded_groups if not g.optional]

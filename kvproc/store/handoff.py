@@ -51,7 +51,7 @@ def fingerprint(model_name: str, layout: ArenaLayout, algorithm: HashAlgorithm, 
         f"{g.name}:{g.kind.value}{':opt' if g.optional else ''}{':nockpt' if not g.checkpointable else ''}"
         for g in spec.groups
     )
-    arenas = ",".join(f"{a.name}={a.stored_bytes}" for _, a in layout.arenas)
+    arenas = ",".join(a.layout_tag for _, a in layout.arenas)
     return (f"kvproc-handoff/v{HANDOFF_VERSION} model={model_name} id={require_model_id(spec, model_name)} "
             f"page={spec.page_tokens} groups=[{groups}] "
             f"stored=[{arenas}] hash={algorithm.value}/v{HASH_LAYOUT_VERSION} salt={salt_version or '-'}")

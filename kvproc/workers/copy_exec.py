@@ -33,14 +33,14 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from kvproc.contract import ArenaLayout, GroupKind, RepackDirection
+from kvproc.contract import ArenaId, ArenaLayout, GroupKind, RepackDirection
 from kvproc.native import NATIVE
 from kvproc.tiers import save_fence
 from kvproc.tiers.layout import HostLayout
 from kvproc.tiers.slot_table import FENCE, ROW_BYTES
 from kvproc.ipc.orders import LoadOrder, SaveOrder, SlotCopy
 
-RepackFn = Callable[[str, RepackDirection, torch.Tensor, torch.Tensor], None]
+RepackFn = Callable[[str, RepackDirection, torch.Tensor, torch.Tensor, ArenaId], None]
 PARALLEL_BYTES = 8 << 20  # below this, a second thread costs more than it saves
 # When a `copy_rows` call lets go of the GIL. A save runs on a worker's handler thread, in the background: always, so
 # the socket thread keeps answering (a load waits on it). A load runs on the socket thread and its caller waits for the
@@ -60,10 +60,11 @@ class _Arena:
     paged: bool
     rows: np.ndarray  # (num_blocks, bytes_per_block) strided view over the device arena
     host: np.ndarray | None  # (slots, stored_bytes) view of this arena's host region
-    repack: bool  # stored layout differs from the execution layout
+    repack: bool  # the arena declares a stored layout: every block goes through the hook
     flat: np.ndarray  # the device arena's bytes, 1-d (what `copy_rows` addresses: block i at i * stride)
     stride: int  # device bytes from one block to the next
     host_flat: np.ndarray | None  # the host region's bytes, 1-d (slot j at j * stored bytes)
+    ident: ArenaId  # what the hook is told
 
 
 SMALL_ORDER = 32  # blocks: below this, planning in plain Python beats numpy's fixed per-call cost (see `runs`)
@@ -211,8 +212,8 @@ class CopyExecutor:
                     hflat = host[r.offset : r.offset + r.slots * r.unit_bytes]
                     hview = hflat.reshape(r.slots, r.unit_bytes)
             kind = layout.spec.group(group).kind
-            arenas.append(_Arena(a.name, group, kind is GroupKind.PAGED, rows, hview,
-                                 a.stored_bytes != a.bytes_per_block, base, a.block_stride, hflat))
+            arenas.append(_Arena(a.name, group, kind is GroupKind.PAGED, rows, hview, a.repacked, base,
+                                 a.block_stride, hflat, layout.arena_id(a.name)))
         self.arenas = tuple(arenas)
         # Whether any paged arena moves short runs in a gather (else every plan is one copy per run).
         self._any_gather = any(a.host is not None and a.paged and not self._per_run(a) for a in self.arenas)
@@ -390,11 +391,11 @@ class CopyExecutor:
         row = a.rows.shape[1]
         for i in range(0, d.size, per):
             if to_host:
-                jobs.append(_RepackCopy(fn, a.group, RepackDirection.SAVE, a.rows, d[i : i + per], a.host,
-                                        h[i : i + per], row))
+                jobs.append(_RepackCopy(fn, a.group, a.ident, RepackDirection.SAVE, a.rows, d[i : i + per],
+                                        a.host, h[i : i + per], row))
             else:
-                jobs.append(_RepackCopy(fn, a.group, RepackDirection.LOAD, a.host, h[i : i + per], a.rows,
-                                        d[i : i + per], row))
+                jobs.append(_RepackCopy(fn, a.group, a.ident, RepackDirection.LOAD, a.host, h[i : i + per],
+                                        a.rows, d[i : i + per], row))
         return jobs
 
     def _job(self, a: _Arena, d0: int, h0: int, k: int, to_host: bool) -> Callable[[], int]:
@@ -406,18 +407,18 @@ class CopyExecutor:
         fn = self.repack_fn
         if fn is None:
             raise CopyError(f"arena {a.name} declares a stored layout but the store has no repack hook")
-        host_rows, dev_rows, group = a.host, a.rows, a.group
+        host_rows, dev_rows, group, ident = a.host, a.rows, a.group, a.ident
 
         def run() -> int:
             if to_host:
                 src = torch.from_numpy(np.ascontiguousarray(dev_rows[d0 : d0 + k]))
                 dst = torch.empty((k, host_rows.shape[1]), dtype=torch.uint8)
-                fn(group, RepackDirection.SAVE, src, dst)
+                fn(group, RepackDirection.SAVE, src, dst, ident)
                 host_rows[h0 : h0 + k] = dst.numpy()
             else:
                 src = torch.from_numpy(np.ascontiguousarray(host_rows[h0 : h0 + k]))
                 dst = torch.empty((k, dev_rows.shape[1]), dtype=torch.uint8)
-                fn(group, RepackDirection.LOAD, src, dst)
+                fn(group, RepackDirection.LOAD, src, dst, ident)
                 dev_rows[d0 : d0 + k] = dst.numpy()
             return k * dev_rows.shape[1]
 
@@ -512,6 +513,7 @@ class _RepackCopy:
 
     fn: RepackFn
     group: str
+    ident: ArenaId
     direction: RepackDirection
     src: np.ndarray
     src_ids: np.ndarray
@@ -526,7 +528,7 @@ class _RepackCopy:
     def __call__(self) -> int:
         src = torch.from_numpy(self.src[self.src_ids])
         out = torch.empty((int(self.dst_ids.size), self.dst.shape[1]), dtype=torch.uint8)
-        self.fn(self.group, self.direction, src, out)
+        self.fn(self.group, self.direction, src, out, self.ident)
         self.dst[self.dst_ids] = out.numpy()
         return int(self.dst_ids.size) * self.device_row
 

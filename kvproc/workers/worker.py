@@ -22,7 +22,7 @@ import numpy as np
 import structlog
 import torch
 
-from kvproc.contract import GroupKind, GroupSpec, KvArena, KvSpec, validate_layout
+from kvproc.contract import GroupKind, GroupSpec, KvArena, KvSpec, check_repack_hook, validate_layout
 from kvproc.ipc import messages as m
 from kvproc.ipc.context import CallContext
 from kvproc.ipc.errors import HandlerError
@@ -113,7 +113,7 @@ class CopyWorkerRole(Role):
             kinds[ref.group] = GroupKind(ref.kind)
             arenas.append((ref.group, KvArena(ref.name, device_arena_view(seg(ref.segment), ref), ref.num_blocks,
                                               ref.bytes_per_block, ref.block_stride,
-                                              ref.stored_bytes_per_block or None)))
+                                              ref.stored_bytes_per_block or None, ref.stored_layout or None)))
         spec = KvSpec(msg.page_tokens, tuple(GroupSpec(g, k) for g, k in kinds.items()))
         layout = validate_layout(spec, arenas)
         host: np.ndarray | None = None
@@ -128,8 +128,8 @@ class CopyWorkerRole(Role):
                                                   f" {host_layout.total_bytes} B")
             host = hseg.numpy(np.uint8, 0, host_layout.total_bytes)
         try:
-            repack = import_callable(msg.repack) if msg.repack else None
-        except (ImportError, AttributeError, ValueError, TypeError) as e:
+            repack = check_repack_hook(import_callable(msg.repack), msg.repack) if msg.repack else None
+        except (ImportError, AttributeError, ValueError, TypeError) as e:  # KvContractError is a ValueError
             raise HandlerError("bad_repack", f"cannot import repack {msg.repack!r}: {e}") from None
         executor = CopyExecutor(layout, host, host_layout, repack, threads=self.threads)
         del host, arenas, layout  # only the executor holds views now (so retired segments can unmap)

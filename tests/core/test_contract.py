@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kvproc import GroupKind, GroupSpec, KvArena, KvContractError, KvModel, KvSpec, RepackDirection, validate_layout
+from kvproc import ArenaId, GroupKind, GroupSpec, KvArena, KvContractError, KvModel, KvSpec, RepackDirection, validate_layout
 
 P, B = GroupKind.PAGED, GroupKind.BOUNDED
 
@@ -110,5 +110,5 @@ def test_default_repack_copies_bytes():
     m = M()
     assert isinstance(m, KvModel)
     src, dst = torch.arange(8, dtype=torch.uint8), torch.zeros(8, dtype=torch.uint8)
-    m.repack("kv", RepackDirection.SAVE, src, dst)
+    m.repack("kv", RepackDirection.SAVE, src, dst, ArenaId("a", 0))
     assert torch.equal(src, dst)

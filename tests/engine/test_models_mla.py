@@ -6,9 +6,11 @@ import pytest
 import torch
 from tests.engine.conftest import PT, fresh, make, run, tokens
 
-from kvproc import RepackDirection, validate_layout
+from kvproc import ArenaId, RepackDirection, validate_layout
 from kvproc.engine.models import SeqBatchItem
 from kvproc.engine.models.wire import EXEC_ROW_BYTES, WIRE_ROW_BYTES
+
+LATENT_ARENA = ArenaId("mla.L0.latent", 0)
 
 SAVE, LOAD = RepackDirection.SAVE, RepackDirection.LOAD
 
@@ -26,19 +28,19 @@ def test_latent_wire_rows_are_656_bytes_and_round_trip_bit_exact() -> None:
         assert arena.bytes_per_block == PT * 576 and arena.stored_bytes_per_block == PT * 656
         src = arena.byte_view().view(arena.num_blocks, -1)[torch.tensor([4, 9, 1])]
         wire = torch.empty(3, arena.stored_bytes, dtype=torch.uint8)
-        model.repack("latent", SAVE, src, wire)
+        model.repack("latent", SAVE, src, wire, LATENT_ARENA)
         rows = wire.view(-1, 656)
         assert torch.equal(rows[:, :576], src.view(-1, 576))  # payload verbatim, metadata after it
         assert rows[:, 576:].any()
         back = torch.zeros_like(src)
-        model.repack("latent", LOAD, wire, back)
+        model.repack("latent", LOAD, wire, back, LATENT_ARENA)
         assert torch.equal(back, src)
     # Several arenas' blocks laid end to end convert the same way (repack is per row).
     cat = torch.cat([a.byte_view().view(a.num_blocks, -1)[:2] for a in arenas], dim=1)
     wire = torch.empty(2, cat.shape[1] // 576 * 656, dtype=torch.uint8)
-    model.repack("latent", SAVE, cat, wire)
+    model.repack("latent", SAVE, cat, wire, LATENT_ARENA)
     back = torch.empty_like(cat)
-    model.repack("latent", LOAD, wire, back)
+    model.repack("latent", LOAD, wire, back, LATENT_ARENA)
     assert torch.equal(back, cat)
 
 
@@ -47,9 +49,9 @@ def test_round_trip_is_exact_for_any_float_bits() -> None:
     src = torch.randint(0, 256, (5, PT * 576), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
     src.view(-1, 576)[0, :4] = torch.tensor([0, 0, 0xC0, 0x7F], dtype=torch.uint8)  # a NaN payload word
     wire = torch.empty(5, PT * 656, dtype=torch.uint8)
-    model.repack("latent", SAVE, src, wire)
+    model.repack("latent", SAVE, src, wire, LATENT_ARENA)
     back = torch.empty_like(src)
-    model.repack("latent", LOAD, wire, back)
+    model.repack("latent", LOAD, wire, back, LATENT_ARENA)
     assert torch.equal(back, src)
 
 
@@ -57,12 +59,12 @@ def test_corrupt_wire_row_fails_load_loudly() -> None:
     model = make("mla")
     src = torch.randn(2, PT * 144).view(torch.uint8).view(2, -1)
     wire = torch.empty(2, PT * 656, dtype=torch.uint8)
-    model.repack("latent", SAVE, src, wire)
+    model.repack("latent", SAVE, src, wire, LATENT_ARENA)
     wire[1, 700] ^= 1
     with pytest.raises(ValueError, match="checksum"):
-        model.repack("latent", LOAD, wire, torch.empty_like(src))
+        model.repack("latent", LOAD, wire, torch.empty_like(src), LATENT_ARENA)
     with pytest.raises(ValueError, match="dst"):
-        model.repack("latent", SAVE, src, torch.empty(2, PT * 576, dtype=torch.uint8))
+        model.repack("latent", SAVE, src, torch.empty(2, PT * 576, dtype=torch.uint8), LATENT_ARENA)
 
 
 def test_restore_through_the_wire_layout_continues_like_the_original() -> None:
@@ -73,9 +75,10 @@ def test_restore_through_the_wire_layout_continues_like_the_original() -> None:
     for group, arena in model.arenas(0):
         raw = arena.byte_view().view(arena.num_blocks, arena.block_stride)
         stored = torch.empty(3, arena.stored_bytes, dtype=torch.uint8)
-        model.repack(group, SAVE, raw[torch.tensor(a[:3])], stored)  # every save repacks
+        ident = validate_layout(model.spec(), model.arenas(0)).arena_id(arena.name)
+        model.repack(group, SAVE, raw[torch.tensor(a[:3])], stored, ident)  # every save repacks
         dst = torch.empty(3, arena.bytes_per_block, dtype=torch.uint8)
-        model.repack(group, LOAD, stored, dst)  # and every load
+        model.repack(group, LOAD, stored, dst, ident)  # and every load
         raw[torch.tensor(b[:3])] = dst
     got = run(model, toks, [48, 60], b, {})
     want = run(model, toks, [48, 60], a, {})
@@ -130,5 +133,5 @@ def test_groups_without_a_wire_layout_repack_by_copy() -> None:
     model = make("mla")
     src = torch.randint(0, 256, (2, 100), dtype=torch.uint8)
     dst = torch.empty_like(src)
-    model.repack("indexer", SAVE, src, dst)
+    model.repack("indexer", SAVE, src, dst, ArenaId("mla.L0.index_k", 0))
     assert torch.equal(dst, src)

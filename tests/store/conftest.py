@@ -9,7 +9,7 @@ from typing import Any, Sequence
 
 import torch
 
-from kvproc import RequestKv, SealCursor, GroupKind, GroupSpec, KvArena, KvSpec, RepackDirection, validate_layout
+from kvproc import ArenaId, RequestKv, SealCursor, GroupKind, GroupSpec, KvArena, KvSpec, RepackDirection, validate_layout
 from kvproc.store.kv_store import KvStore
 from kvproc.store.types import StoreConfig
 from kvproc.tiers.layout import HostLayout
@@ -41,7 +41,8 @@ class BytesModel:
     def arenas(self, rank: int) -> list[tuple[str, KvArena]]:
         return list(self._arenas)
 
-    def repack(self, group: str, direction: RepackDirection, src: torch.Tensor, dst: torch.Tensor) -> None:
+    def repack(self, group: str, direction: RepackDirection, src: torch.Tensor, dst: torch.Tensor,
+               arena: ArenaId) -> None:
         dst.copy_(src)
 
     def block(self, arena: int, bid: int) -> torch.Tensor:

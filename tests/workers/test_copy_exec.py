@@ -36,7 +36,7 @@ def layout(nb=8, bpb=32, stride=48, slots=4, stored=None):
     spec = KvSpec(4, (GroupSpec("kv", GroupKind.PAGED), GroupSpec("st", GroupKind.BOUNDED)))
     arenas = [
         ("kv", KvArena("k0", torch.randint(0, 255, (nb * stride,), dtype=torch.uint8), nb, bpb, stride,
-                       stored_bytes_per_block=stored)),
+                       stored_bytes_per_block=stored, stored_layout="test-wide-v1" if stored else None)),
         ("kv", KvArena("k1", torch.randint(0, 255, (nb * bpb,), dtype=torch.uint8), nb, bpb, bpb)),
         ("st", KvArena("s0", torch.randint(0, 255, (slots * 16,), dtype=torch.uint8), slots, 16, 16)),
     ]
@@ -114,7 +114,7 @@ def test_device_copy_moves_a_whole_bounded_slot():
 def test_repack_runs_on_save_and_load_and_round_trips():
     calls = []
 
-    def repack(group, direction, src, dst):
+    def repack(group, direction, src, dst, arena):
         calls.append(direction)
         if direction is RepackDirection.SAVE:
             dst[:, :32] = src
@@ -196,7 +196,7 @@ def test_a_repacked_arena_takes_an_orders_scattered_blocks_in_one_hook_call_per_
 
     calls: list[tuple[RepackDirection, int]] = []
 
-    def repack(group, direction, src, dst):
+    def repack(group, direction, src, dst, arena):
         calls.append((direction, src.shape[0]))
         if direction is RepackDirection.SAVE:
             dst[:, :32] = src

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvproc.contract import GroupKind, KvArena, KvSpec, RepackDirection
+from kvproc.contract import ArenaId, GroupKind, KvArena, KvSpec, RepackDirection
 
 # Reserved pad id kvproc may put in a page's token list (P/D hand-off padding); outside every model's vocabulary.
 PAD_TOKEN_ID = 2**31 - 1
@@ -126,7 +126,8 @@ class TinyModel(abc.ABC):
             raise ValueError(f"{self.name}: tiny models are single-rank; arenas(rank={rank}) asked for rank != 0")
         return list(self._arenas)
 
-    def repack(self, group: str, direction: RepackDirection, src: torch.Tensor, dst: torch.Tensor) -> None:
+    def repack(self, group: str, direction: RepackDirection, src: torch.Tensor, dst: torch.Tensor,
+               arena: ArenaId) -> None:
         """Groups without a wire layout store their execution bytes unchanged."""
         self.spec().group(group)  # unknown group -> KvContractError naming it
         RepackDirection(direction)
@@ -166,7 +167,7 @@ class TinyModel(abc.ABC):
         return bool(self.spec().paged_groups)
 
     def _alloc(self, group: str, arena_name: str, num_blocks: int, floats_per_block: int,
-               stored_bytes_per_block: int | None = None) -> torch.Tensor:
+               stored_bytes_per_block: int | None = None, stored_layout: str | None = None) -> torch.Tensor:
         """Allocate one arena of float32 blocks; returns its float32 view [num_blocks, floats_per_block]."""
         nbytes = num_blocks * floats_per_block * 4
         raw = self._allocator(arena_name, nbytes)
@@ -174,7 +175,8 @@ class TinyModel(abc.ABC):
             raise ValueError(f"allocator returned {raw.dtype} x {raw.numel()} for arena {arena_name!r};"
                              f" expected a contiguous uint8 tensor of {nbytes} bytes")
         arena = KvArena(name=arena_name, tensor=raw, num_blocks=num_blocks, bytes_per_block=floats_per_block * 4,
-                        block_stride=floats_per_block * 4, stored_bytes_per_block=stored_bytes_per_block)
+                        block_stride=floats_per_block * 4, stored_bytes_per_block=stored_bytes_per_block,
+                        stored_layout=stored_layout)
         self._arenas.append((group, arena))
         return raw.view(torch.float32).view(num_blocks, floats_per_block)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from kvproc.contract import GroupKind, GroupSpec, KvSpec, RepackDirection, Sharding
+from kvproc.contract import ArenaId, GroupKind, GroupSpec, KvSpec, RepackDirection, Sharding
 from kvproc.engine.models import wire
 from kvproc.engine.models.base import (
     Allocator,
@@ -133,7 +133,7 @@ class MlaModel(StackModel):
         self.blocks: list[Block] = []
         for i in range(layers):
             lat = self._alloc(self.LATENT, f"mla.L{i}.latent", num_blocks, page_tokens * wire.EXEC_ROW_FLOATS,
-                              stored_bytes_per_block=page_tokens * wire.WIRE_ROW_BYTES)
+                              stored_bytes_per_block=page_tokens * wire.WIRE_ROW_BYTES, stored_layout=wire.WIRE_LAYOUT)
             idx = self._alloc(self.INDEXER, f"mla.L{i}.index_k", num_blocks, page_tokens * idx_dim)
             attn = MlaAttention(rng, hidden, heads, latent, rope, nope, v_dim, idx_heads, idx_dim, gain, lat, idx,
                                 page_tokens)
@@ -153,11 +153,12 @@ class MlaModel(StackModel):
         self.last_mtp_draft: torch.Tensor | None = None
         self.last_drafter_draft: torch.Tensor | None = None
 
-    def repack(self, group: str, direction: RepackDirection, src: torch.Tensor, dst: torch.Tensor) -> None:
+    def repack(self, group: str, direction: RepackDirection, src: torch.Tensor, dst: torch.Tensor,
+               arena: ArenaId) -> None:
         if group == self.LATENT:
             wire.repack_latent(RepackDirection(direction), src, dst)
         else:
-            super().repack(group, direction, src, dst)
+            super().repack(group, direction, src, dst, arena)
 
     def _forward(self, items: list[PreparedItem]) -> torch.Tensor:
         x, ctx = self._hidden(items)

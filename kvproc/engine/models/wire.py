@@ -21,6 +21,7 @@ EXEC_ROW_BYTES = EXEC_ROW_FLOATS * 4  # 576
 TILES = 16
 META_BYTES = TILES * 4 + 4 + 4 + 8  # 80
 WIRE_ROW_BYTES = EXEC_ROW_BYTES + META_BYTES  # 656
+WIRE_LAYOUT = "mla-wire-v1"  # the stored layout's name (KvArena.stored_layout): bump it with any change of the rows
 MAGIC = 0x4C574B56  # "VKWL" little-endian; any fixed non-zero word
 
 
