@@ -47,6 +47,14 @@ _EXPORTS: dict[str, str] = {
     # the store and its verbs
     "KvStore": "kvproc.store.kv_store",
     "InvalidSealCursor": "kvproc.store.types",
+    "HandoffUnavailable": "kvproc.store.types",
+    # P/D hand-off
+    "HandoffEnvelope": "kvproc.store.handoff",
+    "FingerprintMismatch": "kvproc.store.handoff",
+    "fingerprint": "kvproc.store.handoff",
+    "check_fingerprint": "kvproc.store.handoff",
+    "padded_chain": "kvproc.store.handoff",
+    "handoff_resolve_policy": "kvproc.store.handoff",
     "KvPrefix": "kvproc.store.types",
     "ResolvePolicy": "kvproc.store.types",
     "SaveClass": "kvproc.store.types",
@@ -100,4 +108,20 @@ if TYPE_CHECKING:
     from kvproc.ipc.cancel import CancelToken
     from kvproc.runtime import launch
     from kvproc.store.kv_store import KvStore
-    from kvproc.store.types import InvalidSealCursor, KvPrefix, ResolvePolicy, SaveClass, SealCursor, StoreConfig
+    from kvproc.store.handoff import (
+        FingerprintMismatch,
+        HandoffEnvelope,
+        check_fingerprint,
+        fingerprint,
+        handoff_resolve_policy,
+        padded_chain,
+    )
+    from kvproc.store.types import (
+        HandoffUnavailable,
+        InvalidSealCursor,
+        KvPrefix,
+        ResolvePolicy,
+        SaveClass,
+        SealCursor,
+        StoreConfig,
+    )

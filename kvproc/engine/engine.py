@@ -101,6 +101,16 @@ class Engine:
         if req.req_id in self._resolving or req.req_id in self._running:
             raise ValueError(f"request {req.req_id!r} is already in the engine")
         req.submitted_at = self.clock()
+        if req.handoff_out:
+            why = self.store.handoff_unavailable_reason(self.rank)
+            if why is None and not self.prefix_cache:
+                why = "prefix caching is turned off in this engine"
+            if why is not None:  # fail the turn now, with the reason: no KV computed that nobody could receive
+                req.failed = f"handoff: {why}"
+                req.finished_at = req.submitted_at
+                self.counters["handoffs_refused"] += 1
+                self._finished_at_intake.append(req)
+                return
         if req.handoff_in is not None:
             self._submit_handoff(req, req.handoff_in)
             return

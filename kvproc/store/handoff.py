@@ -27,7 +27,7 @@ from kvproc.core.hashing import HASH_LAYOUT_VERSION, PAD_TOKEN_ID, HashAlgorithm
 from kvproc.core.holds import ReusePolicy
 from kvproc.store.types import ResolvePolicy
 
-HANDOFF_VERSION = 1
+HANDOFF_VERSION = 2  # 2: arenas named with their stored layout (name:bytes:layout)
 
 
 class HandoffEnvelope(msgspec.Struct, frozen=True, omit_defaults=True):

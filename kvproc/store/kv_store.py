@@ -33,7 +33,7 @@ from kvproc.core.pool import BlockPool
 from kvproc.core.request_kv import RequestKv, RequestStateError
 from kvproc.store.resolve import Resolver
 from kvproc.store.resolve_blocking import BlockingResolver
-from kvproc.store.types import (InvalidSealCursor, KvPrefix, Outcomes, ResolvePolicy, SaveClass, SealCursor,
+from kvproc.store.types import (HandoffUnavailable, InvalidSealCursor, KvPrefix, Outcomes, ResolvePolicy, SaveClass, SealCursor,
                                 StoreConfig)
 from kvproc.tiers.api import Copier, Tier
 from kvproc.tiers.host_index import SaveTicket, Shed
@@ -197,6 +197,9 @@ class KvStore:
         wrote them synchronized (i.e. after `kv.apply`)."""
         self._check_rank(rank)
         if self.tier_of(rank) is None or not self.spec.prefix_caching:
+            if save_class is SaveClass.HANDOFF:
+                self.count("handoff_refused")
+                raise HandoffUnavailable(kv.req_id, self.handoff_unavailable_reason(rank) or "")
             return
         pool = self.pools[rank]
         P = pool.page_tokens
@@ -243,6 +246,15 @@ class KvStore:
             self._settle_accounting(rank, len(ids), save_class, cursor, start, shed=True)
             raise
         self._loop.call(self._start_save, rank, kv.req_id, keys, ids, staging, pin, save_class, cursor, start)
+
+    def handoff_unavailable_reason(self, rank: int = 0) -> str | None:
+        """Why this store cannot deliver a hand-off from `rank` (None: it can). A producer checks before it prefills
+        a hand-off request, and fails the request with this reason instead of computing KV nobody can receive."""
+        if not self.spec.prefix_caching:
+            return f"prefix caching is off for this model: {self.spec.prefix_caching_off_reason}"
+        if self.tier_of(rank) is None:
+            return f"rank {rank} has no host tier to hand the KV over through"
+        return None
 
     def _check_seal(self, pool: BlockPool, kv: RequestKv, cursor: SealCursor, end: int) -> None:
         """Refuse a seal that would commit keys without their bytes (or skip pages): another pool's request, a cursor

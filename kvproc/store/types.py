@@ -92,6 +92,16 @@ class KvPrefix:
         return self.device_tokens + self.host_tokens
 
 
+class HandoffUnavailable(RuntimeError):
+    """A `SaveClass.HANDOFF` seal or retire this store cannot deliver: prefix caching is off for the model (`reason`
+    is `spec.prefix_caching_off_reason`) or the rank has no host tier. Refused, never accepted with nothing saved (a
+    "KV ready" barrier would otherwise fire with nothing in the tier)."""
+
+    def __init__(self, req_id: str, reason: str) -> None:
+        super().__init__(f"request {req_id!r}: a hand-off cannot be saved: {reason}")
+        self.req_id, self.reason = req_id, reason
+
+
 class InvalidSealCursor(ValueError):
     """A `SealCursor` that is not a page count of the request being sealed (negative, not an int, past its lifetime)."""
 
