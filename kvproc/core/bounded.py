@@ -112,6 +112,16 @@ class BoundedSlab:
         self.staging_free.append(slot)
         return True
 
+    def evict_all(self) -> list[bytes]:
+        """Free every sealed, unreferenced staging slot; returns the checkpoint keys they held."""
+        keys = []
+        while self.lru:
+            slot, _ = self.lru.popitem(last=False)
+            keys.append(self.key.pop(slot))
+            self.staging_free.append(slot)
+            self.evictions += 1
+        return keys
+
     def drop_key(self, slot: int) -> None:
         """Forget a sealed slot's checkpoint (a duplicate); the slot frees when its last reference goes."""
         self.key.pop(slot, None)

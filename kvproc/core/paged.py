@@ -85,6 +85,17 @@ class PagedBlocks:
         self.generation[idx] += 1
         return ids, self.generation[idx]  # fancy indexing copies
 
+    def evict_all(self) -> int:
+        """Forget every sealed, unreferenced block (the LRU) and free it: the prefix index keeps only pages some
+        holder still references. Returns how many were evicted."""
+        n = len(self.inactive)
+        if n:
+            evicted = self.inactive.pop_oldest(n)
+            self._unhash(evicted)
+            self.free.extend(reversed(evicted))
+            self.evictions += n
+        return n
+
     def _unhash(self, ids: list[int]) -> None:
         if NATIVE is not None:
             NATIVE.paged_unhash(self.hashed, self.block_hash, self.index, ids)

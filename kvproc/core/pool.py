@@ -270,6 +270,21 @@ class BlockPool:
             self.paged.release(extra)
         self.notify_capacity()
 
+    def evict_cached(self) -> int:
+        """Evict everything the device pool caches and nobody holds: sealed unreferenced blocks and checkpoints (a
+        later probe misses them; blocks and checkpoints a request, hold, reservation or pin references stay). For
+        tests of a restore from the host tier, and for an operator who wants the device cache cold. Returns the
+        blocks + staging slots freed."""
+        with self.lock:
+            n = self.paged.evict_all()
+            for group, slab in self.slabs.items():
+                for key in slab.evict_all():
+                    self.checkpoints.drop(key, group)
+                    n += 1
+            self.counters["evicted_on_purpose"] += n
+        self.notify_capacity()
+        return n
+
     def take_staging_locked(self, group: str) -> tuple[int, int] | None:
         slab = self.slabs[group]
         got = slab.take_staging()

@@ -247,6 +247,12 @@ class KvStore:
             raise
         self._loop.call(self._start_save, rank, kv.req_id, keys, ids, staging, pin, save_class, cursor, start)
 
+    def drop_device_cache(self, rank: int) -> int:
+        """Evict rank `rank`'s device prefix cache (what nobody holds): the next resolve of those prompts goes to the
+        host tier. Returns the blocks and staging slots freed (`BlockPool.evict_cached`)."""
+        self._check_rank(rank)
+        return self.pools[rank].evict_cached()
+
     def handoff_unavailable_reason(self, rank: int = 0) -> str | None:
         """Why this store cannot deliver a hand-off from `rank` (None: it can). A producer checks before it prefills
         a hand-off request, and fails the request with this reason instead of computing KV nobody can receive."""

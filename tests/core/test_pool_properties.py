@@ -442,6 +442,14 @@ class PoolMachine(RuleBasedStateMachine):
     def fence(self, i: int, ok: bool) -> None:
         self._fence(self._pick(self.orders, i), ok)
 
+    @rule()
+    def evict_cached(self) -> None:
+        """The device cache dropped on purpose: only unreferenced blocks and checkpoints go; every invariant holds."""
+        before = self.pool.paged.refcount.copy()
+        self.pool.evict_cached()
+        assert (self.pool.paged.refcount == before).all()  # nothing referenced was touched
+        assert len(self.pool.paged.inactive) == 0 and all(not s.lru for s in self.pool.slabs.values())
+
     # -- holds and loads ------------------------------------------------------------------------------------------
     @precondition(lambda self: len(self.free_holds) < 4)
     @rule(prefix=st.integers(0, 3), suffix=st.lists(st.integers(0, 4), max_size=12), full_pages=st.booleans())
