@@ -78,6 +78,14 @@ def xor_repack(group: str, direction: RepackDirection, src: torch.Tensor, dst: t
         dst.copy_(src[:, :BLOCK_BYTES] ^ 0x5A)
 
 
+def xor_repack_failing_loads(group: str, direction: RepackDirection, src: torch.Tensor, dst: torch.Tensor,
+                              arena: ArenaId) -> None:
+    """`xor_repack` whose LOAD always raises (a broken hook): saves work, every restore through it fails."""
+    if direction is RepackDirection.LOAD:
+        raise ZeroDivisionError(f"broken load hook for {arena.name}")
+    xor_repack(group, direction, src, dst, arena)
+
+
 def descendants() -> set[int]:
     procs = psutil.Process().children(recursive=True)
     out = set()

@@ -59,3 +59,9 @@ class HandshakeRefused(IpcError):
     def __init__(self, code: str, message: str) -> None:
         super().__init__(f"[{code}] {message}")
         self.code = code
+
+
+def reason_of(e: BaseException) -> str:
+    """The word an outcome records for a failure: a remote handler's stable code (e.g. "repack_failed",
+    "copy_error") where the peer gave one, else the exception's type name."""
+    return e.code if isinstance(e, RemoteError) else type(e).__name__

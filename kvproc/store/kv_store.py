@@ -28,6 +28,7 @@ from kvproc.contract import ArenaLayout
 from kvproc.core.hashing import DEFAULT_SCOPE, HashScope
 from kvproc.core.holds import ReusePolicy
 from kvproc.ipc.cancel import CancelToken
+from kvproc.ipc.errors import reason_of
 from kvproc.runtime.loopthread import LoopThread
 from kvproc.core.pool import BlockPool
 from kvproc.core.request_kv import RequestKv, RequestStateError
@@ -341,7 +342,7 @@ class KvStore:
                 reason = "commit_refused"
                 ticket = None  # nothing left to abort
         except Exception as e:  # noqa: BLE001 - every failure becomes a recorded outcome
-            reason = type(e).__name__
+            reason = reason_of(e)
             if isinstance(ticket, SaveTicket) and tier is not None:
                 tier.abort_save(ticket.save_id)
         finally:

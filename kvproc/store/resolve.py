@@ -25,6 +25,7 @@ import numpy as np
 from kvproc.core.hashing import HashScope
 from kvproc.core.holds import ReusePolicy
 from kvproc.ipc.cancel import CancelToken
+from kvproc.ipc.errors import reason_of
 from kvproc.store.types import KvPrefix, ResolvePolicy
 from kvproc.tiers.host_index import Hit, Loading, Miss
 from kvproc.tiers.api import LATE_REPLY_GRACE_S
@@ -450,7 +451,7 @@ class Resolver:
             reservation.release()
             if lease_id is not None:
                 tier.release_lease(lease_id)
-            store.outcomes.record("load", req_id, "failed", type(e).__name__)
+            store.outcomes.record("load", req_id, "failed", reason_of(e))
             raise Degrade("load_failed") from None
 
     async def _capacity(self, pool: Any) -> None:

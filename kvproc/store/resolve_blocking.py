@@ -41,6 +41,7 @@ import numpy as np
 
 from kvproc.core.hashing import HashScope
 from kvproc.ipc import messages as m
+from kvproc.ipc.errors import reason_of
 from kvproc.ipc.cancel import CancelToken
 from kvproc.ipc.direct import LATE
 from kvproc.store.resolve import Degrade, Resolver, Started, load_order
@@ -293,7 +294,7 @@ class BlockingResolver:
                                           overlap=overlap, spin_s=store.config.reply_spin_s)
         except Exception as e:  # noqa: BLE001 - the copy failed (or its worker died): nothing was committed
             give_back()
-            store.outcomes.record("load", req_id, "failed", type(e).__name__)
+            store.outcomes.record("load", req_id, "failed", reason_of(e))
             raise Degrade("load_failed") from None
         if copied is LATE:
             store.count("loads_abandoned")

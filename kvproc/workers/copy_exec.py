@@ -26,11 +26,15 @@ CPU-only here: device arenas are shared-memory tensors. # NEEDS-GPU-CHECK: a CUD
 
 from __future__ import annotations
 
+import threading
+import traceback
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
+import structlog
 import torch
 
 from kvproc.contract import ArenaId, ArenaLayout, GroupKind, RepackDirection
@@ -49,8 +53,51 @@ SAVE_GIL_BYTES = 0
 LOAD_GIL_BYTES = 1 << 20
 
 
+log = structlog.get_logger("kvproc.copy")
+
+
 class CopyError(RuntimeError):
     """A copy order could not be executed (bad ids, stale layout); nothing was half-applied silently."""
+
+
+class RepackError(CopyError):
+    """The model's repack hook raised for a batch of an arena's blocks: the order failed (a load is then no hit,
+    never wrong KV). `arena`, `direction` and the hook's traceback say where."""
+
+    def __init__(self, arena: ArenaId, direction: RepackDirection, cause: BaseException) -> None:
+        super().__init__(f"repack hook failed on {direction.value} of arena {arena.name!r}: "
+                         f"{type(cause).__name__}: {cause}")
+        self.arena, self.direction = arena, direction
+        self.trace = "".join(traceback.format_exception(cause))
+
+
+class RepackFailures:
+    """Failed hook calls counted by arena (`repack_failed.<arena>`), each distinct cause logged once as an error with
+    the hook's traceback: a broken hook is loud, not a stream of silent misses, and not a log flood either."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.by_arena: Counter[str] = Counter()
+        self._seen: set[tuple[str, str, str, str]] = set()
+
+    def record(self, err: RepackError) -> None:
+        cause = (err.arena.name, err.direction.value, err.trace.splitlines()[-1] if err.trace else "", "")
+        with self._lock:
+            self.by_arena[err.arena.name] += 1
+            first = cause not in self._seen
+            self._seen.add(cause)
+        if first:
+            log.error("repack_hook_failed", arena=err.arena.name, arena_index=err.arena.index,
+                      direction=err.direction.value, error=str(err), traceback=err.trace)
+
+
+def call_hook(fn: "RepackFn", group: str, direction: RepackDirection, src: torch.Tensor, dst: torch.Tensor,
+              ident: ArenaId) -> None:
+    """One hook call; whatever it raises becomes a `RepackError` naming the arena and direction."""
+    try:
+        fn(group, direction, src, dst, ident)
+    except Exception as e:  # noqa: BLE001 - a model's hook may raise anything; the order fails with it
+        raise RepackError(ident, direction, e) from e
 
 
 @dataclass(frozen=True)
@@ -193,6 +240,7 @@ class CopyExecutor:
         threads: int = 2,
     ) -> None:
         self.repack_fn = repack
+        self.repack_failures = RepackFailures()
         # The host tier's save-fence words (the slot table's FENCE row), where this host arena has a table.
         self.fence_row: np.ndarray | None = None
         if host is not None and host_layout is not None and host_layout.slot_table_offset >= 0:
@@ -413,18 +461,25 @@ class CopyExecutor:
             if to_host:
                 src = torch.from_numpy(np.ascontiguousarray(dev_rows[d0 : d0 + k]))
                 dst = torch.empty((k, host_rows.shape[1]), dtype=torch.uint8)
-                fn(group, RepackDirection.SAVE, src, dst, ident)
+                call_hook(fn, group, RepackDirection.SAVE, src, dst, ident)
                 host_rows[h0 : h0 + k] = dst.numpy()
             else:
                 src = torch.from_numpy(np.ascontiguousarray(host_rows[h0 : h0 + k]))
                 dst = torch.empty((k, dev_rows.shape[1]), dtype=torch.uint8)
-                fn(group, RepackDirection.LOAD, src, dst, ident)
+                call_hook(fn, group, RepackDirection.LOAD, src, dst, ident)
                 dev_rows[d0 : d0 + k] = dst.numpy()
             return k * dev_rows.shape[1]
 
         return run
 
     def _run(self, jobs: list[Callable[[], int]]) -> int:
+        try:
+            return self._run_jobs(jobs)
+        except RepackError as e:
+            self.repack_failures.record(e)
+            raise
+
+    def _run_jobs(self, jobs: list[Callable[[], int]]) -> int:
         total = sum(j.nbytes for j in jobs if isinstance(j, _SIZED))
         if self._pool is None or total < PARALLEL_BYTES:
             n = sum(j() for j in jobs)
@@ -528,7 +583,7 @@ class _RepackCopy:
     def __call__(self) -> int:
         src = torch.from_numpy(self.src[self.src_ids])
         out = torch.empty((int(self.dst_ids.size), self.dst.shape[1]), dtype=torch.uint8)
-        self.fn(self.group, self.direction, src, out, self.ident)
+        call_hook(self.fn, self.group, self.direction, src, out, self.ident)
         self.dst[self.dst_ids] = out.numpy()
         return int(self.dst_ids.size) * self.device_row
 

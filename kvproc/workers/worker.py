@@ -30,7 +30,7 @@ from kvproc.ipc.segment import Segment, SegmentBusyError, SegmentError
 from kvproc.ipc.service import handles
 from kvproc.runtime.role import Role, RoleEnv
 from kvproc.tiers.host import layout_from_wire
-from kvproc.workers.copy_exec import CopyError, CopyExecutor
+from kvproc.workers.copy_exec import CopyError, CopyExecutor, RepackError
 
 log = structlog.get_logger("kvproc.copy_worker")
 _COUNTER_NAMES = {k: (f"orders_{k}", f"bytes_{k}", f"ns_{k}") for k in ("save", "load", "device")}
@@ -170,6 +170,9 @@ class CopyWorkerRole(Role):
         t0 = time.perf_counter_ns()
         try:
             n = fn(att.executor)  # not cancellable: no ctx.check() from here to the reply
+        except RepackError as e:  # logged once per cause by the executor, with the hook's traceback
+            self.counters.inc_many((("copy_errors", 1), (f"repack_failed.{e.arena.name}", 1)))
+            raise HandlerError("repack_failed", str(e)) from None
         except CopyError as e:
             self.counters.inc("copy_errors")
             raise HandlerError("copy_error", str(e)) from None

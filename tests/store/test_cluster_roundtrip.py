@@ -14,7 +14,7 @@ from kvproc.ipc import messages as m
 from kvproc.ipc.errors import RemoteError
 from kvproc.store.types import FULL_HIT, SaveClass
 from kvproc.tiers.host_index import SaveTicket
-from tests.conftest import ShmBytesModel, churn, cluster_store, compute, stopped
+from tests.conftest import ShmBytesModel, churn, cluster_store, compute, load_reasons, stopped
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -63,6 +63,23 @@ def test_a_repacking_model_round_trips_through_the_workers_repack() -> None:
         for i, b in enumerate(pre.hold.block_ids):
             assert torch.equal(model.block(0, b), written[pre.hold.hashes[i]][0])
         pre.hold.release()
+
+
+def test_a_failing_load_hook_is_a_counted_miss_by_arena_never_wrong_kv() -> None:
+    """Issue 18: the hook raising on LOAD is not a quiet "no host hit": the worker counts it per arena (what `kvproc
+    console status` shows), the store records the load as failed, and the request recomputes."""
+    with cluster_store(stored=True, repack="tests.conftest:xor_repack_failing_loads") as (cs, store, model):
+        toks = list(range(1, 10))
+        kv, cur, _, _ = compute(store, model, "a", toks)
+        store.retire(0, kv, cur)
+        store.flush_saves(0, 10)
+        churn(store)
+        pre = store.resolve_prefix_sync(0, "b", toks)
+        assert pre.host_tokens == 0 and pre.hold.num_blocks == 0  # nothing of the failed load is offered
+        pre.hold.release()
+        worker = cs.cluster.client("copy_worker", 0).request(m.Stats(), timeout=5).counters
+        assert worker["repack_failed.kv0"] >= 1 or worker["repack_failed.kv1"] >= 1, worker
+        assert load_reasons(store, "b") == ["repack_failed"]  # the outcome names the cause, not a transport error
 
 
 def test_a_stored_layout_without_a_repack_path_is_refused_at_attach() -> None:

@@ -107,3 +107,27 @@ def test_a_hook_without_the_arena_parameter_is_refused_with_the_fix() -> None:
     with pytest.raises(KvContractError, match=r"must take \(group, direction, src, dst, arena\)"):
         check_repack_hook(old, "OldModel")
     assert check_repack_hook(_reverse([]), "NewModel") is not None
+
+
+def test_a_failing_hook_is_counted_by_arena_and_logged_once_per_cause_with_its_traceback() -> None:
+    import structlog
+
+    from kvproc.workers.copy_exec import RepackError
+
+    def broken(group: str, direction: RepackDirection, src: torch.Tensor, dst: torch.Tensor, arena: ArenaId) -> None:
+        if direction is RepackDirection.LOAD:
+            raise KeyError("no such tile")
+        dst.copy_(src)
+
+    lay = _layout("reversed-v1")
+    hl = HostLayout.plan(lay, 1 << 16)  # type: ignore[arg-type]
+    ex = CopyExecutor(lay, np.zeros(hl.total_bytes, dtype=np.uint8), hl, repack=broken)  # type: ignore[arg-type]
+    ex.save(SaveOrder("r", [1], [0]))
+    with structlog.testing.capture_logs() as logs:
+        for _ in range(3):
+            with pytest.raises(RepackError, match="load of arena 'k0'") as err:
+                ex.load(LoadOrder("r", [0], [1]))
+    assert err.value.arena == ArenaId("k0", 0) and "KeyError: 'no such tile'" in err.value.trace
+    assert ex.repack_failures.by_arena == {"k0": 3}
+    errors = [e for e in logs if e["event"] == "repack_hook_failed"]
+    assert len(errors) == 1 and errors[0]["log_level"] == "error" and "broken" in errors[0]["traceback"]
