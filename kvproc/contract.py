@@ -269,6 +269,36 @@ class ArenaLayout:
         return [a.name for _, a in self.arenas if a.repacked]
 
 
+def check_hooks_agree(model: KvModel, hook: RepackHook, layout: ArenaLayout, path: str) -> None:
+    """A copy worker runs the hook at `path` (it cannot call the model instance); the model's own `repack` is what
+    the in-process store and the author's tests run. Refuse a pair that disagrees (the hook written twice, one copy
+    stale): both repack the same rows (two blocks of each repacked arena, random bytes, SAVE) and must produce the
+    same bytes, or raise the same exception type."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    for group, arena in layout.arenas:
+        if not arena.repacked:
+            continue
+        ident = layout.arena_id(arena.name)
+        src = torch.randint(0, 256, (2, arena.bytes_per_block), dtype=torch.uint8, generator=gen)
+        outs: list[Any] = []
+        for fn in (model.repack, hook):
+            dst = torch.zeros((2, arena.stored_bytes), dtype=torch.uint8)
+            try:
+                fn(group, RepackDirection.SAVE, src.clone(), dst, ident)
+                outs.append(dst)
+            except Exception as e:  # noqa: BLE001 - compared, not handled
+                outs.append(type(e))
+        same = (isinstance(outs[0], type) and outs[0] is outs[1]) or (
+            not isinstance(outs[0], type) and not isinstance(outs[1], type) and torch.equal(outs[0], outs[1]))
+        if not same:
+            raise KvContractError(
+                f"{type(model).__name__}.repack and the copy workers' hook {path!r} disagree on arena {arena.name!r} "
+                f"(group {group!r}): one hook, written twice; make {type(model).__name__}.repack call the function "
+                f"at {path!r} (or the other way round)")
+
+
 def require_model_id(spec: KvSpec, who: str) -> str:
     """The spec's model identity, or a `KvContractError` saying how to declare one (a store whose KV leaves the
     process -- a tier, a hand-off -- needs it: without it two fine-tunes of one shape would serve each other's KV)."""

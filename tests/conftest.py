@@ -86,6 +86,13 @@ def xor_repack_failing_loads(group: str, direction: RepackDirection, src: torch.
     xor_repack(group, direction, src, dst, arena)
 
 
+def xor_repack_stale_copy(group: str, direction: RepackDirection, src: torch.Tensor, dst: torch.Tensor,
+                                       arena: ArenaId) -> None:
+    """A stale copy of `xor_repack` (another key): the model's own hook and this one disagree."""
+    dst[:, :BLOCK_BYTES] = src ^ 0x33
+    dst[:, BLOCK_BYTES:] = 0xEE
+
+
 def descendants() -> set[int]:
     procs = psutil.Process().children(recursive=True)
     out = set()

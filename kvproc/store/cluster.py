@@ -27,7 +27,8 @@ import posix_ipc
 import structlog
 import torch
 
-from kvproc.contract import ArenaLayout, KvArena, KvContractError, KvModel, require_model_id, validate_layout
+from kvproc.contract import (ArenaLayout, KvArena, KvContractError, KvModel, check_hooks_agree, check_repack_hook,
+                             require_model_id, validate_layout)
 from kvproc.ipc import messages as m
 from kvproc.ipc.client import RpcClient
 from kvproc.ipc.segment import Segment, SegmentBusyError
@@ -40,6 +41,7 @@ from kvproc.tiers.host import layout_from_wire, layout_to_wire
 from kvproc.tiers.layout import HostLayout
 from kvproc.tiers.remote import RemoteCopier, RemoteTier
 from kvproc.tiers.save_fence import derived_save_ttl
+from kvproc.workers.worker import import_callable
 
 _names = itertools.count()
 log = structlog.get_logger("kvproc.store.cluster")
@@ -262,6 +264,8 @@ class ClusterStore:
         layouts = [validate_layout(model.spec(), model.arenas(r)) for r in range(self.ranks)]
         require_model_id(layouts[0].spec, type(model).__name__)  # before any process is configured (the fix is named)
         differs = layouts[0].repacked_arenas
+        if differs and repack:  # the workers' hook must be the model's: checked here, once, before any process
+            check_hooks_agree(model, check_repack_hook(import_callable(repack), repack), layouts[0], repack)
         if differs and not repack:
             raise KvContractError(
                 f"{type(model).__name__}: arenas {differs} declare a stored layout different from the execution one,"

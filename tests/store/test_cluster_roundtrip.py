@@ -196,3 +196,12 @@ def test_a_waiter_gets_a_negative_answer_at_its_deadline_not_a_timeout() -> None
         t0 = time.monotonic()
         assert client.request(m.WaitKey(b"never"), timeout=0.3) == m.Waited(False)
         assert 0.25 < time.monotonic() - t0 < 1.0
+
+
+def test_a_workers_hook_that_disagrees_with_the_models_repack_is_refused_at_attach() -> None:
+    """Issue 18, "one hook, written twice": the model repacks with `xor_repack`; a path to another function (a stale
+    copy) is refused before any process is configured, naming both."""
+    with ClusterStore.start(1 << 20) as cs:
+        model = ShmBytesModel(cs.allocator, 8, stored=True)
+        with pytest.raises(KvContractError, match="disagree on arena 'kv0'"):
+            cs.attach_model(model, live_slots=1, repack="tests.conftest:xor_repack_stale_copy")
