@@ -158,3 +158,21 @@ def test_padded_admission_must_leave_one_block_of_slack():
             kv.adopt_handoff_prefix(pre.hold, env.committed_len)
         kv.release()
         pre.hold.release()
+
+
+@pytest.mark.parametrize("producer_mtp,consumer_mtp", [(True, False), (False, True), (True, True)])
+def test_an_optional_group_is_part_of_the_pd_fingerprint_both_ways(producer_mtp: bool, consumer_mtp: bool) -> None:
+    """The rule (kv-contract, `optional`): a P/D pair declares the same groups, optional ones included; one side
+    with an MTP layer and the other without is refused in either direction, naming both fingerprints."""
+    from kvproc.engine.models import build_model
+
+    def fp(mtp: bool) -> str:
+        model = build_model("mla", num_blocks=8, num_slots=4, page_tokens=16, seed=0, mtp=mtp)
+        return fingerprint(model.name, validate_layout(model.spec(), model.arenas(0)), HashAlgorithm.BLAKE2B_128)
+
+    mine, theirs = fp(consumer_mtp), fp(producer_mtp)
+    if producer_mtp == consumer_mtp:
+        check_fingerprint(mine, theirs)
+    else:
+        with pytest.raises(FingerprintMismatch, match="mtp"):
+            check_fingerprint(mine, theirs)
