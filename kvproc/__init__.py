@@ -38,6 +38,7 @@ _EXPORTS: dict[str, str] = {
     "Pin": "kvproc.core.holds",
     "PrefixHold": "kvproc.core.holds",
     "Reservation": "kvproc.core.holds",
+    "align_holds": "kvproc.core.holds",
     "ReusePolicy": "kvproc.core.holds",
     "PoolExhaustedError": "kvproc.core.paged",
     "StaleBlockError": "kvproc.core.paged",
@@ -99,7 +100,7 @@ if TYPE_CHECKING:
         validate_layout,
     )
     from kvproc.core.hashing import DEFAULT_SCOPE, PAD_TOKEN_ID, BlockHasher, HashAlgorithm, HashScope, PageHashes
-    from kvproc.core.holds import HoldConsumedError, MissReason, Pin, PrefixHold, Reservation, ReusePolicy
+    from kvproc.core.holds import align_holds, HoldConsumedError, MissReason, Pin, PrefixHold, Reservation, ReusePolicy
     from kvproc.core.paged import PoolExhaustedError, StaleBlockError
     from kvproc.core.pool import BlockPool
     from kvproc.core.request_kv import LifetimeExceededError, RequestKv, RequestStateError

@@ -187,3 +187,18 @@ class Pin(_Handle[PinState]):
     @property
     def block_ids(self) -> list[int]:
         return [] if self._state is None else list(self._state.ids)
+
+
+def align_holds(holds: "list[PrefixHold]") -> int:
+    """Tensor parallel: one hold per rank (each from its own pool) for the same prompt may match prefixes of
+    different lengths (a rank's cache evicted more). The ranks must restore the same prefix, so trim every hold to
+    the shortest one's pages (each to a complete checkpoint at or below it, then all to the shortest of those),
+    giving the rest back. Returns the common page count."""
+    if not holds:
+        return 0
+    common = min(h.num_blocks for h in holds)
+    while True:  # a bounded group's checkpoint may sit lower on one rank: trim again until every rank agrees
+        kept = [h._pool.trim_hold(h, common) for h in holds]
+        if all(k == kept[0] for k in kept):
+            return kept[0]
+        common = min(kept)

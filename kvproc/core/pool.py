@@ -220,6 +220,30 @@ class BlockPool:
         self.counters["probe_truncated_by_pressure"] += 1
         return int(np.searchsorted(inactive_cum, budget, side="right"))
 
+    def trim_hold(self, hold: PrefixHold, pages: int) -> int:
+        """Shorten a hold to at most `pages` pages, to the deepest complete checkpoint at or below it (a bounded
+        group's state must exist where the hold ends), giving back the rest. Returns the pages it keeps."""
+        state = hold._live()
+        if pages < 0:
+            raise ValueError(f"cannot trim a hold to {pages} pages")
+        if pages >= len(state.ids):
+            return len(state.ids)
+        with self.lock:
+            depth, artifacts, _ = self.checkpoints.deepest_complete(state.hashes, pages) if pages else (0, {}, False)
+            held: dict[str, tuple[int, int]] = {}
+            for group, slot in artifacts.items():  # the new end's checkpoint, taken before the old one goes
+                slab = self.slabs[group]
+                slab.acquire(slot)
+                held[group] = (slot, int(slab.generation[slot]))
+            for group, (slot, _gen) in state.artifacts.items():
+                self.slabs[group].release(slot)
+            self.counters["hold_trimmed_pages"] += len(state.ids) - depth
+            self.paged.release(state.ids[depth:])
+            state.ids, state.gens, state.hashes = state.ids[:depth], state.gens[:depth], state.hashes[:depth]
+            state.artifacts = held
+        self.notify_capacity()
+        return depth
+
     def _hold(self, state: HoldState, reason: MissReason, matched: int) -> PrefixHold:
         return PrefixHold(self, state, reason=reason, matched_pages=matched, page_tokens=self.page_tokens)
 
