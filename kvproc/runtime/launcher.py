@@ -93,6 +93,7 @@ class Cluster:
         self._supervisor = Supervisor(self._on_exit)
         self._control: Any = None
         self.control_endpoint = ""
+        self.metrics: Any = None  # a MetricsEndpoint when launched with `metrics=` (its `.address`)
         # Counters of what the launcher's process embeds (the store), shown by `kvproc console status` with the
         # launcher's own: each provider returns a flat {name: int}.
         self.counter_providers: list[Callable[[], Mapping[str, int]]] = []
@@ -106,6 +107,15 @@ class Cluster:
         child = self._children[(role, rank)]
         assert child.client is not None
         return child.client
+
+    @property
+    def members(self) -> list[tuple[str, int]]:
+        """Every (role, rank) of the cluster, in start order."""
+        return list(self._order)
+
+    def restarts(self, role: str, rank: int = 0) -> int:
+        """How many times the launcher restarted this role (its lifetime count)."""
+        return self._restarts[(role, rank)]
 
     def available(self, role: str, rank: int = 0) -> bool:
         child = self._children.get((role, rank))
@@ -164,6 +174,8 @@ class Cluster:
                 c.client.close()
         if self._control is not None:
             self._control.stop()
+        if self.metrics is not None:
+            self.metrics.close()
         self._supervisor.stop()
         sweep_dead_segments(pids=self._all_pids)
         self.runtime_dir_removal = mf.remove_runtime_dir(self.runtime_dir, self.identity)
@@ -452,6 +464,7 @@ def launch(
     runtime_dir: str | None = None,
     ready_timeout_s: float = 60.0,
     control: bool = True,
+    metrics: str | None = None,
 ) -> Cluster:
     """Start every role's process, wait until each is ready and connected, and return the supervised cluster.
 
@@ -475,12 +488,19 @@ def launch(
     path = mf.prepare_runtime_dir(cluster_name, runtime_dir)
     cluster = Cluster(cluster_name, path, mf.write_token(path), roles)
     try:
+        if metrics:  # bound first: a taken port fails here, before any child starts (kvproc/runtime/metrics.py)
+            from kvproc.runtime.metrics import MetricsEndpoint
+
+            cluster.metrics = MetricsEndpoint(cluster, metrics)
+            log.info("metrics_endpoint", address=cluster.metrics.address)
         cluster._start_all(ready_timeout_s)
         if control:
             cluster._control, cluster.control_endpoint = start_control_server(cluster)
         cluster.write_manifest()
     except BaseException:
         cluster._supervisor.stop()
+        if cluster.metrics is not None:
+            cluster.metrics.close()
         mf.remove_runtime_dir(path, cluster.identity)
         cluster._finalizer.detach()
         raise

@@ -46,6 +46,8 @@ def up_main(argv: list[str]) -> int:
     parser.add_argument("--ranks", type=int, default=1, help="host tiers to run, one per rank of the engines")
     parser.add_argument("--log-level", default="info")
     parser.add_argument("--shutdown-deadline", type=float, default=5.0)
+    parser.add_argument("--metrics", default=None, metavar="HOST:PORT",
+                        help="serve Prometheus /metrics of every process here (port 0: a free one)")
     args = parser.parse_args(argv)
     if args.ranks < 1:
         parser.error(f"--ranks must be >= 1, got {args.ranks}")
@@ -59,8 +61,9 @@ def up_main(argv: list[str]) -> int:
             [RoleConfig("host_tier", r, tcp=_rank_tcp(args.tcp, r), options=options) for r in range(args.ranks)],
             cluster_name=args.cluster,
             runtime_dir=args.runtime_dir,
+            metrics=args.metrics,
         )
-    except (mf.RuntimeDirError, mf.ClusterRunningError, PermissionError) as e:
+    except (mf.RuntimeDirError, mf.ClusterRunningError, PermissionError, OSError, ValueError) as e:
         print(f"kvproc up: {e}", file=sys.stderr)
         return 2
     wake = threading.Event()
@@ -76,7 +79,8 @@ def up_main(argv: list[str]) -> int:
         wake.set()
 
     threading.Thread(target=on_cluster_stopped, daemon=True).start()
-    print(f"kvproc: cluster {args.cluster!r} up; manifest {cluster.manifest_path}", flush=True)
+    print(f"kvproc: cluster {args.cluster!r} up; manifest {cluster.manifest_path}"
+          + (f"; metrics http://{cluster.metrics.address}/metrics" if cluster.metrics else ""), flush=True)
     wake.wait()
     cluster.shutdown(args.shutdown_deadline)
     removal = cluster.runtime_dir_removal

@@ -133,7 +133,7 @@ class ClusterStore:
               copy_timeout_s: float = 120.0, ready_timeout_s: float = 60.0, shutdown_deadline_s: float = 5.0,
               runtime_dir: str | None = None, max_restarts: int = 3, restart_window_s: float = 300.0,
               tier_runtime_dir: str | None = None, log_level: str = "info",
-              cpus: Mapping[str, Sequence[int]] | None = None) -> "ClusterStore":
+              cpus: Mapping[str, Sequence[int]] | None = None, metrics: str | None = None) -> "ClusterStore":
         """Launch the host tier (if `host_bytes`) and one copy worker per rank; wait until all are up.
 
         `tier_runtime_dir` attaches to running shared host tiers instead (`kvproc up [--ranks N]`, found through
@@ -142,7 +142,10 @@ class ClusterStore:
         `cpus` pins kvproc's processes: {"copy_worker": [1], "host_tier": [1]} runs every rank's worker and tier on
         CPU 1, "copy_worker[2]" names one rank (it wins over the role's entry). Unnamed ones run wherever the OS
         puts them (the default). For machines with cores to spare: kvproc's processes off the engine's cores, near
-        their GPU (`RoleConfig.cpus`; `kvproc bench ipc --kvproc-cpus` measures both ways)."""
+        their GPU (`RoleConfig.cpus`; `kvproc bench ipc --kvproc-cpus` measures both ways).
+
+        `metrics="HOST:PORT"` serves Prometheus `/metrics` of every process and the store (`kvproc/runtime/
+        metrics.py`; port 0 picks a free one: `cs.cluster.metrics.address`)."""
         if ranks < 1:
             raise ValueError(f"ranks must be >= 1, got {ranks}")
         save_ttl_s = derived_save_ttl(copy_timeout_s, save_ttl_s, StoreConfig.tier_call_timeout_s)
@@ -162,7 +165,8 @@ class ClusterStore:
         if cpus:
             roles = _pinned(roles, cpus)
         try:
-            cluster = launch(roles, cluster_name=name, runtime_dir=runtime_dir, ready_timeout_s=ready_timeout_s)
+            cluster = launch(roles, cluster_name=name, runtime_dir=runtime_dir, ready_timeout_s=ready_timeout_s,
+                             metrics=metrics)
         except BaseException:
             for c in external:
                 c.close()

@@ -1,0 +1,95 @@
+"""Prometheus `/metrics` of a running cluster (issue 21): scraped over HTTP and parsed as the text format; the hit
+counters agree with the store's own, every process is there, and a bad or taken address fails before any child."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import urllib.request
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvproc.ipc import messages as m
+from kvproc.runtime import launch
+from kvproc.runtime.config import RoleConfig
+from tests.conftest import churn, cluster_store, compute, descendants, wait_for
+
+
+def scrape(address: str) -> dict[str, list[Any]]:
+    """{metric family name: its samples}, parsed from the text format an HTTP GET of /metrics returns."""
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as r:
+        assert r.status == 200
+        text = r.read().decode()
+    return {f.name: f.samples for f in text_string_to_metric_families(text)}
+
+
+def value(families: dict[str, list[Any]], sample: str, **labels: str) -> float:
+    found = [s.value for fam in families.values() for s in fam
+             if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items())]
+    assert len(found) == 1, (sample, labels, found)
+    return float(found[0])
+
+
+def test_a_scrape_reports_hits_by_tier_outcomes_copies_and_every_process_as_the_store_counts_them() -> None:
+    with cluster_store(metrics="127.0.0.1:0") as (cs, store, model):
+        address = cs.cluster.metrics.address
+        toks = list(range(1, 18))
+        kv, cur, _, _ = compute(store, model, "a", toks)
+        store.retire(0, kv, cur)
+        store.flush_saves(0, 10)
+        warm = store.resolve_prefix_sync(0, "b", toks)  # device hit
+        warm.hold.release()
+        churn(store)
+        cold = store.resolve_prefix_sync(0, "c", toks)  # host hit
+        assert cold.host_tokens == 16
+        cold.hold.release()
+        got = scrape(address)
+        name = cs.cluster.name
+        counters = store.counters
+        assert value(got, "kvproc:prefix_cache_queries_total", cluster=name) == counters["prefix_cache_queries"] == 3 * 17
+        assert value(got, "kvproc:prefix_cache_hits_total", tier="device") == counters["prefix_cache_hits_device"] == 16
+        assert value(got, "kvproc:prefix_cache_hits_total", tier="host") == counters["prefix_cache_hits_host"] == 16
+        assert value(got, "kvproc:saves_total", outcome="ok", reason="") == store.outcomes.counts["save.ok"] >= 1
+        assert value(got, "kvproc:resolves_total", outcome="ok", reason="") == store.outcomes.counts["resolve.ok"]
+        for role in ("host_tier", "copy_worker"):
+            assert value(got, "kvproc:process_up", role=role, rank="0") == 1.0
+            assert value(got, "kvproc:process_restarts_total", role=role, rank="0") == 0.0
+        worker = cs.cluster.client("copy_worker").request(m.Stats(), timeout=5).counters
+        assert value(got, "kvproc:copy_bytes_total", direction="load") == worker["bytes_load"] > 0
+        assert value(got, "kvproc:counter", role="copy_worker", rank="0", name="orders_save") == worker["orders_save"]
+        # the console's counters of the store itself, under the launcher's process
+        assert value(got, "kvproc:counter", role="launcher", name="store.prefix_cache_hits_host") == 16
+
+
+def test_a_killed_child_is_reported_down_then_restarted() -> None:
+    with cluster_store(metrics="127.0.0.1:0") as (cs, store, model):
+        address = cs.cluster.metrics.address
+        os.kill(cs.cluster.pid("copy_worker"), signal.SIGKILL)
+        wait_for(lambda: value(scrape(address), "kvproc:process_restarts_total", role="copy_worker", rank="0") == 1,
+                 timeout=30, what="the restart in /metrics")
+        wait_for(lambda: value(scrape(address), "kvproc:process_up", role="copy_worker", rank="0") == 1,
+                 timeout=30, what="the new incarnation up in /metrics")
+
+
+def test_metrics_are_off_unless_asked() -> None:
+    with cluster_store() as (cs, _, _):
+        assert cs.cluster.metrics is None
+
+
+def test_a_bad_or_taken_address_fails_before_any_child_starts(tmp_path: Any) -> None:
+    before = descendants()
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        launch([RoleConfig("host_tier")], cluster_name="mt", runtime_dir=str(tmp_path / "a"), metrics="nowhere")
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        with pytest.raises(OSError):
+            launch([RoleConfig("host_tier")], cluster_name="mt", runtime_dir=str(tmp_path / "b"),
+                   metrics=f"127.0.0.1:{taken.getsockname()[1]}")
+    finally:
+        taken.close()
+    assert descendants() - before == set()
