@@ -6,7 +6,6 @@ multi-process topology is `kvproc.store.cluster.ClusterStore.start(...).attach_m
 
 from __future__ import annotations
 
-from typing import Any
 
 from kvproc.contract import ArenaLayout, KvModel, RepackHook, check_repack_hook, validate_layout
 from kvproc.store.kv_store import KvStore

@@ -6,10 +6,7 @@ import itertools
 
 import torch
 
-from kvproc import KvModel, validate_layout
 from kvproc.engine.models import (
-    MODEL_NAMES,
-    PAD_TOKEN_ID,
     SeqBatchItem,
     TinyModel,
     build_model,

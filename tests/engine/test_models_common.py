@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 
 import pytest
 import torch
@@ -12,11 +11,10 @@ from kvproc.engine.models import (
     MODEL_NAMES,
     PAD_TOKEN_ID,
     SeqBatchItem,
-    TinyModel,
     build_model,
 )
 
-from tests.engine.conftest import NUM_BLOCKS, NUM_SLOTS, PT, copy_state, fresh, make, run, slots, tokens
+from tests.engine.conftest import NUM_BLOCKS, NUM_SLOTS, copy_state, fresh, make, run, slots, tokens
 
 
 @pytest.mark.parametrize("name", MODEL_NAMES)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-import multiprocessing
 import os
 import signal
 import tempfile
@@ -24,7 +23,6 @@ from kvproc.ipc.errors import CallCancelled, HandshakeRefused, PeerDeadError, Re
 from kvproc.ipc.server import RpcServer
 from kvproc.ipc.service import Service, handles
 from kvproc.ipc.sockets import ipc_endpoint
-from kvproc.runtime.child import ChildSpec, child_main
 from tests.ipc.conftest import TOKEN, Served, serve_role
 
 @pytest.fixture(scope="module")

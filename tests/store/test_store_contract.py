@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import time
 
-import pytest
 import torch
 
 from kvproc import RequestKv
 from kvproc.ipc.cancel import CancelToken
-from kvproc.store.types import FULL_HIT, ResolvePolicy, SaveClass, SealCursor, StoreConfig
+from kvproc.store.types import FULL_HIT, SaveClass, StoreConfig
 from kvproc.tiers.host_index import SaveTicket
-from tests.store.conftest import PAGE, churn, compute, make_store
+from tests.store.conftest import churn, compute, make_store
 
 torch.manual_seed(0)
 
