@@ -15,7 +15,7 @@ import inspect
 import re
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence, runtime_checkable
 
 if TYPE_CHECKING:
     # torch is imported lazily: processes that only route metadata (the host tier) must not pay ~2 s for it.
@@ -120,7 +120,8 @@ class KvSpec:
         return tuple(g for g in self.bounded_groups if g.checkpointable)
 
 
-class ArenaId(NamedTuple):
+@dataclass(frozen=True, order=True)
+class ArenaId:
     """Which arena a repack batch belongs to: its name, and its position among its group's arenas (declaration
     order; e.g. the layer of a per-layer arena)."""
 
@@ -240,7 +241,7 @@ def check_repack_hook(fn: Any, who: str) -> RepackHook:
             " (arena: an ArenaId(name, index)); add the `arena` parameter") from None
     except ValueError:  # no signature to read (a builtin): it is called as declared
         pass
-    return fn  # type: ignore[no-any-return]
+    return fn
 
 
 @dataclass(frozen=True)

@@ -123,7 +123,7 @@ class MetricsEndpoint:
         host, port = parse_address(address)
         self.collector = ClusterCollector(cluster)
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(self.collector)  # type: ignore[arg-type]
+        self.registry.register(self.collector)
         self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
         self.address = f"{host}:{self._server.server_port}"
         self.started_at = time.time()
