@@ -27,6 +27,7 @@ import time
 from collections import Counter, deque
 from typing import Any, Callable, Sequence
 
+import msgspec
 import numpy as np
 import structlog
 
@@ -41,6 +42,7 @@ from kvproc.tiers.api import LATE_REPLY_GRACE_S
 from kvproc.tiers.host_index import Hit, Loading, Miss, QueryResult, SaveClass, SaveTicket, Shed
 from kvproc.tiers.layout import HostLayout
 from kvproc.tiers.slot_table import ROWS
+from kvproc.workers.load_fence import SETTLE_POLL_S, LoadFences, process_gone
 from kvproc.workers.orders import LoadOrder, SaveOrder, SlotCopy
 
 log = structlog.get_logger("kvproc.remote")
@@ -242,8 +244,8 @@ class RemoteTier:
             raise
         return True
 
-    def abort_save(self, save_id: int) -> None:
-        self._oneway(m.AbortSave(save_id))
+    def abort_save(self, save_id: int, writer_dead: bool = False) -> None:
+        self._oneway(m.AbortSave(save_id, writer_dead))
 
     def revoke_handoff(self, producer_req_id: str) -> None:
         self._oneway(m.RevokeHandoff(producer_req_id))
@@ -283,8 +285,12 @@ class RemoteCopier:
     """One rank's copy worker. `attach` is the worker's `AttachArenas`; it is (re)sent to each new incarnation."""
 
     def __init__(self, client: ClientSource, attach: m.AttachArenas, *, copy_timeout_s: float = 120.0,
-                 attach_timeout_s: float = 10.0) -> None:
+                 attach_timeout_s: float = 10.0, load_fences: LoadFences | None = None) -> None:
         self._client = client
+        # Each Load claims one of these words in the worker; a load is settled (its word revoked) before its caller
+        # may free the blocks: a stalled worker never writes blocks given to another request
+        # (`kvproc/workers/load_fence.py`). None: unfenced (a worker attached without the fence segment).
+        self.load_fences = load_fences
         self.attach_msg = attach
         self.copy_timeout_s = copy_timeout_s
         self.attach_timeout_s = attach_timeout_s
@@ -332,10 +338,57 @@ class RemoteCopier:
         self.loads_copied += 1
 
     async def save(self, order: SaveOrder) -> int:
-        return await self._order(m.Save(order))
+        pid = 0
+        try:
+            client = await self.ensure_attached()
+            pid = client.server_pid
+            return int((await _acall(self._link, client, m.Save(order), self.copy_timeout_s)).nbytes)
+        except Exception as e:
+            # The worker that had the order is gone (killed, maybe in the middle of the write): say so, so the tier
+            # takes back the fence claim it left instead of quarantining the slots for good. A worker that is only
+            # stalled is alive: its claim is a write in progress, and the tier waits for it.
+            e.writer_dead = bool(pid) and process_gone(pid)  # type: ignore[attr-defined]
+            raise
+
+    def _fence(self, order: LoadOrder) -> tuple[LoadOrder, tuple[int, int] | None]:
+        if self.load_fences is None:
+            return order, None
+        word = self.load_fences.issue()
+        if word is None:  # every word held (by loads in flight or writes a stalled worker holds): fail, never unfenced
+            raise RemoteError("load_fences_exhausted", "RuntimeError", "no free load fence word")
+        return msgspec.structs.replace(order, fence=word[0], fence_token=word[1]), word
+
+    async def _settle(self, word: tuple[int, int] | None, writer_pid: int) -> None:
+        """Before the caller may free the load's blocks: the worker can no longer write them (waits while it is in the
+        middle of the write, on the store's loop without blocking it)."""
+        if word is None or self.load_fences is None:
+            return
+        if not self.load_fences.try_settle(word[0], word[1], writer_pid):
+            self.load_fences.waited += 1
+            log.warning("load_fence_wait", fence=word[0], worker_pid=writer_pid)
+            while not self.load_fences.try_settle(word[0], word[1], writer_pid):
+                await asyncio.sleep(SETTLE_POLL_S)
+
+    def _settle_blocking(self, word: tuple[int, int] | None, writer_pid: int) -> None:
+        if word is None or self.load_fences is None:
+            return
+        if not self.load_fences.try_settle(word[0], word[1], writer_pid):
+            self.load_fences.waited += 1
+            log.warning("load_fence_wait", fence=word[0], worker_pid=writer_pid)
+            while not self.load_fences.try_settle(word[0], word[1], writer_pid):
+                time.sleep(SETTLE_POLL_S)
 
     async def load(self, order: LoadOrder) -> int:
-        return await self._order(m.Load(order))
+        fenced, word = self._fence(order)
+        pid = 0
+        try:
+            client = await self.ensure_attached()
+            pid = client.server_pid
+            res = await _acall(self._link, client, m.Load(fenced), self.copy_timeout_s)
+        finally:
+            await self._settle(word, pid)
+        self._loaded(res)
+        return int(res.nbytes)
 
     async def device_copy(self, copies: Sequence[SlotCopy]) -> int:
         return await self._order(m.DeviceCopy(list(copies)))
@@ -355,11 +408,23 @@ class RemoteCopier:
                     client.request(self.attach_msg, timeout=self.attach_timeout_s)
                     self._attached_to = client
                     self.attaches += 1
+        fenced, word = self._fence(order)
+        pid = client.server_pid
+
+        def late(reply: Any) -> None:  # on the thread that delivers the late reply: settle, then free the blocks
+            self._settle_blocking(word, pid)
+            on_late(reply)
+
         # `cancel` only ends this thread's wait: a copy order is not cancellable, so the token is not sent along.
-        res = client.request(m.Load(order), timeout=self.copy_timeout_s, wait_until=wait_until, on_late=on_late,
-                             wake_on=cancel, overlap=overlap, spin_s=spin_s)
+        try:
+            res = client.request(m.Load(fenced), timeout=self.copy_timeout_s, wait_until=wait_until, on_late=late,
+                                 wake_on=cancel, overlap=overlap, spin_s=spin_s)
+        except BaseException:
+            self._settle_blocking(word, pid)
+            raise
         if res is LATE:
-            return LATE
+            return LATE  # `late` settles the fence when the worker's reply (or PeerDead) comes
+        self._settle_blocking(word, pid)
         self._loaded(res)
         return int(res.nbytes)
 

@@ -1,0 +1,57 @@
+"""A load order a stalled copy worker runs after its store gave up on it must not write blocks the store handed to
+another request (found by `kvproc bench chaos`: a worker SIGSTOPped past its 3 s heartbeat liveness is declared dead,
+the store frees the load's destination blocks, a new request computes its pages into them, and on SIGCONT the worker
+runs the queued Load over them: device-pool pages then held another prompt's bytes while every outcome said ok).
+
+The load fence (`kvproc/workers/load_fence.py`) makes a given-up load unwritable before its blocks are freed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from kvproc.store_types import StoreConfig
+from tests.test_cluster_fixtures import PAGE, churn, cluster_store, compute, wait_for
+
+pytestmark = pytest.mark.timeout(90)
+
+
+@pytest.mark.parametrize("path", ["blocking", "loop"])
+def test_a_load_run_by_a_worker_after_its_stall_never_overwrites_blocks_given_to_another_request(path: str) -> None:
+    # a plain load (Query, then Load); the verified and speculative ones send the same Load order
+    config = StoreConfig(resolve_deadline_s=30.0, resolve_threads=0, speculative_loads=False, verified_loads=False)
+    with cluster_store(num_blocks=16, config=config) as (cs, store, model):
+        toks = list(range(1, 18))  # 4 full pages, saved to the tier
+        kv, cur, _, _ = compute(store, model, "a", toks)
+        store.retire(0, kv, cur)
+        store.flush_saves(0, 10)
+        wait_for(lambda: store.stats()["tier"]["open_saves"] == 0, what="the save committed")
+        churn(store)
+        worker = cs.cluster.pid("copy_worker")
+        client = cs.cluster.client("copy_worker")
+        os.kill(worker, signal.SIGSTOP)
+        try:
+            if path == "blocking":
+                pre = store.resolve_prefix_sync(0, "b", toks)  # returns once the stalled worker is declared dead
+            else:
+                pre = store.submit_resolve(0, "b", toks).result(20)
+            assert pre.host_tokens == 0, "the worker was stopped: nothing can have been restored"
+            assert not client.alive
+            # every free block (the failed load's destinations among them) goes to a new request, which writes them
+            other = [1000 + i for i in range(15 * PAGE)]
+            kv2, cur2, pre2, written = compute(store, model, "c", other, max_out=PAGE)
+            pre.hold.release()
+        finally:
+            os.kill(worker, signal.SIGCONT)
+        cs.cluster.wait_available("copy_worker", timeout=20)  # reconnected: it is answering, so it ran its queue
+        time.sleep(0.5)
+        for page, b in enumerate(kv2.block_ids[: len(other) // PAGE]):
+            h = kv2.page_hashes[page]
+            assert torch.equal(model.block(0, b), written[h][0]) and torch.equal(model.block(1, b), written[h][1]), (
+                f"block {b} (page {page} of request c) was overwritten by the stale load")
+        kv2.release()
+        assert store.stats()["rank0"]["active_blocks"] == 0
