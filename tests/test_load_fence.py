@@ -55,3 +55,29 @@ def test_a_load_run_by_a_worker_after_its_stall_never_overwrites_blocks_given_to
                 f"block {b} (page {page} of request c) was overwritten by the stale load")
         kv2.release()
         assert store.stats()["rank0"]["active_blocks"] == 0
+
+
+def test_a_device_copy_run_by_a_worker_after_its_stall_never_writes_its_destination_slot() -> None:
+    """The same for a bounded slot copy (`execute_copies`: seal-by-copy / restore): once the store gave up on it (and
+    fenced its slots as failed, free for others), the stalled worker's late run of it writes nothing."""
+    from kvproc.workers.orders import SlotCopy
+
+    with cluster_store(bounded=True, config=StoreConfig(resolve_deadline_s=5.0)) as (cs, store, model):
+        model.slot(0, 0)[:] = 7
+        # one copy first: it works, and the loop's socket to the worker is connected (a first call on a new socket
+        # to a stopped worker never gets past the handshake, so it could not show the bug)
+        assert store._loop.submit(store.copiers[0].device_copy([SlotCopy("state", 0, 1)])).result(10) > 0
+        assert bool((model.slot(0, 1) == 7).all())
+        model.slot(0, 1)[:] = 0
+        worker = cs.cluster.pid("copy_worker")
+        os.kill(worker, signal.SIGSTOP)
+        try:
+            fut = store._loop.submit(store.copiers[0].device_copy([SlotCopy("state", 0, 1)]))
+            with pytest.raises(Exception):  # PeerDead once the stalled worker is declared dead
+                fut.result(20)
+            model.slot(0, 1)[:] = 42  # the slot is someone else's now, and they write it
+        finally:
+            os.kill(worker, signal.SIGCONT)
+        cs.cluster.wait_available("copy_worker", timeout=20)
+        time.sleep(0.5)
+        assert bool((model.slot(0, 1) == 42).all()), "the stale device copy overwrote the slot"

@@ -420,6 +420,10 @@ class Load(Request, tag=502):
 
 class DeviceCopy(Request, tag=503):
     copies: list[SlotCopy]
+    # Its load-fence word and token (`kvproc/workers/load_fence.py`): a device copy the store gave up on (and whose
+    # slots it fenced as failed) writes nothing when a stalled worker runs it late. -1: no fence.
+    fence: int = -1
+    fence_token: int = 0
 
 
 class Copied(Payload, tag=600):

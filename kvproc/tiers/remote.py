@@ -350,12 +350,18 @@ class RemoteCopier:
             e.writer_dead = bool(pid) and process_gone(pid)  # type: ignore[attr-defined]
             raise
 
-    def _fence(self, order: LoadOrder) -> tuple[LoadOrder, tuple[int, int] | None]:
+    def _word(self) -> tuple[int, int] | None:
         if self.load_fences is None:
-            return order, None
+            return None
         word = self.load_fences.issue()
         if word is None:  # every word held (by loads in flight or writes a stalled worker holds): fail, never unfenced
             raise RemoteError("load_fences_exhausted", "RuntimeError", "no free load fence word")
+        return word
+
+    def _fence(self, order: LoadOrder) -> tuple[LoadOrder, tuple[int, int] | None]:
+        word = self._word()
+        if word is None:
+            return order, None
         return msgspec.structs.replace(order, fence=word[0], fence_token=word[1]), word
 
     async def _settle(self, word: tuple[int, int] | None, writer_pid: int) -> None:
@@ -391,7 +397,17 @@ class RemoteCopier:
         return int(res.nbytes)
 
     async def device_copy(self, copies: Sequence[SlotCopy]) -> int:
-        return await self._order(m.DeviceCopy(list(copies)))
+        """Fenced like a load: the destination slots are written by this order only until the store settles it."""
+        word = self._word()
+        msg = m.DeviceCopy(list(copies), *(word if word is not None else (-1, 0)))
+        pid = 0
+        try:
+            client = await self.ensure_attached()
+            pid = client.server_pid
+            res = await _acall(self._link, client, msg, self.copy_timeout_s)
+        finally:
+            await self._settle(word, pid)
+        return int(res.nbytes)
 
     def load_blocking(self, order: LoadOrder, *, wait_until: float, on_late: Callable[[Any], None],
                       cancel: CancelToken | None = None, overlap: Callable[[], None] | None = None,

@@ -192,25 +192,28 @@ class CopyWorkerRole(Role):
     def save(self, msg: m.Save, ctx: CallContext) -> m.Copied:
         return self._execute("save", lambda ex: ex.save(msg.order))
 
-    @handles(m.Load)
-    def load(self, msg: m.Load, ctx: CallContext) -> m.Copied:
-        """Holds the load's fence for the whole write: a load its store gave up on (it may have freed the blocks, e.g.
-        while this process was stopped) writes nothing (`kvproc/workers/load_fence.py`)."""
-        order = msg.order
+    def _fenced(self, kind: str, fence: int, token: int, fn: Callable[[CopyExecutor], int]) -> m.Copied:
+        """Holds the order's load fence for the whole write: an order its store gave up on (it may have freed the
+        blocks or slots, e.g. while this process was stopped) writes nothing (`kvproc/workers/load_fence.py`)."""
         fences = self._attachment().load_fences
         try:
-            save_fence.claim(fences, order.fence, order.fence_token)
+            save_fence.claim(fences, fence, token)
         except save_fence.FenceRevoked as e:
-            self.counters.inc("loads_fence_revoked")
+            self.counters.inc(f"{kind}s_fence_revoked")
             raise HandlerError("fence_revoked", str(e)) from None
         try:
-            return self._execute("load", lambda ex: ex.load(order))
+            return self._execute(kind, fn)
         finally:
-            save_fence.release(fences, order.fence, order.fence_token)
+            save_fence.release(fences, fence, token)
+
+    @handles(m.Load)
+    def load(self, msg: m.Load, ctx: CallContext) -> m.Copied:
+        order = msg.order
+        return self._fenced("load", order.fence, order.fence_token, lambda ex: ex.load(order))
 
     @handles(m.DeviceCopy)
     def device_copy(self, msg: m.DeviceCopy, ctx: CallContext) -> m.Copied:
-        return self._execute("device", lambda ex: ex.device_copy(msg.copies))
+        return self._fenced("device", msg.fence, msg.fence_token, lambda ex: ex.device_copy(msg.copies))
 
     def on_stop(self) -> None:
         with self._lock:
