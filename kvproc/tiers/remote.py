@@ -36,7 +36,7 @@ from kvproc.ipc.aclient import AsyncRpcClient
 from kvproc.ipc.cancel import CancelToken
 from kvproc.ipc.client import RpcClient
 from kvproc.ipc.direct import LATE
-from kvproc.ipc.errors import RemoteError
+from kvproc.ipc.errors import PeerDeadError, RemoteError
 from kvproc.ipc.segment import Segment, SegmentBusyError
 from kvproc.tiers.api import LATE_REPLY_GRACE_S
 from kvproc.tiers.host_index import Hit, Loading, Miss, QueryResult, SaveClass, SaveTicket, Shed
@@ -47,6 +47,9 @@ from kvproc.workers.orders import LoadOrder, SaveOrder, SlotCopy
 
 log = structlog.get_logger("kvproc.remote")
 
+# Fire-and-forget messages sent again after a stall (idempotent at the tier); not TouchPages (only LRU recency).
+_REPLAYED = (m.ReleaseLease, m.AbortSave, m.RevokeHandoff)
+REPLAY_BACKLOG = 4096  # fire-and-forget messages kept for a reconnect (beyond: the oldest is left to the TTLs)
 ClientSource = Callable[[], RpcClient]  # the current incarnation's client (e.g. lambda: cluster.client(role, rank))
 
 
@@ -150,6 +153,8 @@ class RemoteTier:
         self.counters: Counter[str] = Counter()
         self._closed = False
         self._link = _LoopLink(client)
+        self._backlog: deque[tuple[int, m.RequestBody]] = deque()  # (tier pid, message) lost to a dead client
+        self._backlog_lock = threading.Lock()
         self._table_segment: Segment | None = None
         self.slot_table: np.ndarray | None = None
         if segment and layout.slot_table_offset >= 0:
@@ -222,6 +227,7 @@ class RemoteTier:
                           dict(res.bounded_slots), res.expires, tuple(res.page_gens), res.fence, res.fence_token)
 
     async def stats(self) -> dict[str, int]:
+        self._replay(self._client())  # also a moment to send what a stall kept back (an idle store sends nothing else)
         res = await _acall(self._link, self._client(), m.TierStats(), self.oneway_timeout_s)
         return dict(res.counters)
 
@@ -250,25 +256,59 @@ class RemoteTier:
     def revoke_handoff(self, producer_req_id: str) -> None:
         self._oneway(m.RevokeHandoff(producer_req_id))
 
+    def _defer(self, msg: m.RequestBody, pid: int, why: Any) -> bool:
+        """A release, abort or revoke lost to a dead client (the tier stalled past its heartbeats; the message may or
+        may not have reached it): kept, and sent again once this store is reconnected to the same tier process
+        (`_replay`), instead of leaving the lease, the save's slots and pending pages, or the hand-off pins to the
+        tier's TTLs (found by `kvproc bench chaos`). Each is idempotent at the tier: a repeat finds nothing."""
+        if self._closed or type(msg) not in _REPLAYED or not pid or not (
+                isinstance(why, (m.PeerDead, PeerDeadError))):
+            return False
+        with self._backlog_lock:
+            if len(self._backlog) >= REPLAY_BACKLOG:
+                self.counters["oneway_replay_dropped"] += 1  # bounded: the oldest goes to the TTL, as before
+                self._backlog.popleft()
+            self._backlog.append((pid, msg))
+        self.counters[f"oneway_deferred_{type(msg).__name__}"] += 1
+        return True
+
+    def _replay(self, sync: RpcClient) -> None:
+        """Send what `_defer` kept, now that `sync` (the current client) is alive: only to the tier process it was
+        meant for (a replaced tier never knew those ids)."""
+        if not self._backlog or not sync.alive or not sync.server_pid:
+            return
+        with self._backlog_lock:
+            todo, self._backlog = self._backlog, deque()
+        for pid, msg in todo:
+            if pid == sync.server_pid:
+                self.counters["oneway_replayed"] += 1
+                self._oneway(msg)
+            else:
+                self.counters["oneway_replay_other_tier"] += 1
+
     def _oneway(self, msg: m.RequestBody) -> None:
         what = type(msg).__name__
+        pid = 0
 
         def done(reply: Any) -> None:  # the terminal reply (or an exception, e.g. a refused handshake)
-            if not isinstance(reply, m.Ok):
+            if not isinstance(reply, m.Ok) and not self._defer(msg, pid, reply):
                 self.counters[f"oneway_failed_{what}"] += 1
                 log.warning("tier_oneway_failed", request=what, reply=type(reply).__name__,
                             detail=getattr(reply, "message", getattr(reply, "reason", str(reply))))
 
         try:
             sync = self._client()
+            pid = sync.server_pid
+            self._replay(sync)
             ac = self._link.get(sync)
             if ac is not None:  # on the store's loop: its own socket; the reply is read there and dropped
                 ac.call_nowait(msg, timeout=self.oneway_timeout_s, on_reply=done)
                 return
             sync.send_oneway(msg, timeout=self.oneway_timeout_s, on_reply=done)  # the caller's socket if it has one
         except Exception as e:  # noqa: BLE001 - never raise from a fire-and-forget call
-            self.counters[f"oneway_failed_{what}"] += 1
-            log.warning("tier_oneway_failed", request=what, error=repr(e))
+            if not self._defer(msg, pid, e):
+                self.counters[f"oneway_failed_{what}"] += 1
+                log.warning("tier_oneway_failed", request=what, error=repr(e))
 
     def close(self) -> None:
         self._closed = True
