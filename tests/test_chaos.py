@@ -27,7 +27,8 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def test_chaos_short_run_serves_no_wrong_byte_leaks_nothing_and_recovers_from_every_fault() -> None:
-    cfg = ChaosConfig(duration_s=22.0, engines=3, threads=4, cancel_fraction=0.3, fault_every_s=3.0, stop_max_s=4.0,
+    # 32 s: three faults (one of each kind), each at least 6 s (the 5 s target + 1) apart and from the end
+    cfg = ChaosConfig(duration_s=32.0, engines=3, threads=4, cancel_fraction=0.3, fault_every_s=3.0, stop_max_s=3.6,
                       seed=15)
     s = Chaos(cfg, None).run()
     report = render(s)

@@ -16,7 +16,8 @@ A request: pick a conversation and a length; `--cancel-fraction` of requests are
 unsaved); resolve (the blocking form or `submit_resolve`, alternately), check the prefix's bytes, admit, compute the
 rest (write its pages), retire (a cacheable save to the tier).
 
-Faults, one at a time, every `--fault-every` seconds (jittered +-50%), none in the last `QUIET_TAIL_S`:
+Faults, one at a time, every `--fault-every` seconds (jittered +-50%, and never sooner than `--recovery-target` + 1 s
+after the previous one ended), each over that long before the end:
 - `kill_worker`: SIGKILL an engine's copy worker (its launcher restarts it; the store re-attaches its arenas);
 - `stop_worker`: SIGSTOP an engine's copy worker, every other time for 0.2-2.5 s and for 3.2-`--stop-max` s (past
   3 s its heartbeats declare it dead and its launcher reconnects once it answers);
@@ -59,7 +60,6 @@ from typing import Any, Callable, TextIO
 
 import numpy as np
 
-QUIET_TAIL_S = 8.0  # no fault starts this close to the end: each one's recovery can be observed
 FAULT_KINDS = ("kill_worker", "stop_worker", "stop_tier")
 VOCAB = 30_000  # token ids 1..VOCAB-1: never the reserved pad id
 
@@ -644,12 +644,17 @@ class Chaos:
                     self.engines[0].conn.send(("corrupt", None))
                     self.notes.append(f"test-only control: {self.engines[0].expect('corrupted', 30)} bytes of the "
                                       "tier's page slots overwritten")
-                if cfg.fault_kinds and cfg.fault_every_s > 0 and now >= next_fault and now < self._end - QUIET_TAIL_S:
+                # every fault ends a recovery target (+1 s) before the end: its recovery can be observed
+                last_start = self._end - (cfg.recovery_target_s + 1.0) - cfg.stop_max_s
+                if cfg.fault_kinds and cfg.fault_every_s > 0 and now >= next_fault and now < last_start:
                     fault = self._inject(self._next_kind())
                     if fault is not None:
                         self.faults.append(fault)
-                    next_fault = time.monotonic() + self.rng.uniform(0.5, 1.5) * cfg.fault_every_s
-                if next_fault >= self._end - QUIET_TAIL_S or not cfg.fault_kinds or cfg.fault_every_s <= 0:
+                    # Never closer than the recovery target (+1 s): "not recovered before the next fault" then means
+                    # slower than the target, not a fault that came too soon to tell.
+                    next_fault = time.monotonic() + max(cfg.recovery_target_s + 1.0,
+                                                        self.rng.uniform(0.5, 1.5) * cfg.fault_every_s)
+                if next_fault >= last_start or not cfg.fault_kinds or cfg.fault_every_s <= 0:
                     next_fault = self._end  # the quiet tail: no more faults, sleep to the end (not a spin)
                 self._wait(min(self._end, next_fault, corrupt_at or self._end))
             self._poll_progress()
