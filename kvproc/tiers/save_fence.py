@@ -119,11 +119,9 @@ class FenceTable:
         return BUSY if int(self.row[index]) == token | WRITING else GONE
 
     def force_revoke(self, index: int, token: int) -> bool:
-        """Take back a word whose writer is proven dead (its process is gone: no write can be in progress). True if
-        the word held this token, written or not; it is free again."""
-        if index == NO_FENCE:
-            return True
-        if _cas(self.row, index, token | WRITING, 0) or _cas(self.row, index, token, 0):
+        """Take back a word its dead writer left claimed (its process is gone: no write can be in progress). True if
+        it was claimed (it is free again now); False otherwise (an unclaimed word is revoked the usual way)."""
+        if index != NO_FENCE and _cas(self.row, index, token | WRITING, 0):
             self._free.append(index)
             return True
         return False

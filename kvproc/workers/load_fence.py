@@ -62,7 +62,7 @@ class LoadFences:
             if state in (REVOKED, GONE):
                 return True
             assert state == BUSY
-            if process_gone(writer_pid) and self._table.force_revoke(index, token):
+            if process_gone(writer_pid) and self._table.force_revoke(index, token):  # BUSY: it was claimed
                 self.forced += 1
                 return True
             return False
