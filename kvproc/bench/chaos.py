@@ -647,9 +647,12 @@ class Chaos:
                 # every fault ends a recovery target (+1 s) before the end: its recovery can be observed
                 last_start = self._end - (cfg.recovery_target_s + 1.0) - cfg.stop_max_s
                 if cfg.fault_kinds and cfg.fault_every_s > 0 and now >= next_fault and now < last_start:
-                    fault = self._inject(self._next_kind())
+                    kind = self._next_kind()
+                    fault = self._inject(kind)
                     if fault is not None:
                         self.faults.append(fault)
+                    else:  # its target was not up (restarting, reconnecting): that kind comes next instead
+                        self._kinds.append(kind)
                     # Never closer than the recovery target (+1 s): "not recovered before the next fault" then means
                     # slower than the target, not a fault that came too soon to tell.
                     next_fault = time.monotonic() + max(cfg.recovery_target_s + 1.0,
