@@ -74,6 +74,9 @@ class ChaosConfig:
     fault_kinds: tuple[str, ...] = FAULT_KINDS
     stop_max_s: float = 4.5
     recovery_target_s: float = 5.0
+    # No fault ends later than this before the end (None: the recovery target + 1 s): the last one's recovery must be
+    # seen in it. Faults are also at least the recovery target + 1 s apart.
+    tail_s: float | None = None
     seed: int = 0
     conversations: int = 64
     max_pages: int = 14  # a conversation's length in pages (2..max_pages, plus a partial page)
@@ -441,7 +444,7 @@ class Fault:
     start: float  # monotonic
     end: float  # the SIGKILL, or the SIGCONT
     engines: list[int]
-    recovery_s: float | None = None  # None: no ok host restore was seen before the next fault / the end
+    recovery_s: float | None = None  # None: no ok host restore was seen before the end of the run
 
 
 class _Engine:
@@ -644,8 +647,9 @@ class Chaos:
                     self.engines[0].conn.send(("corrupt", None))
                     self.notes.append(f"test-only control: {self.engines[0].expect('corrupted', 30)} bytes of the "
                                       "tier's page slots overwritten")
-                # every fault ends a recovery target (+1 s) before the end: its recovery can be observed
-                last_start = self._end - (cfg.recovery_target_s + 1.0) - cfg.stop_max_s
+                # every fault ends `tail` before the end: its recovery can be observed
+                tail = cfg.tail_s if cfg.tail_s is not None else cfg.recovery_target_s + 1.0
+                last_start = self._end - tail - cfg.stop_max_s
                 if cfg.fault_kinds and cfg.fault_every_s > 0 and now >= next_fault and now < last_start:
                     kind = self._next_kind()
                     fault = self._inject(kind)
@@ -719,12 +723,13 @@ class Chaos:
 
     # -- figures --
     def _recoveries(self, results: list[dict[str, Any]]) -> None:
+        """Looked for up to the end of the run: faults are more than the target apart, so one that outlasts the next
+        fault's start is over the target anyway; None only if service never came back."""
         per_engine = [sorted(r["ok_host"]) for r in results]
-        for i, f in enumerate(self.faults):
-            horizon = self.faults[i + 1].start if i + 1 < len(self.faults) else self._end
+        for f in self.faults:
             worst = 0.0
             for e in f.engines:
-                ends = [t1 - f.end for t0, t1 in per_engine[e] if t0 >= f.end and t1 <= horizon]
+                ends = [t1 - f.end for t0, t1 in per_engine[e] if t0 >= f.end]
                 if not ends:
                     worst = float("inf")
                     break
