@@ -10,6 +10,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "hash": ("kvproc.bench.hashbench", "hashing and probing against one hash call over the same bytes"),
     "copy": ("kvproc.bench.copybench", "copy-worker throughput against numpy.copyto"),
     "ipc": ("kvproc.bench.ipcbench", "resolve/seal round trips against a raw pyzmq round trip"),
+    "chaos": ("kvproc.bench.chaos", "engines on a shared tier under cancellations and faults; every byte checked"),
 }
 
 

@@ -316,6 +316,9 @@ class CommitSave(Request, tag=306):
 
 class AbortSave(Request, tag=307):
     save_id: int
+    # The store proved the copy worker that had this save's order dead (its process is gone): a claim it left on the
+    # save's fence cannot be a write in progress, so the tier takes it back instead of quarantining the slots.
+    writer_dead: bool = False
 
 
 class RevokeHandoff(Request, tag=308):
@@ -402,6 +405,10 @@ class AttachArenas(Request, tag=500):
     host_layout: Union[HostLayoutSpec, None] = None
     repack: str = ""  # "module:function" of a (group, direction, src, dst) callable; "" = none
     page_tokens: int = 1
+    # The store's load-fence words (`kvproc/tiers/load_fence.py`): segment, byte offset, int64 words. "" = none.
+    load_fences: str = ""
+    load_fence_offset: int = 0
+    load_fence_words: int = 0
 
 
 class Save(Request, tag=501):
@@ -414,6 +421,10 @@ class Load(Request, tag=502):
 
 class DeviceCopy(Request, tag=503):
     copies: list[SlotCopy]
+    # Its load-fence word and token (`kvproc/tiers/load_fence.py`): a device copy the store gave up on (and whose
+    # slots it fenced as failed) writes nothing when a stalled worker runs it late. -1: no fence.
+    fence: int = -1
+    fence_token: int = 0
 
 
 class Copied(Payload, tag=600):

@@ -33,6 +33,10 @@ class LoadOrder(msgspec.Struct, array_like=True, frozen=True, gc=False):
     host_slots: list[int]
     device_blocks: list[int]
     bounded: list[BoundedCopy] = []
+    # The load's fence word and token (`kvproc/tiers/load_fence.py`): claimed before a byte is written, so blocks
+    # the store freed after giving up on this order are never written by it. -1: no fence (an in-process copier).
+    fence: int = -1
+    fence_token: int = 0
 
 
 class SlotCopy(msgspec.Struct, array_like=True, frozen=True, gc=False):

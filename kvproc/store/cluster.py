@@ -23,6 +23,7 @@ import time
 import weakref
 from typing import Any, Mapping, Sequence
 
+import numpy as np
 import posix_ipc
 import structlog
 import torch
@@ -41,6 +42,7 @@ from kvproc.tiers.host import layout_from_wire, layout_to_wire
 from kvproc.tiers.layout import HostLayout
 from kvproc.tiers.remote import RemoteCopier, RemoteTier
 from kvproc.tiers.save_fence import derived_save_ttl
+from kvproc.tiers.load_fence import LOAD_FENCE_WORDS, LoadFences
 from kvproc.workers.worker import import_callable
 
 _names = itertools.count()
@@ -237,12 +239,14 @@ class ClusterStore:
         return seg.torch(torch.uint8, 0, nbytes)
 
     def _locate(self, arena: KvArena) -> tuple[str, int]:
-        ptr = arena.tensor.data_ptr()
+        return self._locate_ptr(arena.tensor.data_ptr(), arena.name)
+
+    def _locate_ptr(self, ptr: int, name: str) -> tuple[str, int]:
         for seg in self._segments:
             base = seg.address()
             if base <= ptr < base + seg.nbytes:
                 return seg.name, ptr - base
-        raise KvContractError(f"arena {arena.name!r} was not allocated through ClusterStore.allocator: a copy worker"
+        raise KvContractError(f"arena {name!r} was not allocated through ClusterStore.allocator: a copy worker"
                               " can only reach arenas in shared memory; build the model with allocator=cs.allocator")
 
     def _arena_refs(self, layout: ArenaLayout) -> list[m.ArenaRef]:
@@ -289,9 +293,14 @@ class ClusterStore:
                 self.tiers.append(RemoteTier(functools.partial(self._tier_client, r), self.host_layouts[r],
                                              segment=conf.segment))
         for r, layout in enumerate(layouts):
+            # The rank's load-fence words, in a segment this process owns (the worker maps it with the arenas).
+            words = self.allocator(f"load_fences{r}", 8 * LOAD_FENCE_WORDS)
+            fence_seg, fence_off = self._locate_ptr(words.data_ptr(), f"load_fences{r}")
             msg = m.AttachArenas(self._arena_refs(layout), self.host_segments[r] if self.host_segments else "",
-                                 wires[r], repack or "", layout.spec.page_tokens)
-            copier = RemoteCopier(self._copy_client(r), msg, copy_timeout_s=self.copy_timeout_s)
+                                 wires[r], repack or "", layout.spec.page_tokens, fence_seg, fence_off,
+                                 LOAD_FENCE_WORDS)
+            copier = RemoteCopier(self._copy_client(r), msg, copy_timeout_s=self.copy_timeout_s,
+                                  load_fences=LoadFences(words.numpy().view(np.int64)))
             copier.attach_now(attach_timeout_s)  # fail here (bad repack path, bad arena) rather than at first copy
             self.copiers.append(copier)
         self.store = KvStore(layouts, live_slots=live_slots, tiers=self.tiers or None, copiers=self.copiers,

@@ -344,7 +344,7 @@ class KvStore:
         except Exception as e:  # noqa: BLE001 - every failure becomes a recorded outcome
             reason = reason_of(e)
             if isinstance(ticket, SaveTicket) and tier is not None:
-                tier.abort_save(ticket.save_id)
+                tier.abort_save(ticket.save_id, getattr(e, "writer_dead", False))
         finally:
             unpin()
             if state != "ok" and save_class is SaveClass.HANDOFF:  # undelivered: the consumer will see a short hit

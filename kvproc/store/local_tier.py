@@ -90,8 +90,8 @@ class LocalTier:
     async def commit_save(self, save_id: int, *, timeout: float) -> bool:
         return self.index.commit_save(save_id)
 
-    def abort_save(self, save_id: int) -> None:
-        self.index.abort_save(save_id)
+    def abort_save(self, save_id: int, writer_dead: bool = False) -> None:
+        self.index.abort_save(save_id, writer_dead=writer_dead)
 
     def revoke_handoff(self, producer_req_id: str) -> None:
         self.index.revoke_handoff(producer_req_id)

@@ -204,7 +204,7 @@ class HostTierRole(Role):
     @handles(m.AbortSave)
     def abort_save(self, msg: m.AbortSave, ctx: CallContext) -> m.Done:
         with self._lock:
-            self._index().abort_save(msg.save_id)
+            self._index().abort_save(msg.save_id, writer_dead=msg.writer_dead)
         self._answer_settled()
         return m.Done()
 

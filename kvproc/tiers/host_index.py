@@ -421,21 +421,24 @@ class HostIndex:
             self.on_settled(t, True)
         return True
 
-    def abort_save(self, save_id: int) -> bool:
+    def abort_save(self, save_id: int, *, writer_dead: bool = False) -> bool:
         """The save will not commit: its pages stop being pending at once; its slots go back to the free lists once
-        its fence is revoked (now, unless a copy still writes them: then they wait in `quarantine`)."""
+        its fence is revoked (now, unless a copy still writes them: then they wait in `quarantine`). `writer_dead`:
+        the store proved the worker that had the save's order dead, so a claim left on the fence is taken back."""
         t = self.saves.pop(save_id, None)
         if t is None:
             return False
-        self._abort(t)
+        self._abort(t, writer_dead=writer_dead)
         return True
 
-    def _abort(self, t: SaveTicket) -> None:
+    def _abort(self, t: SaveTicket, *, writer_dead: bool = False) -> None:
         """`abort_save` of a ticket already taken out of `saves`."""
         self._unref(self._save_holds.pop(t.save_id, []))
         for k, slot in zip(t.keys, t.page_slots):
             if slot is not None:
                 self.pending.pop(k, None)
+        if writer_dead and self.fences.force_revoke(t.fence, t.fence_token):
+            self.counters["fences_taken_from_dead_writers"] += 1
         self._settle_quarantined(t)
         self.counters["saves_aborted"] += 1
         if self.on_settled:

@@ -27,6 +27,7 @@ import time
 from collections import Counter, deque
 from typing import Any, Callable, Sequence
 
+import msgspec
 import numpy as np
 import structlog
 
@@ -35,16 +36,20 @@ from kvproc.ipc.aclient import AsyncRpcClient
 from kvproc.ipc.cancel import CancelToken
 from kvproc.ipc.client import RpcClient
 from kvproc.ipc.direct import LATE
-from kvproc.ipc.errors import RemoteError
+from kvproc.ipc.errors import PeerDeadError, RemoteError
 from kvproc.ipc.segment import Segment, SegmentBusyError
 from kvproc.tiers.api import LATE_REPLY_GRACE_S
 from kvproc.tiers.host_index import Hit, Loading, Miss, QueryResult, SaveClass, SaveTicket, Shed
 from kvproc.tiers.layout import HostLayout
 from kvproc.tiers.slot_table import ROWS
 from kvproc.ipc.orders import LoadOrder, SaveOrder, SlotCopy
+from kvproc.tiers.load_fence import SETTLE_POLL_S, LoadFences, process_gone
 
 log = structlog.get_logger("kvproc.remote")
 
+# Fire-and-forget messages sent again after a stall (idempotent at the tier); not TouchPages (only LRU recency).
+_REPLAYED = (m.ReleaseLease, m.AbortSave, m.RevokeHandoff)
+REPLAY_BACKLOG = 4096  # fire-and-forget messages kept for a reconnect (beyond: the oldest is left to the TTLs)
 ClientSource = Callable[[], RpcClient]  # the current incarnation's client (e.g. lambda: cluster.client(role, rank))
 
 
@@ -148,6 +153,8 @@ class RemoteTier:
         self.counters: Counter[str] = Counter()
         self._closed = False
         self._link = _LoopLink(client)
+        self._backlog: deque[tuple[int, m.RequestBody]] = deque()  # (tier pid, message) lost to a dead client
+        self._backlog_lock = threading.Lock()
         self._table_segment: Segment | None = None
         self.slot_table: np.ndarray | None = None
         if segment and layout.slot_table_offset >= 0:
@@ -220,6 +227,7 @@ class RemoteTier:
                           dict(res.bounded_slots), res.expires, tuple(res.page_gens), res.fence, res.fence_token)
 
     async def stats(self) -> dict[str, int]:
+        self._replay(self._client())  # also a moment to send what a stall kept back (an idle store sends nothing else)
         res = await _acall(self._link, self._client(), m.TierStats(), self.oneway_timeout_s)
         return dict(res.counters)
 
@@ -242,31 +250,65 @@ class RemoteTier:
             raise
         return True
 
-    def abort_save(self, save_id: int) -> None:
-        self._oneway(m.AbortSave(save_id))
+    def abort_save(self, save_id: int, writer_dead: bool = False) -> None:
+        self._oneway(m.AbortSave(save_id, writer_dead))
 
     def revoke_handoff(self, producer_req_id: str) -> None:
         self._oneway(m.RevokeHandoff(producer_req_id))
 
+    def _defer(self, msg: m.RequestBody, pid: int, why: Any) -> bool:
+        """A release, abort or revoke lost to a dead client (the tier stalled past its heartbeats; the message may or
+        may not have reached it): kept, and sent again once this store is reconnected to the same tier process
+        (`_replay`), instead of leaving the lease, the save's slots and pending pages, or the hand-off pins to the
+        tier's TTLs (found by `kvproc bench chaos`). Each is idempotent at the tier: a repeat finds nothing."""
+        if self._closed or type(msg) not in _REPLAYED or not pid or not (
+                isinstance(why, (m.PeerDead, PeerDeadError))):
+            return False
+        with self._backlog_lock:
+            if len(self._backlog) >= REPLAY_BACKLOG:
+                self.counters["oneway_replay_dropped"] += 1  # bounded: the oldest goes to the TTL, as before
+                self._backlog.popleft()
+            self._backlog.append((pid, msg))
+        self.counters[f"oneway_deferred_{type(msg).__name__}"] += 1
+        return True
+
+    def _replay(self, sync: RpcClient) -> None:
+        """Send what `_defer` kept, now that `sync` (the current client) is alive: only to the tier process it was
+        meant for (a replaced tier never knew those ids)."""
+        if not self._backlog or not sync.alive or not sync.server_pid:
+            return
+        with self._backlog_lock:
+            todo, self._backlog = self._backlog, deque()
+        for pid, msg in todo:
+            if pid == sync.server_pid:
+                self.counters["oneway_replayed"] += 1
+                self._oneway(msg)
+            else:
+                self.counters["oneway_replay_other_tier"] += 1
+
     def _oneway(self, msg: m.RequestBody) -> None:
         what = type(msg).__name__
+        pid = 0
 
         def done(reply: Any) -> None:  # the terminal reply (or an exception, e.g. a refused handshake)
-            if not isinstance(reply, m.Ok):
+            if not isinstance(reply, m.Ok) and not self._defer(msg, pid, reply):
                 self.counters[f"oneway_failed_{what}"] += 1
                 log.warning("tier_oneway_failed", request=what, reply=type(reply).__name__,
                             detail=getattr(reply, "message", getattr(reply, "reason", str(reply))))
 
         try:
             sync = self._client()
+            pid = sync.server_pid
+            self._replay(sync)
             ac = self._link.get(sync)
             if ac is not None:  # on the store's loop: its own socket; the reply is read there and dropped
                 ac.call_nowait(msg, timeout=self.oneway_timeout_s, on_reply=done)
                 return
             sync.send_oneway(msg, timeout=self.oneway_timeout_s, on_reply=done)  # the caller's socket if it has one
         except Exception as e:  # noqa: BLE001 - never raise from a fire-and-forget call
-            self.counters[f"oneway_failed_{what}"] += 1
-            log.warning("tier_oneway_failed", request=what, error=repr(e))
+            if not self._defer(msg, pid, e):
+                self.counters[f"oneway_failed_{what}"] += 1
+                log.warning("tier_oneway_failed", request=what, error=repr(e))
 
     def close(self) -> None:
         self._closed = True
@@ -283,8 +325,12 @@ class RemoteCopier:
     """One rank's copy worker. `attach` is the worker's `AttachArenas`; it is (re)sent to each new incarnation."""
 
     def __init__(self, client: ClientSource, attach: m.AttachArenas, *, copy_timeout_s: float = 120.0,
-                 attach_timeout_s: float = 10.0) -> None:
+                 attach_timeout_s: float = 10.0, load_fences: LoadFences | None = None) -> None:
         self._client = client
+        # Each Load claims one of these words in the worker; a load is settled (its word revoked) before its caller
+        # may free the blocks: a stalled worker never writes blocks given to another request
+        # (`kvproc/tiers/load_fence.py`). None: unfenced (a worker attached without the fence segment).
+        self.load_fences = load_fences
         self.attach_msg = attach
         self.copy_timeout_s = copy_timeout_s
         self.attach_timeout_s = attach_timeout_s
@@ -332,13 +378,76 @@ class RemoteCopier:
         self.loads_copied += 1
 
     async def save(self, order: SaveOrder) -> int:
-        return await self._order(m.Save(order))
+        pid = 0
+        try:
+            client = await self.ensure_attached()
+            pid = client.server_pid
+            return int((await _acall(self._link, client, m.Save(order), self.copy_timeout_s)).nbytes)
+        except Exception as e:
+            # The worker that had the order is gone (killed, maybe in the middle of the write): say so, so the tier
+            # takes back the fence claim it left instead of quarantining the slots for good. A worker that is only
+            # stalled is alive: its claim is a write in progress, and the tier waits for it.
+            e.writer_dead = bool(pid) and process_gone(pid)  # type: ignore[attr-defined]
+            raise
+
+    def _word(self) -> tuple[int, int] | None:
+        if self.load_fences is None:
+            return None
+        word = self.load_fences.issue()
+        if word is None:  # every word held (by loads in flight or writes a stalled worker holds): fail, never unfenced
+            raise RemoteError("load_fences_exhausted", "RuntimeError", "no free load fence word")
+        return word
+
+    def _fence(self, order: LoadOrder) -> tuple[LoadOrder, tuple[int, int] | None]:
+        word = self._word()
+        if word is None:
+            return order, None
+        return msgspec.structs.replace(order, fence=word[0], fence_token=word[1]), word
+
+    async def _settle(self, word: tuple[int, int] | None, writer_pid: int) -> None:
+        """Before the caller may free the load's blocks: the worker can no longer write them (waits while it is in the
+        middle of the write, on the store's loop without blocking it)."""
+        if word is None or self.load_fences is None:
+            return
+        if not self.load_fences.try_settle(word[0], word[1], writer_pid):
+            self.load_fences.waited += 1
+            log.warning("load_fence_wait", fence=word[0], worker_pid=writer_pid)
+            while not self.load_fences.try_settle(word[0], word[1], writer_pid):
+                await asyncio.sleep(SETTLE_POLL_S)
+
+    def _settle_blocking(self, word: tuple[int, int] | None, writer_pid: int) -> None:
+        if word is None or self.load_fences is None:
+            return
+        if not self.load_fences.try_settle(word[0], word[1], writer_pid):
+            self.load_fences.waited += 1
+            log.warning("load_fence_wait", fence=word[0], worker_pid=writer_pid)
+            while not self.load_fences.try_settle(word[0], word[1], writer_pid):
+                time.sleep(SETTLE_POLL_S)
 
     async def load(self, order: LoadOrder) -> int:
-        return await self._order(m.Load(order))
+        fenced, word = self._fence(order)
+        pid = 0
+        try:
+            client = await self.ensure_attached()
+            pid = client.server_pid
+            res = await _acall(self._link, client, m.Load(fenced), self.copy_timeout_s)
+        finally:
+            await self._settle(word, pid)
+        self._loaded(res)
+        return int(res.nbytes)
 
     async def device_copy(self, copies: Sequence[SlotCopy]) -> int:
-        return await self._order(m.DeviceCopy(list(copies)))
+        """Fenced like a load: the destination slots are written by this order only until the store settles it."""
+        word = self._word()
+        msg = m.DeviceCopy(list(copies), *(word if word is not None else (-1, 0)))
+        pid = 0
+        try:
+            client = await self.ensure_attached()
+            pid = client.server_pid
+            res = await _acall(self._link, client, msg, self.copy_timeout_s)
+        finally:
+            await self._settle(word, pid)
+        return int(res.nbytes)
 
     def load_blocking(self, order: LoadOrder, *, wait_until: float, on_late: Callable[[Any], None],
                       cancel: CancelToken | None = None, overlap: Callable[[], None] | None = None,
@@ -355,11 +464,23 @@ class RemoteCopier:
                     client.request(self.attach_msg, timeout=self.attach_timeout_s)
                     self._attached_to = client
                     self.attaches += 1
+        fenced, word = self._fence(order)
+        pid = client.server_pid
+
+        def late(reply: Any) -> None:  # on the thread that delivers the late reply: settle, then free the blocks
+            self._settle_blocking(word, pid)
+            on_late(reply)
+
         # `cancel` only ends this thread's wait: a copy order is not cancellable, so the token is not sent along.
-        res = client.request(m.Load(order), timeout=self.copy_timeout_s, wait_until=wait_until, on_late=on_late,
-                             wake_on=cancel, overlap=overlap, spin_s=spin_s)
+        try:
+            res = client.request(m.Load(fenced), timeout=self.copy_timeout_s, wait_until=wait_until, on_late=late,
+                                 wake_on=cancel, overlap=overlap, spin_s=spin_s)
+        except BaseException:
+            self._settle_blocking(word, pid)
+            raise
         if res is LATE:
-            return LATE
+            return LATE  # `late` settles the fence when the worker's reply (or PeerDead) comes
+        self._settle_blocking(word, pid)
         self._loaded(res)
         return int(res.nbytes)
 

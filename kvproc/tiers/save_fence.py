@@ -15,7 +15,10 @@ in shared memory (the slot table's `FENCE` row, `slot_table.py`), and writing is
   by the reaper until the write is over. Once revoked, a claim can never succeed: the slot is unwritable by that save.
 
 So the order is fixed by the word, not by timeouts. A worker killed in the middle of a write leaves its claim behind:
-the save's slots stay quarantined (counted, `saves_quarantined`): lost capacity, never wrong bytes.
+the save's slots stay quarantined (counted, `saves_quarantined`): lost capacity, never wrong bytes -- unless the
+store, which launched that worker and sees its process, proves it dead: its `AbortSave(writer_dead=True)` then takes
+the word back by force (`force_revoke`) and frees the slots (found leaking by `kvproc bench chaos`; the tier itself
+never judges another process's liveness: it may live in another pid namespace).
 
 The compare-and-swap is `kvproc.native._native.fence_cas` (atomic across processes). Without the C module the pure-Python
 form reads, compares and writes in three steps: same protocol, but a write racing a revoke in that window is not
@@ -114,6 +117,14 @@ class FenceTable:
             self._free.append(index)
             return REVOKED
         return BUSY if int(self.row[index]) == token | WRITING else GONE
+
+    def force_revoke(self, index: int, token: int) -> bool:
+        """Take back a word its dead writer left claimed (its process is gone: no write can be in progress). True if
+        it was claimed (it is free again now); False otherwise (an unclaimed word is revoked the usual way)."""
+        if index != NO_FENCE and _cas(self.row, index, token | WRITING, 0):
+            self._free.append(index)
+            return True
+        return False
 
     @property
     def open(self) -> int:

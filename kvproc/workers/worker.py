@@ -29,6 +29,7 @@ from kvproc.ipc.errors import HandlerError
 from kvproc.ipc.segment import Segment, SegmentBusyError, SegmentError
 from kvproc.ipc.service import handles
 from kvproc.runtime.role import Role, RoleEnv
+from kvproc.tiers import save_fence
 from kvproc.tiers.host import layout_from_wire
 from kvproc.workers.copy_exec import CopyError, CopyExecutor, RepackError
 
@@ -70,6 +71,7 @@ class _Attachment:
     segments: dict[str, Segment]
     arenas: int
     host_bytes: int
+    load_fences: np.ndarray | None = None  # the store's load-fence words (`kvproc/tiers/load_fence.py`)
 
 
 class CopyWorkerRole(Role):
@@ -131,9 +133,17 @@ class CopyWorkerRole(Role):
             repack = check_repack_hook(import_callable(msg.repack), msg.repack) if msg.repack else None
         except (ImportError, AttributeError, ValueError, TypeError) as e:  # KvContractError is a ValueError
             raise HandlerError("bad_repack", f"cannot import repack {msg.repack!r}: {e}") from None
+        fences: np.ndarray | None = None
+        if msg.load_fences:
+            fseg = seg(msg.load_fences)
+            if msg.load_fence_offset < 0 or msg.load_fence_offset + 8 * msg.load_fence_words > fseg.nbytes:
+                raise HandlerError("bad_request", f"load fences [{msg.load_fence_offset}, +{8 * msg.load_fence_words})"
+                                                  f" are outside {fseg.name} ({fseg.nbytes} B)")
+            fences = fseg.numpy(np.int64, msg.load_fence_offset, msg.load_fence_words)
         executor = CopyExecutor(layout, host, host_layout, repack, threads=self.threads)
         del host, arenas, layout  # only the executor holds views now (so retired segments can unmap)
-        new = _Attachment(executor, segments, len(msg.arenas), host_layout.total_bytes if host_layout else 0)
+        new = _Attachment(executor, segments, len(msg.arenas), host_layout.total_bytes if host_layout else 0, fences)
+        del fences
         with self._lock:
             self._current = new
             self._retired.extend(reuse.values())  # segments of the old attachment nobody names any more
@@ -185,13 +195,28 @@ class CopyWorkerRole(Role):
     def save(self, msg: m.Save, ctx: CallContext) -> m.Copied:
         return self._execute("save", lambda ex: ex.save(msg.order))
 
+    def _fenced(self, kind: str, fence: int, token: int, fn: Callable[[CopyExecutor], int]) -> m.Copied:
+        """Holds the order's load fence for the whole write: an order its store gave up on (it may have freed the
+        blocks or slots, e.g. while this process was stopped) writes nothing (`kvproc/tiers/load_fence.py`)."""
+        fences = self._attachment().load_fences
+        try:
+            save_fence.claim(fences, fence, token)
+        except save_fence.FenceRevoked as e:
+            self.counters.inc(f"{kind}s_fence_revoked")
+            raise HandlerError("fence_revoked", str(e)) from None
+        try:
+            return self._execute(kind, fn)
+        finally:
+            save_fence.release(fences, fence, token)
+
     @handles(m.Load)
     def load(self, msg: m.Load, ctx: CallContext) -> m.Copied:
-        return self._execute("load", lambda ex: ex.load(msg.order))
+        order = msg.order
+        return self._fenced("load", order.fence, order.fence_token, lambda ex: ex.load(order))
 
     @handles(m.DeviceCopy)
     def device_copy(self, msg: m.DeviceCopy, ctx: CallContext) -> m.Copied:
-        return self._execute("device", lambda ex: ex.device_copy(msg.copies))
+        return self._fenced("device", msg.fence, msg.fence_token, lambda ex: ex.device_copy(msg.copies))
 
     def on_stop(self) -> None:
         with self._lock:
