@@ -96,6 +96,7 @@ class _Req:
     req_id: str
     request: "Request"
     resolve: concurrent.futures.Future[KvPrefix] | None = None
+    asked: bool = False  # vLLM asked for this request's hit before (its resolve then got resolve_wait_s)
     mirror: RequestKv | None = None
     cursor: SealCursor | None = None
     vllm_blocks: list[int] = field(default_factory=list)
@@ -232,8 +233,11 @@ class KvprocConnector(KVConnectorBase_V1):
             else:
                 r.resolve = self.store.submit_resolve(0, r.req_id, tokens, _scope(request))
         if r.mirror is None and r.resolve is not None:
+            # The first ask waits a little (most resolves finish in well under a millisecond), later ones not at
+            # all: a slow resolve (the tier answered Loading) must never hold up vLLM's scheduler step after step.
+            first, r.asked = not r.asked, True
             try:
-                prefix = r.resolve.result(timeout=self.options.resolve_wait_s)
+                prefix = r.resolve.result(timeout=self.options.resolve_wait_s if first else 0)
             except concurrent.futures.TimeoutError:
                 self.rt.count("resolve_asked_again")
                 return None, False

@@ -14,7 +14,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 
@@ -103,15 +103,34 @@ def random_tokens(rng: random.Random, n: int) -> list[int]:
 
 
 def multi_turn(llm: Any, *, conversations: int = 4, turns: int = 4, system: int = 64, user: int = 48,
-               max_tokens: int = 16, seed: int = 7) -> list[tuple[list[int], list[int]]]:
+               max_tokens: int = 16, seed: int = 7,
+               before_turn: Callable[[int], None] | None = None) -> list[tuple[list[int], list[int]]]:
     """A chat workload: a shared system prompt, each turn = the conversation so far + a new user message; all
-    conversations' turn t in one batch. Returns every (prompt, output) in order."""
+    conversations' turn t in one batch (`before_turn(t)` runs first: faults). Returns every (prompt, output)."""
     rng = random.Random(seed)
     sys_prompt = random_tokens(rng, system)
     convs = [sys_prompt + random_tokens(rng, user) for _ in range(conversations)]
     record: list[tuple[list[int], list[int]]] = []
     for t in range(turns):
+        if before_turn is not None:
+            before_turn(t)
         outs = generate(llm, convs, max_tokens)
         record += list(zip([list(c) for c in convs], outs))
         convs = [c + o + random_tokens(rng, user) for c, o in zip(convs, outs)]
     return record
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_llama: Path) -> list[tuple[list[int], list[int]]]:
+    """The multi-turn workload's tokens on vLLM alone. Computed before any engine with the connector starts (vLLM
+    keeps one KV connector per process), that engine shut down before the next starts."""
+    with engine(tiny_llama) as llm:
+        return multi_turn(llm)
+
+
+def live_runtime() -> Any:
+    """The one kvproc runtime of the engine under test (this process runs one engine at a time)."""
+    from kvproc.integrations.vllm.runtime import live_runtimes
+
+    (rt,) = live_runtimes()
+    return rt

@@ -14,30 +14,15 @@ from typing import Any, Iterator
 import pytest
 import torch
 
-from conftest import engine, generate, kvproc_transfer_config, metrics, multi_turn, random_tokens
+from conftest import engine, generate, kvproc_transfer_config, live_runtime, metrics, multi_turn, random_tokens
 
 pytestmark = pytest.mark.timeout(600)
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_llama: Path) -> list[tuple[list[int], list[int]]]:
-    """The workload's tokens on vLLM alone (its engine is shut down before the connector's starts: vLLM keeps one
-    KV connector per process)."""
-    with engine(tiny_llama) as llm:
-        return multi_turn(llm)
 
 
 @pytest.fixture(scope="module")
 def kv_llm(tiny_llama: Path, reference: Any) -> Iterator[Any]:
     with engine(tiny_llama, kvproc_transfer_config()) as llm:
         yield llm
-
-
-def _runtime() -> Any:
-    from kvproc.integrations.vllm.runtime import live_runtimes
-
-    (rt,) = live_runtimes()
-    return rt
 
 
 def _churn_and_reset(llm: Any, seed: int) -> None:
@@ -54,7 +39,7 @@ def test_multi_turn_tokens_equal_vllm_alone(kv_llm: Any, reference: list[tuple[l
     assert [o for _, o in got] == [o for _, o in reference]
     # The working set exceeds vLLM's cache: later turns found evicted pages in kvproc.
     assert after["vllm:external_prefix_cache_hits"] > before.get("vllm:external_prefix_cache_hits", 0)
-    rt = _runtime()
+    rt = live_runtime()
     assert rt.counters.get("pages_saved_from_vllm", 0) > 0
     assert rt.store.stats()["outcomes"].get("save.ok", 0) > 0
 
@@ -63,7 +48,7 @@ def test_after_reset_a_repeated_prompt_is_served_from_kvproc(kv_llm: Any,
                                                               reference: list[tuple[list[int], list[int]]]) -> None:
     last_turn = reference[-4:]
     _churn_and_reset(kv_llm, seed=11)
-    rt = _runtime()
+    rt = live_runtime()
     before, c0 = metrics(kv_llm), dict(rt.counters)
     outs = generate(kv_llm, [p for p, _ in last_turn])
     after, c1 = metrics(kv_llm), dict(rt.counters)
@@ -84,7 +69,7 @@ def test_control_corrupted_host_copy_changes_tokens(kv_llm: Any,
 
     last_turn = reference[-4:]
     _churn_and_reset(kv_llm, seed=12)
-    rt = _runtime()
+    rt = live_runtime()
     layout = rt.cluster.host_layout
     seg = Segment.attach(rt.cluster.host_segment)
     try:
