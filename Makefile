@@ -23,7 +23,7 @@ $(VSTAMP): pyproject.toml setup.py kvproc/_native.c kvproc/_slotmap.c kvproc/_na
 	$(VPY) -m pip install -q $(VLLM)
 	# PyPI's torchvision is a CUDA build that breaks transformers' imports; triton is unused on CPU.
 	$(VPY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton
-	$(VPY) -m pip install -q -e '.[test]'
+	$(VPY) -m pip install -q -e '.[test,plot]'
 	touch $(VSTAMP)
 
 $(STAMP): pyproject.toml setup.py kvproc/_native.c kvproc/_slotmap.c kvproc/_native.h

@@ -60,6 +60,7 @@ class _Timer:
 
     def __init__(self) -> None:
         self.connector_s = 0.0
+        self.by_method: dict[str, float] = {}
         self.step_s = 0.0
         self.steps = 0
 
@@ -68,12 +69,14 @@ class _Timer:
             orig = getattr(cls, name)
 
             @functools.wraps(orig)
-            def timed(*a: Any, __orig: Any = orig, **kw: Any) -> Any:
+            def timed(*a: Any, __orig: Any = orig, __name: str = name, **kw: Any) -> Any:
                 t = time.perf_counter()
                 try:
                     return __orig(*a, **kw)
                 finally:
-                    self.connector_s += time.perf_counter() - t
+                    dt = time.perf_counter() - t
+                    self.connector_s += dt
+                    self.by_method[__name] = self.by_method.get(__name, 0.0) + dt
 
             setattr(cls, name, timed)
 
@@ -191,6 +194,8 @@ def run_arm(arm: str, model: Path, a: argparse.Namespace, workdir: Path) -> dict
         res["connector_s"] = timer.connector_s
         res["step_s"] = timer.step_s
         res["connector_share_of_step"] = timer.connector_s / timer.step_s if timer.step_s else 0.0
+        res["connector_s_by_method"] = timer.by_method
+        res["steps"] = timer.steps
         from kvproc.integrations.vllm.runtime import live_runtimes
 
         res["kvproc_counters"] = dict(live_runtimes()[0].counters)
@@ -307,7 +312,12 @@ def _print(a: argparse.Namespace, results: dict[str, Any], identical: bool) -> N
 
 
 def _plot(results: dict[str, Any], path: str) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        print("kvproc bench vllm: --plot needs matplotlib (pip install -e '.[plot]'); no plot written",
+              file=sys.stderr)
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
