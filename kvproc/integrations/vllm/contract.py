@@ -5,7 +5,7 @@ each of its layers one arena (vLLM names the layers; kvproc names arenas after t
 
 | vLLM spec | kvproc group | stored block |
 |---|---|---|
-| `FullAttentionSpec` (exactly: no subclass), no KV quantisation | `PAGED` "attn" | one vLLM block of one layer, its `page_size_bytes` as is (on CPU: `[num_kv_heads, block_size, 2*head_size]`, K and V side by side) |
+| `FullAttentionSpec` (exactly: no subclass), causal, no KV quantisation, no padded pages | `PAGED` "attn" | one vLLM block of one layer, its `page_size_bytes` as is (on CPU: `[num_kv_heads, block_size, 2*head_size]`, K and V side by side) |
 
 Anything else (sliding window, chunked local, MLA, Mamba/linear state, cross attention, several groups, quantised KV)
 is refused with a `KvContractError` naming the spec, never served with the wrong bytes. The next attention type is an
@@ -59,6 +59,10 @@ def contract_from_vllm(kv_cache_config: Any, *, model_id: str) -> VllmKvContract
     if quant is not None and int(quant) != 0:
         raise KvContractError(f"kvproc's vLLM connector does not support quantised KV ({kind_name} with "
                               f"kv_quant_mode={quant!r})")
+    if getattr(spec, "non_causal", False):
+        # A non-causal (prefix-LM) layer's KV of a prefix depends on the tokens after it: not a reusable prefix.
+        raise KvContractError(f"kvproc's vLLM connector does not support non-causal attention ({kind_name} with "
+                              "non_causal=True): a prefix's KV there depends on the tokens after it")
     if getattr(spec, "page_size_padded", None):
         raise KvContractError(f"kvproc's vLLM connector does not support padded pages ({kind_name} with "
                               f"page_size_padded={spec.page_size_padded})")
