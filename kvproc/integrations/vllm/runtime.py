@@ -38,6 +38,13 @@ class RuntimeOptions:
     model_id: str | None = None  # the weights' identity (default: from vLLM's model config)
     resolve_wait_s: float = 0.05  # a resolve not done by then is asked again at vLLM's next step
     log_level: str = "warning"  # kvproc's processes
+    # Who moves bytes between vLLM's tensors and the staging pool: "local" (vLLM's worker thread, memcpy runs) or
+    # "cma" (kvproc's copy worker process, by cross-memory attach into vLLM's memory; vLLM's thread waits for it).
+    mover: str = "local"
+
+    def __post_init__(self) -> None:
+        if self.mover not in ("local", "cma"):
+            raise ValueError(f"kv_connector_extra_config: mover must be 'local' or 'cma', got {self.mover!r}")
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> "RuntimeOptions":
