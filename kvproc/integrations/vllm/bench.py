@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 ARMS = ("vllm", "vllm_kvproc", "vllm_disk")
+EXTRA_ARMS = ("vllm_kvproc_cma",)  # on request (--arms): the copy worker moves the bytes by cross-memory attach
 
 
 def build_model(out: Path, layers: int, hidden: int, seed: int = 1234) -> Path:
@@ -110,13 +111,15 @@ def run_arm(arm: str, model: Path, a: argparse.Namespace, workdir: Path) -> dict
 
     timer = _Timer()
     kw: dict[str, Any] = {}
-    if arm == "vllm_kvproc":
+    if arm in ("vllm_kvproc", "vllm_kvproc_cma"):
         from kvproc.integrations.vllm.connector import KvprocConnector
 
         timer.wrap_connector(KvprocConnector, _CONNECTOR_METHODS)
         kw["kv_transfer_config"] = {"kv_connector": "KvprocConnector", "kv_role": "kv_both",
                                     "kv_connector_module_path": "kvproc.integrations.vllm.connector",
-                                    "kv_connector_extra_config": {"host_bytes": a.host_mib << 20}}
+                                    "kv_connector_extra_config": {
+                                        "host_bytes": a.host_mib << 20,
+                                        "mover": "cma" if arm == "vllm_kvproc_cma" else "local"}}
     elif arm == "vllm_disk":
         kw["kv_transfer_config"] = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
                                     "kv_connector_extra_config": {"shared_storage_path": str(workdir / "disk")}}
@@ -190,7 +193,7 @@ def run_arm(arm: str, model: Path, a: argparse.Namespace, workdir: Path) -> dict
         "ttft_ms_by_turn": {t: 1000 * statistics.median(v) for t, v in sorted(ttft_by_turn.items())},
         "outputs": outputs,
     }
-    if arm == "vllm_kvproc":
+    if arm in ("vllm_kvproc", "vllm_kvproc_cma"):
         res["connector_s"] = timer.connector_s
         res["step_s"] = timer.step_s
         res["connector_share_of_step"] = timer.connector_s / timer.step_s if timer.step_s else 0.0
@@ -226,7 +229,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--vllm-blocks", type=int, default=96, help="vLLM's KV cache, in blocks of 32 tokens")
     p.add_argument("--host-mib", type=int, default=512, help="kvproc's host tier budget")
     p.add_argument("--seed", type=int, default=7)
-    p.add_argument("--arms", default=",".join(ARMS), help=f"a subset of {','.join(ARMS)}")
+    p.add_argument("--arms", default=",".join(ARMS), help=f"a subset of {','.join(ARMS + EXTRA_ARMS)}")
     p.add_argument("--json", dest="json_path", default=None, help="write the results here")
     p.add_argument("--plot", default=None, help="a PNG of median TTFT per turn for each arm")
     p.add_argument("--arm", default=None, help=argparse.SUPPRESS)  # internal: run one arm in this process
@@ -243,9 +246,9 @@ def main(argv: list[str]) -> int:
         Path(a.out).write_text(json.dumps(res))
         return 0
     arms = [x for x in a.arms.split(",") if x]
-    bad = [x for x in arms if x not in ARMS]
+    bad = [x for x in arms if x not in ARMS + EXTRA_ARMS]
     if bad:
-        print(f"kvproc bench vllm: unknown arm(s) {bad}; one of {ARMS}", file=sys.stderr)
+        print(f"kvproc bench vllm: unknown arm(s) {bad}; one of {ARMS + EXTRA_ARMS}", file=sys.stderr)
         return 2
     work = Path(tempfile.mkdtemp(prefix="kvproc-bench-vllm-"))
     try:
