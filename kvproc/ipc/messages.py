@@ -71,7 +71,7 @@ Tag table (ranges: 1-49 envelope and control, 100-199 runtime requests, 200-299 
 | 501 | Save           | copy-worker req.   | device -> host copy order (SaveOrder)                            |
 | 502 | Load           | copy-worker req.   | host -> device copy order (LoadOrder)                            |
 | 503 | DeviceCopy     | copy-worker req.   | device -> device bounded slot copies                             |
-| 504 | EngineMove     | copy-worker req.   | blocks between an engine's own memory (pid + addresses) and arenas |
+| 504 | EngineMove     | copy-worker req.   | engine's own memory (pid, addresses) <-> arenas, by CMA          |
 | 600 | Copied         | copy-worker payload| bytes copied by an order                                         |
 | 601 | Attached       | copy-worker payload| AttachArenas done: arenas mapped, host bytes mapped              |
 

@@ -330,6 +330,7 @@ def _plot(results: dict[str, Any], path: str) -> None:
         turns = sorted(int(t) for t in r["ttft_ms_by_turn"])
         ax.plot(turns, [r["ttft_ms_by_turn"][str(t)] if str(t) in r["ttft_ms_by_turn"] else
                         r["ttft_ms_by_turn"][t] for t in turns], marker="o", label=arm)
+    ax.set_xticks(sorted({int(t) for r in results.values() for t in r["ttft_ms_by_turn"]}))
     ax.set_xlabel("turn")
     ax.set_ylabel("median TTFT (ms)")
     ax.legend()

@@ -43,6 +43,7 @@ from kvproc import HashScope, KvContractError, KvPrefix, RequestKv, SaveClass, S
 from kvproc.integrations.vllm import runtime as rt_mod
 from kvproc.integrations.vllm.contract import VllmKvContract, contract_from_vllm, model_identity
 
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -79,6 +80,7 @@ class CopyJob:
 class KvprocConnectorMetadata(KVConnectorMetadata):
     loads: list[CopyJob] = field(default_factory=list)  # staging -> vLLM, before the forward
     saves: list[CopyJob] = field(default_factory=list)  # vLLM -> staging, after the forward
+    failed_loads: list[int] = field(default_factory=list)  # vLLM blocks promised but not loadable: recompute
 
 
 @dataclass
@@ -118,6 +120,9 @@ def _scope(request: "Request") -> HashScope:
 
 class KvprocConnector(KVConnectorBase_V1):
     """kvproc as vLLM's host tier. Scheduler-side and worker-side halves share one `KvprocRuntime` per engine."""
+
+    # vLLM's per-source hit metrics: kvproc's staging pool and host tier are both host memory.
+    _cache_hit_source = CacheHitSource.HOST
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: "KVCacheConfig | None" = None) -> None:
@@ -232,6 +237,7 @@ class KvprocConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvprocConnectorMetadata)
+        self._load_errors.update(meta.failed_loads)
         self._copy(meta.loads, to_vllm=True)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -357,8 +363,11 @@ class KvprocConnector(KVConnectorBase_V1):
         a, b = local // self.page, (local + ext) // self.page
         staging = r.mirror.block_ids
         if b > len(staging) or b > len(r.vllm_blocks):
-            raise RuntimeError(f"KvprocConnector: request {r.req_id!r}: load of pages [{a}, {b}) but the mirror has "
-                               f"{len(staging)} and vLLM {len(r.vllm_blocks)} blocks")
+            # Never: vLLM counted these tokens as computed, so they must be recomputed, not left unloaded.
+            log.error("kvproc_load_inconsistent", req_id=r.req_id, pages=(a, b), mirror=len(staging),
+                      vllm=len(r.vllm_blocks))
+            meta.failed_loads.extend(r.vllm_blocks[a:b])
+            return
         meta.loads.append(CopyJob(next(self._job_ids), r.req_id, staging[a:b], r.vllm_blocks[a:b]))
         self.rt.count("hit_tokens_loaded", ext)
 
