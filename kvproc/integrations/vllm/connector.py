@@ -267,8 +267,11 @@ class KvprocConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         r = self._reqs.get(request.request_id)
         if r is None:
-            r = self._reqs[request.request_id] = _Req(request.request_id, request)
             tokens = list(request.prompt_token_ids or [])
+            if not tokens:  # a prompt of embeddings: no token ids to key pages by; vLLM serves it alone
+                self.rt.count("requests_without_token_ids")
+                return 0, False
+            r = self._reqs[request.request_id] = _Req(request.request_id, request)
             if len(tokens) <= self.page:  # not one reusable page: save only
                 self._start_mirror(r, None)
             else:
@@ -302,7 +305,14 @@ class KvprocConnector(KVConnectorBase_V1):
         max_out = max(1, int(req.max_tokens))  # the mirror's lifetime: prompt + max_tokens, as vLLM's
         tokens = list(req.prompt_token_ids or [])
         hashes = prefix.page_hashes if prefix is not None else None
-        kv = RequestKv(self.store.pools[0], r.req_id, tokens, max_out, scope=_scope(req), prompt_hashes=hashes)
+        try:
+            kv = RequestKv(self.store.pools[0], r.req_id, tokens, max_out, scope=_scope(req), prompt_hashes=hashes)
+        except (ValueError, TypeError) as e:  # tokens kvproc cannot key (an id past its range): vLLM serves it alone
+            log.warning("kvproc_request_refused", req_id=r.req_id, error=repr(e))
+            self.rt.count("requests_refused")
+            if prefix is not None:
+                prefix.hold.release()
+            return
         credit = prefix.hold.num_blocks if prefix is not None else 0
         if not kv.try_admit(credit):
             self.rt.count("staging_full")  # no room for its lifetime: this request is neither loaded nor saved
