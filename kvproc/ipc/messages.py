@@ -71,6 +71,7 @@ Tag table (ranges: 1-49 envelope and control, 100-199 runtime requests, 200-299 
 | 501 | Save           | copy-worker req.   | device -> host copy order (SaveOrder)                            |
 | 502 | Load           | copy-worker req.   | host -> device copy order (LoadOrder)                            |
 | 503 | DeviceCopy     | copy-worker req.   | device -> device bounded slot copies                             |
+| 504 | EngineMove     | copy-worker req.   | engine's own memory (pid, addresses) <-> arenas, by CMA          |
 | 600 | Copied         | copy-worker payload| bytes copied by an order                                         |
 | 601 | Attached       | copy-worker payload| AttachArenas done: arenas mapped, host bytes mapped              |
 
@@ -427,6 +428,21 @@ class DeviceCopy(Request, tag=503):
     fence_token: int = 0
 
 
+class EngineMove(Request, tag=504):
+    """Blocks between an engine process's private memory and this worker's arenas, by cross-memory attach
+    (`kvproc.workers.cma`): engine block `engine_ids[i]` of layer `l` is at `engine_bases[l] + id * engine_stride`
+    in process `pid`; arena block `arena_ids[i]` of `arenas[l]`. `to_engine`: arenas -> engine (a load)."""
+
+    pid: int
+    to_engine: bool
+    arenas: list[str]
+    engine_bases: list[int]
+    engine_stride: int
+    block_bytes: int
+    engine_ids: list[int]
+    arena_ids: list[int]
+
+
 class Copied(Payload, tag=600):
     nbytes: int
     ns: int = 0  # the worker's own time executing the order (the bytes' cost where they moved; benchmarks)
@@ -443,7 +459,7 @@ RequestBody = Union[
     Ping, Stats, Profile, Shutdown, Sleep, Fail, Echo,
     Configure, Query, WaitSettled, WaitKey, ReleaseLease, ReserveSave, CommitSave, AbortSave, RevokeHandoff, TierStats,
     TouchPages,
-    AttachArenas, Save, Load, DeviceCopy,
+    AttachArenas, Save, Load, DeviceCopy, EngineMove,
 ]  # fmt: skip
 PayloadBody = Union[
     Pong, StatsReport, ProfileReport, Done,

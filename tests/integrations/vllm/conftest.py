@@ -1,0 +1,136 @@
+"""Fixtures of the vLLM connector tests: a tiny random Llama, engines with and without kvproc, a workload driver.
+
+These tests need vLLM (`make venv-vllm`: the `.venv-vllm` environment; `make test` runs them there). In an
+environment without vLLM (kvproc's own `.venv`) this directory is not collected at all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import random
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import pytest
+
+if importlib.util.find_spec("vllm") is None:
+    collect_ignore_glob = ["test_*.py"]
+else:
+    # The engine runs in this process (no engine-core child: ~16 s less per engine, and the tests can read the
+    # connector's runtime); 1 GiB would be the CPU KV cache, but every engine here overrides its block count.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+BLOCK = 32  # vLLM's CPU attention wants a multiple of 32; kvproc's page = vLLM's block
+VLLM_BLOCKS = 24  # vLLM's own KV cache: 768 tokens, less than the workloads' working set
+MAX_LEN = 512
+CONNECTOR = "kvproc.integrations.vllm.connector"
+
+
+@pytest.fixture(scope="session")
+def run_tmpdir() -> Iterator[Path]:
+    """TMPDIR of this run's engines (a crashed engine leaves files there): made here, removed here."""
+    d = Path(tempfile.mkdtemp(prefix="kvproc-vllm-tests-"))
+    old = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = str(d)
+    yield d
+    if old is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = old
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory, run_tmpdir: Path) -> Path:
+    from tiny_llama import build_tiny_llama
+
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+def kvproc_transfer_config(**extra: Any) -> dict[str, Any]:
+    return {"kv_connector": "KvprocConnector", "kv_connector_module_path": CONNECTOR, "kv_role": "kv_both",
+            "kv_connector_extra_config": {"host_bytes": 64 << 20, "staging_blocks": 32, **extra}}
+
+
+@contextlib.contextmanager
+def engine(model: Path, kv_transfer_config: dict[str, Any] | None = None, **kw: Any) -> Iterator[Any]:
+    """One in-process vLLM engine; shut down on exit (its connector's kvproc processes with it)."""
+    from vllm import LLM
+
+    args: dict[str, Any] = dict(model=str(model), skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
+                                max_model_len=MAX_LEN, block_size=BLOCK, num_gpu_blocks_override=VLLM_BLOCKS,
+                                max_num_seqs=2, enable_prefix_caching=True, disable_log_stats=False,
+                                async_scheduling=False, seed=0)
+    args.update(kw)
+    if kv_transfer_config is not None:
+        args["kv_transfer_config"] = kv_transfer_config
+    llm = LLM(**args)
+    try:
+        yield llm
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
+def metrics(llm: Any) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for m in llm.get_metrics():
+        v = getattr(m, "value", None)
+        if isinstance(v, (int, float)):
+            out[m.name] = out.get(m.name, 0) + v
+    return out
+
+
+def generate(llm: Any, prompts: list[list[int]], max_tokens: int = 16) -> list[list[int]]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def random_tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(3, 500) for _ in range(n)]
+
+
+def multi_turn(llm: Any, *, conversations: int = 4, turns: int = 4, system: int = 64, user: int = 48,
+               max_tokens: int = 16, seed: int = 7,
+               before_turn: Callable[[int], None] | None = None) -> list[tuple[list[int], list[int]]]:
+    """A chat workload: a shared system prompt, each turn = the conversation so far + a new user message; all
+    conversations' turn t in one batch (`before_turn(t)` runs first: faults). Returns every (prompt, output)."""
+    rng = random.Random(seed)
+    sys_prompt = random_tokens(rng, system)
+    convs = [sys_prompt + random_tokens(rng, user) for _ in range(conversations)]
+    record: list[tuple[list[int], list[int]]] = []
+    for t in range(turns):
+        if before_turn is not None:
+            before_turn(t)
+        outs = generate(llm, convs, max_tokens)
+        record += list(zip([list(c) for c in convs], outs))
+        convs = [c + o + random_tokens(rng, user) for c, o in zip(convs, outs)]
+    return record
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_llama: Path) -> list[tuple[list[int], list[int]]]:
+    """The multi-turn workload's tokens on vLLM alone. Computed before any engine with the connector starts (vLLM
+    keeps one KV connector per process), that engine shut down before the next starts."""
+    with engine(tiny_llama) as llm:
+        return multi_turn(llm)
+
+
+def live_runtime() -> Any:
+    """The one kvproc runtime of the engine under test (this process runs one engine at a time)."""
+    from kvproc.integrations.vllm.runtime import live_runtimes
+
+    (rt,) = live_runtimes()
+    return rt
