@@ -11,7 +11,6 @@ import importlib.util
 import os
 import random
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -26,8 +25,6 @@ else:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-
-sys.path.insert(0, str(Path(__file__).parent))
 
 BLOCK = 32  # vLLM's CPU attention wants a multiple of 32; kvproc's page = vLLM's block
 VLLM_BLOCKS = 24  # vLLM's own KV cache: 768 tokens, less than the workloads' working set
@@ -51,7 +48,7 @@ def run_tmpdir() -> Iterator[Path]:
 
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory, run_tmpdir: Path) -> Path:
-    from tiny_llama import build_tiny_llama
+    from tests.integrations.vllm.tiny_llama import build_tiny_llama
 
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 

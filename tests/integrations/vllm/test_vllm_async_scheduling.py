@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import engine, generate, kvproc_transfer_config, live_runtime, metrics, multi_turn
+from tests.integrations.vllm.conftest import engine, generate, kvproc_transfer_config, live_runtime, metrics, multi_turn
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from conftest import engine, kvproc_transfer_config, live_runtime, multi_turn
+from tests.integrations.vllm.conftest import engine, kvproc_transfer_config, live_runtime, multi_turn
 
 pytestmark = pytest.mark.timeout(600)
 
