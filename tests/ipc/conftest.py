@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
+import tempfile
+from collections.abc import Iterator
 from typing import Any
+
+import pytest
 
 from kvproc.ipc import messages as m
 from kvproc.ipc.client import RpcClient
@@ -46,3 +51,16 @@ def serve_role(runtime_dir: str, **options: Any) -> Served:
     assert r.poll(20.0), "child did not report ready"
     assert type(m.startup_decoder().decode(r.recv_bytes())) is m.Ready
     return Served(proc, endpoint, runtime_dir)
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[Served]:
+    """A host-tier role in a forkserver child, shared by a test module's tests (killed at the module's end)."""
+    with tempfile.TemporaryDirectory(prefix="kvt-", dir="/tmp") as d:
+        s = serve_role(d)
+        try:
+            yield s
+        finally:
+            if s.proc.is_alive():
+                os.kill(s.proc.pid, signal.SIGKILL)
+            s.proc.join(5)

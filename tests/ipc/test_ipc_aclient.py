@@ -25,18 +25,6 @@ from kvproc.runtime import RoleConfig, launch
 from tests.ipc.conftest import TOKEN, Served, serve_role
 
 
-@pytest.fixture(scope="module")
-def served() -> Iterator[Served]:
-    with tempfile.TemporaryDirectory(prefix="kva-", dir="/tmp") as d:
-        s = serve_role(d)
-        try:
-            yield s
-        finally:
-            if s.proc.is_alive():
-                os.kill(s.proc.pid, signal.SIGKILL)
-            s.proc.join(5)
-
-
 @pytest.fixture
 def own_server() -> Iterator[Served]:
     """A server process of its own, for tests that stop, kill or shut it down."""

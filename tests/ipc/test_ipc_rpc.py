@@ -25,18 +25,6 @@ from kvproc.ipc.service import Service, handles
 from kvproc.ipc.sockets import ipc_endpoint
 from tests.ipc.conftest import TOKEN, Served, serve_role
 
-@pytest.fixture(scope="module")
-def served() -> Iterator[Served]:
-    with tempfile.TemporaryDirectory(prefix="kvt-", dir="/tmp") as d:
-        s = serve_role(d)
-        try:
-            yield s
-        finally:
-            if s.proc.is_alive():
-                os.kill(s.proc.pid, signal.SIGKILL)
-            s.proc.join(5)
-
-
 @pytest.fixture
 def client(served: Served) -> Iterator[RpcClient]:
     c = served.client()

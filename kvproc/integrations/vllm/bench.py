@@ -36,17 +36,12 @@ EXTRA_ARMS = ("vllm_kvproc_cma",)  # on request (--arms): the copy worker moves 
 
 
 def build_model(out: Path, layers: int, hidden: int, seed: int = 1234) -> Path:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """The bench's model: head size 64 (one vLLM's CPU attention takes), half as many KV heads, a 4,096 vocabulary."""
+    from kvproc.integrations.vllm.tiny_llama import build_tiny_llama
 
-    torch.manual_seed(seed)
-    heads = hidden // 64  # head size 64: one vLLM's CPU attention takes
-    cfg = LlamaConfig(vocab_size=4096, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
-                      max_position_embeddings=8192, initializer_range=0.2, tie_word_embeddings=False,
-                      bos_token_id=1, eos_token_id=2)
-    LlamaForCausalLM(cfg).to(torch.float32).eval().save_pretrained(out, safe_serialization=True)
-    return out
+    heads = hidden // 64
+    return build_tiny_llama(out, layers=layers, hidden=hidden, heads=heads, kv_heads=max(1, heads // 2), seed=seed,
+                            max_positions=8192, vocab=4096, dtype=None)
 
 
 def _pct(xs: list[float], q: float) -> float:

@@ -48,7 +48,7 @@ def run_tmpdir() -> Iterator[Path]:
 
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory, run_tmpdir: Path) -> Path:
-    from tests.integrations.vllm.tiny_llama import build_tiny_llama
+    from kvproc.integrations.vllm.tiny_llama import build_tiny_llama
 
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
