@@ -22,9 +22,9 @@ from typing import Callable
 import numpy as np
 
 from kvproc.bench.ipcbench import IpcBench, IpcBenchModel
+from kvproc.ipc.orders import LoadOrder
 from kvproc.store.cluster import ClusterStore
 from kvproc.store.types import StoreConfig
-from kvproc.ipc.orders import LoadOrder
 
 EVICT_BYTES = 256 << 20
 

@@ -22,9 +22,9 @@ import numpy as np
 
 from kvproc.contract import validate_layout
 from kvproc.engine.models.mla import MlaModel
+from kvproc.ipc.orders import LoadOrder, SaveOrder
 from kvproc.tiers.layout import HostLayout
 from kvproc.workers.copy_exec import CopyExecutor
-from kvproc.ipc.orders import LoadOrder, SaveOrder
 
 BLOCKS = 1024
 

@@ -17,10 +17,10 @@ import sys
 import time
 from typing import Any, Callable
 
-from kvproc.store import resolve as store_resolve
 from kvproc.bench.ipcbench import ARENA_BLOCK, CONCURRENCY, IpcBench, IpcBenchModel
-from kvproc.store.cluster import ClusterStore
 from kvproc.ipc import direct
+from kvproc.store import resolve as store_resolve
+from kvproc.store.cluster import ClusterStore
 from kvproc.store.types import StoreConfig
 
 FORMS = {

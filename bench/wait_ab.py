@@ -20,8 +20,8 @@ import sys
 import time
 
 from kvproc.bench.ipcbench import ARENA_BLOCK, CONCURRENCY, IpcBench, IpcBenchModel, _RawEcho
-from kvproc.store.cluster import ClusterStore
 from kvproc.ipc import direct
+from kvproc.store.cluster import ClusterStore
 from kvproc.store.types import StoreConfig
 
 

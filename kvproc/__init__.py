@@ -85,7 +85,6 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from kvproc.core.bounded import CopyKind, CopyOrder
     from kvproc.contract import (
         ArenaId,
         ArenaLayout,
@@ -99,16 +98,16 @@ if TYPE_CHECKING:
         Sharding,
         validate_layout,
     )
+    from kvproc.core.bounded import CopyKind, CopyOrder
     from kvproc.core.hashing import DEFAULT_SCOPE, PAD_TOKEN_ID, BlockHasher, HashAlgorithm, HashScope, PageHashes
-    from kvproc.core.holds import align_holds, HoldConsumedError, MissReason, Pin, PrefixHold, Reservation, ReusePolicy
+    from kvproc.core.holds import HoldConsumedError, MissReason, Pin, PrefixHold, Reservation, ReusePolicy, align_holds
     from kvproc.core.paged import PoolExhaustedError, StaleBlockError
     from kvproc.core.pool import BlockPool
     from kvproc.core.request_kv import LifetimeExceededError, RequestKv, RequestStateError
-    from kvproc.store.build import build_local_store
-    from kvproc.store.cluster import ClusterStore
     from kvproc.ipc.cancel import CancelToken
     from kvproc.runtime import launch
-    from kvproc.store.kv_store import KvStore
+    from kvproc.store.build import build_local_store
+    from kvproc.store.cluster import ClusterStore
     from kvproc.store.handoff import (
         FingerprintMismatch,
         HandoffEnvelope,
@@ -117,6 +116,7 @@ if TYPE_CHECKING:
         handoff_resolve_policy,
         padded_chain,
     )
+    from kvproc.store.kv_store import KvStore
     from kvproc.store.types import (
         HandoffUnavailable,
         InvalidSealCursor,

@@ -15,8 +15,8 @@ import psutil
 import torch
 
 from kvproc import ArenaId, GroupKind, GroupSpec, KvArena, KvSpec, RepackDirection, RequestKv
-from kvproc.store.cluster import ClusterStore
 from kvproc.ipc.segment import list_segments
+from kvproc.store.cluster import ClusterStore
 from kvproc.store.kv_store import KvStore
 from kvproc.store.types import SealCursor, StoreConfig
 

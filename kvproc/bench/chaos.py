@@ -134,7 +134,7 @@ class ChaosModel:
     def arenas(self, rank: int) -> list[tuple[str, Any]]:
         return list(self._arenas)
 
-    def repack(self, group: str, direction: Any, src: Any, dst: Any) -> None:
+    def repack(self, group: str, direction: Any, src: Any, dst: Any, arena: Any) -> None:
         dst.copy_(src)  # stored layout = execution layout: never called
 
 

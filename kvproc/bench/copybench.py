@@ -23,9 +23,9 @@ import numpy as np
 import torch
 
 from kvproc.contract import GroupKind, GroupSpec, KvArena, KvSpec, validate_layout
+from kvproc.ipc.orders import LoadOrder, SaveOrder
 from kvproc.tiers.layout import HostLayout
 from kvproc.workers.copy_exec import CopyExecutor
-from kvproc.ipc.orders import LoadOrder, SaveOrder
 
 SIZES = {"4KiB": 4 << 10, "64KiB": 64 << 10, "1MiB": 1 << 20, "16MiB": 16 << 20}
 

@@ -69,12 +69,12 @@ import torch
 import zmq
 
 from kvproc import native
-from kvproc.store.cluster import ClusterStore
 from kvproc.contract import ArenaId, GroupKind, GroupSpec, KvArena, KvSpec, RepackDirection
+from kvproc.core.request_kv import RequestKv
 from kvproc.ipc.direct import spin_for_message
 from kvproc.ipc.segment import Segment
 from kvproc.runtime import procutil
-from kvproc.core.request_kv import RequestKv
+from kvproc.store.cluster import ClusterStore
 from kvproc.store.kv_store import KvStore
 from kvproc.store.types import SealCursor, StoreConfig
 from kvproc.workers.copy_exec import CopyExecutor

@@ -22,19 +22,19 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
+from kvproc.contract import ArenaLayout, KvSpec
 from kvproc.core.bounded import BoundedSlab, CopyKind, CopyOrder
 from kvproc.core.checkpoints import CheckpointIndex
-from kvproc.contract import ArenaLayout, KvSpec
 from kvproc.core.hashing import BlockHasher
 from kvproc.core.holds import (
+    HoldState,
     MissReason,
     Pin,
+    PinState,
     PrefixHold,
     Reservation,
-    ReusePolicy,
-    HoldState,
-    PinState,
     ReservationState,
+    ReusePolicy,
 )
 from kvproc.core.paged import PagedBlocks, PoolExhaustedError, StaleBlockError
 from kvproc.core.request_kv import KvState

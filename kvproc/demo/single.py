@@ -265,8 +265,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _main_pd(args: argparse.Namespace) -> int:
     """`--pd`: single-engine kvproc, then P/D without and with the KV-ready barrier; outputs compared turn by turn."""
-    from kvproc.engine.models import build_model
     from kvproc.demo.pd import run_pd
+    from kvproc.engine.models import build_model
 
     torch.manual_seed(args.seed)
     spec = WorkloadSpec(args.conversations, args.turns, args.first_input, args.new_per_turn, args.output_per_turn,

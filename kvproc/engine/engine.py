@@ -31,14 +31,14 @@ from dataclasses import dataclass
 
 import torch
 
-from kvproc.core.bounded import CopyOrder
 from kvproc.contract import validate_layout
-from kvproc.engine.checkpoints import CheckpointPolicy
-from kvproc.store.handoff import HandoffEnvelope, check_fingerprint, fingerprint, handoff_resolve_policy, padded_chain
-from kvproc.engine.models import SeqBatchItem, TinyModel
-from kvproc.engine.request import Request
+from kvproc.core.bounded import CopyOrder
 from kvproc.core.hashing import DEFAULT_SCOPE, HashScope
 from kvproc.core.request_kv import RequestKv
+from kvproc.engine.checkpoints import CheckpointPolicy
+from kvproc.engine.models import SeqBatchItem, TinyModel
+from kvproc.engine.request import Request
+from kvproc.store.handoff import HandoffEnvelope, check_fingerprint, fingerprint, handoff_resolve_policy, padded_chain
 from kvproc.store.kv_store import KvStore
 from kvproc.store.types import KvPrefix, SaveClass, SealCursor
 

@@ -135,11 +135,11 @@ def engine_process_main(spec: EngineSpec, conn: Connection) -> None:
     """One scheduler process: its own ClusterStore (copy worker) attached to the shared host tier, and an Engine."""
     import setproctitle
 
-    from kvproc.store.cluster import ClusterStore
     from kvproc.engine.engine import Engine
     from kvproc.engine.models import build_model
     from kvproc.engine.repack import REPACK_PATHS
     from kvproc.runtime.logs import configure_logging
+    from kvproc.store.cluster import ClusterStore
 
     setproctitle.setproctitle(f"kvproc:engine:{spec.role}")
     configure_logging(f"engine-{spec.role}", 0, level="warning")

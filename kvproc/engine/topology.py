@@ -18,9 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Self
 
-from kvproc.store.build import build_local_store
 from kvproc.contract import GroupKind
 from kvproc.engine.models import TinyModel, build_model
+from kvproc.store.build import build_local_store
 from kvproc.store.kv_store import KvStore
 from kvproc.store.types import StoreConfig
 
@@ -79,8 +79,8 @@ def make_store(mode: str, model_name: str, sizes: PoolSizes, *, seed: int = 0,
 
 
 def _cluster_topology(mode: str, model_name: str, sizes: PoolSizes, seed: int, config: StoreConfig) -> Topology:
-    from kvproc.store.cluster import ClusterStore
     from kvproc.engine.repack import REPACK_PATHS
+    from kvproc.store.cluster import ClusterStore
 
     cs = ClusterStore.start(host_bytes=sizes.host_bytes if mode == "kvproc" else 0)
     try:

@@ -21,7 +21,7 @@ import os
 import queue
 import threading
 import time
-from concurrent.futures import InvalidStateError, Future
+from concurrent.futures import Future, InvalidStateError
 from typing import Any, Callable
 
 import msgspec

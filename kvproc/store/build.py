@@ -6,12 +6,11 @@ multi-process topology is `kvproc.store.cluster.ClusterStore.start(...).attach_m
 
 from __future__ import annotations
 
-
 from kvproc.contract import ArenaLayout, KvModel, RepackHook, check_repack_hook, validate_layout
 from kvproc.store.kv_store import KvStore
+from kvproc.store.local_tier import LocalCopier, LocalTier
 from kvproc.store.types import StoreConfig
 from kvproc.tiers.layout import HostLayout
-from kvproc.store.local_tier import LocalCopier, LocalTier
 from kvproc.workers.copy_exec import CopyExecutor
 
 RepackFn = RepackHook

@@ -28,8 +28,16 @@ import posix_ipc
 import structlog
 import torch
 
-from kvproc.contract import (ArenaLayout, KvArena, KvContractError, KvModel, check_hooks_agree, check_repack_hook,
-                             require_model_id, validate_layout)
+from kvproc.contract import (
+    ArenaLayout,
+    KvArena,
+    KvContractError,
+    KvModel,
+    check_hooks_agree,
+    check_repack_hook,
+    require_model_id,
+    validate_layout,
+)
 from kvproc.ipc import messages as m
 from kvproc.ipc.client import RpcClient
 from kvproc.ipc.segment import Segment, SegmentBusyError
@@ -40,9 +48,9 @@ from kvproc.store.kv_store import KvStore
 from kvproc.store.types import StoreConfig
 from kvproc.tiers.host import layout_from_wire, layout_to_wire
 from kvproc.tiers.layout import HostLayout
+from kvproc.tiers.load_fence import LOAD_FENCE_WORDS, LoadFences
 from kvproc.tiers.remote import RemoteCopier, RemoteTier
 from kvproc.tiers.save_fence import derived_save_ttl
-from kvproc.tiers.load_fence import LOAD_FENCE_WORDS, LoadFences
 from kvproc.workers.worker import import_callable
 
 _names = itertools.count()

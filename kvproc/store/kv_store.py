@@ -27,20 +27,28 @@ import structlog
 from kvproc.contract import ArenaLayout
 from kvproc.core.hashing import DEFAULT_SCOPE, HashScope
 from kvproc.core.holds import ReusePolicy
-from kvproc.ipc.cancel import CancelToken
-from kvproc.ipc.errors import reason_of
-from kvproc.runtime.loopthread import LoopThread
 from kvproc.core.pool import BlockPool
 from kvproc.core.request_kv import RequestKv, RequestStateError
+from kvproc.ipc.cancel import CancelToken
+from kvproc.ipc.errors import reason_of
+from kvproc.ipc.orders import BoundedCopy, SaveOrder, SlotCopy
+from kvproc.runtime.loopthread import LoopThread
 from kvproc.store.resolve import Resolver
 from kvproc.store.resolve_blocking import BlockingResolver
-from kvproc.store.types import (HandoffUnavailable, InvalidSealCursor, KvPrefix, Outcomes, ResolvePolicy, SaveClass, SealCursor,
-                                StoreConfig)
+from kvproc.store.types import (
+    HandoffUnavailable,
+    InvalidSealCursor,
+    KvPrefix,
+    Outcomes,
+    ResolvePolicy,
+    SaveClass,
+    SealCursor,
+    StoreConfig,
+)
 from kvproc.tiers.api import Copier, Tier
 from kvproc.tiers.host_index import SaveTicket, Shed
 from kvproc.tiers.slot_cache import SlotCache
 from kvproc.tiers.touch_batch import TouchBatch
-from kvproc.ipc.orders import BoundedCopy, SaveOrder, SlotCopy
 
 log = structlog.get_logger("kvproc.store.kv_store")
 

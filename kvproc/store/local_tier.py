@@ -11,11 +11,11 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from kvproc.ipc.orders import LoadOrder, SaveOrder, SlotCopy
 from kvproc.tiers.host_index import HostIndex, QueryResult, SaveClass, SaveTicket, Shed
 from kvproc.tiers.layout import HostLayout
 from kvproc.tiers.slot_table import ROWS
 from kvproc.workers.copy_exec import CopyExecutor
-from kvproc.ipc.orders import LoadOrder, SaveOrder, SlotCopy
 
 
 class LocalTier:

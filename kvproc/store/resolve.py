@@ -26,11 +26,11 @@ from kvproc.core.hashing import HashScope
 from kvproc.core.holds import ReusePolicy
 from kvproc.ipc.cancel import CancelToken
 from kvproc.ipc.errors import reason_of
-from kvproc.store.types import KvPrefix, ResolvePolicy
-from kvproc.tiers.host_index import Hit, Loading, Miss
-from kvproc.tiers.api import LATE_REPLY_GRACE_S
-from kvproc.tiers.slot_table import verified_run
 from kvproc.ipc.orders import BoundedCopy, LoadOrder
+from kvproc.store.types import KvPrefix, ResolvePolicy
+from kvproc.tiers.api import LATE_REPLY_GRACE_S
+from kvproc.tiers.host_index import Hit, Loading, Miss
+from kvproc.tiers.slot_table import verified_run
 
 if TYPE_CHECKING:
     from kvproc.store.kv_store import KvStore

@@ -41,14 +41,14 @@ import numpy as np
 
 from kvproc.core.hashing import HashScope
 from kvproc.ipc import messages as m
-from kvproc.ipc.errors import reason_of
 from kvproc.ipc.cancel import CancelToken
 from kvproc.ipc.direct import LATE
+from kvproc.ipc.errors import reason_of
+from kvproc.ipc.orders import LoadOrder
 from kvproc.store.resolve import Degrade, Resolver, Started, load_order
 from kvproc.store.types import KvPrefix, ResolvePolicy
 from kvproc.tiers.api import BlockingCopier, BlockingTier
 from kvproc.tiers.host_index import Hit, Miss
-from kvproc.ipc.orders import LoadOrder
 
 if TYPE_CHECKING:
     from kvproc.store.kv_store import KvStore

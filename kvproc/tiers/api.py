@@ -14,10 +14,9 @@ from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 import numpy as np
 
 from kvproc.ipc.cancel import CancelToken
+from kvproc.ipc.orders import LoadOrder, SaveOrder, SlotCopy
 from kvproc.tiers.host_index import QueryResult, SaveClass, SaveTicket, Shed
 from kvproc.tiers.layout import HostLayout
-from kvproc.ipc.orders import LoadOrder, SaveOrder, SlotCopy
-
 
 # A query's message deadline runs this far past the resolve's own: an answer that comes just after the resolve gave up
 # is still produced and read (a late Hit's lease then goes straight back) instead of being refused by the tier.

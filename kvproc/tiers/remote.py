@@ -37,13 +37,13 @@ from kvproc.ipc.cancel import CancelToken
 from kvproc.ipc.client import RpcClient
 from kvproc.ipc.direct import LATE
 from kvproc.ipc.errors import PeerDeadError, RemoteError
+from kvproc.ipc.orders import LoadOrder, SaveOrder, SlotCopy
 from kvproc.ipc.segment import Segment, SegmentBusyError
 from kvproc.tiers.api import LATE_REPLY_GRACE_S
 from kvproc.tiers.host_index import Hit, Loading, Miss, QueryResult, SaveClass, SaveTicket, Shed
 from kvproc.tiers.layout import HostLayout
-from kvproc.tiers.slot_table import ROWS
-from kvproc.ipc.orders import LoadOrder, SaveOrder, SlotCopy
 from kvproc.tiers.load_fence import SETTLE_POLL_S, LoadFences, process_gone
+from kvproc.tiers.slot_table import ROWS
 
 log = structlog.get_logger("kvproc.remote")
 

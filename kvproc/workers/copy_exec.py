@@ -38,11 +38,11 @@ import structlog
 import torch
 
 from kvproc.contract import ArenaId, ArenaLayout, GroupKind, RepackDirection
+from kvproc.ipc.orders import LoadOrder, SaveOrder, SlotCopy
 from kvproc.native import NATIVE
 from kvproc.tiers import save_fence
 from kvproc.tiers.layout import HostLayout
 from kvproc.tiers.slot_table import FENCE, ROW_BYTES
-from kvproc.ipc.orders import LoadOrder, SaveOrder, SlotCopy
 
 RepackFn = Callable[[str, RepackDirection, torch.Tensor, torch.Tensor, ArenaId], None]
 PARALLEL_BYTES = 8 << 20  # below this, a second thread costs more than it saves

@@ -3,7 +3,17 @@
 import pytest
 import torch
 
-from kvproc import ArenaId, GroupKind, GroupSpec, KvArena, KvContractError, KvModel, KvSpec, RepackDirection, validate_layout
+from kvproc import (
+    ArenaId,
+    GroupKind,
+    GroupSpec,
+    KvArena,
+    KvContractError,
+    KvModel,
+    KvSpec,
+    RepackDirection,
+    validate_layout,
+)
 
 P, B = GroupKind.PAGED, GroupKind.BOUNDED
 

@@ -17,16 +17,16 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from kvproc.store.build import build_local_store
-from kvproc.store.cluster import ClusterStore
 from kvproc.engine.engine import Engine
 from kvproc.engine.models import build_model
 from kvproc.engine.pd import PdRouter
 from kvproc.engine.repack import REPACK_PATHS
 from kvproc.engine.request import Request
 from kvproc.engine.workload import WorkloadSpec, drive
-from kvproc.store.handoff import FingerprintMismatch, HandoffEnvelope
 from kvproc.ipc.segment import list_segments
+from kvproc.store.build import build_local_store
+from kvproc.store.cluster import ClusterStore
+from kvproc.store.handoff import FingerprintMismatch, HandoffEnvelope
 
 SPEC = WorkloadSpec(conversations=2, turns=2, first_input=45, new_per_turn=20, output_per_turn=6, concurrency=2)
 BLOCKS, LIVE, STAGING, PAGE = 48, 2, 8, 16

@@ -14,9 +14,9 @@ from kvproc.engine.engine import Engine
 from kvproc.engine.request import Request
 from kvproc.engine.topology import PoolSizes, Topology, make_store
 from kvproc.engine.workload import TurnRecord, WorkloadSpec, drive
+from kvproc.ipc.orders import SlotCopy
 from kvproc.store.kv_store import KvStore
 from kvproc.tiers.api import Copier
-from kvproc.ipc.orders import SlotCopy
 
 RTOL = ATOL = 1e-4  # chunked vs one-shot prefill differ by ~1e-5 in float32
 SPEC = WorkloadSpec(conversations=4, turns=3, first_input=64, new_per_turn=32, output_per_turn=8, concurrency=2,

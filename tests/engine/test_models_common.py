@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
@@ -13,7 +12,6 @@ from kvproc.engine.models import (
     SeqBatchItem,
     build_model,
 )
-
 from tests.engine.conftest import NUM_BLOCKS, NUM_SLOTS, copy_state, fresh, make, run, slots, tokens
 
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.engine.conftest import PT, fresh, make, run, tokens
 
 from kvproc import ArenaId, RepackDirection, validate_layout
 from kvproc.engine.models import SeqBatchItem
 from kvproc.engine.models.wire import EXEC_ROW_BYTES, WIRE_ROW_BYTES
+from tests.engine.conftest import PT, fresh, make, run, tokens
 
 LATENT_ARENA = ArenaId("mla.L0.latent", 0)
 

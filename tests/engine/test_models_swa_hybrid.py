@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import torch
-from tests.engine.conftest import copy_state, fresh, make, run, tokens
 
 from kvproc.engine.models import SeqBatchItem
 from kvproc.engine.models.layers import StepCtx
+from tests.engine.conftest import copy_state, fresh, make, run, tokens
 
 
 def test_swa_ring_holds_the_last_window_at_position_mod_window() -> None:

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from kvproc.ipc import messages as m
-from kvproc.ipc.cancel import new_token
 from kvproc.ipc import server as server_mod
+from kvproc.ipc.cancel import new_token
 from kvproc.ipc.client import RpcClient
 from kvproc.ipc.context import CallContext
 from kvproc.ipc.direct import LATE, ONEWAY_SETTLE_S
@@ -24,6 +24,7 @@ from kvproc.ipc.server import RpcServer
 from kvproc.ipc.service import Service, handles
 from kvproc.ipc.sockets import ipc_endpoint
 from tests.ipc.conftest import TOKEN, Served, serve_role
+
 
 @pytest.fixture
 def client(served: Served) -> Iterator[RpcClient]:

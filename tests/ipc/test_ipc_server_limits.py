@@ -34,8 +34,6 @@ from kvproc.ipc.service import Service, handles
 from kvproc.ipc.sockets import ipc_endpoint, new_session
 from tests.ipc.conftest import TOKEN, serve_role
 
-
-
 # ---- helpers -------------------------------------------------------------------------------------------------------
 
 

@@ -9,11 +9,21 @@ from typing import Any, Sequence
 
 import torch
 
-from kvproc import ArenaId, RequestKv, SealCursor, GroupKind, GroupSpec, KvArena, KvSpec, RepackDirection, validate_layout
+from kvproc import (
+    ArenaId,
+    GroupKind,
+    GroupSpec,
+    KvArena,
+    KvSpec,
+    RepackDirection,
+    RequestKv,
+    SealCursor,
+    validate_layout,
+)
 from kvproc.store.kv_store import KvStore
+from kvproc.store.local_tier import LocalCopier, LocalTier
 from kvproc.store.types import StoreConfig
 from kvproc.tiers.layout import HostLayout
-from kvproc.store.local_tier import LocalCopier, LocalTier
 from kvproc.workers.copy_exec import CopyExecutor
 
 PAGE = 4

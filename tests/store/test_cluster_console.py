@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 from kvproc import RequestKv
-from kvproc.store.cluster import ClusterStore
 from kvproc.runtime import console
+from kvproc.store.cluster import ClusterStore
 from kvproc.store.types import SealCursor
 from tests.store.conftest import SharedMemoryModel
 

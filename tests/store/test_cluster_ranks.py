@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from kvproc import GroupKind, GroupSpec, KvArena, KvSpec, RequestKv
+from kvproc.ipc.segment import list_segments
 from kvproc.store.cluster import ClusterStore
 from kvproc.store.handoff import handoff_resolve_policy, padded_chain
-from kvproc.ipc.segment import list_segments
 from kvproc.store.kv_store import KvStore
 from kvproc.store.types import SaveClass, SealCursor
 from tests.conftest import descendants

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from kvproc import KvContractError, RequestKv
-from kvproc.store.cluster import ClusterStore
 from kvproc.ipc import messages as m
 from kvproc.ipc.errors import RemoteError
+from kvproc.store.cluster import ClusterStore
 from kvproc.store.types import FULL_HIT, SaveClass
 from kvproc.tiers.host_index import SaveTicket
 from tests.conftest import ShmBytesModel, churn, cluster_store, compute, load_reasons, stopped

@@ -10,9 +10,9 @@ import sys
 import torch
 
 from kvproc import RequestKv
+from kvproc.ipc.segment import list_segments
 from kvproc.store.cluster import ClusterStore
 from kvproc.store.handoff import handoff_resolve_policy, padded_chain
-from kvproc.ipc.segment import list_segments
 from kvproc.store.types import SaveClass, SealCursor
 from tests.store.conftest import SharedMemoryModel
 

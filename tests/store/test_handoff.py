@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from kvproc import RequestKv, ReusePolicy
-from kvproc.core.bounded import CopyKind
 from kvproc.contract import validate_layout
+from kvproc.core.bounded import CopyKind
+from kvproc.core.hashing import PAD_TOKEN_ID, HashAlgorithm
 from kvproc.store.handoff import (
     FingerprintMismatch,
     HandoffEnvelope,
@@ -22,10 +23,8 @@ from kvproc.store.handoff import (
     handoff_resolve_policy,
     padded_chain,
 )
-from kvproc.core.hashing import PAD_TOKEN_ID, HashAlgorithm
 from kvproc.store.types import SaveClass, SealCursor, StoreConfig
-from tests.store.conftest import PAGE, make_store
-from tests.store.conftest import churn
+from tests.store.conftest import PAGE, churn, make_store
 
 PROMPT = list(range(1, 11))  # 10 tokens: pages of 4 -> the third page is partial and gets 2 pad tokens
 

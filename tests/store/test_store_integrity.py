@@ -11,12 +11,11 @@ import pytest
 import torch
 
 from kvproc import BlockPool, InvalidSealCursor, KvContractError, KvSpec, RequestKv, RequestStateError, validate_layout
+from kvproc.core.hashing import HashAlgorithm
 from kvproc.store.cluster import fingerprint as tier_fingerprint
 from kvproc.store.handoff import fingerprint as handoff_fingerprint
-from kvproc.core.hashing import HashAlgorithm
 from kvproc.store.types import SealCursor
-from tests.store.conftest import PAGE, BytesModel, make_store
-from tests.store.conftest import compute
+from tests.store.conftest import PAGE, BytesModel, compute, make_store
 
 torch.manual_seed(0)
 

@@ -12,8 +12,17 @@ from dataclasses import replace
 import pytest
 
 from kvproc.store.types import StoreConfig
-from tests.conftest import (LIES, churn, cluster_store, lie_about_a, load_reasons, nothing_left,
-                                         resolve_on, restores, saved)
+from tests.conftest import (
+    LIES,
+    churn,
+    cluster_store,
+    lie_about_a,
+    load_reasons,
+    nothing_left,
+    resolve_on,
+    restores,
+    saved,
+)
 
 pytestmark = pytest.mark.timeout(60)
 # The query confirms (the verified form, which needs none: test_store_verified_load.py).

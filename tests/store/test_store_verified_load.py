@@ -20,8 +20,21 @@ import pytest
 from kvproc.store.types import FULL_HIT, StoreConfig
 from kvproc.tiers.layout import SLOT_TABLE_BYTES
 from kvproc.tiers.slot_table import GEN
-from tests.conftest import (LIES, check_bytes, churn, cluster_store, compute, lie_about_a, load_reasons,
-                                         nothing_left, resolve_on, restores, saved, stopped, wait_for)
+from tests.conftest import (
+    LIES,
+    check_bytes,
+    churn,
+    cluster_store,
+    compute,
+    lie_about_a,
+    load_reasons,
+    nothing_left,
+    resolve_on,
+    restores,
+    saved,
+    stopped,
+    wait_for,
+)
 
 pytestmark = pytest.mark.timeout(60)
 CONFIG = StoreConfig(resolve_deadline_s=3.0, resolve_threads=0)  # speculative and verified loads: the defaults

@@ -15,8 +15,8 @@ import pytest
 from kvproc.store.types import SaveClass, StoreConfig
 from kvproc.tiers import save_fence
 from kvproc.tiers.host_index import HostIndex, SaveTicket
-from kvproc.tiers.slot_table import FENCE
 from kvproc.tiers.load_fence import process_gone
+from kvproc.tiers.slot_table import FENCE
 from tests.conftest import cluster_store, compute, wait_for
 from tests.tiers.conftest import K
 

@@ -1,7 +1,8 @@
 """The host tier's index: two-phase saves, dedup, leases, LRU with watermark, shedding, hand-off pins, TTL."""
 
 from kvproc.tiers.host_index import Hit, HostIndex, Loading, Miss, SaveClass, SaveTicket, Shed
-from tests.tiers.conftest import K, Clock
+from tests.tiers.conftest import Clock, K
+
 
 def saved(idx: HostIndex, keys, cls=SaveClass.CACHEABLE, req="p", bounded=()):
     t = idx.reserve_save(req, keys, bounded, cls)

@@ -9,7 +9,7 @@ import pytest
 
 from kvproc.tiers.host_index import Hit, HostIndex, SaveClass, SaveTicket, Shed
 from tests.conftest import cluster_store, compute, stopped, wait_for
-from tests.tiers.conftest import K, Clock
+from tests.tiers.conftest import Clock, K
 
 
 def reserve(idx: HostIndex, keys: list[bytes], req: str, cls: SaveClass = SaveClass.HANDOFF) -> SaveTicket:

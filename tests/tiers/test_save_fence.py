@@ -18,9 +18,8 @@ from hypothesis import strategies as st
 from kvproc.tiers import save_fence
 from kvproc.tiers.host_index import HostIndex, SaveTicket
 from kvproc.tiers.slot_table import FENCE
-from tests.store.conftest import Gate, make_store
-from tests.tiers.conftest import K, Clock
-from tests.store.conftest import churn, compute
+from tests.store.conftest import Gate, churn, compute, make_store
+from tests.tiers.conftest import Clock, K
 
 torch.manual_seed(0)
 

@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvproc.contract import GroupKind, GroupSpec, KvArena, KvSpec, validate_layout
-from kvproc.runtime.loopthread import LoopThread
 from kvproc.native import NATIVE
+from kvproc.runtime.loopthread import LoopThread
 from kvproc.tiers.host_index import Hit, HostIndex, Shed
 from kvproc.tiers.layout import ALIGN, HostLayout
 from kvproc.tiers.slot_table import GEN, TAG, key_tags, verified_run

@@ -13,9 +13,9 @@ import time
 import pytest
 
 from kvproc import RequestKv
-from kvproc.store.cluster import ClusterStore
 from kvproc.ipc.segment import list_segments
 from kvproc.runtime import manifest as mf
+from kvproc.store.cluster import ClusterStore
 from kvproc.store.types import SealCursor
 from tests.conftest import wait_for
 from tests.store.conftest import SharedMemoryModel

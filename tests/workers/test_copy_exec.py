@@ -7,9 +7,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvproc import GroupKind, GroupSpec, KvArena, KvSpec, RepackDirection, validate_layout
+from kvproc.ipc.orders import BoundedCopy, LoadOrder, SaveOrder, SlotCopy
 from kvproc.tiers.layout import HostLayout
 from kvproc.workers.copy_exec import CopyError, CopyExecutor, _runs_numpy, runs
-from kvproc.ipc.orders import BoundedCopy, LoadOrder, SaveOrder, SlotCopy
 
 
 def test_runs_coalesce_only_where_both_sides_advance_together():

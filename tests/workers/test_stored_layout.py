@@ -9,9 +9,9 @@ import torch
 
 from kvproc import ArenaId, GroupKind, GroupSpec, KvArena, KvContractError, KvSpec, RepackDirection, validate_layout
 from kvproc.contract import check_repack_hook
+from kvproc.core.hashing import HashAlgorithm
 from kvproc.ipc.orders import LoadOrder, SaveOrder
 from kvproc.store.handoff import fingerprint as handoff_fingerprint
-from kvproc.core.hashing import HashAlgorithm
 from kvproc.tiers.layout import HostLayout
 from kvproc.workers.copy_exec import CopyExecutor
 

@@ -38,18 +38,18 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import structlog
 import torch
-
-from kvproc import HashScope, KvContractError, KvPrefix, RequestKv, SaveClass, SealCursor
-from kvproc.integrations.vllm import runtime as rt_mod
-from kvproc.integrations.vllm.contract import VllmKvContract, contract_from_vllm, model_identity
-
-from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvproc import HashScope, KvContractError, KvPrefix, RequestKv, SaveClass, SealCursor
+from kvproc.integrations.vllm import runtime as rt_mod
+from kvproc.integrations.vllm.contract import VllmKvContract, contract_from_vllm, model_identity
+from kvproc.tiers.remote import RemoteCopier
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -126,7 +126,7 @@ class KvprocConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: "KVCacheConfig | None" = None) -> None:
-        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)  # type: ignore[arg-type]
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)  # type: ignore[arg-type, unused-ignore]
         pc = vllm_config.parallel_config
         if pc.world_size != 1:
             raise KvContractError(f"KvprocConnector supports one rank for now (tensor_parallel_size="
@@ -232,7 +232,9 @@ class KvprocConnector(KVConnectorBase_V1):
             except RemoteError as e:
                 if e.code != "not_attached" or attempt:
                     raise
-                self.store.copiers[0].attach_now(10.0)  # a restarted worker: give it the arenas, then retry
+                copier = self.store.copiers[0]
+                assert isinstance(copier, RemoteCopier)  # a ClusterStore's: the copy worker is its own process
+                copier.attach_now(10.0)  # a restarted worker: give it the arenas, then retry
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()

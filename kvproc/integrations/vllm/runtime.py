@@ -16,12 +16,15 @@ from __future__ import annotations
 import atexit
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import structlog
 
-from kvproc import ClusterStore, KvArena, KvSpec, KvStore, StoreConfig
+from kvproc import ArenaId, ClusterStore, KvArena, KvSpec, KvStore, RepackDirection, StoreConfig
 from kvproc.integrations.vllm.contract import VllmKvContract
+
+if TYPE_CHECKING:
+    import torch
 
 log = structlog.get_logger("kvproc.integrations.vllm")
 
@@ -49,7 +52,7 @@ class RuntimeOptions:
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> "RuntimeOptions":
         extra = dict(extra or {})
-        known = {f for f in cls.__dataclass_fields__}  # type: ignore[attr-defined]
+        known = {f for f in cls.__dataclass_fields__}
         unknown = sorted(k for k in extra if k not in known)
         if unknown:
             raise ValueError(f"kv_connector_extra_config: unknown key(s) {unknown}; known: {sorted(known)}")
@@ -73,6 +76,10 @@ class _StagingModel:
 
     def arenas(self, rank: int) -> Sequence[tuple[str, KvArena]]:
         return self._arenas
+
+    def repack(self, group: str, direction: RepackDirection, src: torch.Tensor, dst: torch.Tensor,
+               arena: ArenaId) -> None:
+        dst.copy_(src)  # stored as vLLM lays blocks out (no stored_layout declared): never called
 
 
 @dataclass(eq=False)

@@ -8,7 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.integrations.vllm.conftest import engine, generate, kvproc_transfer_config, live_runtime, metrics, multi_turn, random_tokens
+from tests.integrations.vllm.conftest import (
+    engine,
+    generate,
+    kvproc_transfer_config,
+    live_runtime,
+    metrics,
+    multi_turn,
+    random_tokens,
+)
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -14,7 +14,15 @@ from typing import Any, Iterator
 import pytest
 import torch
 
-from tests.integrations.vllm.conftest import engine, generate, kvproc_transfer_config, live_runtime, metrics, multi_turn, random_tokens
+from tests.integrations.vllm.conftest import (
+    engine,
+    generate,
+    kvproc_transfer_config,
+    live_runtime,
+    metrics,
+    multi_turn,
+    random_tokens,
+)
 
 pytestmark = pytest.mark.timeout(600)
 
