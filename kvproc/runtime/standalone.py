@@ -46,6 +46,8 @@ def up_main(argv: list[str]) -> int:
     parser.add_argument("--ranks", type=int, default=1, help="host tiers to run, one per rank of the engines")
     parser.add_argument("--log-level", default="info")
     parser.add_argument("--shutdown-deadline", type=float, default=5.0)
+    parser.add_argument("--kv-events", action="store_true",
+                        help="publish KV events (pages stored/removed) on ipc://<runtime dir>/kv-events-<rank>")
     parser.add_argument("--metrics", default=None, metavar="HOST:PORT",
                         help="serve Prometheus /metrics of every process here (port 0: a free one)")
     args = parser.parse_args(argv)
@@ -55,7 +57,8 @@ def up_main(argv: list[str]) -> int:
 
     from kvproc.runtime.launcher import RoleConfig, launch
 
-    options = {"host_bytes": args.host_mib << 20, "lease_ttl_s": args.lease_ttl, "handoff_ttl_s": args.handoff_ttl}
+    options = {"host_bytes": args.host_mib << 20, "lease_ttl_s": args.lease_ttl, "handoff_ttl_s": args.handoff_ttl,
+               "kv_events": args.kv_events}
     try:
         cluster = launch(
             [RoleConfig("host_tier", r, tcp=_rank_tcp(args.tcp, r), options=options) for r in range(args.ranks)],

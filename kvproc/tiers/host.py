@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import re
 import threading
 import time
 from collections import defaultdict
@@ -44,6 +45,7 @@ from kvproc.ipc.segment import Segment
 from kvproc.ipc.service import handles
 from kvproc.runtime.role import Role, RoleEnv
 from kvproc.tiers.host_index import Hit, HostIndex, Loading, SaveClass, SaveTicket
+from kvproc.tiers.kv_events import AllBlocksCleared, KvEventPublisher
 from kvproc.tiers.layout import HostLayout, Region
 from kvproc.tiers.save_fence import DEFAULT_COPY_TIMEOUT_S, derived_save_ttl
 from kvproc.tiers.slot_table import ROWS
@@ -101,6 +103,10 @@ class HostTierRole(Role):
         self._settled: list[tuple[SaveTicket, bool]] = []  # filled by on_settled under the lock, answered after
         self._wake = threading.Condition(self._lock)
         self._stopping = False
+        # KV events for routers (`kv_events.py`): off unless the `kv_events` option asks.
+        self.events: KvEventPublisher | None = None
+        if opts.get("kv_events"):
+            self.events = KvEventPublisher(env.runtime_dir, env.rank)
         self._timer = threading.Thread(target=self._timer_main, name="kvproc-host-timer", daemon=True)
         self._timer.start()
 
@@ -132,6 +138,11 @@ class HostTierRole(Role):
                               lease_ttl_s=self.lease_ttl_s, handoff_ttl_s=self.handoff_ttl_s,
                               save_ttl_s=self.save_ttl_s, slot_table=table)
             index.on_settled = self._on_settled
+            if self.events is not None:
+                index.events = [AllBlocksCleared()]  # a new incarnation holds nothing: subscribers start over
+                page = re.search(r"\bpage=(\d+)", msg.fingerprint)
+                index.block_size = int(page[1]) if page else 0
+                self._publish_locked(index)
             self.index, self.layout, self.segment, self.fingerprint = index, layout, seg, msg.fingerprint
             self._configured = m.Configured(seg.name, msg.layout, msg.fingerprint)
             self.counters.inc("configured")
@@ -184,7 +195,9 @@ class HostTierRole(Role):
         except ValueError:
             raise HandlerError("bad_request", f"unknown save class {msg.save_class!r}") from None
         with self._lock:
-            t = self._index().reserve_save(msg.req_id, msg.keys, msg.bounded_groups, save_class)
+            index = self._index()
+            t = index.reserve_save(msg.req_id, msg.keys, msg.bounded_groups, save_class)
+            self._publish_locked(index)  # making room evicts
         if not isinstance(t, SaveTicket):
             return m.TierShed(t.reason)
         return m.TierSaveTicket(t.save_id, t.req_id, t.save_class.value, list(t.keys), list(t.page_slots),
@@ -193,7 +206,9 @@ class HostTierRole(Role):
     @handles(m.CommitSave)
     def commit_save(self, msg: m.CommitSave, ctx: CallContext) -> m.Done:
         with self._lock:
-            committed = self._index().commit_save(msg.save_id)
+            index = self._index()
+            committed = index.commit_save(msg.save_id)
+            self._publish_locked(index)
         self._answer_settled()
         if not committed:
             self.counters.inc("commit_unknown_save")  # reclaimed (TTL, abort) before the copy's commit came
@@ -312,7 +327,14 @@ class HostTierRole(Role):
         with self._lock:
             if self.index is not None:
                 report.counters.update({f"index.{k}": v for k, v in self.index.stats().items()})
+        if self.events is not None:
+            report.counters.update(self.events.stats())
         return report
+
+    def _publish_locked(self, index: HostIndex) -> None:
+        """Hand the index's events since the last call to the publisher, in order (under `self._lock`)."""
+        if self.events is not None:
+            self.events.publish(index.take_events())
 
     def on_stop(self) -> None:
         with self._lock:
@@ -326,4 +348,6 @@ class HostTierRole(Role):
             self._wake.notify_all()
         for w in waiters:
             w.ctx.fail(HandlerError("shutting_down", "host tier is stopping"))
+        if self.events is not None:
+            self.events.close()
         super().on_stop()

@@ -38,6 +38,7 @@ import numpy as np
 
 from kvproc.core.lru import RunLru
 from kvproc.native import NATIVE
+from kvproc.tiers.kv_events import BlockRemoved, BlockStored, KvEvent
 from kvproc.tiers.save_fence import BUSY, NO_FENCE, REVOKED, FenceTable
 from kvproc.tiers.slot_table import FENCE, GEN, ROWS, TAG, key_tags
 
@@ -172,6 +173,10 @@ class HostIndex:
         self._ids = itertools.count(1)
         self.counters: Counter[str] = Counter()
         self.on_settled: Callable[[SaveTicket, bool], None] | None = None
+        # KV events (`kv_events.py`), when the tier publishes them: appended here under the caller's lock, taken by
+        # the role after each operation. None: off (no work at all on the hot paths).
+        self.events: list[KvEvent] | None = None
+        self.block_size = 0  # tokens per page, for BlockStored (the role reads it from the fingerprint)
 
     def _use_slot_table(self, table: np.ndarray) -> None:
         self.slot_table = table
@@ -345,6 +350,8 @@ class HostIndex:
         key = self.slot_key[slot]
         assert key is not None
         del self.entries[key]
+        if self.events is not None:
+            self.events.append(BlockRemoved([key]))
         self.slot_key[slot] = None
         self.committed[slot] = self.lru_ok[slot] = False
         self.free_pages.append(slot)
@@ -392,6 +399,8 @@ class HostIndex:
             fresh_keys.append(k)
         self.committed[fresh] = True
         self.slot_tag[fresh] = key_tags(fresh_keys)  # the copy landed: these slots hold these pages, committed
+        if self.events is not None and fresh_keys:
+            self._stored_events(t)
         last = entries.get(t.keys[-1])
         for g, bslot in t.bounded_slots.items():
             if bslot is None:
@@ -420,6 +429,29 @@ class HostIndex:
         if self.on_settled:
             self.on_settled(t, True)
         return True
+
+    def _stored_events(self, t: SaveTicket) -> None:
+        """One BlockStored per run of consecutive pages this save added, parented on the save's page before it."""
+        assert self.events is not None
+        run: list[bytes] = []
+        parent: bytes | None = None
+        for i, (k, slot) in enumerate(zip(t.keys, t.page_slots)):
+            if slot is not None:
+                if not run:
+                    parent = t.keys[i - 1] if i else None
+                run.append(k)
+            elif run:
+                self.events.append(BlockStored(run, parent, [], self.block_size))
+                run = []
+        if run:
+            self.events.append(BlockStored(run, parent, [], self.block_size))
+
+    def take_events(self) -> list[KvEvent]:
+        """The events since the last call (under the caller's lock)."""
+        if not self.events:
+            return []
+        out, self.events = self.events, []
+        return out
 
     def abort_save(self, save_id: int, *, writer_dead: bool = False) -> bool:
         """The save will not commit: its pages stop being pending at once; its slots go back to the free lists once
