@@ -405,6 +405,22 @@ def _concurrent(b: IpcBench, per_thread: int, blocks: int) -> float:
     return CONCURRENCY * per_thread / dt
 
 
+class _Observer:
+    """`kvproc/bench/observer.py` in a child process for the bench's duration (a Prometheus server and a router are
+    processes of their own: in this one they would take the store's GIL)."""
+
+    def __init__(self, cs: ClusterStore) -> None:
+        from kvproc.tiers.kv_events import endpoints
+
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvproc.bench.observer", cs.cluster.metrics.address,
+                                      endpoints(cs.cluster.runtime_dir, 0)[0]],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def close(self) -> dict[str, int]:
+        out, _ = self.proc.communicate("", timeout=30)
+        return dict(json.loads(out.strip().splitlines()[-1]))
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="kvproc bench ipc", description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=200, help="timed operations per cell")
@@ -419,6 +435,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--kvproc-cpus", default=None, metavar="CPUS",
                     help="run the copy worker, the host tier and the raw echo server on these CPUs (e.g. 1 or 2,3): "
                          "kvproc's processes on cores of their own (default: wherever the OS puts them)")
+    ap.add_argument("--observe", action="store_true",
+                    help="with Prometheus /metrics scraped every second and KV events published and read (their cost)")
     args = ap.parse_args(argv)
     n = 5 if args.quick else args.n
     sizes = [1, 16, 64, 256]
@@ -435,7 +453,9 @@ def main(argv: list[str]) -> int:
     host_bytes = host_pages * 2 * ARENA_BLOCK + (1 << 20)
     results: list[dict[str, Any]] = []
     seals: list[dict[str, Any]] = []
-    cs = ClusterStore.start(host_bytes, cpus={"copy_worker": cpus, "host_tier": cpus} if cpus else None)
+    cs = ClusterStore.start(host_bytes, cpus={"copy_worker": cpus, "host_tier": cpus} if cpus else None,
+                            metrics="127.0.0.1:0" if args.observe else None, kv_events=args.observe)
+    observer = _Observer(cs) if args.observe else None
     try:
         model = IpcBenchModel(cs.allocator, 2048)
         store = cs.attach_model(model, live_slots=CONCURRENCY, config=StoreConfig(
@@ -523,8 +543,12 @@ def main(argv: list[str]) -> int:
         finally:
             b.close()
     finally:
+        observed = observer.close() if observer is not None else {}
         cs.close()
         raw.stop()
+    if observed:
+        print(f"# observed: {observed['metrics_scrapes']} /metrics scrapes, {observed['kv_event_batches_read']} KV "
+              "event batches read during the run")
     load = os.getloadavg()[0]
     spin_us = args.reply_spin_us
     print(f"# control path, median of >= {n} per arm, raw 64 B round trip {raw_us:.0f} us hot (tight loop), "

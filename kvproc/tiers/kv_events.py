@@ -87,13 +87,17 @@ def coalesce(events: list[KvEvent]) -> list[KvEvent]:
 
 
 class KvEventPublisher:
-    """Publishes batches on its own thread (ZeroMQ sockets belong to one thread); `publish` only enqueues."""
+    """Publishes on a thread of its own (a ZeroMQ socket belongs to one thread): `publish` only enqueues, and events
+    queued while a batch was being sent go out together as the next batch. Replays are answered on another thread,
+    from the kept batches. Neither thread polls: each sleeps in a blocking wait."""
 
     def __init__(self, runtime_dir: str, rank: int, replay_batches: int = 10_000) -> None:
         self.pub_endpoint, self.replay_endpoint = endpoints(runtime_dir, rank)
         self._queue: queue.SimpleQueue[list[KvEvent] | None] = queue.SimpleQueue()
         self._kept: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=replay_batches)
+        self._kept_lock = threading.Lock()
         self._encoder = msgspec.msgpack.Encoder()
+        self._stop = threading.Event()
         self.seq = 0
         self.batches = 0
         self.events = 0
@@ -105,54 +109,68 @@ class KvEventPublisher:
         self._pub.bind(self.pub_endpoint)
         self._replay = ctx.socket(zmq.ROUTER)
         self._replay.setsockopt(zmq.LINGER, 0)
+        self._replay.setsockopt(zmq.RCVTIMEO, 200)  # how often the replay thread looks at the stop flag
         self._replay.bind(self.replay_endpoint)
-        self._thread = threading.Thread(target=self._main, name="kvproc-kv-events", daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._pub_main, name="kvproc-kv-events", daemon=True),
+                         threading.Thread(target=self._replay_main, name="kvproc-kv-replay", daemon=True)]
+        for t in self._threads:
+            t.start()
 
     def publish(self, events: list[KvEvent]) -> None:
         if events:
             self._queue.put(events)
 
+    def _pub_main(self) -> None:
+        try:
+            while True:
+                item = self._queue.get()
+                if item is None:
+                    return
+                events = list(item)
+                try:  # whatever queued meanwhile joins this batch
+                    while (more := self._queue.get_nowait()) is not None:
+                        events += more
+                except queue.Empty:
+                    more = []
+                self._send(events)
+                if more is None:
+                    return
+        finally:
+            self._pub.close()
+
     def _send(self, events: list[KvEvent]) -> None:
         payload = self._encoder.encode(KVEventBatch(time.time(), coalesce(events)))
         seq = self.seq
-        self.seq += 1
-        self._kept.append((seq, payload))
+        with self._kept_lock:
+            self._kept.append((seq, payload))
+            self.seq += 1
         self._pub.send_multipart([TOPIC, seq.to_bytes(8, "big", signed=True), payload])
         self.batches += 1
         self.events += len(events)
 
-    def _answer_replay(self) -> None:
-        frames = self._replay.recv_multipart()
-        ident, start = frames[0], int.from_bytes(frames[-1][:8], "big", signed=True) if frames[-1] else 0
-        for seq, payload in list(self._kept):
-            if seq >= start:
-                self._replay.send_multipart([ident, b"", seq.to_bytes(8, "big", signed=True), payload])
-        self._replay.send_multipart([ident, b"", END, b""])
-        self.replays += 1
-
-    def _main(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._replay, zmq.POLLIN)
+    def _replay_main(self) -> None:
         try:
-            while True:
-                if poller.poll(5):  # replay requests, between batches
-                    self._answer_replay()
+            while not self._stop.is_set():
                 try:
-                    while True:
-                        item = self._queue.get_nowait()
-                        if item is None:
-                            return
-                        self._send(item)
-                except queue.Empty:
-                    pass
+                    frames = self._replay.recv_multipart()
+                except zmq.Again:
+                    continue
+                ident = frames[0]
+                start = int.from_bytes(frames[-1][:8], "big", signed=True) if len(frames) > 1 and frames[-1] else 0
+                with self._kept_lock:
+                    kept = [(seq, payload) for seq, payload in self._kept if seq >= start]
+                for seq, payload in kept:
+                    self._replay.send_multipart([ident, b"", seq.to_bytes(8, "big", signed=True), payload])
+                self._replay.send_multipart([ident, b"", END, b""])
+                self.replays += 1
         finally:
-            self._pub.close()
             self._replay.close()
 
     def close(self) -> None:
+        self._stop.set()
         self._queue.put(None)
-        self._thread.join(5)
+        for t in self._threads:
+            t.join(5)
 
     def stats(self) -> dict[str, Any]:
         return {"kv_events.batches": self.batches, "kv_events.events": self.events, "kv_events.replays": self.replays,

@@ -1,0 +1,51 @@
+"""What an operator's stack does while a bench runs (`kvproc bench ipc --observe`), as its own process: scrape
+Prometheus /metrics every second and read every KV event batch, until stdin closes; then print the counts as JSON.
+
+    python -m kvproc.bench.observer HOST:PORT ipc://.../kv-events-0
+
+Imports neither torch nor the store: it must cost what a real scraper and subscriber cost, no more.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import urllib.request
+
+import zmq
+
+from kvproc.tiers.kv_events import TOPIC
+
+
+def observe(address: str, endpoint: str) -> dict[str, int]:
+    stop = threading.Event()
+    counts = {"metrics_scrapes": 0, "kv_event_batches_read": 0}
+
+    def scrape() -> None:
+        while not stop.wait(1.0):
+            with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as r:
+                r.read()
+            counts["metrics_scrapes"] += 1
+
+    def until_stdin_closes() -> None:
+        sys.stdin.read()
+        stop.set()
+
+    sub: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, TOPIC)
+    sub.connect(endpoint)
+    threads = [threading.Thread(target=f, daemon=True) for f in (scrape, until_stdin_closes)]
+    for t in threads:
+        t.start()
+    while not stop.is_set():
+        if sub.poll(200):
+            sub.recv_multipart()
+            counts["kv_event_batches_read"] += 1
+    threads[0].join(15)
+    sub.close(linger=0)
+    return counts
+
+
+if __name__ == "__main__":
+    print(json.dumps(observe(sys.argv[1], sys.argv[2])), flush=True)
