@@ -21,6 +21,11 @@ vLLM's own prefix cache stays the device tier; kvproc is the tier below it. Per 
 - `request_finished`: `store.retire` (the final seal, then release) once the request's last copy is reported; vLLM's
   blocks are free at once (the bytes already left them, so no delayed free is needed).
 
+P/D (`kv_role="kv_producer"` / `"kv_consumer"`, docs/vllm.md): the producer also saves the prompt's partial last
+page in the prefill step, pads and seals it all with `SaveClass.HANDOFF`, and `request_finished` returns kvproc's
+`HandoffEnvelope` as `kv_transfer_params`; a consumer request carrying it is checked against this engine's
+fingerprint and resolved in full-hit mode, its pages loaded straight from the resolve's hold into vLLM's blocks.
+
 Nothing here can make vLLM wait forever or compute with wrong KV: a resolve that fails is a miss; a load that fails
 reports its blocks to vLLM (`get_block_ids_with_load_errors`: vLLM recomputes them); a save that fails is a future
 miss. The bytes of vLLM's tensors move on vLLM's worker thread (see docs/vllm.md for what remains: the copy worker
@@ -35,6 +40,7 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import numpy as np
 import structlog
 import torch
@@ -46,7 +52,21 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvproc import HashScope, KvContractError, KvPrefix, RequestKv, SaveClass, SealCursor
+from kvproc import (
+    FingerprintMismatch,
+    HandoffEnvelope,
+    HashScope,
+    KvContractError,
+    KvPrefix,
+    RequestKv,
+    SaveClass,
+    SealCursor,
+    check_fingerprint,
+    fingerprint,
+    handoff_resolve_policy,
+    padded_chain,
+)
+from kvproc.core.holds import PrefixHold
 from kvproc.integrations.vllm import runtime as rt_mod
 from kvproc.integrations.vllm.contract import VllmKvContract, contract_from_vllm, model_identity
 from kvproc.tiers.remote import RemoteCopier
@@ -61,6 +81,10 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = structlog.get_logger("kvproc.integrations.vllm")
+
+# The key of kvproc's hand-off envelope in vLLM's `kv_transfer_params` (the producer's RequestOutput carries it; the
+# consumer's request is given it through SamplingParams.extra_args["kv_transfer_params"]).
+HANDOFF_KEY = "kvproc_handoff"
 
 
 # ---- what travels scheduler -> worker and back ------------------------------------------------------------------
@@ -109,6 +133,10 @@ class _Req:
     job: int | None = None  # the save in flight (one at a time: a RequestKv has one scheduled step)
     finishing: bool = False
     saving: bool = True  # False once a save could not be scheduled (lifetime, a refusal): no more for this request
+    # P/D consumer: the producer's envelope, and the full-hit hold of its padded chain until vLLM's blocks have it.
+    handoff: HandoffEnvelope | None = None
+    hold: PrefixHold | None = None
+    padded: bool = False  # P/D producer: the partial last prompt page is padded and sealed
 
 
 def _scope(request: "Request") -> HashScope:
@@ -137,8 +165,10 @@ class KvprocConnector(KVConnectorBase_V1):
             raise KvContractError("KvprocConnector needs vLLM's kv_cache_config (vLLM >= 0.11 passes it)")
         ktc = vllm_config.kv_transfer_config
         assert ktc is not None
-        if ktc.kv_role not in ("kv_both", None):
-            raise KvContractError(f"KvprocConnector: kv_role={ktc.kv_role!r} is not supported yet (only 'kv_both')")
+        if ktc.kv_role not in ("kv_both", "kv_producer", "kv_consumer", None):
+            raise KvContractError(f"KvprocConnector: kv_role={ktc.kv_role!r} is not supported")
+        # P/D: every request a producer finishes is handed off; a consumer adopts the requests that carry an envelope.
+        self.producer = ktc.kv_role == "kv_producer"
         self.options = rt_mod.RuntimeOptions.from_extra(ktc.kv_connector_extra_config)
         self.contract: VllmKvContract = contract_from_vllm(kv_cache_config,
                                                            model_id=model_identity(vllm_config, self.options.model_id))
@@ -146,10 +176,13 @@ class KvprocConnector(KVConnectorBase_V1):
         engine_id = str(ktc.engine_id)
         self.rt = rt_mod.acquire(engine_id, self.contract, self.options, vllm_config.scheduler_config.max_num_seqs)
         self.store = self.rt.store
+        # Equal strings mean a producer's KV can be restored here (weights, shapes, stored layout, page, hashing).
+        self.fingerprint = fingerprint("vllm", self.store.layouts[0], self.store.pools[0].hasher.algorithm)
         self._closed = False
         # scheduler side
         self._reqs: dict[str, _Req] = {}
         self._jobs: dict[int, _Req] = {}
+        self._handoff_loads: dict[int, _Req] = {}  # load job -> the hand-off whose hold it reads
         self._job_ids = itertools.count(1)
         # worker side
         # layer -> vLLM's tensor / the staging arena, as [blocks, bytes_per_block] uint8 arrays (views, no copy)
@@ -268,6 +301,11 @@ class KvprocConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         r = self._reqs.get(request.request_id)
+        if r is None and _envelope_of(request) is not None:
+            r = self._reqs[request.request_id] = _Req(request.request_id, request)
+            self._start_handoff(r, _envelope_of(request))
+        if r is not None and r.handoff is not None:
+            return self._handoff_match(r, num_computed_tokens)
         if r is None:
             tokens = list(request.prompt_token_ids or [])
             if not tokens:  # a prompt of embeddings: no token ids to key pages by; vLLM serves it alone
@@ -301,6 +339,82 @@ class KvprocConnector(KVConnectorBase_V1):
         r.pending_load = (num_computed_tokens, ext) if ext else None
         return ext, False
 
+    # ---- P/D consumer ----
+
+    def _start_handoff(self, r: _Req, env: HandoffEnvelope | None) -> None:
+        """Refuse a producer whose KV this engine cannot restore (the request is then computed here, in full);
+        else resolve the producer's padded chain in full-hit mode (it consumes the producer's lease)."""
+        assert env is not None
+        tokens = list(r.request.prompt_token_ids or [])
+        try:
+            check_fingerprint(self.fingerprint, env.fingerprint)
+            if not 0 < env.committed_len < len(tokens):  # vLLM computes at least the last prompt token itself
+                raise ValueError(f"the envelope commits {env.committed_len} tokens of a {len(tokens)}-token prompt")
+            chain = padded_chain(tokens, env.committed_len, self.page)
+        except (FingerprintMismatch, ValueError) as e:
+            log.error("kvproc_handoff_refused", req_id=r.req_id, producer_req_id=env.producer_req_id, error=str(e))
+            self.rt.count("handoffs_refused")
+            self.store.revoke_handoff(env.producer_req_id)  # nobody will read it
+            return
+        r.handoff = env
+        r.resolve = self.store.submit_resolve(0, r.req_id, chain, _scope(r.request),
+                                              handoff_resolve_policy(env.producer_req_id, self.options.handoff_wait_s))
+
+    def _handoff_match(self, r: _Req, num_computed_tokens: int) -> tuple[int | None, bool]:
+        env = r.handoff
+        assert env is not None
+        if r.hold is None and r.resolve is not None:
+            first, r.asked = not r.asked, True
+            try:
+                prefix: KvPrefix | None = r.resolve.result(timeout=self.options.resolve_wait_s if first else 0)
+            except concurrent.futures.TimeoutError:
+                self.rt.count("resolve_asked_again")
+                return None, False
+            except Exception as e:  # noqa: BLE001 - a resolve never raises for a degrade: served as a short hit
+                log.error("kvproc_resolve_failed", req_id=r.req_id, error=repr(e))
+                prefix = None
+            r.resolve = None
+            need = -(-env.committed_len // self.page)
+            if prefix is None or prefix.hold.num_blocks != need:
+                # Short hit (evicted, expired, a producer that failed to save): vLLM computes the prompt itself.
+                got = prefix.hold.num_blocks if prefix is not None else 0
+                log.warning("kvproc_handoff_short_hit", req_id=r.req_id, pages=got, need=need)
+                self.rt.count("handoffs_short")
+                if prefix is not None:
+                    prefix.hold.release()
+                self.store.revoke_handoff(env.producer_req_id)
+                r.handoff = None
+                return 0, False
+            if prefix.host_tokens == 0:  # no load consumed the producer's lease: release it now
+                self.store.release_handoff(env.producer_req_id)
+            r.hold = prefix.hold
+            self.rt.count("handoffs_adopted")
+        if r.hold is None or r.pending_load is not None:
+            return 0, False
+        # The committed prompt tokens, the padded page's real rows included; vLLM computes the rest (the anchor).
+        ext = max(0, env.committed_len - num_computed_tokens)
+        r.pending_load = (num_computed_tokens, ext) if ext else None
+        return ext, False
+
+    def _plan_handoff_load(self, r: _Req, meta: KvprocConnectorMetadata) -> None:
+        """The hold's pages (the padded one whole: its pad rows are overwritten by vLLM before they are read) into
+        vLLM's blocks."""
+        assert r.hold is not None and r.pending_load is not None
+        local, ext = r.pending_load
+        r.pending_load = None
+        a, b = local // self.page, -(-(local + ext) // self.page)
+        staging = r.hold.block_ids
+        if b > len(staging) or b > len(r.vllm_blocks):
+            log.error("kvproc_load_inconsistent", req_id=r.req_id, pages=(a, b), hold=len(staging),
+                      vllm=len(r.vllm_blocks))
+            meta.failed_loads.extend(r.vllm_blocks[a:b])
+            return
+        job = CopyJob(next(self._job_ids), r.req_id, staging[a:b], r.vllm_blocks[a:b])
+        self._handoff_loads[job.job_id] = r
+        meta.loads.append(job)
+        self.rt.count("hit_tokens_loaded", ext)
+        self.rt.count("handoff_tokens_loaded", ext)
+
     def _start_mirror(self, r: _Req, prefix: KvPrefix | None) -> None:
         """Admit the request's mirror in the staging pool with the resolve's prefix (or none)."""
         req = r.request
@@ -327,7 +441,8 @@ class KvprocConnector(KVConnectorBase_V1):
             self.rt.count("hit_tokens_staging", prefix.device_tokens)
             self.rt.count("hit_tokens_host", prefix.host_tokens)
         r.mirror = kv
-        r.cursor = SealCursor.after_prefix(kv.num_computed // self.page)
+        # A producer seals the prefix it hit too: every page of a hand-off must be leased to the consumer.
+        r.cursor = SealCursor.after_prefix(0 if self.producer else kv.num_computed // self.page)
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         r = self._reqs.get(request.request_id)
@@ -361,6 +476,8 @@ class KvprocConnector(KVConnectorBase_V1):
             computed[req_id] = cached.num_computed_tokens[i]
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             r = self._reqs.get(req_id)
+            if r is not None and r.hold is not None and r.pending_load is not None and req_id in computed:
+                self._plan_handoff_load(r, meta)
             if r is None or r.mirror is None or req_id not in computed:
                 continue
             if r.pending_load is not None:
@@ -395,9 +512,17 @@ class KvprocConnector(KVConnectorBase_V1):
         known = r.request.all_token_ids
         have = kv.num_computed // self.page
         target = min(computed_after // self.page, len(r.vllm_blocks), len(known) // self.page)
-        if target <= have:
-            return
         need = target * self.page
+        if self.producer:
+            # A hand-off is the prompt's KV: its partial last page too (padded when it lands), nothing decoded.
+            prompt = r.request.num_prompt_tokens
+            if computed_after >= prompt and -(-prompt // self.page) <= len(r.vllm_blocks):
+                target, need = -(-prompt // self.page), prompt
+            else:
+                target = min(target, prompt // self.page)
+                need = target * self.page
+        if target <= have or need <= kv.num_computed:
+            return
         try:
             if kv.num_tokens < need:
                 new = list(known[kv.num_tokens:need])
@@ -419,6 +544,11 @@ class KvprocConnector(KVConnectorBase_V1):
         wm = connector_output.kv_connector_worker_meta
         if not isinstance(wm, KvprocWorkerMetadata):
             return
+        for job_id in itertools.chain(wm.done, wm.failed):
+            h = self._handoff_loads.pop(job_id, None)
+            if h is not None and h.hold is not None:  # vLLM's blocks have the hand-off (or recompute it): unpin
+                h.hold.release()
+                h.hold = None
         for job_id, ok in itertools.chain(((j, True) for j in wm.done), ((j, False) for j in wm.failed)):
             r = self._jobs.pop(job_id, None)
             if r is None or r.job != job_id:
@@ -428,7 +558,10 @@ class KvprocConnector(KVConnectorBase_V1):
             if ok:
                 r.mirror.apply()
                 try:
-                    self.store.seal(0, r.mirror, r.cursor)
+                    if self.producer and not r.padded and r.mirror.num_computed == r.request.num_prompt_tokens:
+                        r.mirror.pad_to_boundary()  # the partial last page gets its name (pad rows never read)
+                        r.padded = True
+                    self.store.seal(0, r.mirror, r.cursor, self._save_class)
                 except Exception as e:  # noqa: BLE001 - refused by the store: counted there; a future miss
                     log.warning("kvproc_seal_refused", req_id=r.req_id, error=repr(e))
                     r.saving = False
@@ -446,17 +579,39 @@ class KvprocConnector(KVConnectorBase_V1):
         if r.resolve is not None:  # finished (aborted) while its resolve ran: drop the prefix when it lands
             r.resolve.add_done_callback(_release_prefix)
             r.resolve = None
+        if r.hold is not None:
+            r.hold.release()
+            r.hold = None
+        params = self._envelope_out(r, request) if self.producer else None
         if r.job is None:
             self._retire(r)
-        # vLLM frees its blocks now: every copy out of them ran in the step that computed them.
-        return False, None
+        # vLLM frees its blocks now: every copy out of them ran in the step that computed them (the hand-off's
+        # partial last page included), so no delayed free is needed even for a hand-off.
+        return False, params
+
+    def _envelope_out(self, r: _Req, request: "Request") -> dict[str, Any] | None:
+        """The producer's hand-off envelope as vLLM's kv_transfer_params: the prompt's KV (its save in flight or
+        done: the consumer's full-hit resolve waits for it), the anchor = the first sampled token."""
+        prompt = request.num_prompt_tokens
+        if r.mirror is None or not r.saving or request.num_computed_tokens < prompt:
+            self.rt.count("handoffs_not_made")  # not saved (no staging room, a refusal) or aborted mid-prefill
+            return None
+        out = request.output_token_ids
+        env = HandoffEnvelope(r.req_id, self.fingerprint, committed_len=prompt,
+                              anchor_token_id=int(out[0]) if out else None)
+        self.rt.count("handoffs_made")
+        return {HANDOFF_KEY: msgspec.to_builtins(env)}
+
+    @property
+    def _save_class(self) -> SaveClass:
+        return SaveClass.HANDOFF if self.producer else SaveClass.CACHEABLE
 
     def _retire(self, r: _Req) -> None:
         self._reqs.pop(r.req_id, None)
         if r.mirror is None:
             return
         try:
-            self.store.retire(0, r.mirror, r.cursor or SealCursor(), SaveClass.CACHEABLE)
+            self.store.retire(0, r.mirror, r.cursor or SealCursor(), self._save_class)
         except Exception as e:  # noqa: BLE001 - never fail vLLM's request for a save
             log.warning("kvproc_retire_failed", req_id=r.req_id, error=repr(e))
             r.mirror.release()
@@ -468,6 +623,8 @@ class KvprocConnector(KVConnectorBase_V1):
             return
         self._closed = True
         for r in list(self._reqs.values()):
+            if r.hold is not None:
+                r.hold.release()
             if r.mirror is not None:
                 r.mirror.release()
         self._reqs.clear()
@@ -485,6 +642,18 @@ def _runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
         out.append((src[i], dst[i], j - i))
         i = j
     return out
+
+
+def _envelope_of(request: "Request") -> HandoffEnvelope | None:
+    """The hand-off envelope a P/D consumer's request carries (None: an ordinary request)."""
+    raw = (getattr(request, "kv_transfer_params", None) or {}).get(HANDOFF_KEY)
+    if raw is None:
+        return None
+    try:
+        return msgspec.convert(raw, HandoffEnvelope)
+    except msgspec.ValidationError as e:
+        log.error("kvproc_handoff_envelope_invalid", req_id=request.request_id, error=str(e))
+        return None
 
 
 def _release_prefix(fut: concurrent.futures.Future[KvPrefix]) -> None:

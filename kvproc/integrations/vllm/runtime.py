@@ -44,6 +44,10 @@ class RuntimeOptions:
     # Who moves bytes between vLLM's tensors and the staging pool: "local" (vLLM's worker thread, memcpy runs) or
     # "cma" (kvproc's copy worker process, by cross-memory attach into vLLM's memory; vLLM's thread waits for it).
     mover: str = "local"
+    # A shared host tier's runtime dir (`kvproc up --runtime-dir DIR`): the engine attaches to it instead of starting
+    # its own. P/D needs one: the producer's and the consumer's stores must reach the same tier.
+    tier_runtime_dir: str | None = None
+    handoff_wait_s: float = 15.0  # a P/D consumer's full-hit resolve waits this long for the producer's saves
 
     def __post_init__(self) -> None:
         if self.mover not in ("local", "cma"):
@@ -127,7 +131,7 @@ def acquire(engine_id: str, contract: VllmKvContract, options: RuntimeOptions, m
             return rt
         staging = options.staging_blocks or 2 * contract.vllm_num_blocks
         cs = ClusterStore.start(host_bytes=options.host_bytes, name=f"vllm{abs(hash(engine_id)) % 10**8}",
-                                log_level=options.log_level)
+                                log_level=options.log_level, tier_runtime_dir=options.tier_runtime_dir)
         try:
             model = _StagingModel(contract, staging, cs.allocator)
             store = cs.attach_model(model, live_slots=max(1, max_running), config=StoreConfig())
