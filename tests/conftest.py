@@ -8,6 +8,8 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
+import sys
 import time
 from typing import Any, Callable, Iterator
 
@@ -16,6 +18,7 @@ import torch
 
 from kvproc import ArenaId, GroupKind, GroupSpec, KvArena, KvSpec, RepackDirection, RequestKv
 from kvproc.ipc.segment import list_segments
+from kvproc.runtime import manifest as mf
 from kvproc.store.cluster import ClusterStore
 from kvproc.store.kv_store import KvStore
 from kvproc.store.types import SealCursor, StoreConfig
@@ -247,3 +250,20 @@ def stopped(pid: int) -> Iterator[None]:
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGCONT)
+
+
+@contextlib.contextmanager
+def kvproc_up(cluster: str, *extra: str) -> Iterator[tuple[str, int]]:
+    """A standalone shared host tier (`kvproc up`, its own process tree) for this test: yields (runtime dir, the
+    tier's pid); on exit `kvproc down`, and neither its segments nor its runtime dir may be left."""
+    rd = f"/tmp/kvup-{cluster}{os.getpid()}"
+    up = subprocess.Popen([sys.executable, "-m", "kvproc", "up", "--cluster", cluster, "--runtime-dir", rd,
+                           "--host-mib", "8", *extra], stdout=subprocess.PIPE, text=True)
+    try:
+        assert "up; manifest" in (up.stdout.readline() if up.stdout else "")
+        yield rd, next(p.pid for p in mf.read_manifest(rd).processes if p.role == "host_tier")
+    finally:
+        subprocess.run([sys.executable, "-m", "kvproc", "down", "--runtime-dir", rd, "--timeout", "10"], check=False,
+                       capture_output=True)
+        up.wait(10)
+    assert not list_segments(cluster) and not os.path.exists(rd)

@@ -188,11 +188,7 @@ class BlockPool:
                 depth, artifacts, _ = self.checkpoints.deepest_complete(hashes, floor)
             ids = ids[:depth]
             self.paged.acquire(ids)
-            held_artifacts: dict[str, tuple[int, int]] = {}
-            for group, slot in artifacts.items():
-                slab = self.slabs[group]
-                slab.acquire(slot)
-                held_artifacts[group] = (slot, int(slab.generation[slot]))
+            held_artifacts = self._acquire_artifacts_locked(artifacts)
             gens = self.paged.generations(ids)
             if depth:
                 reason = MissReason.HIT
@@ -207,6 +203,15 @@ class BlockPool:
             self.counters[_PROBE_COUNTER[reason]] += 1
             self.counters["probe_hit_blocks"] += depth
         return self._hold(HoldState(ids, gens, list(hashes[:depth]), held_artifacts), reason, matched)
+
+    def _acquire_artifacts_locked(self, artifacts: dict[str, int]) -> dict[str, tuple[int, int]]:
+        """Reference a checkpoint's staging slots for a hold: group -> (slot, generation)."""
+        held: dict[str, tuple[int, int]] = {}
+        for group, slot in artifacts.items():
+            slab = self.slabs[group]
+            slab.acquire(slot)
+            held[group] = (slot, int(slab.generation[slot]))
+        return held
 
     def _truncate_to_floor(self, ids: list[int], depth: int) -> int:
         """The deepest prefix of `ids[:depth]` whose evictable blocks can be held without eating the entitled floor."""
@@ -230,11 +235,7 @@ class BlockPool:
             return len(state.ids)
         with self.lock:
             depth, artifacts, _ = self.checkpoints.deepest_complete(state.hashes, pages) if pages else (0, {}, False)
-            held: dict[str, tuple[int, int]] = {}
-            for group, slot in artifacts.items():  # the new end's checkpoint, taken before the old one goes
-                slab = self.slabs[group]
-                slab.acquire(slot)
-                held[group] = (slot, int(slab.generation[slot]))
+            held = self._acquire_artifacts_locked(artifacts)  # the new end's checkpoint, before the old one goes
             for group, (slot, _gen) in state.artifacts.items():
                 self.slabs[group].release(slot)
             self.counters["hold_trimmed_pages"] += len(state.ids) - depth

@@ -136,6 +136,12 @@ class KvStore:
         with self._count_lock:
             self.counters[name] += n
 
+    def count_many(self, *pairs: tuple[str, int]) -> None:
+        """Several counters under one acquisition of the lock (a resolve bumps two)."""
+        with self._count_lock:
+            for name, n in pairs:
+                self.counters[name] += n
+
     # -- resolve --------------------------------------------------------------------------------------------------
     async def resolve_prefix(
         self,

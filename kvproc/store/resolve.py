@@ -136,8 +136,8 @@ class Resolver:
         P = pool.page_tokens
         cap = min(len(hashes), n_tokens // P) if policy.reuse is ReusePolicy.FULL_PAGES else (n_tokens - 1) // P
         dev_pages = hold.num_blocks
-        store.count("prefix_cache_queries", n_tokens)  # vLLM's prefix_cache_queries/_hits: tokens, not requests
-        store.count("prefix_cache_hits_device", dev_pages * P)
+        # vLLM's prefix_cache_queries/_hits: tokens, not requests
+        store.count_many(("prefix_cache_queries", n_tokens), ("prefix_cache_hits_device", dev_pages * P))
         prefix = KvPrefix(hold, device_tokens=dev_pages * P, page_hashes=hashes)
         tier = store.tier_of(rank)
         if tier is None or dev_pages >= cap or not store.spec.prefix_caching:

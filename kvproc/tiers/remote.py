@@ -407,22 +407,26 @@ class RemoteCopier:
     async def _settle(self, word: tuple[int, int] | None, writer_pid: int) -> None:
         """Before the caller may free the load's blocks: the worker can no longer write them (waits while it is in the
         middle of the write, on the store's loop without blocking it)."""
-        if word is None or self.load_fences is None:
+        if self._settled_at_once(word, writer_pid):
             return
-        if not self.load_fences.try_settle(word[0], word[1], writer_pid):
-            self.load_fences.waited += 1
-            log.warning("load_fence_wait", fence=word[0], worker_pid=writer_pid)
-            while not self.load_fences.try_settle(word[0], word[1], writer_pid):
-                await asyncio.sleep(SETTLE_POLL_S)
+        assert word is not None and self.load_fences is not None
+        while not self.load_fences.try_settle(word[0], word[1], writer_pid):
+            await asyncio.sleep(SETTLE_POLL_S)
 
     def _settle_blocking(self, word: tuple[int, int] | None, writer_pid: int) -> None:
-        if word is None or self.load_fences is None:
+        if self._settled_at_once(word, writer_pid):
             return
-        if not self.load_fences.try_settle(word[0], word[1], writer_pid):
-            self.load_fences.waited += 1
-            log.warning("load_fence_wait", fence=word[0], worker_pid=writer_pid)
-            while not self.load_fences.try_settle(word[0], word[1], writer_pid):
-                time.sleep(SETTLE_POLL_S)
+        assert word is not None and self.load_fences is not None
+        while not self.load_fences.try_settle(word[0], word[1], writer_pid):
+            time.sleep(SETTLE_POLL_S)
+
+    def _settled_at_once(self, word: tuple[int, int] | None, writer_pid: int) -> bool:
+        """No fence, or settled at the first try; else counted and logged (the caller then waits it out)."""
+        if word is None or self.load_fences is None or self.load_fences.try_settle(word[0], word[1], writer_pid):
+            return True
+        self.load_fences.waited += 1
+        log.warning("load_fence_wait", fence=word[0], worker_pid=writer_pid)
+        return False
 
     async def load(self, order: LoadOrder) -> int:
         fenced, word = self._fence(order)

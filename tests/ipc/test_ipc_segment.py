@@ -158,6 +158,16 @@ def test_a_segment_whose_owner_cannot_be_proven_dead_is_kept() -> None:
         posix_ipc.unlink_shared_memory("/" + name)
 
 
+def _lock_holder(path: str) -> subprocess.Popen[str]:
+    """Another process holding the owner lock `path` (a live owner, whatever its pid looks like from here)."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600);"
+         " fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); time.sleep(120)", path],
+        stdout=subprocess.PIPE, text=True)
+    assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+    return holder
+
+
 def test_a_live_owner_of_another_pid_namespace_keeps_its_segments() -> None:
     """The container case: the segment names a pid that is free here, but its owner lock is held (by a process
     that, seen from here, has another pid): the sweep must leave it alone."""
@@ -165,12 +175,8 @@ def test_a_live_owner_of_another_pid_namespace_keeps_its_segments() -> None:
     gone.wait(10)
     name = f"kvproc.{CLUSTER}.other.{gone.pid}.0"
     path = owner_path(CLUSTER, "other", gone.pid)
-    holder = subprocess.Popen(
-        [sys.executable, "-c", "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600);"
-         " fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); time.sleep(120)", path],
-        stdout=subprocess.PIPE, text=True)
+    holder = _lock_holder(path)
     try:
-        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
         posix_ipc.SharedMemory("/" + name, posix_ipc.O_CREX, mode=0o600, size=4096).close_fd()
         assert sweep_dead_segments(CLUSTER) == []
         assert name in list_segments(CLUSTER)
@@ -191,12 +197,8 @@ def test_a_second_live_owner_of_the_same_identity_is_refused() -> None:
     """Two processes of two pid namespaces with the same cluster, role and pid would clash on segment names: the
     second one's creation fails with the reason instead of sharing (or sweeping) the first one's segments."""
     path = owner_path(CLUSTER, "clash", os.getpid())
-    holder = subprocess.Popen(
-        [sys.executable, "-c", "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600);"
-         " fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); time.sleep(120)", path],
-        stdout=subprocess.PIPE, text=True)
+    holder = _lock_holder(path)
     try:
-        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
         with pytest.raises(OwnerLockError, match="another pid namespace"):
             Segment.create(CLUSTER, "clash", 4096)
         assert not list_segments(CLUSTER)

@@ -4,25 +4,19 @@ producer's Handoff lease is consumed by the decode side's load, and nothing outl
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import torch
 
 from kvproc import RequestKv
-from kvproc.ipc.segment import list_segments
 from kvproc.store.cluster import ClusterStore
 from kvproc.store.handoff import handoff_resolve_policy, padded_chain
 from kvproc.store.types import SaveClass, SealCursor
+from tests.conftest import kvproc_up
 from tests.store.conftest import SharedMemoryModel
 
 
 def test_handoff_between_two_engines_through_a_shared_kvproc_up_tier():
-    rd = f"/tmp/kvup-sh{os.getpid()}"
-    up = subprocess.Popen([sys.executable, "-m", "kvproc", "up", "--cluster", "sharedt", "--runtime-dir", rd,
-                           "--host-mib", "8"], stdout=subprocess.PIPE, text=True)
-    try:
-        assert "up; manifest" in (up.stdout.readline() if up.stdout else "")
+    with kvproc_up("sharedt") as (rd, _):
         with ClusterStore.start(1 << 20, tier_runtime_dir=rd) as P, ClusterStore.start(1 << 20, tier_runtime_dir=rd) as D:
             mp, md = SharedMemoryModel(P.allocator), SharedMemoryModel(D.allocator)
             sp, sd = P.attach_model(mp, live_slots=2), D.attach_model(md, live_slots=2)
@@ -46,11 +40,6 @@ def test_handoff_between_two_engines_through_a_shared_kvproc_up_tier():
             pre.hold.release()
             tier = sd.stats()["tier"]
             assert tier["handoffs_consumed"] == 1 and tier["open_handoffs"] == 0
-    finally:
-        subprocess.run([sys.executable, "-m", "kvproc", "down", "--runtime-dir", rd, "--timeout", "10"], check=False,
-                       capture_output=True)
-        up.wait(10)
-    assert not list_segments("sharedt") and not os.path.exists(rd)
 
 
 def test_an_engine_reattaches_to_a_shared_tier_that_stalled_and_answers_again():
@@ -60,14 +49,8 @@ def test_an_engine_reattaches_to_a_shared_tier_that_stalled_and_answers_again():
     import signal
     import time
 
-    from kvproc.runtime import manifest as mf
 
-    rd = f"/tmp/kvup-stall{os.getpid()}"
-    up = subprocess.Popen([sys.executable, "-m", "kvproc", "up", "--cluster", "stallt", "--runtime-dir", rd,
-                           "--host-mib", "8"], stdout=subprocess.PIPE, text=True)
-    try:
-        assert "up; manifest" in (up.stdout.readline() if up.stdout else "")
-        tier_pid = next(p.pid for p in mf.read_manifest(rd).processes if p.role == "host_tier")
+    with kvproc_up("stallt") as (rd, tier_pid):
         with ClusterStore.start(1 << 20, tier_runtime_dir=rd) as cs:
             model = SharedMemoryModel(cs.allocator)
             store = cs.attach_model(model, live_slots=2)
@@ -94,8 +77,3 @@ def test_an_engine_reattaches_to_a_shared_tier_that_stalled_and_answers_again():
             store.flush_saves(0, 10)
             assert store.outcomes.for_request("a", "save")[-1].state == "ok"
             assert store.stats()["tier"]["saves_committed"] >= 1
-    finally:
-        subprocess.run([sys.executable, "-m", "kvproc", "down", "--runtime-dir", rd, "--timeout", "10"], check=False,
-                       capture_output=True)
-        up.wait(10)
-    assert not list_segments("stallt") and not os.path.exists(rd)

@@ -6,30 +6,21 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 
 from kvproc import RequestKv
-from kvproc.ipc.segment import list_segments
-from kvproc.runtime import manifest as mf
 from kvproc.store.cluster import ClusterStore
 from kvproc.store.types import SealCursor
-from tests.conftest import wait_for
+from tests.conftest import kvproc_up, wait_for
 from tests.store.conftest import SharedMemoryModel
 
 pytestmark = pytest.mark.timeout(90)
 
 
 def test_a_lease_released_while_the_shared_tier_stalled_is_released_once_it_answers_again() -> None:
-    rd = f"/tmp/kvup-replay{os.getpid()}"
-    up = subprocess.Popen([sys.executable, "-m", "kvproc", "up", "--cluster", "replayt", "--runtime-dir", rd,
-                           "--host-mib", "8"], stdout=subprocess.PIPE, text=True)
-    try:
-        assert "up; manifest" in (up.stdout.readline() if up.stdout else "")
-        tier_pid = next(p.pid for p in mf.read_manifest(rd).processes if p.role == "host_tier")
+    with kvproc_up("replayt") as (rd, tier_pid):
         with ClusterStore.start(1 << 20, tier_runtime_dir=rd) as cs:
             model = SharedMemoryModel(cs.allocator)
             store = cs.attach_model(model, live_slots=2)
@@ -58,8 +49,3 @@ def test_a_lease_released_while_the_shared_tier_stalled_is_released_once_it_answ
             assert time.monotonic() - t0 < 10  # far below the 30 s lease TTL: the release, not the reaper
             assert tier.counters["oneway_deferred_ReleaseLease"] == 1 and tier.counters["oneway_replayed"] >= 1
             assert store.stats()["tier"].get("leases_reclaimed_by_ttl", 0) == 0
-    finally:
-        subprocess.run([sys.executable, "-m", "kvproc", "down", "--runtime-dir", rd, "--timeout", "10"], check=False,
-                       capture_output=True)
-        up.wait(10)
-    assert not list_segments("replayt") and not os.path.exists(rd)

@@ -138,7 +138,7 @@ def run_arm(arm: str, model: Path, a: argparse.Namespace, workdir: Path) -> dict
     outputs: dict[str, list[int]] = {}
     inflight: dict[str, tuple[int, int, float, float | None]] = {}  # req -> (client, conv, submitted, first)
     seq = 0
-    m0 = _metrics(llm)
+    m0 = engine_metrics(llm)
 
     def submit(client: int) -> None:
         nonlocal seq
@@ -175,7 +175,7 @@ def run_arm(arm: str, model: Path, a: argparse.Namespace, workdir: Path) -> dict
                 turn_of[c] += 1
                 submit(client)
     wall = time.perf_counter() - t0
-    m1 = _metrics(llm)
+    m1 = engine_metrics(llm)
     d = {k: m1.get(k, 0) - m0.get(k, 0) for k in m1}
     prompt = int(d.get("vllm:prompt_tokens", 0) or d.get("vllm:prefix_cache_queries", 0))
     local = int(d.get("vllm:prefix_cache_hits", 0))
@@ -201,7 +201,8 @@ def run_arm(arm: str, model: Path, a: argparse.Namespace, workdir: Path) -> dict
     return res
 
 
-def _metrics(llm: Any) -> dict[str, float]:
+def engine_metrics(llm: Any) -> dict[str, float]:
+    """vLLM's metrics of an `LLM` (`get_metrics()`), summed by name over their labels."""
     out: dict[str, float] = {}
     for m in llm.get_metrics():
         v = getattr(m, "value", None)

@@ -78,12 +78,9 @@ def engine(model: Path, kv_transfer_config: dict[str, Any] | None = None, **kw: 
 
 
 def metrics(llm: Any) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for m in llm.get_metrics():
-        v = getattr(m, "value", None)
-        if isinstance(v, (int, float)):
-            out[m.name] = out.get(m.name, 0) + v
-    return out
+    from kvproc.integrations.vllm.bench import engine_metrics
+
+    return engine_metrics(llm)
 
 
 def generate(llm: Any, prompts: list[list[int]], max_tokens: int = 16) -> list[list[int]]:
