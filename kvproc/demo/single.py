@@ -29,11 +29,13 @@ from kvproc.engine.engine import Engine
 from kvproc.engine.metrics import (
     RunSummary,
     first_difference,
+    outputs_digest,
     outputs_identical,
     summarize,
     ttft_by_turn,
 )
-from kvproc.engine.models import MODEL_NAMES, SeqBatchItem
+from kvproc.engine.models import MODEL_NAMES, SeqBatchItem, TinyModel
+from kvproc.engine.models.ranked import rank_models
 from kvproc.engine.topology import (
     MODES,
     PoolSizes,
@@ -79,6 +81,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--in-process", action="store_true",
                    help="host tier and copy path inside this process (default: their own processes, kvproc.store.cluster)")
     p.add_argument("--log", metavar="PATH", help="where the store processes' logs go (default: a temporary file)")
+    p.add_argument("--ranks", type=int, default=1,
+                   help="tensor-parallel ranks of the engine: lock-step ranks, a device pool, copy worker and host "
+                        "tier each (outputs are those of --ranks 1)")
     p.add_argument("--pd", action="store_true",
                    help="prefill/decode disaggregation: a prefill and a decode engine (separate processes) sharing a"
                         " `kvproc up` host tier, beside a single-engine kvproc run of the same workload")
@@ -91,7 +96,7 @@ def pool_sizes(spec: WorkloadSpec, model_name: str, device_factor: float, every_
     device_blocks = max(turn_pages + 1, int(device_factor * spec.concurrency * turn_pages))
     staging = max(spec.concurrency, device_blocks // every_pages)
     probe = make_store("no_cache", model_name, PoolSizes(1, 1, 1, 0, PAGE_TOKENS))
-    page_bytes, slot_bytes = per_page_bytes(probe.model)
+    page_bytes, slot_bytes = per_page_bytes(rank_models(probe.model)[0])
     probe.close()
     all_pages = spec.conversations * turn_pages
     all_ckpts = spec.conversations * spec.turns * (turn_pages // every_pages + 2)
@@ -130,7 +135,11 @@ class Progress:
 def _warm_up(topo: Topology, chunk_tokens: int, batch: int) -> None:
     """One prefill chunk and one decode batch before the clock starts (torch's first calls are slow). Writes only
     into free blocks and live slots that admission resets, before any request exists."""
-    m = topo.model
+    for m in rank_models(topo.model):
+        _warm_up_one(m, chunk_tokens, batch)
+
+
+def _warm_up_one(m: TinyModel, chunk_tokens: int, batch: int) -> None:
     slots = {g.name: 0 for g in m.spec().bounded_groups}
     n = min(chunk_tokens, (m.num_blocks - 1) * m.page_tokens)
     blocks = list(range(n // m.page_tokens + 1))
@@ -146,9 +155,10 @@ def run_one(mode: str, args: argparse.Namespace, spec: WorkloadSpec, sizes: Pool
             stream: TextIO | None) -> tuple[RunSummary, list[TurnRecord], dict[str, Any]]:
     config = StoreConfig(cacheable_pin_fraction=args.pin_fraction, reply_spin_s=args.reply_spin_us / 1e6)
     with make_store(mode, args.model, sizes, seed=args.seed, config=config,
-                    processes=not args.in_process) as topo:
+                    processes=not args.in_process, ranks=args.ranks) as topo:
         _warm_up(topo, args.chunk_tokens, spec.concurrency)
-        engine = Engine(topo.model, topo.store, max_batch=spec.concurrency, chunk_tokens=args.chunk_tokens,
+        engine = Engine(topo.model, topo.store, ranks=args.ranks, max_batch=spec.concurrency,
+                        chunk_tokens=args.chunk_tokens,
                         checkpoint_every_pages=args.checkpoint_every_pages, prefix_cache=topo.prefix_cache)
         bar = Progress(mode, spec.total_turns, stream)
         t0 = time.perf_counter()
@@ -216,6 +226,10 @@ def _quiet_store_logs(path: str) -> Iterator[TextIO]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.ranks < 1 or (args.pd and args.ranks != 1):
+        print(f"kvproc demo: --ranks must be >= 1 (and 1 with --pd: the P/D demo runs one rank), got {args.ranks}",
+              file=sys.stderr)
+        return 2
     if args.pd:
         return _main_pd(args)
     modes = [m.strip() for m in args.runs.split(",") if m.strip()]
@@ -228,7 +242,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sizes = pool_sizes(spec, args.model, args.device_factor, args.checkpoint_every_pages)
     turn_pages = math.ceil(spec.max_turn_tokens / PAGE_TOKENS)
     share = sizes.device_blocks / (spec.conversations * turn_pages)
-    print(f"kvproc demo: model {args.model}, {spec.conversations} conversations x {spec.turns} turns, first turn "
+    print(f"kvproc demo: model {args.model}{f' x {args.ranks} ranks' if args.ranks > 1 else ''}, {spec.conversations} conversations x {spec.turns} turns, first turn "
           f"{spec.first_input} tokens, +{spec.new_per_turn}/turn, {spec.output_per_turn} out/turn, concurrency "
           f"{spec.concurrency} (scale {args.scale:g})")
     print(f"  device pool {sizes.device_blocks} blocks of {PAGE_TOKENS} tokens ({args.device_factor:g}x the "
@@ -252,7 +266,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         out = {"runs": {m: s.as_dict() for m, s in summaries.items()}, "outputs_identical": identical,
                "first_difference": diff, "model": args.model, "workload": asdict(spec), "scale": args.scale,
-               "sizes": asdict(sizes), "ttft_p50_ms_by_turn": by_turn,
+               "sizes": asdict(sizes), "ttft_p50_ms_by_turn": by_turn, "ranks": args.ranks,
+               "outputs_digest": {m: outputs_digest(records[m]) for m in modes},
                "stats": json.loads(json.dumps(stats, default=str))}
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)

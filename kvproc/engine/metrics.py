@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
@@ -65,6 +66,15 @@ def outputs_identical(runs: Sequence[Sequence[TurnRecord]]) -> bool:
             return False
         maps.append({(r.conversation, r.turn): r.output for r in recs})
     return all(m == maps[0] for m in maps[1:])
+
+
+def outputs_digest(records: Sequence[TurnRecord]) -> str:
+    """A digest of every turn's generated tokens, in (conversation, turn) order: equal digests mean equal outputs
+    (what compares two demo invocations, e.g. `--ranks 1` and `--ranks 2`)."""
+    h = hashlib.blake2b(digest_size=16)
+    for r in sorted(records, key=lambda r: (r.conversation, r.turn)):
+        h.update(repr((r.conversation, r.turn, r.output, r.failed is None)).encode())
+    return h.hexdigest()
 
 
 def first_difference(runs: Mapping[str, Sequence[TurnRecord]]) -> str | None:

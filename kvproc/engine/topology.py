@@ -9,6 +9,9 @@ With `processes=True` (what `kvproc demo` runs) the `device_only` and `kvproc` s
 stores: the copy worker (and, for `kvproc`, the host tier) run as their own processes, the model's arenas live in
 shared memory the scheduler owns. `processes=False` keeps everything in this process (`build_local_store`): the
 tests use it, being faster to start.
+
+`ranks=N` (tensor parallel): a `RankedModel` of N replicas and a store of N ranks (a device pool, copy worker and host
+tier each), driven by `Engine(..., ranks=N)`.
 """
 
 from __future__ import annotations
@@ -16,10 +19,11 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Self
+from typing import Any, Self
 
 from kvproc.contract import GroupKind
 from kvproc.engine.models import TinyModel, build_model
+from kvproc.engine.models.ranked import RankedModel
 from kvproc.store.build import build_local_store
 from kvproc.store.kv_store import KvStore
 from kvproc.store.types import StoreConfig
@@ -39,7 +43,7 @@ class PoolSizes:
 @dataclass
 class Topology:
     mode: str
-    model: TinyModel
+    model: TinyModel | RankedModel
     store: KvStore
     prefix_cache: bool
     _closers: list[Callable[[], None]] = field(default_factory=list)
@@ -57,18 +61,23 @@ class Topology:
         self.close()
 
 
+def _model(model_name: str, sizes: PoolSizes, seed: int, ranks: int, **kw: Any) -> TinyModel | RankedModel:
+    args: dict[str, Any] = dict(num_blocks=sizes.device_blocks, num_slots=sizes.live_slots + sizes.staging_slots,
+                                page_tokens=sizes.page_tokens, seed=seed, **kw)
+    return build_model(model_name, **args) if ranks == 1 else RankedModel(model_name, ranks, **args)
+
+
 def make_store(mode: str, model_name: str, sizes: PoolSizes, *, seed: int = 0,
-               config: StoreConfig | None = None, processes: bool = False) -> Topology:
+               config: StoreConfig | None = None, processes: bool = False, ranks: int = 1) -> Topology:
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose one of {MODES}")
     config = config or StoreConfig()
     if processes and mode != "no_cache":
-        return _cluster_topology(mode, model_name, sizes, seed, config)
-    model = build_model(model_name, num_blocks=sizes.device_blocks, num_slots=sizes.live_slots + sizes.staging_slots,
-                        page_tokens=sizes.page_tokens, seed=seed)
+        return _cluster_topology(mode, model_name, sizes, seed, config, ranks)
+    model = _model(model_name, sizes, seed, ranks)
     # no_cache / device_only: no tier (bounded seal/restore copies still get a device copy path).
     store = build_local_store(model, live_slots=sizes.live_slots,
-                              host_bytes=sizes.host_bytes if mode == "kvproc" else None, config=config)
+                              host_bytes=sizes.host_bytes if mode == "kvproc" else None, config=config, ranks=ranks)
     topo = Topology(mode, model, store, prefix_cache=mode != "no_cache")
     topo._closers.append(store.close)
     for c in store.copiers:
@@ -78,15 +87,14 @@ def make_store(mode: str, model_name: str, sizes: PoolSizes, *, seed: int = 0,
     return topo
 
 
-def _cluster_topology(mode: str, model_name: str, sizes: PoolSizes, seed: int, config: StoreConfig) -> Topology:
+def _cluster_topology(mode: str, model_name: str, sizes: PoolSizes, seed: int, config: StoreConfig,
+                      ranks: int) -> Topology:
     from kvproc.engine.repack import REPACK_PATHS
     from kvproc.store.cluster import ClusterStore
 
-    cs = ClusterStore.start(host_bytes=sizes.host_bytes if mode == "kvproc" else 0)
+    cs = ClusterStore.start(host_bytes=sizes.host_bytes if mode == "kvproc" else 0, ranks=ranks)
     try:
-        model = build_model(model_name, num_blocks=sizes.device_blocks,
-                            num_slots=sizes.live_slots + sizes.staging_slots, page_tokens=sizes.page_tokens,
-                            seed=seed, allocator=cs.allocator)
+        model = _model(model_name, sizes, seed, ranks, allocator=cs.allocator)
         store = cs.attach_model(model, live_slots=sizes.live_slots, config=config,
                                 repack=REPACK_PATHS.get(model_name))
     except BaseException:

@@ -24,14 +24,25 @@ def model_repack(model: KvModel, layout: ArenaLayout) -> RepackFn | None:
 
 
 def build_local_store(model: KvModel, *, live_slots: int, host_bytes: int | None = None,
-                      config: StoreConfig = StoreConfig(), bounded_fraction: float = 0.25) -> KvStore:
-    """A store for one rank whose host tier (if `host_bytes`) lives in this process."""
-    layout = validate_layout(model.spec(), model.arenas(0))
+                      config: StoreConfig = StoreConfig(), bounded_fraction: float = 0.25, ranks: int = 1) -> KvStore:
+    """A store of `ranks` ranks whose host tiers (if `host_bytes`: one per rank, `host_bytes` each; one in all for a
+    REPLICATED model) and copy paths live in this process."""
+    layouts = [validate_layout(model.spec(), model.arenas(r)) for r in range(ranks)]
     if not host_bytes:
         # No tier, but bounded seal/restore copies still need a copy path (device -> device).
-        return KvStore([layout], live_slots=live_slots, copiers=[LocalCopier(CopyExecutor(layout))], config=config)
-    host_layout = HostLayout.plan(layout, host_bytes, bounded_fraction)
-    required = [g.name for g in layout.spec.restorable_bounded_groups if not g.optional]
-    tier = LocalTier(host_layout, required)
-    copier = LocalCopier(CopyExecutor(layout, tier.host, host_layout, model_repack(model, layout)))
-    return KvStore([layout], live_slots=live_slots, tier=tier, copiers=[copier], config=config)
+        return KvStore(layouts, live_slots=live_slots, copiers=[LocalCopier(CopyExecutor(lay)) for lay in layouts],
+                       config=config)
+    required = [g.name for g in layouts[0].spec.restorable_bounded_groups if not g.optional]
+    layouts[0].spec.check_sharding(ranks)
+    shared = ranks > 1 and layouts[0].spec.replicated  # stored once: every rank's copier reaches rank 0's tier
+    tiers: list[LocalTier] = []
+    copiers: list[LocalCopier] = []
+    for layout in layouts:
+        if shared and tiers:
+            tier, host_layout = tiers[0], tiers[0].layout.for_layout(layout)
+        else:
+            host_layout = HostLayout.plan(layout, host_bytes, bounded_fraction)
+            tier = LocalTier(host_layout, required)
+        tiers.append(tier)
+        copiers.append(LocalCopier(CopyExecutor(layout, tier.host, host_layout, model_repack(model, layout))))
+    return KvStore(layouts, live_slots=live_slots, tiers=tiers, copiers=copiers, config=config)
