@@ -36,6 +36,10 @@ class Sharding(enum.Enum):
     PER_RANK = "per_rank"  # each rank stores and restores its own shard
 
 
+# The rank that saves a REPLICATED model's KV (into the one tier every rank of the store loads from).
+REPLICATED_SAVER_RANK = 0
+
+
 class RepackDirection(enum.Enum):
     SAVE = "save"  # execution layout (device arena) -> stored layout (host tier)
     LOAD = "load"  # stored layout -> execution layout
@@ -105,6 +109,23 @@ class KvSpec:
             if g.name == name:
                 return g
         raise KvContractError(f"unknown group {name!r}; the spec declares {[g.name for g in self.groups]}")
+
+    @cached_property
+    def replicated(self) -> bool:
+        """Every group is REPLICATED: each rank holds the same KV, so a multi-rank store keeps one copy of it (rank
+        `REPLICATED_SAVER_RANK` saves it into one tier, from which every rank's resolve loads)."""
+        return all(g.sharding is Sharding.REPLICATED for g in self.groups)
+
+    def check_sharding(self, ranks: int) -> None:
+        """Refuse a multi-rank store for a spec that mixes REPLICATED and PER_RANK groups: a page is stored as one
+        unit (every group of it together), so it cannot be stored once for some groups and per rank for others."""
+        rep = [g.name for g in self.groups if g.sharding is Sharding.REPLICATED]
+        if ranks > 1 and rep and len(rep) != len(self.groups):
+            per = [g.name for g in self.groups if g.sharding is not Sharding.REPLICATED]
+            raise KvContractError(
+                f"groups {rep} are REPLICATED and {per} PER_RANK: a {ranks}-rank store keeps a page (all its groups "
+                "together) either once for every rank or once per rank; declare every group REPLICATED (each rank "
+                "holds the same KV) or every group PER_RANK (each rank its own shard)")
 
     @cached_property  # the spec is frozen; read on every resolve
     def paged_groups(self) -> tuple[GroupSpec, ...]:

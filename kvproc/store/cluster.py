@@ -33,6 +33,7 @@ from kvproc.contract import (
     KvArena,
     KvContractError,
     KvModel,
+    Sharding,
     check_hooks_agree,
     check_repack_hook,
     require_model_id,
@@ -69,7 +70,8 @@ def _unlink_all(names: list[str]) -> None:
 
 def fingerprint(model: KvModel, layout: ArenaLayout) -> str:
     """Human-readable capability string: two engines may share a host tier only if theirs are equal."""
-    groups = ",".join(f"{g.name}:{g.kind.value}" for g in layout.spec.groups)
+    groups = ",".join(f"{g.name}:{g.kind.value}{':replicated' if g.sharding is Sharding.REPLICATED else ''}"
+                      for g in layout.spec.groups)
     arenas = ",".join(a.layout_tag for _, a in layout.arenas)
     name = type(model).__name__
     return (f"kvproc/{m.PROTOCOL_VERSION} model={name} id={require_model_id(layout.spec, name)} "
@@ -282,6 +284,9 @@ class ClusterStore:
             raise RuntimeError("attach_model was already called: one store per ClusterStore")
         layouts = [validate_layout(model.spec(), model.arenas(r)) for r in range(self.ranks)]
         require_model_id(layouts[0].spec, type(model).__name__)  # before any process is configured (the fix is named)
+        layouts[0].spec.check_sharding(self.ranks)
+        # A REPLICATED model is stored once: rank 0's tier serves every rank (the other ranks' tiers stay unused).
+        shared = self.ranks > 1 and layouts[0].spec.replicated
         differs = layouts[0].repacked_arenas
         if differs and repack:  # the workers' hook must be the model's: checked here, once, before any process
             check_hooks_agree(model, check_repack_hook(import_callable(repack), repack), layouts[0], repack)
@@ -294,6 +299,9 @@ class ClusterStore:
         if self.host_bytes > 0:  # each rank's shard goes to its own tier, configured with that rank's arenas
             required = [g.name for g in layouts[0].spec.restorable_bounded_groups if not g.optional]
             for r, layout in enumerate(layouts):
+                if shared and r:
+                    wires[r] = layout_to_wire(self.host_layouts[0].for_layout(layout))
+                    continue
                 planned = HostLayout.plan(layout, self.host_bytes, bounded_fraction)
                 conf = self._tier_client(r).request(
                     m.Configure(fingerprint(model, layout), layout_to_wire(planned), required),
@@ -307,15 +315,16 @@ class ClusterStore:
             # The rank's load-fence words, in a segment this process owns (the worker maps it with the arenas).
             words = self.allocator(f"load_fences{r}", 8 * LOAD_FENCE_WORDS)
             fence_seg, fence_off = self._locate_ptr(words.data_ptr(), f"load_fences{r}")
-            msg = m.AttachArenas(self._arena_refs(layout), self.host_segments[r] if self.host_segments else "",
+            segment = self.host_segments[0 if shared else r] if self.host_segments else ""
+            msg = m.AttachArenas(self._arena_refs(layout), segment,
                                  wires[r], repack or "", layout.spec.page_tokens, fence_seg, fence_off,
                                  LOAD_FENCE_WORDS)
             copier = RemoteCopier(self._copy_client(r), msg, copy_timeout_s=self.copy_timeout_s,
                                   load_fences=LoadFences(words.numpy().view(np.int64)))
             copier.attach_now(attach_timeout_s)  # fail here (bad repack path, bad arena) rather than at first copy
             self.copiers.append(copier)
-        self.store = KvStore(layouts, live_slots=live_slots, tiers=self.tiers or None, copiers=self.copiers,
-                             config=config)
+        tiers = self.tiers * self.ranks if shared else self.tiers
+        self.store = KvStore(layouts, live_slots=live_slots, tiers=tiers or None, copiers=self.copiers, config=config)
         self.cluster.counter_providers.append(self.store.counters_flat)  # `kvproc console status` shows them
         return self.store
 

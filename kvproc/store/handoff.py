@@ -22,12 +22,14 @@ from typing import Sequence
 import msgspec
 import numpy as np
 
-from kvproc.contract import ArenaLayout, require_model_id
+from kvproc.contract import ArenaLayout, Sharding, require_model_id
 from kvproc.core.hashing import HASH_LAYOUT_VERSION, PAD_TOKEN_ID, HashAlgorithm
 from kvproc.core.holds import ReusePolicy
 from kvproc.store.types import ResolvePolicy
 
-HANDOFF_VERSION = 2  # 2: arenas named with their stored layout (name:bytes:layout)
+# 2: arenas named with their stored layout (name:bytes:layout); REPLICATED groups marked (":replicated"): their KV is
+# stored once for all ranks, a PER_RANK group's per rank, so the two never exchange KV.
+HANDOFF_VERSION = 2
 
 
 class HandoffEnvelope(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -49,6 +51,7 @@ def fingerprint(model_name: str, layout: ArenaLayout, algorithm: HashAlgorithm, 
     spec = layout.spec
     groups = ",".join(
         f"{g.name}:{g.kind.value}{':opt' if g.optional else ''}{':nockpt' if not g.checkpointable else ''}"
+        f"{':replicated' if g.sharding is Sharding.REPLICATED else ''}"
         for g in spec.groups
     )
     arenas = ",".join(a.layout_tag for _, a in layout.arenas)

@@ -24,7 +24,7 @@ from typing import Any, Sequence
 import numpy as np
 import structlog
 
-from kvproc.contract import ArenaLayout
+from kvproc.contract import REPLICATED_SAVER_RANK, ArenaLayout
 from kvproc.core.hashing import DEFAULT_SCOPE, HashScope
 from kvproc.core.holds import ReusePolicy
 from kvproc.core.pool import BlockPool
@@ -71,17 +71,28 @@ class KvStore:
         pools: Sequence[BlockPool] | None = None,
         tiers: Sequence[Tier] | None = None,
     ) -> None:
-        """`tier`: the host tier of a one-rank store; `tiers`: one per rank (a tier's index has no rank in its keys,
-        so ranks never share one: each rank's shard lives in its own tier)."""
+        """`tier`: the host tier of a one-rank store, or the one tier of a REPLICATED model's ranks; `tiers`: one per
+        rank (a tier's index has no rank in its keys, so the ranks of a PER_RANK model never share one: each rank's
+        shard lives in its own tier).
+
+        A REPLICATED model (`KvSpec.replicated`: every rank holds the same KV) is stored once: its ranks share one
+        tier, rank `REPLICATED_SAVER_RANK` saves into it, every rank's resolve loads from it."""
         if tier is not None and tiers is not None:
             raise ValueError("pass tier= (one rank) or tiers= (one per rank), not both")
+        spec = layouts[0].spec
+        spec.check_sharding(len(layouts))
+        self.replicated = spec.replicated and len(layouts) > 1
         if tiers is None:
-            if tier is not None and len(layouts) > 1:
+            if tier is not None and len(layouts) > 1 and not self.replicated:
                 raise ValueError(f"a store of {len(layouts)} ranks needs one tier per rank (tiers=[...]): ranks "
                                  "sharing one tier would be served each other's shards")
-            tiers = [tier] if tier is not None else []
+            tiers = [tier] * len(layouts) if tier is not None else []
         elif len(tiers) != len(layouts):
             raise ValueError(f"{len(tiers)} tiers for {len(layouts)} ranks: one tier per rank")
+        if tiers and len({id(t) for t in tiers}) != (1 if self.replicated else len(tiers)):
+            raise ValueError("a REPLICATED model's ranks share one tier (it is stored once): pass tier=" if
+                             self.replicated else "ranks of a PER_RANK model never share a tier (a tier's keys carry "
+                             "no rank: they would be served each other's shards)")
         if tiers and (copiers is None or len(copiers) != len(layouts)):
             raise ValueError("a store with a tier needs one copier per rank")
         self.config = config
@@ -104,10 +115,13 @@ class KvStore:
         self._parked: list[dict[str, RequestKv]] = [{} for _ in self.layouts]
         self._cacheable_pinned = [0] * len(self.layouts)
         self._acct = threading.Lock()  # cacheable pin budget and seal cursors: touched by engine threads and the loop
-        # Per rank: where the tier holds pages this store saved or was served (hints for speculative loads).
-        self.slot_caches = tuple(SlotCache(_cache_capacity(t)) for t in self.tiers)
-        # Per rank: pages restored by verified loads, told to the tier in batches (its LRU sees the use).
-        self.touches = tuple(TouchBatch(self._loop, t) for t in self.tiers)
+        # Per rank (one per tier: the ranks of a REPLICATED model share theirs): where the tier holds pages this
+        # store saved or was served (hints for speculative loads).
+        self.slot_caches = tuple(SlotCache(_cache_capacity(t)) for t in self.tiers[:1]) * len(self.tiers) if \
+            self.replicated else tuple(SlotCache(_cache_capacity(t)) for t in self.tiers)
+        # Per tier: pages restored by verified loads, told to the tier in batches (its LRU sees the use).
+        self.touches = tuple(TouchBatch(self._loop, t) for t in self.tiers[:1]) * len(self.tiers) if \
+            self.replicated else tuple(TouchBatch(self._loop, t) for t in self.tiers)
         self._resolver = Resolver(self)
         self._blocking = BlockingResolver(self, self._resolver)
         self._resolve_threads: concurrent.futures.ThreadPoolExecutor | None = None
@@ -123,6 +137,14 @@ class KvStore:
 
     def tier_of(self, rank: int) -> Tier | None:
         return self.tiers[rank] if self.tiers else None
+
+    @property
+    def distinct_tiers(self) -> list[tuple[int, Tier]]:
+        """(first rank using it, tier) for each tier once (a REPLICATED model's ranks share one)."""
+        first: dict[int, tuple[int, Tier]] = {}
+        for r, t in enumerate(self.tiers):
+            first.setdefault(id(t), (r, t))
+        return list(first.values())
 
     def _check_rank(self, rank: int) -> None:
         """Refuse a rank this store does not have (a negative one too: it must not silently mean the last rank)."""
@@ -222,6 +244,10 @@ class KvStore:
         start = cursor.pages
         self._check_seal(pool, kv, cursor, end)
         if end <= start:
+            return
+        if self.replicated and rank != REPLICATED_SAVER_RANK:
+            # Stored once: the saver rank's copy is every rank's (same KV). Nothing to wait for on this rank.
+            self.count("seal_replicated_by_saver")
             return
         required = [g.name for g in self.spec.restorable_bounded_groups if not g.optional]
         if required:
@@ -421,7 +447,7 @@ class KvStore:
         self._revoke_everywhere(producer_req_id, "handoff_revoked")
 
     def _revoke_everywhere(self, producer_req_id: str, counter: str) -> None:
-        live = [t for t in self.tiers if t.available]  # every rank's shard of the hand-off
+        live = [t for _, t in self.distinct_tiers if t.available]  # every rank's shard of the hand-off
         if live:
             self.count(counter)
         for t in live:
@@ -484,7 +510,9 @@ class KvStore:
                                               "cacheable_pinned": self._cacheable_pinned[r],
                                               "slot_hints": len(self.slot_caches[r]) if self.slot_caches else 0}
         out["tier_available"] = bool(self.tier is not None and self.tier.available)
-        for r, tier in enumerate(self.tiers):  # "tier" is rank 0's (a one-rank store's), "tier1".. the others'
+        # "tier" is rank 0's (a one-rank store's), "tier1".. the others' (one key per tier: a REPLICATED model's
+        # ranks share rank 0's)
+        for r, tier in self.distinct_tiers:
             if tier.available:
                 key = "tier" if r == 0 else f"tier{r}"
                 try:
@@ -521,7 +549,7 @@ class KvStore:
             for kv in list(self._parked[r].values()):
                 kv.release()
             self._parked[r].clear()
-        for t in self.touches:
+        for t in dict.fromkeys(self.touches):
             t.flush()
         self._loop.stop()
 

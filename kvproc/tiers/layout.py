@@ -16,9 +16,9 @@ aside for bounded groups (split by their unit size), and at least one slot each.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from kvproc.contract import ArenaLayout, GroupKind
+from kvproc.contract import ArenaLayout, GroupKind, KvContractError
 from kvproc.tiers.slot_table import ROW_BYTES, ROWS
 
 ALIGN = 4096  # regions start page-aligned so copies of whole units stay aligned
@@ -77,6 +77,20 @@ class HostLayout:
         table_offset = off
         off += -(-(max(page_slots, 1) * SLOT_TABLE_BYTES) // ALIGN) * ALIGN
         return cls(tuple(regions), page_slots, bounded_slots, off, table_offset)
+
+    def for_layout(self, layout: ArenaLayout) -> "HostLayout":
+        """This tier's layout addressed through another rank's arenas (the ranks of a REPLICATED model share one
+        tier): region i serves the i-th stored arena of `layout`, which must be of the same group and stored size."""
+        spec = layout.spec
+        mine = [(g, a) for g, a in layout.arenas
+                if spec.group(g).kind is GroupKind.PAGED or spec.group(g).checkpointable]
+        if len(mine) != len(self.regions) or any(
+                g != r.group or a.stored_bytes != r.unit_bytes for (g, a), r in zip(mine, self.regions)):
+            raise KvContractError(
+                f"arenas {[(g, a.name, a.stored_bytes) for g, a in mine]} do not match the shared tier's regions "
+                f"{[(r.group, r.arena, r.unit_bytes) for r in self.regions]}: the ranks of a REPLICATED model hold "
+                "the same KV, so every rank must declare the same groups, arenas and stored sizes")
+        return replace(self, regions=tuple(replace(r, arena=a.name) for (_, a), r in zip(mine, self.regions)))
 
     def region(self, arena: str) -> Region:
         for r in self.regions:
