@@ -82,7 +82,7 @@ def make_store(mode: str, model_name: str, sizes: PoolSizes, *, seed: int = 0,
     topo._closers.append(store.close)
     for c in store.copiers:
         topo._closers.append(c.close)
-    for t in store.tiers:
+    for t in dict.fromkeys(store.tiers):  # once each (a REPLICATED model's ranks share one)
         topo._closers.append(t.close)
     return topo
 
