@@ -62,7 +62,6 @@ class _Ready:
     # a short hit; its anchor is already in its output).
     recompute: bool = False
 
-
     @property
     def prefix(self) -> KvPrefix | None:
         """Rank 0's prefix (every rank's hold has its length once aligned)."""

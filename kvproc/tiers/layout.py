@@ -78,7 +78,7 @@ class HostLayout:
         off += -(-(max(page_slots, 1) * SLOT_TABLE_BYTES) // ALIGN) * ALIGN
         return cls(tuple(regions), page_slots, bounded_slots, off, table_offset)
 
-    def for_layout(self, layout: ArenaLayout) -> "HostLayout":
+    def for_layout(self, layout: ArenaLayout) -> HostLayout:
         """This tier's layout addressed through another rank's arenas (the ranks of a REPLICATED model share one
         tier): region i serves the i-th stored arena of `layout`, which must be of the same group and stored size."""
         spec = layout.spec
