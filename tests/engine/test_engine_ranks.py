@@ -134,3 +134,47 @@ def test_ranks_must_match_the_model_and_the_store() -> None:
         Engine(t.model, t.store)
     with _topo("kvproc", "dense", 1) as t, pytest.raises(ValueError, match="ranks=2 needs"):
         Engine(t.model, t.store, ranks=2)
+
+
+@pytest.mark.parametrize("model", ["dense", "swa"])
+def test_pd_between_two_rank_engines_equals_a_single_engine_run(model: str) -> None:
+    """A 2-rank prefill engine hands off to a 2-rank decode engine through `kvproc up --ranks 2` (a host tier per
+    rank): every rank's shard goes through its own tier, and the tokens are a one-rank single engine's."""
+    import os
+    import subprocess
+    import sys
+
+    from kvproc.engine.models.ranked import RankedModel
+    from kvproc.engine.pd import PdRouter
+    from kvproc.engine.workload import drive
+    from kvproc.ipc.segment import list_segments
+    from kvproc.store.cluster import ClusterStore
+    from tests.engine.test_engine_pd import BLOCKS, LIVE, PAGE, SPEC, STAGING, single_engine_outputs
+
+    want = single_engine_outputs(model)
+    rd = f"/tmp/kvup-pdr{os.getpid()}"
+    up = subprocess.Popen([sys.executable, "-m", "kvproc", "up", "--cluster", "pdranks", "--runtime-dir", rd,
+                           "--host-mib", "32", "--ranks", "2"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert up.stdout is not None and "up; manifest" in up.stdout.readline()
+        with ClusterStore.start(16 << 20, ranks=2, tier_runtime_dir=rd) as P, \
+                ClusterStore.start(16 << 20, ranks=2, tier_runtime_dir=rd) as D:
+            engines = []
+            for cs in (P, D):
+                m = RankedModel(model, 2, num_blocks=BLOCKS, num_slots=LIVE + STAGING, page_tokens=PAGE, seed=0,
+                                allocator=cs.allocator)
+                engines.append(Engine(m, cs.attach_model(m, live_slots=LIVE), ranks=2, max_batch=LIVE,
+                                      chunk_tokens=64, checkpoint_every_pages=2))
+            router = PdRouter(*engines)
+            recs = drive(router, SPEC, engines[0].model.vocab_size)
+            assert all(r.failed is None for r in recs), [r.failed for r in recs]
+            assert sorted((r.conversation, r.turn, r.output) for r in recs) == want
+            assert engines[1].counters["handoffs_adopted"] == SPEC.total_turns
+            stats = engines[1].store.stats()
+            for key in ("tier", "tier1"):  # each rank's shard of every hand-off was consumed from that rank's tier
+                assert stats[key]["open_handoffs"] == 0 and stats[key]["handoffs_consumed"] == SPEC.total_turns
+    finally:
+        subprocess.run([sys.executable, "-m", "kvproc", "down", "--runtime-dir", rd, "--timeout", "10"],
+                       check=False, capture_output=True)
+        up.wait(10)
+    assert not list_segments("pdranks")
