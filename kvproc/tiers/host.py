@@ -107,6 +107,7 @@ class HostTierRole(Role):
         self.events: KvEventPublisher | None = None
         if opts.get("kv_events"):
             self.events = KvEventPublisher(env.runtime_dir, env.rank)
+            self.published.update(kv_events=self.events.pub_endpoint, kv_events_replay=self.events.replay_endpoint)
         self._timer = threading.Thread(target=self._timer_main, name="kvproc-host-timer", daemon=True)
         self._timer.start()
 
