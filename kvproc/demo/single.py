@@ -18,7 +18,7 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict
 from typing import Any, TextIO
 
@@ -79,6 +79,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--in-process", action="store_true",
                    help="host tier and copy path inside this process (default: their own processes, kvproc.store.cluster)")
     p.add_argument("--log", metavar="PATH", help="where the store processes' logs go (default: a temporary file)")
+    p.add_argument("--metrics", metavar="HOST:PORT", default=None,
+                   help="serve Prometheus /metrics of each run's cluster there (port 0: a free one; printed)")
     p.add_argument("--pd", action="store_true",
                    help="prefill/decode disaggregation: a prefill and a decode engine (separate processes) sharing a"
                         " `kvproc up` host tier, beside a single-engine kvproc run of the same workload")
@@ -142,11 +144,23 @@ def _warm_up(topo: Topology, chunk_tokens: int, batch: int) -> None:
             m.reset_slot(g, i)
 
 
-def run_one(mode: str, args: argparse.Namespace, spec: WorkloadSpec, sizes: PoolSizes,
-            stream: TextIO | None) -> tuple[RunSummary, list[TurnRecord], dict[str, Any]]:
+def workload(args: argparse.Namespace) -> tuple[WorkloadSpec, PoolSizes]:
+    """The workload the flags ask for, and the pools sized for it."""
+    spec = WorkloadSpec(args.conversations, args.turns, args.first_input, args.new_per_turn, args.output_per_turn,
+                        args.concurrency, args.seed).scaled(args.scale)
+    return spec, pool_sizes(spec, args.model, args.device_factor, args.checkpoint_every_pages)
+
+
+def run_one(mode: str, args: argparse.Namespace, spec: WorkloadSpec, sizes: PoolSizes, stream: TextIO | None,
+            after: Callable[[Topology], None] | None = None) -> tuple[RunSummary, list[TurnRecord], dict[str, Any]]:
+    """One run; `after(topo)` is called once the workload is done, before the store closes (a caller that reads
+    the run's cluster, e.g. its /metrics)."""
     config = StoreConfig(cacheable_pin_fraction=args.pin_fraction, reply_spin_s=args.reply_spin_us / 1e6)
+    metrics = getattr(args, "metrics", None)
     with make_store(mode, args.model, sizes, seed=args.seed, config=config,
-                    processes=not args.in_process) as topo:
+                    processes=not args.in_process, metrics=metrics) as topo:
+        if topo.metrics_address and stream is not None:
+            stream.write(f"  {mode}: metrics http://{topo.metrics_address}/metrics\n")
         _warm_up(topo, args.chunk_tokens, spec.concurrency)
         engine = Engine(topo.model, topo.store, max_batch=spec.concurrency, chunk_tokens=args.chunk_tokens,
                         checkpoint_every_pages=args.checkpoint_every_pages, prefix_cache=topo.prefix_cache)
@@ -155,6 +169,8 @@ def run_one(mode: str, args: argparse.Namespace, spec: WorkloadSpec, sizes: Pool
         records = drive(engine, spec, topo.model.vocab_size, on_turn=bar.tick)
         wall = time.perf_counter() - t0
         bar.close()
+        if after is not None:
+            after(topo)
         stats = {"engine": engine.stats(), "store": topo.store.stats()}
     return summarize(records, wall), records, stats
 
@@ -223,9 +239,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kvproc demo: --runs must name some of {MODES}, got {args.runs!r}", file=sys.stderr)
         return 2
     torch.manual_seed(args.seed)
-    spec = WorkloadSpec(args.conversations, args.turns, args.first_input, args.new_per_turn, args.output_per_turn,
-                        args.concurrency, args.seed).scaled(args.scale)
-    sizes = pool_sizes(spec, args.model, args.device_factor, args.checkpoint_every_pages)
+    spec, sizes = workload(args)
     turn_pages = math.ceil(spec.max_turn_tokens / PAGE_TOKENS)
     share = sizes.device_blocks / (spec.conversations * turn_pages)
     print(f"kvproc demo: model {args.model}, {spec.conversations} conversations x {spec.turns} turns, first turn "

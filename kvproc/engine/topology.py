@@ -42,6 +42,7 @@ class Topology:
     model: TinyModel
     store: KvStore
     prefix_cache: bool
+    metrics_address: str = ""  # HOST:PORT of /metrics when served
     _closers: list[Callable[[], None]] = field(default_factory=list)
 
     def close(self) -> None:
@@ -58,12 +59,13 @@ class Topology:
 
 
 def make_store(mode: str, model_name: str, sizes: PoolSizes, *, seed: int = 0,
-               config: StoreConfig | None = None, processes: bool = False) -> Topology:
+               config: StoreConfig | None = None, processes: bool = False, metrics: str | None = None) -> Topology:
+    """`metrics`: serve Prometheus /metrics there (`ClusterStore.start(metrics=)`; the process topology only)."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose one of {MODES}")
     config = config or StoreConfig()
     if processes and mode != "no_cache":
-        return _cluster_topology(mode, model_name, sizes, seed, config)
+        return _cluster_topology(mode, model_name, sizes, seed, config, metrics)
     model = build_model(model_name, num_blocks=sizes.device_blocks, num_slots=sizes.live_slots + sizes.staging_slots,
                         page_tokens=sizes.page_tokens, seed=seed)
     # no_cache / device_only: no tier (bounded seal/restore copies still get a device copy path).
@@ -78,11 +80,12 @@ def make_store(mode: str, model_name: str, sizes: PoolSizes, *, seed: int = 0,
     return topo
 
 
-def _cluster_topology(mode: str, model_name: str, sizes: PoolSizes, seed: int, config: StoreConfig) -> Topology:
+def _cluster_topology(mode: str, model_name: str, sizes: PoolSizes, seed: int, config: StoreConfig,
+                      metrics: str | None = None) -> Topology:
     from kvproc.engine.repack import REPACK_PATHS
     from kvproc.store.cluster import ClusterStore
 
-    cs = ClusterStore.start(host_bytes=sizes.host_bytes if mode == "kvproc" else 0)
+    cs = ClusterStore.start(host_bytes=sizes.host_bytes if mode == "kvproc" else 0, metrics=metrics)
     try:
         model = build_model(model_name, num_blocks=sizes.device_blocks,
                             num_slots=sizes.live_slots + sizes.staging_slots, page_tokens=sizes.page_tokens,
@@ -92,7 +95,8 @@ def _cluster_topology(mode: str, model_name: str, sizes: PoolSizes, seed: int, c
     except BaseException:
         cs.close()
         raise
-    topo = Topology(mode, model, store, prefix_cache=True)
+    topo = Topology(mode, model, store, prefix_cache=True,
+                    metrics_address=cs.cluster.metrics.address if cs.cluster.metrics is not None else "")
     topo._closers.append(cs.close)
     return topo
 
