@@ -407,7 +407,7 @@ def _concurrent(b: IpcBench, per_thread: int, blocks: int) -> float:
     return CONCURRENCY * per_thread / dt
 
 
-class _Observer:
+class Observer:
     """`kvproc/bench/observer.py` in a child process for the bench's duration (a Prometheus server and a router are
     processes of their own: in this one they would take the store's GIL)."""
 
@@ -471,7 +471,7 @@ def main(argv: list[str]) -> int:
     seals: list[dict[str, Any]] = []
     cs = ClusterStore.start(host_bytes, cpus={"copy_worker": cpus, "host_tier": cpus} if cpus else None,
                             metrics="127.0.0.1:0" if args.observe else None, kv_events=args.observe)
-    observer = _Observer(cs) if args.observe else None
+    observer = Observer(cs) if args.observe else None
     try:
         model = IpcBenchModel(cs.allocator, 2048)
         store = cs.attach_model(model, live_slots=CONCURRENCY, config=StoreConfig(

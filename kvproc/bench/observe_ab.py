@@ -29,14 +29,14 @@ ARMS = ("plain", "observed")
 
 def run_arm(observed: bool, n: int, blocks: int, scrape_s: float) -> dict[str, Any]:
     """One arm in this process: a fresh cluster, `n` seals timed, then `n` host-hit resolves timed."""
-    from kvproc.bench.ipcbench import ARENA_BLOCK, CONCURRENCY, IpcBench, IpcBenchModel, _Observer
+    from kvproc.bench.ipcbench import ARENA_BLOCK, CONCURRENCY, IpcBench, IpcBenchModel, Observer
     from kvproc.store.cluster import ClusterStore
     from kvproc.store.types import StoreConfig
 
     warm = 10
     host_bytes = (2 * n + warm + 64) * blocks * 2 * ARENA_BLOCK + (4 << 20)
     cs = ClusterStore.start(host_bytes, metrics="127.0.0.1:0" if observed else None, kv_events=observed)
-    observer = _Observer(cs, scrape_s) if observed else None
+    observer = Observer(cs, scrape_s) if observed else None
     t0 = time.perf_counter()
     try:
         model = IpcBenchModel(cs.allocator, 2048)
