@@ -100,6 +100,7 @@ class KvprocConnectorMetadata(KVConnectorMetadata):
     failed_loads: list[int] = field(default_factory=list)  # vLLM blocks promised but not loadable: recompute
     wait_jobs: list[int] = field(default_factory=list)  # saves of preempted requests: done before vLLM reuses blocks
     unloaded: list[str] = field(default_factory=list)  # requests held back for a load that could not be planned
+    async_started: bool = False  # the worker side submitted async_loads (at handle_preemptions, before the forward)
 
 
 # ---- the scheduler side's per-request state -----------------------------------------------------------------------
@@ -255,11 +256,25 @@ class KvprocConnector(KVConnectorBase_V1):
                 copier.attach_now(10.0)  # a restarted worker: give it the arenas, then retry
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        """Before vLLM's forward reuses a preempted request's blocks: its save reading them must have run."""
-        assert isinstance(kv_connector_metadata, KvprocConnectorMetadata)
-        if kv_connector_metadata.wait_jobs:
+        """vLLM calls this at the start of every step, before the forward. A preempted request's save still reading
+        its blocks must have run before the forward may overwrite them; and the step's asynchronous loads start here,
+        beside the forward (vLLM calls `start_load_kv` only after the forward when no load is synchronous, and
+        `get_finished` right after it: a load started there would be reported, and its request scheduled, a step
+        later)."""
+        meta = kv_connector_metadata
+        assert isinstance(meta, KvprocConnectorMetadata)
+        if meta.wait_jobs:
             self.rt.count("preemption_waits")
-            self._moves.wait(kv_connector_metadata.wait_jobs, self.options.move_wait_s)  # else poisoned: not sealed
+            self._moves.wait(meta.wait_jobs, self.options.move_wait_s)  # else poisoned: reported failed, not sealed
+        self._start_async_loads(meta)
+
+    def _start_async_loads(self, meta: KvprocConnectorMetadata) -> None:
+        if meta.async_started:
+            return
+        meta.async_started = True
+        self._moves.submit(meta.async_loads, to_vllm=True)  # vLLM holds these requests back until get_finished
+        self._receiving.update(j.req_id for j in meta.async_loads)
+        self._receiving.update(meta.unloaded)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -270,9 +285,7 @@ class KvprocConnector(KVConnectorBase_V1):
             moves.submit(meta.loads, to_vllm=True)
             if not moves.wait([j.job_id for j in meta.loads], self.options.move_wait_s):
                 self._load_errors.update(b for j in meta.loads for b in j.dst)
-        moves.submit(meta.async_loads, to_vllm=True)  # vLLM holds these requests back until get_finished says so
-        self._receiving.update(j.req_id for j in meta.async_loads)
-        self._receiving.update(meta.unloaded)
+        self._start_async_loads(meta)  # if handle_preemptions did not (a runner that does not call it)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # the step's synchronous loads landed in start_load_kv; asynchronous ones are not this step's
@@ -397,12 +410,52 @@ class KvprocConnector(KVConnectorBase_V1):
                 self.store.release_handoff(env.producer_req_id)
             r.hold = prefix.hold
             self.rt.count("handoffs_adopted")
-        if r.hold is None or r.pending_load is not None:
+            if not self._start_handoff_mirror(r, env):
+                return 0, False
+        if (r.hold is None and r.mirror is None) or r.pending_load is not None or r.load_job is not None:
             return 0, False
         # The committed prompt tokens, the padded page's real rows included; vLLM computes the rest (the anchor).
         ext = max(0, env.committed_len - num_computed_tokens)
         r.pending_load = (num_computed_tokens, ext) if ext else None
         return ext, False
+
+    def _start_handoff_mirror(self, r: _Req, env: HandoffEnvelope) -> bool:
+        """The consumer's own mirror of a hand-off request, so that it saves the pages it computes (the padded
+        page's real rows and what it decodes) like any request: the hold is adopted as the mirror's prefix, its
+        padded page copied into a private staging block first (kvproc's copy-on-restore). Without room in the staging
+        pool the hold stays a plain source of the load (nothing saved: True). False: the adoption failed after the
+        hold was consumed; vLLM computes the prompt itself."""
+        assert r.hold is not None
+        req = r.request
+        try:
+            kv = RequestKv(self.store.pools[0], r.req_id, list(req.prompt_token_ids or []),
+                           max(1, int(req.max_tokens)), scope=_scope(req))
+        except (ValueError, TypeError) as e:
+            log.warning("kvproc_request_refused", req_id=r.req_id, error=repr(e))
+            self.rt.count("requests_refused")
+            return True
+        k = r.hold.num_blocks
+        padded = env.committed_len % self.page != 0
+        if not kv.try_admit(k - 1 if padded else k):
+            self.rt.count("staging_full")
+            kv.release()
+            return True
+        try:
+            orders = kv.adopt_handoff_prefix(r.hold, env.committed_len)  # consumes the hold
+        except ValueError as e:  # checked before anything is consumed: the hold is still ours
+            log.error("kvproc_handoff_adopt_refused", req_id=r.req_id, error=str(e))
+            kv.release()
+            return True
+        r.hold = None
+        if orders and not self.store.execute_copies(0, orders):  # the padded page's private copy, fenced
+            log.warning("kvproc_handoff_privatize_failed", req_id=r.req_id)
+            self.rt.count("handoffs_short")
+            kv.release()
+            r.handoff = None
+            return False
+        r.mirror = kv
+        r.cursor = SealCursor.after_prefix(env.committed_len // self.page)  # the producer sealed those
+        return True
 
     def _plan_handoff_load(self, r: _Req, meta: KvprocConnectorMetadata) -> None:
         """The hold's pages (the padded one whole: its pad rows are overwritten by vLLM before they are read) into
@@ -510,6 +563,8 @@ class KvprocConnector(KVConnectorBase_V1):
         local, ext = r.pending_load
         r.pending_load = None
         a, b = local // self.page, (local + ext) // self.page
+        if r.handoff is not None:  # the padded page too, whole: its pad rows are overwritten before they are read
+            b = -(-(local + ext) // self.page)
         staging = r.mirror.block_ids
         if b > len(staging) or b > len(r.vllm_blocks):
             # Never: vLLM counted these tokens as computed, so they must be recomputed, not left unloaded.
@@ -524,6 +579,8 @@ class KvprocConnector(KVConnectorBase_V1):
         r.load_job = job.job_id
         into.append(job)
         self.rt.count("hit_tokens_loaded", ext)
+        if r.handoff is not None:
+            self.rt.count("handoff_tokens_loaded", ext)
         if into is meta.async_loads:
             self.rt.count("loads_async")
 

@@ -62,7 +62,8 @@ def test_slow_moves_overlap_vllm_steps_and_keep_tokens(tiny_llama: Path, monkeyp
         sched = llm.llm_engine.engine_core.engine_core.scheduler
         held = [rid for rid, req in sched.requests.items() if req.is_finished()]
         counters = dict(live_runtime().counters)
-        generate(llm, [random_tokens(rng, 8)], max_tokens=2)  # its steps report the settled saves: blocks freed
+        assert live_runtime().moves.idle(60)  # the slow mover finished the saves ...
+        generate(llm, [random_tokens(rng, 8)], max_tokens=2)  # ... and this run's steps report them: blocks freed
         left = [rid for rid in held if rid in sched.requests]
     assert [o for _, o in got] == [o for _, o in reference]
     assert counters.get("loads_async", 0) > 0  # vLLM held requests back for loads and get_finished released them
