@@ -228,8 +228,8 @@ class KvprocConnector(KVConnectorBase_V1):
         self.rt.count("pages_loaded_into_vllm" if to_vllm else "pages_saved_from_vllm", sum(n for _, _, n in runs))
 
     def _move_in_copy_worker(self, jobs: list[CopyJob], to_vllm: bool) -> None:
-        """The step's blocks moved by kvproc's copy worker process, reading or writing vLLM's own memory by
-        cross-memory attach (this thread only waits for its reply)."""
+        """The batch's blocks moved by kvproc's copy worker process, reading or writing vLLM's own memory by
+        cross-memory attach (the mover thread only waits for its reply)."""
         from kvproc.ipc import messages as m
         from kvproc.ipc.errors import RemoteError
         from kvproc.workers.cma import allow_mover

@@ -43,8 +43,9 @@ class RuntimeOptions:
     model_id: str | None = None  # the weights' identity (default: from vLLM's model config)
     resolve_wait_s: float = 0.05  # a resolve not done by then is asked again at vLLM's next step
     log_level: str = "warning"  # kvproc's processes
-    # Who moves bytes between vLLM's tensors and the staging pool: "local" (vLLM's worker thread, memcpy runs) or
-    # "cma" (kvproc's copy worker process, by cross-memory attach into vLLM's memory; vLLM's thread waits for it).
+    # Who moves bytes between vLLM's tensors and the staging pool, on the connector's mover thread (`moves.py`):
+    # "local" (memcpy runs in vLLM's process) or "cma" (kvproc's copy worker process, by cross-memory attach into
+    # vLLM's memory; the mover thread waits for its reply).
     mover: str = "local"
     # A shared host tier's runtime dir (`kvproc up --runtime-dir DIR`): the engine attaches to it instead of starting
     # its own. P/D needs one: the producer's and the consumer's stores must reach the same tier.
