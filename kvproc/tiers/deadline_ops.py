@@ -27,6 +27,10 @@ OK, FAILED, TIMEOUT, CLOSED = "ok", "failed", "timeout", "closed"
 Done = Callable[[str, Any], None]  # (outcome, result or exception)
 
 
+def _ran() -> None:
+    raise RuntimeError("op already ran")
+
+
 @dataclass(eq=False)
 class _Op:
     fn: Callable[[], Any]
@@ -114,6 +118,7 @@ class OpRunner:
                 outcome, result = OK, op.fn()
             except Exception as e:  # noqa: BLE001 - the op's failure is its outcome
                 outcome, result = FAILED, e
+            op.fn = _ran  # what it captured is not kept alive by the deadline heap
             if not op.ended:
                 self._end(op, outcome, result)
             elif op.on_late is not None:  # the watchdog ended it: the call's real result still goes somewhere

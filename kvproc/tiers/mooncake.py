@@ -9,10 +9,10 @@ models (two fingerprints) never share a key; a namespace (`?ns=`) scopes a fleet
 written once and never changes: the page hash names its bytes, so a key that exists is not written again (checked
 first: Mooncake's `put` of an existing key is a silent no-op, which would hide a refused write).
 
-- **Write-behind**: the host tier hands each committed save's new pages (and artifacts) to `write_behind`; a writer
-  thread leases their slots in the index (so they are neither evicted nor rewritten while Mooncake reads them), asks
-  which keys Mooncake lacks (one batched existence check), writes those (`batch_put_from_multi_buffers`), releases the
-  lease. Eviction from the host tier later keeps the Mooncake copy; Mooncake's own capacity and eviction govern it
+- **Write-behind**: the host tier hands each committed save's new pages (and artifacts) to `write_behind`, which
+  leases their slots in the index at the commit (so they are neither evicted nor rewritten before Mooncake has read
+  them: a full host tier sheds saves rather than lose pages Mooncake never got); a writer thread asks which keys
+  Mooncake lacks (one batched existence check), writes those (`batch_put_from_multi_buffers`), releases the leases. Eviction from the host tier later keeps the Mooncake copy; Mooncake's own capacity and eviction govern it
   (a refused key is counted, `write_refused`).
 - **Pull**: a query the host tier cannot answer in full (`probe`) asks Mooncake which of the missing pages it holds
   (one batched existence check of up to `max_pull_pages`), reserves host slots for the longest present run (an
@@ -31,6 +31,7 @@ import hashlib
 import threading
 import time
 from collections import Counter, deque
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import structlog
@@ -45,6 +46,15 @@ log = structlog.get_logger("kvproc.mooncake")
 
 WRITER = "mooncake-write-behind"  # the write-behind's lease owner (its leases show up under this request id)
 PULLER = "mooncake-pull:"  # prefix of a pull's save request id
+
+
+@dataclass
+class _Pending:
+    """One committed save's pages waiting for the writer, leased in the index (`lease`) until written."""
+
+    lease: int
+    items: list[tuple[bytes, int, tuple[str, ...]]]  # (page hash, its slot, artifact groups to write at it)
+    new_pages: set[bytes]  # the pages whose bytes this save brought (others: only their new artifacts)
 
 
 def namespace(fingerprint: str, ns: str = "") -> str:
@@ -75,7 +85,8 @@ class MooncakeTier:
         self.counters: Counter[str] = Counter()
         self._reads = OpRunner("mooncake-reads")  # probes and pulls: never queued behind write-behind
         self._writes = OpRunner("mooncake-writes")
-        self._queue: deque[tuple[bytes, tuple[str, ...]]] = deque()
+        self._queue: deque[_Pending] = deque()
+        self._queued = 0  # pages in `_queue`
         self._cv = threading.Condition()
         self._closed = False
         self._in_flight = 0  # pages the writer has taken from the queue and not finished
@@ -198,10 +209,10 @@ class MooncakeTier:
                 ptrs.append(p)
                 sizes.append(s)
         expect = [sum(s) for s in sizes]
-        row = self.index.fences.row
         t0 = time.monotonic()
 
         def run() -> list[int]:
+            row = self.index.fences.row  # read now: the tier rebinds it when it stops (no view kept past the call)
             claim(row, t.fence, t.fence_token)  # FenceRevoked: the save was given back, write nothing
             try:
                 return self.client.get_into(keys, ptrs, sizes)
@@ -232,19 +243,31 @@ class MooncakeTier:
     # ---- write-behind ----
 
     def write_behind(self, t: SaveTicket) -> None:
-        """A host save committed: queue its new pages (and new artifacts, with the page they belong to)."""
-        items: list[tuple[bytes, tuple[str, ...]]] = [(h, ()) for h, slot in zip(t.keys, t.page_slots) if slot is not None]
-        groups = tuple(g for g, b in t.bounded_slots.items() if b is not None)
-        if groups:
-            items.append((t.keys[-1], groups))
-        if not items or t.req_id.startswith(PULLER):
+        """Under the host's lock, as a save commits: queue its new pages (and new artifacts, with the page they belong
+        to), leased now so that the host tier cannot evict them before they are written (a full host tier then sheds
+        saves instead of losing pages Mooncake never got). Shed at once, counted, while Mooncake is unreachable."""
+        if t.req_id.startswith(PULLER):
             return  # a pull's pages came from Mooncake
+        hashes = [h for h, slot in zip(t.keys, t.page_slots) if slot is not None]
+        groups = tuple(g for g, b in t.bounded_slots.items() if b is not None)
+        if groups and t.keys[-1] not in hashes:
+            hashes.append(t.keys[-1])  # new artifacts at a page that was already here
+        if not hashes:
+            return
+        if not self.breaker.closed:
+            self.counters["writes_shed_unreachable"] += len(hashes)
+            return
+        lease, slots = self.index.lease_keys(WRITER, hashes, ttl_s=max(60.0, 4 * self.timeout_s))
+        items = [(h, slot, groups if h == t.keys[-1] else ()) for h, slot in zip(hashes, slots) if slot is not None]
+        new_pages = set(t.keys[i] for i, slot in enumerate(t.page_slots) if slot is not None)
         with self._cv:
-            over = len(self._queue) + len(items) - self.max_queued_pages
-            for _ in range(max(over, 0)):
-                self._queue.popleft()  # bounded: the oldest queued page is shed
-            self.counters["writes_shed_queue_full"] += max(over, 0)
-            self._queue.extend(items)
+            self._queue.append(_Pending(lease, items, new_pages))
+            self._queued += len(items)
+            while self._queued > self.max_queued_pages and len(self._queue) > 1:
+                old = self._queue.popleft()  # bounded: the oldest queued save is shed
+                self._queued -= len(old.items)
+                self.counters["writes_shed_queue_full"] += len(old.items)
+                self.index.release_lease(old.lease)
             self._cv.notify()
 
     def _write_loop(self) -> None:
@@ -254,71 +277,78 @@ class MooncakeTier:
                     self._cv.wait()
                 if self._closed:
                     return
-                batch = [self._queue.popleft() for _ in range(min(self.write_batch_pages, len(self._queue)))]
-                self._in_flight = len(batch)
+                batch: list[_Pending] = []
+                while self._queue and (not batch or sum(len(p.items) for p in batch) < self.write_batch_pages):
+                    batch.append(self._queue.popleft())
+                n = sum(len(p.items) for p in batch)
+                self._queued -= n
+                self._in_flight = n
             try:
                 self._write(batch)
             except Exception:  # noqa: BLE001 - the writer must outlive any one batch
-                self.counters["writes_failed"] += len(batch)
-                log.exception("mooncake_write_behind_failed", pages=len(batch))
+                self.counters["writes_failed"] += n
+                log.exception("mooncake_write_behind_failed", pages=n)
+                self._unlease(batch)
             finally:
                 self._in_flight = 0
 
-    def _write(self, batch: list[tuple[bytes, tuple[str, ...]]]) -> None:
-        if not self.breaker.closed:
-            self.counters["writes_shed_unreachable"] += len(batch)
-            return
+    def _unlease(self, batch: list[_Pending]) -> None:
         with self.lock:
-            lease, slots = self.index.lease_keys(WRITER, [h for h, _ in batch], ttl_s=max(60.0, 4 * self.timeout_s))
-            bounded = {i: self.index.bounded.get(slot, {}) for i, slot in enumerate(slots) if slot is not None}
+            for p in batch:
+                self.index.release_lease(p.lease)  # idempotent
+
+    def _write(self, batch: list[_Pending]) -> None:
+        if not self.breaker.closed:
+            self.counters["writes_shed_unreachable"] += sum(len(p.items) for p in batch)
+            self._unlease(batch)
+            return
         keys: list[str] = []
         ptrs: list[list[int]] = []
         sizes: list[list[int]] = []
-        for i, ((h, groups), slot) in enumerate(zip(batch, slots)):
-            if slot is None:
-                self.counters["writes_evicted_first"] += 1  # evicted before its turn: nothing to write
-                continue
-            for g in groups or (None,):
-                if g is None:
-                    p, s = self._page_buffers(slot)
-                    keys.append(self.page_key(h))
-                elif g in bounded[i]:
-                    p, s = self._artifact_buffers(g, bounded[i][g])
-                    keys.append(self.artifact_key(h, g))
-                else:
-                    continue
-                ptrs.append(p)
-                sizes.append(s)
-
-        def unlease(*_: Any) -> None:
-            with self.lock:
-                self.index.release_lease(lease)
-
+        with self.lock:
+            entries, bounded = self.index.entries, self.index.bounded
+            for p in batch:
+                for h, slot, groups in p.items:
+                    if entries.get(h) != slot:  # its lease was reaped (TTL) and the slot reused: not these bytes
+                        self.counters["writes_lost_lease"] += 1
+                        continue
+                    if h in p.new_pages:
+                        buf, size = self._page_buffers(slot)
+                        keys.append(self.page_key(h))
+                        ptrs.append(buf)
+                        sizes.append(size)
+                    arts = bounded.get(slot, {})
+                    for g in groups:
+                        if g in arts:
+                            buf, size = self._artifact_buffers(g, arts[g])
+                            keys.append(self.artifact_key(h, g))
+                            ptrs.append(buf)
+                            sizes.append(size)
         if not keys:
-            unlease()
+            self._unlease(batch)
             return
         outcome, codes = self._writes.call(lambda: self.client.exists(keys), self.timeout_s, what="exists")
         if outcome == OK and any(c < 0 for c in codes):
             outcome, codes = "failed", sorted(set(codes))
         if outcome != OK:
-            unlease()
+            self._unlease(batch)
             self.breaker.failure(f"exists: {outcome} {codes!r}")
             self.counters["writes_shed_unreachable"] += len(keys)
             return
         todo = [i for i, c in enumerate(codes) if c != 1]
         self.counters["writes_present"] += len(keys) - len(todo)
         if not todo:
-            unlease()
+            self._unlease(batch)
             return
         k2, p2, s2 = [keys[i] for i in todo], [ptrs[i] for i in todo], [sizes[i] for i in todo]
         t0 = time.monotonic()
         outcome, codes = self._writes.call(lambda: self.client.put_from(k2, p2, s2), self.timeout_s,
-                                           on_late=unlease, what="put_from")
-        if outcome == TIMEOUT:  # the call still reads the slots: `unlease` runs when it ends
+                                           on_late=lambda *_: self._unlease(batch), what="put_from")
+        if outcome == TIMEOUT:  # the call still reads the slots: the leases go back when it ends (`on_late`)
             self.breaker.failure("put_from: timeout")
             self.counters["writes_shed_unreachable"] += len(k2)
             return
-        unlease()
+        self._unlease(batch)
         if outcome != OK:
             self.breaker.failure(f"put_from: {codes!r}")
             self.counters["writes_shed_unreachable"] += len(k2)
@@ -349,7 +379,7 @@ class MooncakeTier:
 
     def stats(self) -> dict[str, int]:
         out = {f"remote.{k}": int(v) for k, v in self.counters.items()}
-        out["remote.queued_pages"] = len(self._queue) + self._in_flight
+        out["remote.queued_pages"] = self._queued + self._in_flight
         out["remote.reachable"] = int(self.breaker.closed)
         out["remote.connected"] = int(self.client.connected)
         out["remote.breaker_opened"] = self.breaker.opened
@@ -361,9 +391,11 @@ class MooncakeTier:
     def close(self) -> None:
         with self._cv:
             self._closed = True
-            self.counters["writes_shed_closing"] += len(self._queue)
-            self._queue.clear()
+            left, self._queue = list(self._queue), deque()
+            self.counters["writes_shed_closing"] += self._queued
+            self._queued = 0
             self._cv.notify_all()
+        self._unlease(left)
         self._reads.close()
         self._writes.close()
         self._writer.join(self.timeout_s * 2)
