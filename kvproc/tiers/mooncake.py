@@ -268,7 +268,7 @@ class MooncakeTier:
                 self._queued -= len(old.items)
                 self.counters["writes_shed_queue_full"] += len(old.items)
                 self.index.release_lease(old.lease)
-            self._cv.notify()
+            self._cv.notify_all()  # the writer (and any `flush` waiting on the same condition)
 
     def _write_loop(self) -> None:
         while True:
@@ -290,7 +290,9 @@ class MooncakeTier:
                 log.exception("mooncake_write_behind_failed", pages=n)
                 self._unlease(batch)
             finally:
-                self._in_flight = 0
+                with self._cv:
+                    self._in_flight = 0
+                    self._cv.notify_all()  # `flush` waits on it
 
     def _unlease(self, batch: list[_Pending]) -> None:
         with self.lock:
@@ -369,13 +371,8 @@ class MooncakeTier:
 
     def flush(self, timeout: float) -> bool:
         """Wait until the write-behind queue is empty (tests, benchmarks). False on timeout."""
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            with self._cv:
-                if not self._queue and not self._in_flight:
-                    return True
-            time.sleep(0.01)
-        return False
+        with self._cv:
+            return self._cv.wait_for(lambda: not self._queue and not self._in_flight, timeout)
 
     def stats(self) -> dict[str, int]:
         out = {f"remote.{k}": int(v) for k, v in self.counters.items()}
