@@ -223,20 +223,46 @@ class HostTierRole(Role):
                                 dict(t.bounded_slots), t.expires, list(t.page_gens), t.fence, t.fence_token)
 
     @handles(m.CommitSave)
-    def commit_save(self, msg: m.CommitSave, ctx: CallContext) -> m.Done:
+    def commit_save(self, msg: m.CommitSave, ctx: CallContext) -> m.Done | Deferred:
+        through = False
         with self._lock:
             index = self._index()
             ticket = index.saves.get(msg.save_id)
             committed = index.commit_save(msg.save_id)
             self._publish_locked(index)
             if committed and ticket is not None and self.remote is not None:
-                self.remote.write_behind(ticket)  # the new pages go to Mooncake in the background
+                if ticket.save_class is SaveClass.HANDOFF:  # written through: answered once Mooncake has it all
+                    through = self.remote.write_behind(ticket, lambda ok: self._written_through(ticket, ok, ctx))
+                    if not through:
+                        self.remote.counters["handoff_write_through_failed"] += 1
+                else:
+                    self.remote.write_behind(ticket)  # the new pages go to Mooncake in the background
         self._answer_settled()
         if not committed:
             self.counters.inc("commit_unknown_save")  # reclaimed (TTL, abort) before the copy's commit came
             raise HandlerError("save_reclaimed", f"save {msg.save_id} was given back before its commit: its copy "
                                                  "may not stand, nothing was committed")
+        if through:
+            # The commit itself stands: if the write takes longer than the caller waits, it is answered before its
+            # deadline anyway (the hand-off then stays pinned here only; counted when the write ends badly).
+            timer = threading.Timer(max(ctx.remaining() * 0.8, 0.0), lambda: ctx.ok(m.Done()))
+            timer.daemon = True
+            timer.start()
+            return ctx.defer()
         return m.Done()
+
+    def _written_through(self, ticket: SaveTicket, ok: bool, ctx: CallContext) -> None:
+        """A hand-off save's pages are all in Mooncake (`ok`), or could not be written. Once they are, the hand-off's
+        pin moves there: this tier releases its own (its pages stay here as cacheable entries), so a decode on another
+        node, which consumes through its own tier, leaves nothing pinned on this one."""
+        if ok:
+            with self._lock:
+                if self.index is not None:
+                    self.index.revoke_handoff(ticket.req_id)
+        counters = self.remote.counters if self.remote is not None else None
+        if counters is not None:
+            counters["handoffs_written_through" if ok else "handoff_write_through_failed"] += 1
+        ctx.ok(m.Done())
 
     @handles(m.AbortSave)
     def abort_save(self, msg: m.AbortSave, ctx: CallContext) -> m.Done:

@@ -55,6 +55,12 @@ class _Pending:
     lease: int
     items: list[tuple[bytes, int, tuple[str, ...]]]  # (page hash, its slot, artifact groups to write at it)
     new_pages: set[bytes]  # the pages whose bytes this save brought (others: only their new artifacts)
+    done: Callable[[bool], None] | None = None  # a write-through's waiter: True once every key is in Mooncake
+
+    def finish(self, ok: bool) -> None:
+        done, self.done = self.done, None
+        if done is not None:
+            done(ok)
 
 
 def namespace(fingerprint: str, ns: str = "") -> str:
@@ -242,33 +248,44 @@ class MooncakeTier:
 
     # ---- write-behind ----
 
-    def write_behind(self, t: SaveTicket) -> None:
+    def write_behind(self, t: SaveTicket, done: Callable[[bool], None] | None = None) -> bool:
         """Under the host's lock, as a save commits: queue its new pages (and new artifacts, with the page they belong
         to), leased now so that the host tier cannot evict them before they are written (a full host tier then sheds
-        saves instead of losing pages Mooncake never got). Shed at once, counted, while Mooncake is unreachable."""
+        saves instead of losing pages Mooncake never got). Shed at once, counted, while Mooncake is unreachable.
+
+        `done` (a write-through: a hand-off's save): every page and artifact of the save is written or found present
+        (not only the new ones), and `done(ok)` is called once from the writer thread. Returns False when nothing was
+        queued (`done` is then not called)."""
         if t.req_id.startswith(PULLER):
-            return  # a pull's pages came from Mooncake
-        hashes = [h for h, slot in zip(t.keys, t.page_slots) if slot is not None]
-        groups = tuple(g for g, b in t.bounded_slots.items() if b is not None)
+            return False  # a pull's pages came from Mooncake
+        through = done is not None
+        hashes = list(dict.fromkeys(t.keys)) if through else \
+            [h for h, slot in zip(t.keys, t.page_slots) if slot is not None]
+        groups = tuple(g for g, b in t.bounded_slots.items() if through or b is not None)
         if groups and t.keys[-1] not in hashes:
             hashes.append(t.keys[-1])  # new artifacts at a page that was already here
         if not hashes:
-            return
+            return False
         if not self.breaker.closed:
             self.counters["writes_shed_unreachable"] += len(hashes)
-            return
+            return False
         lease, slots = self.index.lease_keys(WRITER, hashes, ttl_s=max(60.0, 4 * self.timeout_s))
         items = [(h, slot, groups if h == t.keys[-1] else ()) for h, slot in zip(hashes, slots) if slot is not None]
-        new_pages = set(t.keys[i] for i, slot in enumerate(t.page_slots) if slot is not None)
+        new_pages = set(hashes) if through else {t.keys[i] for i, slot in enumerate(t.page_slots) if slot is not None}
+        shed: list[_Pending] = []
         with self._cv:
-            self._queue.append(_Pending(lease, items, new_pages))
+            self._queue.append(_Pending(lease, items, new_pages, done))
             self._queued += len(items)
             while self._queued > self.max_queued_pages and len(self._queue) > 1:
                 old = self._queue.popleft()  # bounded: the oldest queued save is shed
                 self._queued -= len(old.items)
                 self.counters["writes_shed_queue_full"] += len(old.items)
                 self.index.release_lease(old.lease)
+                shed.append(old)
             self._cv.notify_all()  # the writer (and any `flush` waiting on the same condition)
+        for old in shed:
+            old.finish(False)
+        return True
 
     def _write_loop(self) -> None:
         while True:
@@ -294,10 +311,13 @@ class MooncakeTier:
                     self._in_flight = 0
                     self._cv.notify_all()  # `flush` waits on it
 
-    def _unlease(self, batch: list[_Pending]) -> None:
+    def _unlease(self, batch: list[_Pending], ok: dict[int, bool] | None = None) -> None:
+        """The batch's leases back; then each write-through hears whether all its keys are in Mooncake."""
         with self.lock:
             for p in batch:
                 self.index.release_lease(p.lease)  # idempotent
+        for i, p in enumerate(batch):
+            p.finish(bool(ok and ok.get(i, False)))
 
     def _write(self, batch: list[_Pending]) -> None:
         if not self.breaker.closed:
@@ -307,18 +327,22 @@ class MooncakeTier:
         keys: list[str] = []
         ptrs: list[list[int]] = []
         sizes: list[list[int]] = []
+        owner: list[int] = []  # the batch entry each key belongs to
+        ok = {i: True for i in range(len(batch))}  # which entries end with all their keys in Mooncake
         with self.lock:
             entries, bounded = self.index.entries, self.index.bounded
-            for p in batch:
+            for i, p in enumerate(batch):
                 for h, slot, groups in p.items:
                     if entries.get(h) != slot:  # its lease was reaped (TTL) and the slot reused: not these bytes
                         self.counters["writes_lost_lease"] += 1
+                        ok[i] = False
                         continue
                     if h in p.new_pages:
                         buf, size = self._page_buffers(slot)
                         keys.append(self.page_key(h))
                         ptrs.append(buf)
                         sizes.append(size)
+                        owner.append(i)
                     arts = bounded.get(slot, {})
                     for g in groups:
                         if g in arts:
@@ -326,8 +350,11 @@ class MooncakeTier:
                             keys.append(self.artifact_key(h, g))
                             ptrs.append(buf)
                             sizes.append(size)
+                            owner.append(i)
+                        elif p.done is not None:
+                            ok[i] = False  # a hand-off's artifact this tier no longer holds
         if not keys:
-            self._unlease(batch)
+            self._unlease(batch, ok)
             return
         outcome, codes = self._writes.call(lambda: self.client.exists(keys), self.timeout_s, what="exists")
         if outcome == OK and any(c < 0 for c in codes):
@@ -340,7 +367,7 @@ class MooncakeTier:
         todo = [i for i, c in enumerate(codes) if c != 1]
         self.counters["writes_present"] += len(keys) - len(todo)
         if not todo:
-            self._unlease(batch)
+            self._unlease(batch, ok)
             return
         k2, p2, s2 = [keys[i] for i in todo], [ptrs[i] for i in todo], [sizes[i] for i in todo]
         t0 = time.monotonic()
@@ -350,11 +377,15 @@ class MooncakeTier:
             self.breaker.failure("put_from: timeout")
             self.counters["writes_shed_unreachable"] += len(k2)
             return
-        self._unlease(batch)
         if outcome != OK:
+            self._unlease(batch)
             self.breaker.failure(f"put_from: {codes!r}")
             self.counters["writes_shed_unreachable"] += len(k2)
             return
+        for i, c in zip(todo, codes):
+            if c != 0:
+                ok[owner[i]] = False
+        self._unlease(batch, ok)
         self.counters["write_ns"] += int((time.monotonic() - t0) * 1e9)
         for c, s in zip(codes, s2):
             if c == 0:
@@ -392,7 +423,7 @@ class MooncakeTier:
             self.counters["writes_shed_closing"] += self._queued
             self._queued = 0
             self._cv.notify_all()
-        self._unlease(left)
+        self._unlease(left)  # write-throughs waiting on them hear False
         self._reads.close()
         self._writes.close()
         self._writer.join(self.timeout_s * 2)

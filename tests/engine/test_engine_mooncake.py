@@ -10,11 +10,15 @@ import pytest
 import torch
 
 from kvproc.engine.engine import Engine
+from kvproc.engine.pd import PdRouter
 from kvproc.engine.request import Request
 from kvproc.engine.topology import PoolSizes, Topology, make_store
+from kvproc.engine.workload import drive
+from kvproc.store.cluster import ClusterStore
 from kvproc.store.types import StoreConfig
 from kvproc.tiers.mooncake_local import LocalMooncake
 from tests.conftest import remote_stats, written_behind
+from tests.engine.test_engine_pd import SPEC, engine_on, single_engine_outputs
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -58,3 +62,25 @@ def test_a_conversation_continued_on_another_node_is_served_from_mooncake(moonca
         assert remote_stats(b.store)["pulled_pages"] > 0
     assert got.output == ref.output
     torch.testing.assert_close(torch.stack(got.logits), torch.stack(ref.logits), **TOL)
+
+
+def test_pd_across_nodes_through_mooncake_equals_a_single_engine(mooncake: LocalMooncake) -> None:
+    """Prefill on node A, decode on node B (each its own host tier): A's hand-off saves are written through to
+    Mooncake before their envelopes are ready, B's full-hit resolve pulls them through its own host tier. Tokens
+    equal one engine's; no hand-off pin or lease is left on either node."""
+    want = single_engine_outputs("dense")
+    with ClusterStore.start(16 << 20, remote=mooncake.url) as p, ClusterStore.start(16 << 20, remote=mooncake.url) as d:
+        prefill, decode = engine_on(p, "dense"), engine_on(d, "dense")
+        router = PdRouter(prefill, decode)
+        recs = drive(router, SPEC, prefill.model.vocab_size)
+        assert all(r.failed is None for r in recs), [r.failed for r in recs]
+        assert sorted((r.conversation, r.turn, r.output) for r in recs) == want
+        assert decode.counters["handoffs_adopted"] == SPEC.total_turns
+        assert p.store is not None and d.store is not None
+        written_behind(p.store, 1)
+        tier_p, tier_d = p.store.stats()["tier"], d.store.stats()["tier"]
+        for tier in (tier_p, tier_d):
+            assert tier["open_handoffs"] == 0 and tier["open_leases"] == 0, tier
+        rp = remote_stats(p.store)
+        assert rp["handoffs_written_through"] >= SPEC.total_turns and rp.get("handoff_write_through_failed", 0) == 0
+        assert remote_stats(d.store)["pulled_pages"] > 0
