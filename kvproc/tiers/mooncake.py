@@ -406,7 +406,8 @@ class MooncakeTier:
             return self._cv.wait_for(lambda: not self._queue and not self._in_flight, timeout)
 
     def stats(self) -> dict[str, int]:
-        out = {f"remote.{k}": int(v) for k, v in self.counters.items()}
+        # list(): one C call under the GIL (the runner and writer threads add keys meanwhile)
+        out = {f"remote.{k}": int(v) for k, v in list(self.counters.items())}
         out["remote.queued_pages"] = self._queued + self._in_flight
         out["remote.reachable"] = int(self.breaker.closed)
         out["remote.connected"] = int(self.client.connected)
