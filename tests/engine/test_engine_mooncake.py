@@ -70,12 +70,15 @@ def test_pd_across_nodes_through_mooncake_equals_a_single_engine(mooncake: Local
     equal one engine's; no hand-off pin or lease is left on either node."""
     want = single_engine_outputs("dense")
     with ClusterStore.start(16 << 20, remote=mooncake.url) as p, ClusterStore.start(16 << 20, remote=mooncake.url) as d:
-        prefill, decode = engine_on(p, "dense"), engine_on(d, "dense")
+        # The KV-ready barrier: an envelope is emitted once its hand-off saves have settled, which across nodes means
+        # written through to Mooncake (a decode node's own tier cannot see pages land anywhere else).
+        prefill, decode = engine_on(p, "dense", handoff_barrier=True), engine_on(d, "dense")
         router = PdRouter(prefill, decode)
         recs = drive(router, SPEC, prefill.model.vocab_size)
         assert all(r.failed is None for r in recs), [r.failed for r in recs]
         assert sorted((r.conversation, r.turn, r.output) for r in recs) == want
         assert decode.counters["handoffs_adopted"] == SPEC.total_turns
+        assert router.counters["handoffs_rejected"] == 0  # no decode ran ahead of Mooncake
         assert p.store is not None and d.store is not None
         written_behind(p.store, 1)
         tier_p, tier_d = p.store.stats()["tier"], d.store.stats()["tier"]
