@@ -16,13 +16,14 @@ import pytest
 
 from kvproc.runtime.console import collect
 from kvproc.store.kv_store import KvStore
-from kvproc.store.types import StoreConfig
+from kvproc.store.types import SaveClass, StoreConfig
 from kvproc.tiers.mooncake_local import LocalMooncake
 from tests.conftest import (
     ShmBytesModel,
     check_bytes,
     churn,
     cluster_store,
+    compute,
     kvproc_up,
     nothing_left,
     remote_stats,
@@ -127,6 +128,17 @@ def test_a_dead_mooncake_degrades_within_the_deadline_sheds_saves_and_reconnects
                  remote_stats(a).get("writes_refused", 0) > 0, 10, "the write-behind shed")
         st_b = remote_stats(b)
         assert st_b["breaker_opened"] >= 1
+        # A hand-off save cannot be written through: its commit is still answered (within the commit's deadline),
+        # the failure counted, and the hand-off stays pinned in A's own tier (a consumer on A can still adopt it).
+        kv, cur, _, _ = compute(a, model_a, "handoff", list(range(600, 617)))
+        t0 = time.monotonic()
+        a.retire(0, kv, cur, SaveClass.HANDOFF)
+        a.flush_saves(0, 10)
+        assert time.monotonic() - t0 < StoreConfig().tier_call_timeout_s + 2.0
+        assert a.stats()["store"].get("handoff_save_failed", 0) == 0
+        assert remote_stats(a)["handoff_write_through_failed"] >= 1 and a.stats()["tier"]["open_handoffs"] == 1
+        a.revoke_handoff("handoff")
+        wait_for(lambda: a.stats()["tier"]["open_handoffs"] == 0, what="the hand-off revoked")
         # Mooncake back (a fresh master loses its keys: both processes restart): the tiers reconnect by themselves.
         mooncake.stop()
         mooncake.start_master()
