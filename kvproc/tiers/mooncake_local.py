@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import socket
 import subprocess
 import tempfile
@@ -74,10 +75,12 @@ class LocalMooncake:
         self._env = dict(os.environ, MC_TCP_BIND_ADDRESS=HOST)
         self._master_bin, self._client_bin = binaries()
         self._starts = 0
+        self._own_logs = False
 
     @classmethod
     def start(cls, segment_mb: int = 256, *, log_dir: str | None = None, timeout_s: float = 30.0) -> LocalMooncake:
         mc = cls(segment_mb, log_dir or tempfile.mkdtemp(prefix="kvproc-mooncake-"))
+        mc._own_logs = log_dir is None  # a temporary log folder goes with `stop`
         try:
             mc.start_master(timeout_s)
             mc.start_storage(timeout_s)
@@ -153,6 +156,15 @@ class LocalMooncake:
     def stop(self) -> None:
         self.kill_storage()
         self.kill_master()
+        if self._own_logs:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
+
+    def restart(self, timeout_s: float = 30.0) -> None:
+        """Both processes killed and started again on the same ports (a fresh master: every key is gone)."""
+        self.kill_storage()
+        self.kill_master()
+        self.start_master(timeout_s)
+        self.start_storage(timeout_s)
 
     def __enter__(self) -> LocalMooncake:
         return self

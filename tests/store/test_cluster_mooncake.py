@@ -140,9 +140,7 @@ def test_a_dead_mooncake_degrades_within_the_deadline_sheds_saves_and_reconnects
         a.revoke_handoff("handoff")
         wait_for(lambda: a.stats()["tier"]["open_handoffs"] == 0, what="the hand-off revoked")
         # Mooncake back (a fresh master loses its keys: both processes restart): the tiers reconnect by themselves.
-        mooncake.stop()
-        mooncake.start_master()
-        mooncake.start_storage()
+        mooncake.restart()
         toks = reconnected_prompt(a, model_a)
         model_b.zero()
         wait_for(lambda: host_tokens(b, toks) == 16, 30, "B pulling from Mooncake again")
