@@ -59,13 +59,15 @@ class Topology:
 
 
 def make_store(mode: str, model_name: str, sizes: PoolSizes, *, seed: int = 0,
-               config: StoreConfig | None = None, processes: bool = False, metrics: str | None = None) -> Topology:
-    """`metrics`: serve Prometheus /metrics there (`ClusterStore.start(metrics=)`; the process topology only)."""
+               config: StoreConfig | None = None, processes: bool = False, metrics: str | None = None,
+               remote: str | None = None) -> Topology:
+    """`metrics`: serve Prometheus /metrics there (`ClusterStore.start(metrics=)`; the process topology only).
+    `remote` (with `processes`): a Mooncake Store URL for the host tier (`ClusterStore.start(remote=)`)."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose one of {MODES}")
     config = config or StoreConfig()
     if processes and mode != "no_cache":
-        return _cluster_topology(mode, model_name, sizes, seed, config, metrics)
+        return _cluster_topology(mode, model_name, sizes, seed, config, metrics, remote)
     model = build_model(model_name, num_blocks=sizes.device_blocks, num_slots=sizes.live_slots + sizes.staging_slots,
                         page_tokens=sizes.page_tokens, seed=seed)
     # no_cache / device_only: no tier (bounded seal/restore copies still get a device copy path).
@@ -81,11 +83,11 @@ def make_store(mode: str, model_name: str, sizes: PoolSizes, *, seed: int = 0,
 
 
 def _cluster_topology(mode: str, model_name: str, sizes: PoolSizes, seed: int, config: StoreConfig,
-                      metrics: str | None = None) -> Topology:
+                      metrics: str | None = None, remote: str | None = None) -> Topology:
     from kvproc.engine.repack import REPACK_PATHS
     from kvproc.store.cluster import ClusterStore
 
-    cs = ClusterStore.start(host_bytes=sizes.host_bytes if mode == "kvproc" else 0, metrics=metrics)
+    cs = ClusterStore.start(host_bytes=sizes.host_bytes if mode == "kvproc" else 0, metrics=metrics, remote=remote)
     try:
         model = build_model(model_name, num_blocks=sizes.device_blocks,
                             num_slots=sizes.live_slots + sizes.staging_slots, page_tokens=sizes.page_tokens,
