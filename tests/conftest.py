@@ -14,6 +14,7 @@ import time
 from typing import Any, Callable, Iterator
 
 import psutil
+import pytest
 import torch
 
 from kvproc import ArenaId, GroupKind, GroupSpec, KvArena, KvSpec, RepackDirection, RequestKv
@@ -22,13 +23,15 @@ from kvproc.runtime import manifest as mf
 from kvproc.store.cluster import ClusterStore
 from kvproc.store.kv_store import KvStore
 from kvproc.store.types import SealCursor, StoreConfig
+from kvproc.tiers.mooncake_local import LocalMooncake, unavailable_reason
 
 PAGE = 4
 BLOCK_BYTES = 256
 SLOT_BYTES = 128
 STORED_EXTRA = 16  # a repacking model stores 16 more bytes per block
 
-_SHARED = ("multiprocessing.forkserver", "multiprocessing.resource_tracker")
+# Not a cluster's: shared helpers, and the Mooncake Store a test's `mooncake` fixture starts, restarts and stops.
+_SHARED = ("multiprocessing.forkserver", "multiprocessing.resource_tracker", "mooncake_master", "mooncake_client")
 
 
 class ShmBytesModel:
@@ -267,3 +270,28 @@ def kvproc_up(cluster: str, *extra: str) -> Iterator[tuple[str, int]]:
                        capture_output=True)
         up.wait(10)
     assert not list_segments(cluster) and not os.path.exists(rd)
+
+
+@pytest.fixture
+def mooncake() -> Iterator[LocalMooncake]:
+    """A real Mooncake Store on loopback (a master and one 64 MiB storage node on free ports) for one test; both
+    processes killed at teardown. Skipped, with the reason, where the `remote` extra or libibverbs is missing."""
+    why = unavailable_reason()
+    if why:
+        pytest.skip(why)
+    with LocalMooncake.start(segment_mb=64) as mc:
+        yield mc
+
+
+def remote_stats(store: KvStore) -> dict[str, int]:
+    """The host tier's `remote.*` counters (its Mooncake tier), prefix dropped."""
+    return {k[7:]: v for k, v in store.stats()["tier"].items() if k.startswith("remote.")}
+
+
+def written_behind(store: KvStore, pages: int, timeout: float = 10.0) -> dict[str, int]:
+    """Wait until the host tier's write-behind is idle with at least `pages` keys written (or found present)."""
+    def done() -> bool:
+        st = remote_stats(store)
+        return st.get("queued_pages", 1) == 0 and st.get("writes_ok", 0) + st.get("writes_present", 0) >= pages
+    wait_for(done, timeout, f"{pages} pages written behind")
+    return remote_stats(store)

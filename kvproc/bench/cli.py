@@ -10,6 +10,8 @@ BENCHES: dict[str, tuple[str, str]] = {
     "hash": ("kvproc.bench.hashbench", "hashing and probing against one hash call over the same bytes"),
     "copy": ("kvproc.bench.copybench", "copy-worker throughput against numpy.copyto"),
     "ipc": ("kvproc.bench.ipcbench", "resolve/seal round trips against a raw pyzmq round trip"),
+    "remote": ("kvproc.bench.remotebench", "Mooncake tier write-behind/pull against raw batch put/get (kvproc[remote])"),
+    "pooled": ("kvproc.bench.pooled", "the Mooncake trace over N nodes: local host tiers vs a shared remote tier"),
     "chaos": ("kvproc.bench.chaos", "engines on a shared tier under cancellations and faults; every byte checked"),
     # needs vLLM installed (`make venv-vllm`; run with .venv-vllm/bin/python)
     "vllm": ("kvproc.integrations.vllm.bench", "vLLM alone vs vLLM + kvproc vs vLLM + its disk connector"),

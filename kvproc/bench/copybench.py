@@ -88,6 +88,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="tiny batches, one repeat (smoke test)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--plot", metavar="PATH", default=None, help="PNG of GB/s per block size, one line per path")
     args = ap.parse_args(argv)
     batch = (4 << 20) if args.quick else args.batch_mib << 20
     repeats = 1 if args.quick else args.repeats
@@ -102,4 +103,14 @@ def main(argv: list[str]) -> int:
               f"{r['ratio_vs_memcpy']:>6}")
     if args.json:
         Path(args.json).write_text(json.dumps({"results": rows}, indent=2))
+    if args.plot:
+        from kvproc.bench.plot import lines
+
+        series: dict[str, list[tuple[float, float]]] = {}
+        for r in rows:
+            series.setdefault(f"{r['op']}, {r['layout']}", []).append((r["block_bytes"], r["gbps"]))
+            series.setdefault(f"{r['op']}, np.copyto (contiguous)", []).append((r["block_bytes"], r["memcpy_gbps"]))
+        series = {k: sorted(set(v)) for k, v in series.items()}
+        lines(args.plot, series, title="kvproc bench copy: copy path vs np.copyto", xlabel="block bytes",
+              ylabel="GB/s", logx=True)
     return 0

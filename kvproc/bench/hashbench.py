@@ -188,6 +188,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--json", metavar="PATH", help="also write the rows and run metadata as JSON")
     ap.add_argument("--quick", action="store_true", help="tiny prompts and short runs (a smoke test; no real numbers)")
     ap.add_argument("--budget", type=float, default=None, help="seconds spent per measurement (default 0.3)")
+    ap.add_argument("--plot", metavar="PATH", default=None,
+                    help="PNG of us per page by prompt length: hash, floor and probe per algorithm")
     args = ap.parse_args(argv)
     sizes = QUICK_SIZES if args.quick else SIZES
     budget = args.budget if args.budget is not None else (0.005 if args.quick else 0.3)
@@ -210,6 +212,16 @@ def main(argv: list[str]) -> int:
         }
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "rows": [asdict(r) for r in rows]}, f, indent=2)
+    if args.plot:
+        from kvproc.bench.plot import lines
+
+        series: dict[str, list[tuple[float, float]]] = {}
+        for r in rows:
+            for what, us in (("hash", r.hash_us_per_page), ("floor", r.floor_us_per_page),
+                             ("probe", r.probe_us_per_page)):
+                series.setdefault(f"{r.algorithm} {what}", []).append((r.tokens, us))
+        lines(args.plot, series, title="kvproc bench hash: us per page", xlabel="prompt tokens", ylabel="us / page",
+              logx=True, logy=True)
     return 0
 
 

@@ -41,6 +41,8 @@ DEALER/ROUTER round trip measured in the same run.
   own socket (`AsyncRpcClient`, what the loop path uses) and through the sync client's I/O thread.
 - `--ab N`: on the loop path, the store loop's own sockets vs the sync clients' I/O threads, for whole host-hit
   resolves (1 and 16 blocks), alternating batches of 10 resolves (N batches each).
+- `--observe-ab N`: only the cost of /metrics and KV events, plain vs observed in N interleaved pairs of runs
+  (`kvproc/bench/observe_ab.py`).
 - `--ab-native N`: blocking host-hit resolves of 16/64/256 blocks with the store side's compiled helpers
   (`kvproc.native._native`: hash chain, pool book-keeping) on vs off, interleaved batches of 5 (N x 10 each).
 Medians. A page is 2 arenas x 2 KiB (4 KiB per block, 16 tokens).
@@ -405,16 +407,20 @@ def _concurrent(b: IpcBench, per_thread: int, blocks: int) -> float:
     return CONCURRENCY * per_thread / dt
 
 
-class _Observer:
+class Observer:
     """`kvproc/bench/observer.py` in a child process for the bench's duration (a Prometheus server and a router are
     processes of their own: in this one they would take the store's GIL)."""
 
-    def __init__(self, cs: ClusterStore) -> None:
+    def __init__(self, cs: ClusterStore, scrape_s: float = 1.0) -> None:
         from kvproc.tiers.kv_events import endpoints
 
         self.proc = subprocess.Popen([sys.executable, "-m", "kvproc.bench.observer", cs.cluster.metrics.address,
-                                      endpoints(cs.cluster.runtime_dir, 0)[0]],
+                                      endpoints(cs.cluster.runtime_dir, 0)[0], str(scrape_s)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None
+        if self.proc.stdout.readline().strip() != "ready":  # subscribed before anything is timed
+            self.proc.kill()
+            raise RuntimeError("the observer process did not start")
 
     def close(self) -> dict[str, int]:
         out, _ = self.proc.communicate("", timeout=30)
@@ -437,8 +443,18 @@ def main(argv: list[str]) -> int:
                          "kvproc's processes on cores of their own (default: wherever the OS puts them)")
     ap.add_argument("--observe", action="store_true",
                     help="with Prometheus /metrics scraped every second and KV events published and read (their cost)")
+    ap.add_argument("--observe-ab", type=int, default=0, metavar="N",
+                    help="only the observability A/B: N pairs of runs, plain vs observed, each its own process "
+                         "(kvproc/bench/observe_ab.py; --n resolves per arm)")
+    ap.add_argument("--plot", metavar="PATH", default=None,
+                    help="PNG of resolve and seal time per block count, with the raw round trips")
+    ap.add_argument("--scrape-s", type=float, default=1.0, help="/metrics scrape interval when observed (s)")
     args = ap.parse_args(argv)
     n = 5 if args.quick else args.n
+    if args.observe_ab:
+        from kvproc.bench import observe_ab
+
+        return observe_ab.main(args.observe_ab, n, 16, args.scrape_s, args.json)
     sizes = [1, 16, 64, 256]
     cpus = tuple(int(c) for c in args.kvproc_cpus.split(",")) if args.kvproc_cpus else None
     if cpus:
@@ -455,7 +471,7 @@ def main(argv: list[str]) -> int:
     seals: list[dict[str, Any]] = []
     cs = ClusterStore.start(host_bytes, cpus={"copy_worker": cpus, "host_tier": cpus} if cpus else None,
                             metrics="127.0.0.1:0" if args.observe else None, kv_events=args.observe)
-    observer = _Observer(cs) if args.observe else None
+    observer = Observer(cs) if args.observe else None
     try:
         model = IpcBenchModel(cs.allocator, 2048)
         store = cs.attach_model(model, live_slots=CONCURRENCY, config=StoreConfig(
@@ -604,6 +620,16 @@ def main(argv: list[str]) -> int:
         if ab_native:
             doc["ab_native_resolve_us"] = ab_native
         Path(args.json).write_text(json.dumps(doc, indent=2))
+    if args.plot:
+        from kvproc.bench.plot import lines
+
+        series = {f"resolve, {arm}": [(r["blocks"], r[f"resolve_{arm}_us"]) for r in results]
+                  for arm in ("blocking", "submit", "loop", "plain")}
+        series["copy of the Load, in situ"] = [(r["blocks"], r["blocking_copy_in_situ_us"]) for r in results]
+        series["raw round trip x 1 (after churn)"] = [(r["blocks"], r["raw_rtt_raw1_us"]) for r in results]
+        series["seal (retire until saved)"] = [(s["blocks"], s["seal_us"]) for s in seals]
+        lines(args.plot, series, title="kvproc bench ipc: host-hit resolve and seal", xlabel="blocks",
+              ylabel="us (median)", logx=True, logy=True)
     return 0
 
 

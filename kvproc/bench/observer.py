@@ -1,5 +1,6 @@
 """What an operator's stack does while a bench runs (`kvproc bench ipc --observe`), as its own process: scrape
-Prometheus /metrics every second and read every KV event batch, until stdin closes; then print the counts as JSON.
+Prometheus /metrics every second (or every ARGV[3] s) and read every KV event batch, until stdin closes; prints
+"ready" once subscribed and scraped once, then at the end the counts as JSON.
 
     python -m kvproc.bench.observer HOST:PORT ipc://.../kv-events-0
 
@@ -18,15 +19,18 @@ import zmq
 from kvproc.tiers.kv_events import TOPIC
 
 
-def observe(address: str, endpoint: str) -> dict[str, int]:
+def observe(address: str, endpoint: str, every_s: float = 1.0) -> dict[str, int]:
     stop = threading.Event()
     counts = {"metrics_scrapes": 0, "kv_event_batches_read": 0}
 
+    def scrape_once() -> None:
+        with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as r:
+            r.read()
+        counts["metrics_scrapes"] += 1
+
     def scrape() -> None:
-        while not stop.wait(1.0):
-            with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as r:
-                r.read()
-            counts["metrics_scrapes"] += 1
+        while not stop.wait(every_s):
+            scrape_once()
 
     def until_stdin_closes() -> None:
         sys.stdin.read()
@@ -35,6 +39,8 @@ def observe(address: str, endpoint: str) -> dict[str, int]:
     sub: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, TOPIC)
     sub.connect(endpoint)
+    scrape_once()  # the endpoint answers, and meanwhile the subscription has joined: the bench may start timing
+    print("ready", flush=True)
     threads = [threading.Thread(target=f, daemon=True) for f in (scrape, until_stdin_closes)]
     for t in threads:
         t.start()
@@ -48,4 +54,4 @@ def observe(address: str, endpoint: str) -> dict[str, int]:
 
 
 if __name__ == "__main__":
-    print(json.dumps(observe(sys.argv[1], sys.argv[2])), flush=True)
+    print(json.dumps(observe(sys.argv[1], sys.argv[2], float(sys.argv[3]) if len(sys.argv) > 3 else 1.0)), flush=True)

@@ -18,7 +18,7 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict
 from typing import Any, TextIO
 
@@ -84,6 +84,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ranks", type=int, default=1,
                    help="tensor-parallel ranks of the engine: lock-step ranks, a device pool, copy worker and host "
                         "tier each (outputs are those of --ranks 1)")
+    p.add_argument("--metrics", metavar="HOST:PORT", default=None,
+                   help="serve Prometheus /metrics of each run's cluster there (port 0: a free one; printed)")
     p.add_argument("--pd", action="store_true",
                    help="prefill/decode disaggregation: a prefill and a decode engine (separate processes) sharing a"
                         " `kvproc up` host tier, beside a single-engine kvproc run of the same workload")
@@ -151,11 +153,23 @@ def _warm_up_one(m: TinyModel, chunk_tokens: int, batch: int) -> None:
             m.reset_slot(g, i)
 
 
-def run_one(mode: str, args: argparse.Namespace, spec: WorkloadSpec, sizes: PoolSizes,
-            stream: TextIO | None) -> tuple[RunSummary, list[TurnRecord], dict[str, Any]]:
+def workload(args: argparse.Namespace) -> tuple[WorkloadSpec, PoolSizes]:
+    """The workload the flags ask for, and the pools sized for it."""
+    spec = WorkloadSpec(args.conversations, args.turns, args.first_input, args.new_per_turn, args.output_per_turn,
+                        args.concurrency, args.seed).scaled(args.scale)
+    return spec, pool_sizes(spec, args.model, args.device_factor, args.checkpoint_every_pages)
+
+
+def run_one(mode: str, args: argparse.Namespace, spec: WorkloadSpec, sizes: PoolSizes, stream: TextIO | None,
+            after: Callable[[Topology], None] | None = None) -> tuple[RunSummary, list[TurnRecord], dict[str, Any]]:
+    """One run; `after(topo)` is called once the workload is done, before the store closes (a caller that reads
+    the run's cluster, e.g. its /metrics)."""
     config = StoreConfig(cacheable_pin_fraction=args.pin_fraction, reply_spin_s=args.reply_spin_us / 1e6)
+    metrics = getattr(args, "metrics", None)
     with make_store(mode, args.model, sizes, seed=args.seed, config=config,
-                    processes=not args.in_process, ranks=args.ranks) as topo:
+                    processes=not args.in_process, ranks=args.ranks, metrics=metrics) as topo:
+        if topo.metrics_address and stream is not None:
+            stream.write(f"  {mode}: metrics http://{topo.metrics_address}/metrics\n")
         _warm_up(topo, args.chunk_tokens, spec.concurrency)
         engine = Engine(topo.model, topo.store, ranks=args.ranks, max_batch=spec.concurrency,
                         chunk_tokens=args.chunk_tokens,
@@ -165,6 +179,8 @@ def run_one(mode: str, args: argparse.Namespace, spec: WorkloadSpec, sizes: Pool
         records = drive(engine, spec, topo.model.vocab_size, on_turn=bar.tick)
         wall = time.perf_counter() - t0
         bar.close()
+        if after is not None:
+            after(topo)
         stats = {"engine": engine.stats(), "store": topo.store.stats()}
     return summarize(records, wall), records, stats
 
@@ -237,12 +253,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kvproc demo: --runs must name some of {MODES}, got {args.runs!r}", file=sys.stderr)
         return 2
     torch.manual_seed(args.seed)
-    spec = WorkloadSpec(args.conversations, args.turns, args.first_input, args.new_per_turn, args.output_per_turn,
-                        args.concurrency, args.seed).scaled(args.scale)
-    sizes = pool_sizes(spec, args.model, args.device_factor, args.checkpoint_every_pages)
+    spec, sizes = workload(args)
     turn_pages = math.ceil(spec.max_turn_tokens / PAGE_TOKENS)
     share = sizes.device_blocks / (spec.conversations * turn_pages)
-    print(f"kvproc demo: model {args.model}{f' x {args.ranks} ranks' if args.ranks > 1 else ''}, {spec.conversations} conversations x {spec.turns} turns, first turn "
+    ranks = f" x {args.ranks} ranks" if args.ranks > 1 else ""
+    print(f"kvproc demo: model {args.model}{ranks}, {spec.conversations} conversations x {spec.turns} turns, first turn "
           f"{spec.first_input} tokens, +{spec.new_per_turn}/turn, {spec.output_per_turn} out/turn, concurrency "
           f"{spec.concurrency} (scale {args.scale:g})")
     print(f"  device pool {sizes.device_blocks} blocks of {PAGE_TOKENS} tokens ({args.device_factor:g}x the "

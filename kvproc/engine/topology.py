@@ -46,6 +46,7 @@ class Topology:
     model: TinyModel | RankedModel
     store: KvStore
     prefix_cache: bool
+    metrics_address: str = ""  # HOST:PORT of /metrics when served
     _closers: list[Callable[[], None]] = field(default_factory=list)
 
     def close(self) -> None:
@@ -68,12 +69,15 @@ def _model(model_name: str, sizes: PoolSizes, seed: int, ranks: int, **kw: Any) 
 
 
 def make_store(mode: str, model_name: str, sizes: PoolSizes, *, seed: int = 0,
-               config: StoreConfig | None = None, processes: bool = False, ranks: int = 1) -> Topology:
+               config: StoreConfig | None = None, processes: bool = False, ranks: int = 1,
+               metrics: str | None = None, remote: str | None = None) -> Topology:
+    """`metrics`: serve Prometheus /metrics there (`ClusterStore.start(metrics=)`; the process topology only).
+    `remote` (with `processes`): a Mooncake Store URL for the host tier (`ClusterStore.start(remote=)`)."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose one of {MODES}")
     config = config or StoreConfig()
     if processes and mode != "no_cache":
-        return _cluster_topology(mode, model_name, sizes, seed, config, ranks)
+        return _cluster_topology(mode, model_name, sizes, seed, config, ranks, metrics, remote)
     model = _model(model_name, sizes, seed, ranks)
     # no_cache / device_only: no tier (bounded seal/restore copies still get a device copy path).
     store = build_local_store(model, live_slots=sizes.live_slots,
@@ -88,11 +92,12 @@ def make_store(mode: str, model_name: str, sizes: PoolSizes, *, seed: int = 0,
 
 
 def _cluster_topology(mode: str, model_name: str, sizes: PoolSizes, seed: int, config: StoreConfig,
-                      ranks: int) -> Topology:
+                      ranks: int, metrics: str | None = None, remote: str | None = None) -> Topology:
     from kvproc.engine.repack import REPACK_PATHS
     from kvproc.store.cluster import ClusterStore
 
-    cs = ClusterStore.start(host_bytes=sizes.host_bytes if mode == "kvproc" else 0, ranks=ranks)
+    cs = ClusterStore.start(host_bytes=sizes.host_bytes if mode == "kvproc" else 0, ranks=ranks, metrics=metrics,
+                            remote=remote)
     try:
         model = _model(model_name, sizes, seed, ranks, allocator=cs.allocator)
         store = cs.attach_model(model, live_slots=sizes.live_slots, config=config,
@@ -100,7 +105,8 @@ def _cluster_topology(mode: str, model_name: str, sizes: PoolSizes, seed: int, c
     except BaseException:
         cs.close()
         raise
-    topo = Topology(mode, model, store, prefix_cache=True)
+    topo = Topology(mode, model, store, prefix_cache=True,
+                    metrics_address=cs.cluster.metrics.address if cs.cluster.metrics is not None else "")
     topo._closers.append(cs.close)
     return topo
 

@@ -189,6 +189,7 @@ class Ready(Wire, tag=20):
     pid: int
     endpoints: list[str]
     segments: list[str] = []
+    published: dict[str, str] = {}  # other endpoints the child serves, by name (e.g. KV events): into the manifest
 
 
 class StartupFailed(Wire, tag=21):

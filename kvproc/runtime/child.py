@@ -102,7 +102,7 @@ def _run(spec: ChildSpec, ready: Connection) -> int:
         if role is not None:
             role.on_stop()
         return 1
-    ready.send_bytes(m.encode(m.Ready(os.getpid(), bound, [s.name for s in role.segments])))
+    ready.send_bytes(m.encode(m.Ready(os.getpid(), bound, [s.name for s in role.segments], dict(role.published))))
     ready.close()
     log.info("child_ready", endpoints=bound, role_class=spec.role_class, cpus=list(spec.cpus) or None)
     if stop_early:

@@ -4,8 +4,10 @@
                                                           and each role's own counters
     kvproc console profile ROLE [--rank N] [--seconds N]  the process samples its own stacks while it keeps serving
                                                           and writes a report; its path is printed
+    kvproc console top [--interval S] [--frames N] [--json]  rates, occupancy and per-process CPU/RSS, redrawn in
+                                                          place (`runtime/top.py`)
 
-Both take `--cluster NAME` (default "default") or `--runtime-dir DIR`.
+All take `--cluster NAME` (default "default") or `--runtime-dir DIR`.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from kvproc.ipc import messages as m
 from kvproc.ipc.client import RpcClient
 from kvproc.ipc.errors import IpcError
 from kvproc.runtime import manifest as mf
+from kvproc.runtime.histogram import is_histogram_key
 
 
 def _targets(manifest: mf.Manifest) -> list[tuple[str, int, int, str, str]]:
@@ -82,7 +85,8 @@ def render(rows: list[dict[str, Any]]) -> str:
     lines = [header]
     for r in rows:
         values = {**r, "rss_mib": r["rss_bytes"] / 2**20 if "rss_bytes" in r else None}
-        own = {k: v for k, v in sorted(r.get("counters", {}).items()) if not k.startswith("ipc.")}
+        own = {k: v for k, v in sorted(r.get("counters", {}).items())
+               if not k.startswith("ipc.") and not is_histogram_key(k)}  # buckets: in --json and /metrics
         extra = " ".join(f"{k}={v}" for k, v in own.items()) or r.get("error", "")
         lines.append(" ".join(_cell(values.get(key), w, k) for _, key, w, k in _COLUMNS) + "  " + extra)
     return "\n".join(lines)
@@ -110,6 +114,36 @@ def status(args: argparse.Namespace) -> int:
             return 0
 
 
+def top(args: argparse.Namespace) -> int:
+    from kvproc.runtime import top as tp
+
+    runtime_dir = _runtime_dir(args)
+    cluster = mf.read_manifest(runtime_dir).cluster
+    in_place = not args.json and sys.stdout.isatty()  # a pipe or a file gets the frames one after the other
+
+    def read() -> list[dict[str, Any]]:
+        return collect(runtime_dir, timeout=args.timeout)
+
+    try:
+        prev, shown = tp.take(read), 0
+        while not args.frames or shown < args.frames:
+            time.sleep(max(0.0, args.interval - (time.monotonic() - prev.at)))
+            cur = tp.take(read)
+            f = tp.frame(prev, cur)
+            if args.json:
+                print(msgspec.json.encode(f).decode(), flush=True)
+            else:
+                text = tp.render(cluster, f)
+                if in_place:  # home, each line cleared to its end, then below: redrawn over itself, no blank flash
+                    text = (("\x1b[2J" if not shown else "") + "\x1b[H" + "\x1b[K\n".join(text.splitlines())
+                            + "\x1b[K\x1b[J")
+                print(text if in_place else text + "\n", flush=True)
+            prev, shown = cur, shown + 1
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
 def profile(args: argparse.Namespace) -> int:
     runtime_dir = _runtime_dir(args)
     manifest = mf.read_manifest(runtime_dir)
@@ -135,7 +169,7 @@ def profile(args: argparse.Namespace) -> int:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="kvproc console", description=__doc__.splitlines()[0] if __doc__ else "")
     sub = parser.add_subparsers(dest="command", required=True)
-    for name in ("status", "profile"):
+    for name in ("status", "profile", "top"):
         p = sub.add_parser(name)
         p.add_argument("--cluster", default="default")
         p.add_argument("--runtime-dir", default=None)
@@ -143,13 +177,17 @@ def main(argv: list[str]) -> int:
         if name == "status":
             p.add_argument("--json", action="store_true", help="one JSON array per refresh")
             p.add_argument("--watch", type=float, nargs="?", const=2.0, default=None, help="refresh every N s")
+        elif name == "top":
+            p.add_argument("--json", action="store_true", help="one JSON object per frame, one per line")
+            p.add_argument("--interval", type=float, default=1.0, help="seconds between frames (rates over it)")
+            p.add_argument("--frames", type=int, default=0, help="stop after N frames (0: until interrupted)")
         else:
             p.add_argument("role")
             p.add_argument("--rank", type=int, default=0)
             p.add_argument("--seconds", type=float, default=5.0)
     args = parser.parse_args(argv)
     try:
-        return status(args) if args.command == "status" else profile(args)
+        return {"status": status, "profile": profile, "top": top}[args.command](args)
     except FileNotFoundError as e:
         print(f"kvproc console: {e}", file=sys.stderr)
         return 2

@@ -247,7 +247,7 @@ class Cluster:
                                         "ready report)")
         finally:
             conn.close()
-        child.endpoints, child.segments = list(msg.endpoints), list(msg.segments)
+        child.endpoints, child.segments, child.published = list(msg.endpoints), list(msg.segments), dict(msg.published)
         client = RpcClient(child.endpoints[0], token=self.token, name=f"launcher-{os.getpid()}", peer=child.label)
         try:
             client.connect(max(0.5, deadline - time.monotonic()))
@@ -432,13 +432,14 @@ class Cluster:
                 exitcode=c.exitcode,
                 segments=c.segments,
                 identity=self._identities.get(c.pid),
+                published=c.published,
             )  # fmt: skip
             for k in self._order
             if (c := self._children.get(k)) is not None
         ]
         manifest = mf.Manifest(
             mf.MANIFEST_VERSION, self.name, self.runtime_dir, os.getpid(), self.created_at, self.control_endpoint, procs,
-            launcher_identity=self.identity,
+            launcher_identity=self.identity, metrics=self.metrics.address if self.metrics is not None else "",
         )
         return mf.write_manifest(self.runtime_dir, manifest)
 

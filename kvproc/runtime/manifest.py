@@ -1,7 +1,8 @@
 """The runtime directory of a cluster: its manifest, its auth token and its ipc endpoints.
 
 Layout (the directory is mode 0700, so only its user can reach the ipc sockets inside):
-    <runtime_dir>/manifest.json   roles, pids, endpoints, segment names; rewritten atomically on every change
+    <runtime_dir>/manifest.json   roles, pids, endpoints (KV events and /metrics too), segment names; rewritten
+                                  atomically on every change
     <runtime_dir>/token           the auth token (0600), required in every handshake (ipc and tcp alike)
     <runtime_dir>/<role>-<rank>.sock, launcher.sock
     <runtime_dir>/profiles/       reports written by `kvproc console profile`
@@ -80,6 +81,9 @@ class ProcessEntry(msgspec.Struct):
     exitcode: int | None = None
     segments: list[str] = []
     identity: ProcessIdentity | None = None  # recorded at launch; `kvproc down --force` signals only this process
+    # Other endpoints the process serves, by name: "kv_events" (PUB) and "kv_events_replay" (ROUTER) of a host tier
+    # started with KV events (`tiers/kv_events.py`)
+    published: dict[str, str] = {}
 
 
 class Manifest(msgspec.Struct):
@@ -91,6 +95,7 @@ class Manifest(msgspec.Struct):
     control_endpoint: str = ""
     processes: list[ProcessEntry] = []
     launcher_identity: ProcessIdentity | None = None
+    metrics: str = ""  # HOST:PORT of the cluster's Prometheus /metrics, "" when off (`runtime/metrics.py`)
 
 
 def check_cluster_name(name: str) -> None:

@@ -10,7 +10,9 @@ The ones an operator or a dashboard reads first are also named the way vLLM name
 - `kvproc:resolves_total{outcome, reason}`, `kvproc:saves_total{outcome, reason}`, `kvproc:loads_total{...}`:
   every async operation's terminal state (ok / degraded / failed / shed) and why;
 - `kvproc:copy_bytes_total{direction}` / `kvproc:copy_seconds_total{direction}` (save, load, device), summed over
-  the copy workers; `kvproc:process_up{role, rank}`, `kvproc:process_restarts_total{role, rank}`.
+  the copy workers; `kvproc:process_up{role, rank}`, `kvproc:process_restarts_total{role, rank}`;
+- histograms (vLLM's shape: `_bucket{le}`, `_sum`, `_count`, seconds): `kvproc:resolve_latency_seconds{hit}` and
+  `kvproc:copy_latency_seconds{direction}`, summed over processes; they travel as counters (`runtime/histogram.py`).
 
 Every metric carries `cluster`. Off unless asked: `ClusterStore.start(metrics="127.0.0.1:9400")`,
 `kvproc up --metrics 127.0.0.1:9400`; port 0 picks a free one (`MetricsEndpoint.address` says which).
@@ -26,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 from kvproc.ipc import messages as m
 from kvproc.ipc.errors import IpcError
+from kvproc.runtime.histogram import LATENCY_BUCKETS_S, parse_key
 
 if TYPE_CHECKING:
     from kvproc.runtime.launcher import Cluster
@@ -33,6 +36,11 @@ if TYPE_CHECKING:
 STATS_TIMEOUT_S = 1.0  # a child that does not answer within it is reported down for this scrape, never waited on
 _OUTCOME = re.compile(r"^outcome\.(resolve|save|load|retire)\.([a-z_]+)(?:\.(.+))?$")
 _COPY = {"save": ("bytes_save", "ns_save"), "load": ("bytes_load", "ns_load"), "device": ("bytes_device", "ns_device")}
+INF = float("inf")
+# a histogram's one label, by metric (`runtime/histogram.py` names the value only)
+_HIST_LABEL = {"resolve_latency_seconds": "hit", "copy_latency_seconds": "direction"}
+_HIST_HELP = {"resolve_latency_seconds": "resolve_prefix latency as the caller sees it, by what served the prefix",
+              "copy_latency_seconds": "one copy order's time in the copy worker, by direction"}
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -87,12 +95,18 @@ class ClusterCollector:
         copy_secs = CounterMetricFamily("kvproc:copy_seconds", "time the copy workers spent copying",
                                         labels=["cluster", "direction"])
         copied: dict[str, list[int]] = {d: [0, 0] for d in _COPY}
+        hists: dict[tuple[str, str], dict[float | None, int]] = {}  # (metric, label) -> {bound (None: sum ns): n}
         for role, rank, counters in rows:
             up.add_metric([name, role, str(rank)], 0.0 if counters is None else 1.0)
             if role != "launcher":
                 restarts.add_metric([name, role, str(rank)], float(self.cluster.restarts(role, rank)))
             for key, value in (counters or {}).items():
-                every.add_metric([name, role, str(rank), key], float(value))
+                parsed = parse_key(key)
+                if parsed is None:
+                    every.add_metric([name, role, str(rank), key], float(value))
+                else:
+                    series = hists.setdefault(parsed[:2], {})
+                    series[parsed[2]] = series.get(parsed[2], 0) + int(value)
             if role == "copy_worker" and counters:
                 for d, (b, ns) in _COPY.items():
                     copied[d][0] += int(counters.get(b, 0))
@@ -108,10 +122,31 @@ class ClusterCollector:
         for d, (nbytes, nanos) in copied.items():
             copy_bytes.add_metric([name, d], float(nbytes))
             copy_secs.add_metric([name, d], nanos / 1e9)
-        yield from (up, restarts, queries, hits, *ops.values(), copy_bytes, copy_secs, every)
+        yield from (up, restarts, queries, hits, *ops.values(), copy_bytes, copy_secs, *_histograms(name, hists), every)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)
+
+
+def _histograms(cluster: str, hists: Mapping[tuple[str, str], Mapping[float | None, int]]) -> Iterator[Any]:
+    """Prometheus histograms from per-bucket counts (not cumulative): cumulated in bound order, `+Inf` the count."""
+    from prometheus_client.core import HistogramMetricFamily
+
+    families: dict[str, Any] = {}
+    for (metric, label), series in sorted(hists.items()):
+        fam = families.get(metric)
+        if fam is None:
+            fam = families[metric] = HistogramMetricFamily(f"kvproc:{metric}", _HIST_HELP.get(metric, metric),
+                                                           labels=["cluster", _HIST_LABEL.get(metric, "kind")])
+        # every standard bound, observed or not (a bucket never hit has no counter): dashboards need a fixed set
+        bounds = sorted(set(LATENCY_BUCKETS_S) | {b for b in series if b is not None and b != INF})
+        total, buckets = 0, []
+        for bound in bounds:
+            total += series.get(bound, 0)
+            buckets.append((f"{bound:g}", float(total)))
+        buckets.append(("+Inf", float(total + series.get(INF, 0))))
+        fam.add_metric([cluster, label], buckets, sum_value=series.get(None, 0) / 1e9)
+    yield from families.values()
 
 
 class MetricsEndpoint:

@@ -55,6 +55,9 @@ class Role(Service):
         self.env = env
         self.counters = Counters()
         self.segments: list[Segment] = []
+        # Endpoints the role serves besides its RPC socket, by name (e.g. "kv_events"): set in __init__, they go
+        # into the manifest for consoles and routers to find.
+        self.published: dict[str, str] = {}
         self.server: RpcServer | None = None
         self._started = time.monotonic()
         self._proc = psutil.Process()

@@ -48,6 +48,9 @@ def up_main(argv: list[str]) -> int:
     parser.add_argument("--shutdown-deadline", type=float, default=5.0)
     parser.add_argument("--kv-events", action="store_true",
                         help="publish KV events (pages stored/removed) on ipc://<runtime dir>/kv-events-<rank>")
+    parser.add_argument("--remote", default="", metavar="mooncake://HOST:PORT?metadata=URL",
+                        help="a Mooncake Store below the host tier: committed pages written behind to it, host-tier "
+                             "misses pulled from it (needs kvproc[remote]; see docs/remote.md)")
     parser.add_argument("--metrics", default=None, metavar="HOST:PORT",
                         help="serve Prometheus /metrics of every process here (port 0: a free one)")
     args = parser.parse_args(argv)
@@ -58,7 +61,7 @@ def up_main(argv: list[str]) -> int:
     from kvproc.runtime.launcher import RoleConfig, launch
 
     options = {"host_bytes": args.host_mib << 20, "lease_ttl_s": args.lease_ttl, "handoff_ttl_s": args.handoff_ttl,
-               "kv_events": args.kv_events}
+               "kv_events": args.kv_events, "remote": args.remote}
     try:
         cluster = launch(
             [RoleConfig("host_tier", r, tcp=_rank_tcp(args.tcp, r), options=options) for r in range(args.ranks)],

@@ -34,6 +34,7 @@ class ChildHandle:
     started_at: float
     endpoints: list[str] = field(default_factory=list)
     segments: list[str] = field(default_factory=list)
+    published: dict[str, str] = field(default_factory=dict)  # the child's other endpoints (`Role.published`)
     client: RpcClient | None = None
     exitcode: int | None = None
     exited: threading.Event = field(default_factory=threading.Event)

@@ -146,7 +146,7 @@ class ClusterStore:
               runtime_dir: str | None = None, max_restarts: int = 3, restart_window_s: float = 300.0,
               tier_runtime_dir: str | None = None, log_level: str = "info",
               cpus: Mapping[str, Sequence[int]] | None = None, metrics: str | None = None,
-              kv_events: bool = False) -> "ClusterStore":
+              kv_events: bool = False, remote: str | None = None) -> "ClusterStore":
         """Launch the host tier (if `host_bytes`) and one copy worker per rank; wait until all are up.
 
         `tier_runtime_dir` attaches to running shared host tiers instead (`kvproc up [--ranks N]`, found through
@@ -159,7 +159,11 @@ class ClusterStore:
 
         `metrics="HOST:PORT"` serves Prometheus `/metrics` of every process and the store (`kvproc/runtime/
         metrics.py`; port 0 picks a free one: `cs.cluster.metrics.address`). `kv_events=True` makes each host tier
-        publish what it stores and removes (`kvproc/tiers/kv_events.py`; `kv_events.endpoints(runtime_dir, rank)`)."""
+        publish what it stores and removes (`kvproc/tiers/kv_events.py`; `kv_events.endpoints(runtime_dir, rank)`).
+
+        `remote="mooncake://HOST:PORT?metadata=..."` puts a Mooncake Store below each host tier (`kvproc/tiers/
+        mooncake.py`: write-behind of committed pages, host-tier misses pulled from it; needs `kvproc[remote]`).
+        Ignored with `tier_runtime_dir` (a shared tier's remote is `kvproc up --remote`)."""
         if ranks < 1:
             raise ValueError(f"ranks must be >= 1, got {ranks}")
         save_ttl_s = derived_save_ttl(copy_timeout_s, save_ttl_s, StoreConfig.tier_call_timeout_s)
@@ -173,7 +177,8 @@ class ClusterStore:
         if host_bytes > 0 and not external:  # one host tier per rank, `host_bytes` each: ranks never share one
             roles += [RoleConfig("host_tier", r, log_level=log_level, options={
                 "host_bytes": host_bytes, "lease_ttl_s": lease_ttl_s, "handoff_ttl_s": handoff_ttl_s,
-                "save_ttl_s": save_ttl_s, "reap_interval_s": reap_interval_s, "kv_events": kv_events})
+                "save_ttl_s": save_ttl_s, "reap_interval_s": reap_interval_s, "kv_events": kv_events,
+                "remote": remote or ""})
                 for r in range(ranks)]
         roles += [RoleConfig("copy_worker", r, max_restarts=max_restarts, restart_window_s=restart_window_s,
                              log_level=log_level) for r in range(ranks)]

@@ -32,6 +32,7 @@ from kvproc.core.request_kv import RequestKv, RequestStateError
 from kvproc.ipc.cancel import CancelToken
 from kvproc.ipc.errors import reason_of
 from kvproc.ipc.orders import BoundedCopy, SaveOrder, SlotCopy
+from kvproc.runtime.histogram import Histogram, is_histogram_key
 from kvproc.runtime.loopthread import LoopThread
 from kvproc.store.resolve import Resolver
 from kvproc.store.resolve_blocking import BlockingResolver
@@ -106,6 +107,9 @@ class KvStore:
         self.outcomes = Outcomes(config.outcome_history)
         self.counters: Counter[str] = Counter()
         self._count_lock = threading.Lock()
+        # Resolve latency as the caller sees it (verb called -> prefix ready), by what served it: `hit` = host (some
+        # pages restored from the tier), device (the device pool only), miss (nothing, degraded included).
+        self._resolve_latency = {k: Histogram("resolve_latency_seconds", k) for k in ("host", "device", "miss")}
         self._loop = LoopThread()
         self._saves: list[set[asyncio.Task[None]]] = [set() for _ in self.layouts]
         # Loads a resolve stopped waiting for (asyncio futures from the loop path, concurrent ones from the blocking
@@ -194,6 +198,13 @@ class KvStore:
         call; a resolve that has to wait continues on the loop and frees its thread. Full-hit waits (a hand-off's
         consumer) go to the loop at once: they wait anyway."""
         self._check_rank(rank)
+        t0 = time.perf_counter_ns()
+        fut = self._submit_resolve(rank, req_id, tokens, scope, policy, cancel)
+        fut.add_done_callback(functools.partial(self._observe_resolve_future, t0))
+        return fut
+
+    def _submit_resolve(self, rank: int, req_id: str, tokens: Sequence[int] | np.ndarray, scope: HashScope,
+                        policy: ResolvePolicy, cancel: CancelToken | None) -> concurrent.futures.Future[KvPrefix]:
         pool = self._resolve_threads
         if pool is None or policy.wait_for_full_hit:
             return self._loop.submit(self._resolver.resolve(rank, req_id, tokens, scope, policy, cancel))
@@ -225,7 +236,18 @@ class KvStore:
         thread (`store/resolve_blocking.py`: one or two round trips, no hand-off to the store's loop); the rest
         (Loading, full-hit waits, pool pressure) continues on the loop. Not from the store's own loop."""
         self._check_rank(rank)
-        return self._blocking.resolve(rank, req_id, tokens, scope, policy, cancel)
+        t0 = time.perf_counter_ns()
+        prefix = self._blocking.resolve(rank, req_id, tokens, scope, policy, cancel)
+        self._observe_resolve(t0, prefix)
+        return prefix
+
+    def _observe_resolve(self, t0_ns: int, prefix: KvPrefix) -> None:
+        kind = "host" if prefix.host_tokens else "device" if prefix.device_tokens else "miss"
+        self.count_many(*self._resolve_latency[kind].keys(time.perf_counter_ns() - t0_ns))
+
+    def _observe_resolve_future(self, t0_ns: int, fut: concurrent.futures.Future[KvPrefix]) -> None:
+        if not fut.cancelled() and fut.exception() is None:  # a bug or a cancelled future: no latency to speak of
+            self._observe_resolve(t0_ns, fut.result())
 
     # -- seal -----------------------------------------------------------------------------------------------------
     def seal(self, rank: int, kv: RequestKv, cursor: SealCursor, save_class: SaveClass = SaveClass.CACHEABLE) -> None:
@@ -524,7 +546,8 @@ class KvStore:
     def counters_flat(self) -> dict[str, int]:
         """The store's counters, its outcomes and every pool's stats as one flat {name: int} (for the console; no
         call to the tier, unlike `stats()`)."""
-        out = {f"store.{k}": int(v) for k, v in list(self.counters.items())}
+        # histograms keep their own names (`runtime/histogram.py`: the exporter finds them by them)
+        out = {k if is_histogram_key(k) else f"store.{k}": int(v) for k, v in list(self.counters.items())}
         out.update({f"outcome.{k}": int(v) for k, v in list(self.outcomes.counts.items())})
         for r, pool in enumerate(self.pools):
             out.update({f"rank{r}.{k}": int(v) for k, v in pool.stats().items()})

@@ -44,9 +44,11 @@ from kvproc.ipc.errors import HandlerError
 from kvproc.ipc.segment import Segment
 from kvproc.ipc.service import handles
 from kvproc.runtime.role import Role, RoleEnv
-from kvproc.tiers.host_index import Hit, HostIndex, Loading, SaveClass, SaveTicket
+from kvproc.tiers.host_index import Hit, HostIndex, Loading, QueryResult, SaveClass, SaveTicket
 from kvproc.tiers.kv_events import AllBlocksCleared, KvEventPublisher
 from kvproc.tiers.layout import HostLayout, Region
+from kvproc.tiers.mooncake import MooncakeTier
+from kvproc.tiers.mooncake_client import RemoteSpec
 from kvproc.tiers.save_fence import DEFAULT_COPY_TIMEOUT_S, derived_save_ttl
 from kvproc.tiers.slot_table import ROWS
 
@@ -62,6 +64,14 @@ def layout_to_wire(layout: HostLayout) -> m.HostLayoutSpec:
 def layout_from_wire(spec: m.HostLayoutSpec) -> HostLayout:
     regions = tuple(Region(r.arena, r.group, r.offset, r.unit_bytes, r.slots) for r in spec.regions)
     return HostLayout(regions, spec.page_slots, dict(spec.bounded_slots), spec.total_bytes, spec.slot_table_offset)
+
+
+def _query_answer(res: QueryResult) -> m.TierMiss | m.TierLoading | m.TierHit:
+    if isinstance(res, Hit):
+        return m.TierHit(res.pages, res.lease_id, list(res.page_slots), dict(res.bounded_slots), list(res.page_gens))
+    if isinstance(res, Loading):
+        return m.TierLoading(res.ready_pages, res.save_id)
+    return m.TierMiss()
 
 
 class _Waiter:
@@ -107,6 +117,11 @@ class HostTierRole(Role):
         self.events: KvEventPublisher | None = None
         if opts.get("kv_events"):
             self.events = KvEventPublisher(env.runtime_dir, env.rank)
+            self.published.update(kv_events=self.events.pub_endpoint, kv_events_replay=self.events.replay_endpoint)
+        # The tier below this one (`mooncake.py`): off unless the `remote` option names a Mooncake Store. Parsed
+        # here so that a bad URL fails the tier's start; connected at Configure (it needs the segment and the model).
+        self.remote_spec = RemoteSpec.parse(opts["remote"]) if opts.get("remote") else None
+        self.remote: MooncakeTier | None = None
         self._timer = threading.Thread(target=self._timer_main, name="kvproc-host-timer", daemon=True)
         self._timer.start()
 
@@ -144,6 +159,10 @@ class HostTierRole(Role):
                 index.block_size = int(page[1]) if page else 0
                 self._publish_locked(index)
             self.index, self.layout, self.segment, self.fingerprint = index, layout, seg, msg.fingerprint
+            if self.remote_spec is not None:
+                self.remote = MooncakeTier(self.remote_spec, fingerprint=msg.fingerprint, layout=layout,
+                                           segment_addr=seg.address(), index=index, lock=self._lock,
+                                           settled=self._answer_settled)
             self._configured = m.Configured(seg.name, msg.layout, msg.fingerprint)
             self.counters.inc("configured")
             log.info("host_tier_configured", fingerprint=msg.fingerprint, segment=seg.name,
@@ -158,15 +177,16 @@ class HostTierRole(Role):
     # ---- queries and leases ----
 
     @handles(m.Query)
-    def query(self, msg: m.Query, ctx: CallContext) -> m.TierMiss | m.TierLoading | m.TierHit:
+    def query(self, msg: m.Query, ctx: CallContext) -> m.TierMiss | m.TierLoading | m.TierHit | Deferred:
+        remote = self.remote
         with self._lock:
-            res = self._index().query(msg.req_id, msg.hashes)
-        if isinstance(res, Hit):
-            return m.TierHit(res.pages, res.lease_id, list(res.page_slots), dict(res.bounded_slots),
-                             list(res.page_gens))
-        if isinstance(res, Loading):
-            return m.TierLoading(res.ready_pages, res.save_id)
-        return m.TierMiss()
+            start = remote.wants_probe(msg.hashes) if remote is not None else -1
+            if start < 0:
+                res = self._index().query(msg.req_id, msg.hashes)
+        if remote is not None and start >= 0:  # pages this tier lacks: ask Mooncake, answer once it has answered
+            remote.probe(msg.req_id, msg.hashes, start, ctx.remaining(), lambda r: ctx.ok(_query_answer(r)))
+            return ctx.defer()
+        return _query_answer(res)
 
     @handles(m.ReleaseLease)
     def release_lease(self, msg: m.ReleaseLease, ctx: CallContext) -> m.Done:
@@ -204,17 +224,46 @@ class HostTierRole(Role):
                                 dict(t.bounded_slots), t.expires, list(t.page_gens), t.fence, t.fence_token)
 
     @handles(m.CommitSave)
-    def commit_save(self, msg: m.CommitSave, ctx: CallContext) -> m.Done:
+    def commit_save(self, msg: m.CommitSave, ctx: CallContext) -> m.Done | Deferred:
+        through = False
         with self._lock:
             index = self._index()
+            ticket = index.saves.get(msg.save_id)
             committed = index.commit_save(msg.save_id)
             self._publish_locked(index)
+            if committed and ticket is not None and self.remote is not None:
+                if ticket.save_class is SaveClass.HANDOFF:  # written through: answered once Mooncake has it all
+                    through = self.remote.write_behind(ticket, lambda ok: self._written_through(ticket, ok, ctx))
+                    if not through:
+                        self.remote.counters["handoff_write_through_failed"] += 1
+                else:
+                    self.remote.write_behind(ticket)  # the new pages go to Mooncake in the background
         self._answer_settled()
         if not committed:
             self.counters.inc("commit_unknown_save")  # reclaimed (TTL, abort) before the copy's commit came
             raise HandlerError("save_reclaimed", f"save {msg.save_id} was given back before its commit: its copy "
                                                  "may not stand, nothing was committed")
+        if through:
+            # The commit itself stands: if the write takes longer than the caller waits, it is answered before its
+            # deadline anyway (the hand-off then stays pinned here only; counted when the write ends badly).
+            timer = threading.Timer(max(ctx.remaining() * 0.8, 0.0), lambda: ctx.ok(m.Done()))
+            timer.daemon = True
+            timer.start()
+            return ctx.defer()
         return m.Done()
+
+    def _written_through(self, ticket: SaveTicket, ok: bool, ctx: CallContext) -> None:
+        """A hand-off save's pages are all in Mooncake (`ok`), or could not be written. Once they are, the hand-off's
+        pin moves there: this tier releases its own (its pages stay here as cacheable entries), so a decode on another
+        node, which consumes through its own tier, leaves nothing pinned on this one."""
+        if ok:
+            with self._lock:
+                if self.index is not None:
+                    self.index.revoke_handoff(ticket.req_id)
+        counters = self.remote.counters if self.remote is not None else None
+        if counters is not None:
+            counters["handoffs_written_through" if ok else "handoff_write_through_failed"] += 1
+        ctx.ok(m.Done())
 
     @handles(m.AbortSave)
     def abort_save(self, msg: m.AbortSave, ctx: CallContext) -> m.Done:
@@ -319,6 +368,8 @@ class HostTierRole(Role):
             stats = self._index().stats()
             stats["waiters"] = sum(len(v) for v in self._save_waiters.values()) + \
                 sum(len(v) for v in self._key_waiters.values())
+        if self.remote is not None:
+            stats.update(self.remote.stats())
         return m.TierCounters(stats)
 
     @handles(m.Stats)
@@ -327,6 +378,8 @@ class HostTierRole(Role):
         with self._lock:
             if self.index is not None:
                 report.counters.update({f"index.{k}": v for k, v in self.index.stats().items()})
+        if self.remote is not None:
+            report.counters.update(self.remote.stats())
         if self.events is not None:
             report.counters.update(self.events.stats())
         return report
@@ -337,6 +390,8 @@ class HostTierRole(Role):
             self.events.publish(index.take_events())
 
     def on_stop(self) -> None:
+        if self.remote is not None:  # before the segment goes: Mooncake's engine has it registered
+            self.remote.close()
         with self._lock:
             self._stopping = True
             if self.index is not None:  # let go of the segment's view, so the segment unmaps now

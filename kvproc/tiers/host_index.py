@@ -210,6 +210,26 @@ class HostIndex:
         self.counters["query_hit_pages"] += depth
         return Hit(depth, lease_id, tuple(slots), dict(last or {}), tuple(slot_gen[slots].tolist()))
 
+    def committed_run(self, hashes: Sequence[bytes]) -> int:
+        """How many of `hashes`, from the start, are committed here (no lease taken)."""
+        return len(list(takewhile(self.entries.__contains__, hashes)))
+
+    def complete_depth(self, hashes: Sequence[bytes], n: int) -> int:
+        """The deepest of the first `n` (committed) pages at which a query could hit: its checkpoint complete."""
+        return self._deepest_complete(hashes, n)
+
+    def lease_keys(self, req_id: str, keys: Sequence[bytes], ttl_s: float | None = None) -> tuple[int, list[int | None]]:
+        """A lease on whichever of `keys` are committed (each slot's entry, and its bounded artifacts, then stay put
+        until `release_lease`): the lease id and each key's slot (None: not here). For a reader of the slots that is
+        not a store (the remote tier's write-behind); `ttl_s` defaults to the lease TTL."""
+        slots = [self.entries.get(k) for k in keys]
+        held = list(dict.fromkeys(s for s in slots if s is not None))
+        if held:
+            self._ref(held)
+        lease_id = next(self._ids)
+        self.leases[lease_id] = _Lease(req_id, held, None, self.clock() + (self.lease_ttl_s if ttl_s is None else ttl_s))
+        return lease_id, slots
+
     def _deepest_complete(self, hashes: Sequence[bytes], n: int) -> int:
         if not self.required:
             return n

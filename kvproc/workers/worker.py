@@ -29,6 +29,7 @@ from kvproc.ipc.context import CallContext
 from kvproc.ipc.errors import HandlerError
 from kvproc.ipc.segment import Segment, SegmentBusyError, SegmentError
 from kvproc.ipc.service import handles
+from kvproc.runtime.histogram import Histogram
 from kvproc.runtime.role import Role, RoleEnv
 from kvproc.tiers import save_fence
 from kvproc.tiers.host import layout_from_wire
@@ -37,6 +38,7 @@ from kvproc.workers.copy_exec import CopyError, CopyExecutor, RepackError
 
 log = structlog.get_logger("kvproc.copy_worker")
 _COUNTER_NAMES = {k: (f"orders_{k}", f"bytes_{k}", f"ns_{k}") for k in ("save", "load", "device", "engine")}
+_COPY_LATENCY = {k: Histogram("copy_latency_seconds", k) for k in _COUNTER_NAMES}  # one copy order's time, in situ
 
 
 def import_callable(path: str) -> Callable[..., Any]:
@@ -195,7 +197,8 @@ class CopyWorkerRole(Role):
             raise HandlerError("copy_error", str(e)) from None
         ns = time.perf_counter_ns() - t0
         orders, nbytes, nanos = _COUNTER_NAMES[kind]
-        self.counters.inc_many(((orders, 1), (nbytes, n), (nanos, ns)))  # ns: copy time in situ (console, benches)
+        # ns: copy time in situ (console, benches), and its distribution (`copy_latency_seconds` in /metrics)
+        self.counters.inc_many(((orders, 1), (nbytes, n), (nanos, ns), *_COPY_LATENCY[kind].keys(ns)))
         return m.Copied(n, ns)
 
     @handles(m.Save)

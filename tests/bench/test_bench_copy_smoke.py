@@ -6,8 +6,9 @@ from kvproc.bench.copybench import main
 
 
 def test_copy_bench_runs_and_writes_the_documented_json(tmp_path):
-    out = tmp_path / "copy.json"
-    assert main(["--quick", "--json", str(out)]) == 0
+    out, png = tmp_path / "copy.json", tmp_path / "copy.png"
+    assert main(["--quick", "--json", str(out), "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000  # --plot
     rows = json.loads(out.read_text())["results"]
     assert {r["op"] for r in rows} == {"save", "load"}
     assert {r["layout"] for r in rows} == {"contiguous", "scattered", "scattered, numpy"}  # numpy: the A/B path

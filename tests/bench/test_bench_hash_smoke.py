@@ -13,8 +13,9 @@ from kvproc.core.hashing import HashAlgorithm
 
 
 def test_hash_bench_quick_prints_table_and_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    out = tmp_path / "hash.json"
-    assert hashbench.main(["--quick", "--json", str(out)]) == 0
+    out, png = tmp_path / "hash.json", tmp_path / "hash.png"
+    assert hashbench.main(["--quick", "--json", str(out), "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000  # --plot
     printed = capsys.readouterr().out
     for alg in HashAlgorithm:
         assert alg.value in printed

@@ -13,8 +13,9 @@ from kvproc.ipc.segment import list_segments
 def test_ipc_bench_runs_and_writes_the_documented_json(tmp_path):
     ours = f"kvproc.cs{os.getpid()}x"  # the bench's ClusterStores are named after this process: only those count
     before = {s for s in list_segments() if s.startswith(ours)}
-    out = tmp_path / "ipc.json"
-    assert main(["--quick", "--json", str(out)]) == 0
+    out, png = tmp_path / "ipc.json", tmp_path / "ipc.png"
+    assert main(["--quick", "--json", str(out), "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000  # --plot
     doc = json.loads(out.read_text())
     assert [r["blocks"] for r in doc["results"]] == [1, 16, 64, 256]
     for r in doc["results"]:
@@ -32,3 +33,17 @@ def test_ipc_bench_runs_and_writes_the_documented_json(tmp_path):
     assert doc["resolves_per_s"] > 0
     assert doc["resolves_via_loop"] == 0  # every host hit of the blocking path stayed on the calling thread
     assert not {s for s in list_segments() if s.startswith(ours)} - before  # the bench's cluster and arenas are gone
+
+
+@pytest.mark.timeout(600)
+def test_the_observability_ab_runs_both_arms_in_their_own_processes_and_writes_the_ratios(tmp_path):
+    out = tmp_path / "ab.json"
+    assert main(["--observe-ab", "2", "--n", "20", "--scrape-s", "0.2", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert [p["first"] for p in doc["pairs"]] == ["plain", "observed"]  # the order alternates
+    for p in doc["pairs"]:
+        assert p["plain_resolve_median_us"] > 0 and p["observed_resolve_median_us"] > 0
+        assert "plain_metrics_scrapes" not in p  # the plain arm has no endpoint and no observer
+        assert p["observed_kv_event_batches_read"] > 0  # the observed arm's seals were published and read
+    assert set(doc["median_ratio"]) == {"resolve_median_us", "resolve_mean_us", "seal_median_us"}
+    assert doc["histogram_observe_ns"] > 0

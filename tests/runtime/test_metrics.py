@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import time
 import urllib.request
 from typing import Any
 
@@ -62,6 +63,46 @@ def test_a_scrape_reports_hits_by_tier_outcomes_copies_and_every_process_as_the_
         assert value(got, "kvproc:counter", role="copy_worker", rank="0", name="orders_save") == worker["orders_save"]
         # the console's counters of the store itself, under the launcher's process
         assert value(got, "kvproc:counter", role="launcher", name="store.prefix_cache_hits_host") == 16
+
+
+def histogram(families: dict[str, list[Any]], metric: str, **labels: str) -> tuple[list[tuple[float, float]], float,
+                                                                                     float]:
+    """([(le, cumulative count)], _count, _sum) of one series of a histogram family."""
+    samples = [s for s in families[metric] if all(s.labels.get(k) == v for k, v in labels.items())]
+    buckets = sorted((float(s.labels["le"]), s.value) for s in samples if s.name == f"{metric}_bucket")
+    (count,) = [s.value for s in samples if s.name == f"{metric}_count"]
+    (total,) = [s.value for s in samples if s.name == f"{metric}_sum"]
+    return buckets, count, total
+
+
+def test_resolve_and_copy_latency_histograms_count_every_resolve_by_what_served_it_and_every_copy_order() -> None:
+    with cluster_store(metrics="127.0.0.1:0") as (cs, store, model):
+        toks = list(range(1, 18))
+        t0 = time.perf_counter()
+        kv, cur, _, _ = compute(store, model, "a", toks)  # a miss
+        store.retire(0, kv, cur)
+        store.flush_saves(0, 10)
+        store.resolve_prefix_sync(0, "b", toks).hold.release()  # device hit, blocking form
+        store.submit_resolve(0, "b2", toks).result(10).hold.release()  # device hit, thread form
+        churn(store)
+        store.resolve_prefix_sync(0, "c", toks).hold.release()  # host hit
+        wall = time.perf_counter() - t0
+        got = scrape(cs.cluster.metrics.address)
+        metric = "kvproc:resolve_latency_seconds"
+        for hit, n in (("miss", 1), ("device", 2), ("host", 1)):
+            buckets, count, total = histogram(got, metric, cluster=cs.cluster.name, hit=hit)
+            assert count == n, (hit, buckets)
+            assert buckets[-1] == (float("inf"), n)
+            assert [c for _, c in buckets] == sorted(c for _, c in buckets)  # cumulative
+            assert len(buckets) == 18  # every standard bound, hit or not
+            assert 0 < total < wall
+        worker = cs.cluster.client("copy_worker").request(m.Stats(), timeout=5).counters
+        for direction in ("save", "load"):
+            _, count, total = histogram(got, "kvproc:copy_latency_seconds", direction=direction)
+            assert count == worker[f"orders_{direction}"] >= 1
+            assert total == pytest.approx(worker[f"ns_{direction}"] / 1e9)
+        # the buckets are no console counters: not repeated under kvproc:counter
+        assert not [s for s in got["kvproc:counter"] if s.labels["name"].startswith("hist.")]
 
 
 def test_a_killed_child_is_reported_down_then_restarted() -> None:

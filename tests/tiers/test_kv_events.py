@@ -112,3 +112,20 @@ def test_a_tier_without_kv_events_publishes_nothing() -> None:
     with cluster_store() as (cs, store, model):
         counters = cs.cluster.client("host_tier").request(m.Stats(), timeout=5).counters
         assert not any(k.startswith("kv_events.") for k in counters)
+
+
+def test_the_manifest_names_the_events_and_metrics_endpoints_and_they_answer() -> None:
+    from kvproc.runtime import manifest as mf
+
+    with cluster_store(kv_events=True, metrics="127.0.0.1:0") as (cs, _, _):
+        found = mf.read_manifest(cs.cluster.runtime_dir)  # what a console or a router reads: nothing else shared
+        assert found.metrics == cs.cluster.metrics.address
+        (tier,) = [p for p in found.processes if p.role == "host_tier"]
+        assert tier.published == dict(zip(("kv_events", "kv_events_replay"), endpoints(cs.cluster.runtime_dir, 0)))
+        (worker,) = [p for p in found.processes if p.role == "copy_worker"]
+        assert worker.published == {}
+        first = _replay(tier.published["kv_events_replay"])[0]
+        assert first[0] == 0 and isinstance(decode_batch(first[1]).events[0], AllBlocksCleared)
+    with cluster_store() as (cs, _, _):
+        found = mf.read_manifest(cs.cluster.runtime_dir)
+        assert found.metrics == "" and all(p.published == {} for p in found.processes)

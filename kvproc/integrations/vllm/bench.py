@@ -32,7 +32,10 @@ from pathlib import Path
 from typing import Any
 
 ARMS = ("vllm", "vllm_kvproc", "vllm_disk")
-EXTRA_ARMS = ("vllm_kvproc_cma",)  # on request (--arms): the copy worker moves the bytes by cross-memory attach
+# On request (--arms): the copy worker moves the bytes by cross-memory attach; every step waits for its moves (the
+# synchronous path: async_moves=False, for an A/B of the asynchronous one).
+EXTRA_ARMS = ("vllm_kvproc_cma", "vllm_kvproc_sync")
+_KVPROC_ARMS = ("vllm_kvproc", "vllm_kvproc_cma", "vllm_kvproc_sync")
 
 
 def build_model(out: Path, layers: int, hidden: int, seed: int = 1234) -> Path:
@@ -92,8 +95,8 @@ class _Timer:
 
 
 _CONNECTOR_METHODS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
-                      "update_connector_output", "request_finished", "start_load_kv", "wait_for_save",
-                      "build_connector_worker_meta")
+                      "update_connector_output", "request_finished", "handle_preemptions", "start_load_kv",
+                      "wait_for_save", "get_finished", "get_block_ids_with_load_errors")
 
 
 def run_arm(arm: str, model: Path, a: argparse.Namespace, workdir: Path) -> dict[str, Any]:
@@ -106,7 +109,7 @@ def run_arm(arm: str, model: Path, a: argparse.Namespace, workdir: Path) -> dict
 
     timer = _Timer()
     kw: dict[str, Any] = {}
-    if arm in ("vllm_kvproc", "vllm_kvproc_cma"):
+    if arm in _KVPROC_ARMS:
         from kvproc.integrations.vllm.connector import KvprocConnector
 
         timer.wrap_connector(KvprocConnector, _CONNECTOR_METHODS)
@@ -114,7 +117,8 @@ def run_arm(arm: str, model: Path, a: argparse.Namespace, workdir: Path) -> dict
                                     "kv_connector_module_path": "kvproc.integrations.vllm.connector",
                                     "kv_connector_extra_config": {
                                         "host_bytes": a.host_mib << 20,
-                                        "mover": "cma" if arm == "vllm_kvproc_cma" else "local"}}
+                                        "mover": "cma" if arm == "vllm_kvproc_cma" else "local",
+                                        "async_moves": arm != "vllm_kvproc_sync"}}
     elif arm == "vllm_disk":
         kw["kv_transfer_config"] = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
                                     "kv_connector_extra_config": {"shared_storage_path": str(workdir / "disk")}}
@@ -188,7 +192,7 @@ def run_arm(arm: str, model: Path, a: argparse.Namespace, workdir: Path) -> dict
         "ttft_ms_by_turn": {t: 1000 * statistics.median(v) for t, v in sorted(ttft_by_turn.items())},
         "outputs": outputs,
     }
-    if arm in ("vllm_kvproc", "vllm_kvproc_cma"):
+    if arm in _KVPROC_ARMS:
         res["connector_s"] = timer.connector_s
         res["step_s"] = timer.step_s
         res["connector_share_of_step"] = timer.connector_s / timer.step_s if timer.step_s else 0.0
@@ -196,7 +200,9 @@ def run_arm(arm: str, model: Path, a: argparse.Namespace, workdir: Path) -> dict
         res["steps"] = timer.steps
         from kvproc.integrations.vllm.runtime import live_runtimes
 
-        res["kvproc_counters"] = dict(live_runtimes()[0].counters)
+        rt = live_runtimes()[0]
+        res["kvproc_counters"] = dict(rt.counters)
+        res["mover_busy_s"] = rt.moves.busy_s if rt.moves is not None else 0.0  # off vLLM's thread
     llm.llm_engine.engine_core.shutdown()
     return res
 
@@ -298,15 +304,23 @@ def _workload(a: argparse.Namespace) -> dict[str, Any]:
 
 def _print(a: argparse.Namespace, results: dict[str, Any], identical: bool) -> None:
     print(f"kvproc bench vllm: {_workload(a)}")
-    head = (f"{'arm':<12} {'TTFT p50':>9} {'TTFT p99':>9} {'out tok/s':>9} {'prompt':>8} {'vLLM $':>8} "
+    head = (f"{'arm':<16} {'TTFT p50':>9} {'TTFT p99':>9} {'out tok/s':>9} {'prompt':>8} {'vLLM $':>8} "
             f"{'connector':>9} {'computed':>8} {'conn/step':>9}")
     print(head)
     print("-" * len(head))
     for arm, r in results.items():
         share = f"{100 * r['connector_share_of_step']:.1f}%" if "connector_share_of_step" in r else "-"
-        print(f"{arm:<12} {r['ttft_p50_ms']:>7.0f}ms {r['ttft_p99_ms']:>7.0f}ms {r['output_tok_s']:>9.1f} "
+        print(f"{arm:<16} {r['ttft_p50_ms']:>7.0f}ms {r['ttft_p99_ms']:>7.0f}ms {r['output_tok_s']:>9.1f} "
               f"{r['prompt_tokens']:>8} {r['from_vllm_cache']:>8} {r['from_connector']:>9} {r['computed']:>8} "
               f"{share:>9}")
+    base = results.get("vllm")
+    if base:  # the targets are ratios against vLLM alone, same run
+        for arm, r in results.items():
+            if arm != "vllm" and base["ttft_p50_ms"] and base["output_tok_s"]:
+                mover = f", mover thread {r['mover_busy_s']:.2f} s" if "mover_busy_s" in r else ""
+                print(f"{arm}: TTFT p50 {r['ttft_p50_ms'] / base['ttft_p50_ms']:.2f}x, p99 "
+                      f"{r['ttft_p99_ms'] / base['ttft_p99_ms']:.2f}x, out tok/s "
+                      f"{r['output_tok_s'] / base['output_tok_s']:.2f}x of vllm{mover}")
     print(f"\noutputs identical across arms: {identical}")
 
 

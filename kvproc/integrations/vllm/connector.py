@@ -12,14 +12,18 @@ vLLM's own prefix cache stays the device tier; kvproc is the tier below it. Per 
   into staging blocks) becomes the mirror's prefix. Tokens beyond vLLM's own hit are reported to vLLM, which
   allocates blocks for them; a resolve still running makes vLLM ask again at its next step (never a wait on its
   scheduler thread past `resolve_wait_s`).
-- each step (`build_connector_meta`): loads (staging block -> vLLM block) for the hits admitted in this step, and
-  saves (vLLM block -> staging block) for every page that becomes full in this step. The worker side runs both on
-  vLLM's worker, loads before the forward, saves after it, one `index_copy_` per layer, and reports the steps' jobs
-  back (`build_connector_worker_meta`).
-- `update_connector_output`: a finished save is `apply`-ed to the mirror (its pages sealed in place) and handed to
-  `store.seal`: the copy worker process moves staging -> host tier asynchronously, off vLLM's threads.
-- `request_finished`: `store.retire` (the final seal, then release) once the request's last copy is reported; vLLM's
-  blocks are free at once (the bytes already left them, so no delayed free is needed).
+- loads are asynchronous: a hit beyond vLLM's own is returned as `(n, True)`; vLLM allocates the blocks and holds
+  the request back; the step's meta carries the load (staging block -> vLLM block), the worker side hands it to the
+  engine's mover thread (`moves.py`) and `get_finished` reports the request once the load settled.
+- each page that becomes full in a step is saved (vLLM block -> staging block): `wait_for_save` hands the step's
+  saves to the mover and returns. The mover copies itself (`mover="local"`) or has kvproc's copy worker process
+  copy by cross-memory attach (`mover="cma"`); vLLM's forward thread never waits for bytes (`async_moves=False`
+  restores the synchronous path).
+- the scheduler side reads settled moves at its next entry point (`_drain`): a saved page is `apply`-ed to the mirror
+  (sealed in place) and handed to `store.seal`: the copy worker moves staging -> host tier, asynchronously.
+- `request_finished`: with a save still in flight it returns True (vLLM keeps the blocks until `get_finished`
+  reports the request sent); `store.retire` (the final seal, then release) once the request's moves settled. A
+  preempted request's save in flight is waited for in `handle_preemptions`, before vLLM's forward reuses its blocks.
 
 P/D (`kv_role="kv_producer"` / `"kv_consumer"`, docs/vllm.md): the producer also saves the prompt's partial last
 page in the prefill step, pads and seals it all with `SaveClass.HANDOFF`, and `request_finished` returns kvproc's
@@ -28,8 +32,7 @@ fingerprint and resolved in full-hit mode, its pages loaded straight from the re
 
 Nothing here can make vLLM wait forever or compute with wrong KV: a resolve that fails is a miss; a load that fails
 reports its blocks to vLLM (`get_block_ids_with_load_errors`: vLLM recomputes them); a save that fails is a future
-miss. The bytes of vLLM's tensors move on vLLM's worker thread (see docs/vllm.md for what remains: the copy worker
-reaching vLLM's memory directly).
+miss; a move that fails is one of those (`moves.py` says it once per outage).
 """
 
 from __future__ import annotations
@@ -48,7 +51,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
-    KVConnectorWorkerMetadata,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -69,6 +71,7 @@ from kvproc import (
 from kvproc.core.holds import PrefixHold
 from kvproc.integrations.vllm import runtime as rt_mod
 from kvproc.integrations.vllm.contract import VllmKvContract, contract_from_vllm, model_identity
+from kvproc.integrations.vllm.moves import CopyJob, MoveQueue
 from kvproc.tiers.remote import RemoteCopier
 
 if TYPE_CHECKING:
@@ -90,31 +93,14 @@ HANDOFF_KEY = "kvproc_handoff"
 # ---- what travels scheduler -> worker and back ------------------------------------------------------------------
 
 @dataclass
-class CopyJob:
-    """Block copies of one request in one step: `src[i]` -> `dst[i]` (vLLM block ids on one side, staging block ids
-    on the other)."""
-
-    job_id: int
-    req_id: str
-    src: list[int]
-    dst: list[int]
-
-
-@dataclass
 class KvprocConnectorMetadata(KVConnectorMetadata):
-    loads: list[CopyJob] = field(default_factory=list)  # staging -> vLLM, before the forward
-    saves: list[CopyJob] = field(default_factory=list)  # vLLM -> staging, after the forward
+    loads: list[CopyJob] = field(default_factory=list)  # staging -> vLLM, landed before the forward (P/D, sync)
+    async_loads: list[CopyJob] = field(default_factory=list)  # staging -> vLLM, for requests vLLM holds back
+    saves: list[CopyJob] = field(default_factory=list)  # vLLM -> staging, after the forward, not waited for
     failed_loads: list[int] = field(default_factory=list)  # vLLM blocks promised but not loadable: recompute
-
-
-@dataclass
-class KvprocWorkerMetadata(KVConnectorWorkerMetadata):
-    done: list[int] = field(default_factory=list)
-    failed: list[int] = field(default_factory=list)
-
-    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        assert isinstance(other, KvprocWorkerMetadata)
-        return KvprocWorkerMetadata(self.done + other.done, self.failed + other.failed)
+    wait_jobs: list[int] = field(default_factory=list)  # saves of preempted requests: done before vLLM reuses blocks
+    unloaded: list[str] = field(default_factory=list)  # requests held back for a load that could not be planned
+    async_started: bool = False  # the worker side submitted async_loads (at handle_preemptions, before the forward)
 
 
 # ---- the scheduler side's per-request state -----------------------------------------------------------------------
@@ -131,6 +117,7 @@ class _Req:
     # A load vLLM accepted at intake: (tokens vLLM had itself, tokens to load); turned into a job at the next meta.
     pending_load: tuple[int, int] | None = None
     job: int | None = None  # the save in flight (one at a time: a RequestKv has one scheduled step)
+    load_job: int | None = None  # the load in flight into vLLM's blocks (its source pinned until it settles)
     finishing: bool = False
     saving: bool = True  # False once a save could not be scheduled (lifetime, a refusal): no more for this request
     # P/D consumer: the producer's envelope, and the full-hit hold of its padded chain until vLLM's blocks have it.
@@ -182,7 +169,8 @@ class KvprocConnector(KVConnectorBase_V1):
         # scheduler side
         self._reqs: dict[str, _Req] = {}
         self._jobs: dict[int, _Req] = {}
-        self._handoff_loads: dict[int, _Req] = {}  # load job -> the hand-off whose hold it reads
+        self._loads: dict[int, _Req] = {}  # load job -> its request (the mirror or hand-off hold it reads)
+        self._async_ready: list[_Req] = []  # requests vLLM holds back for a load: planned at the next meta
         self._job_ids = itertools.count(1)
         # worker side
         # layer -> vLLM's tensor / the staging arena, as [blocks, bytes_per_block] uint8 arrays (views, no copy)
@@ -190,9 +178,9 @@ class KvprocConnector(KVConnectorBase_V1):
         self._staging: dict[str, np.ndarray] = {}
         self._bases: dict[str, int] = {}  # layer -> address of vLLM's block 0 (the cma mover's remote side)
         self._allowed_pid = 0
-        self._done: list[int] = []
-        self._failed: list[int] = []
         self._load_errors: set[int] = set()
+        self._receiving: set[str] = set()  # requests whose asynchronous load was submitted, not yet reported
+        self._sending: set[str] = set()  # finished requests whose delayed free waits for their saves
         log.info("kvproc_connector", role=role.name, engine_id=engine_id, page_tokens=self.page,
                  layers=len(self.contract.layer_names))
 
@@ -215,35 +203,33 @@ class KvprocConnector(KVConnectorBase_V1):
             self._kv[name] = t.view(-1).view(torch.uint8).view(c.vllm_num_blocks, c.bytes_per_block).numpy()
             self._staging[name] = staging[name].numpy()
             self._bases[name] = t.data_ptr()
+        if self.rt.moves is None:
+            self.rt.moves = MoveQueue(self._copy)
+
+    @property
+    def _moves(self) -> MoveQueue:
+        assert self.rt.moves is not None, "register_kv_caches comes first"
+        return self.rt.moves
 
     def _copy(self, jobs: list[CopyJob], to_vllm: bool) -> None:
-        """All of a step's jobs of one direction: runs of consecutive blocks on both sides coalesced, one memcpy
-        per run per layer. (torch's `index_copy_` on uint8 rows moves ~0.13 GiB/s here against ~4.7 GiB/s for
-        this: bench/RESULTS.md, "vLLM connector".)"""
-        if not jobs:
-            return
+        """All of one batch's jobs of one direction, on the mover thread (`moves.py`); raises on failure. Runs of
+        consecutive blocks on both sides are coalesced: one memcpy (or one iovec) per run per layer. (torch's
+        `index_copy_` on uint8 rows moves ~0.13 GiB/s here against ~4.7 GiB/s for this: bench/RESULTS.md, "vLLM
+        connector".)"""
         runs = _runs([b for j in jobs for b in j.src], [b for j in jobs for b in j.dst])
-        try:
-            if self.options.mover == "cma":
-                self._move_in_copy_worker(jobs, to_vllm)
-            else:
-                for name, vk in self._kv.items():
-                    sk = self._staging[name]
-                    src, dst = (sk, vk) if to_vllm else (vk, sk)
-                    for a, b, n in runs:
-                        np.copyto(dst[b:b + n], src[a:a + n])
-        except Exception as e:  # noqa: BLE001 - a failed copy is a miss (load) or a lost save, never a crash
-            log.error("kvproc_copy_failed", to_vllm=to_vllm, error=repr(e))
-            self._failed += [j.job_id for j in jobs]
-            if to_vllm:
-                self._load_errors.update(b for j in jobs for b in j.dst)
-            return
-        self._done += [j.job_id for j in jobs]
+        if self.options.mover == "cma":
+            self._move_in_copy_worker(jobs, to_vllm)
+        else:
+            for name, vk in self._kv.items():
+                sk = self._staging[name]
+                src, dst = (sk, vk) if to_vllm else (vk, sk)
+                for a, b, n in runs:
+                    np.copyto(dst[b:b + n], src[a:a + n])
         self.rt.count("pages_loaded_into_vllm" if to_vllm else "pages_saved_from_vllm", sum(n for _, _, n in runs))
 
     def _move_in_copy_worker(self, jobs: list[CopyJob], to_vllm: bool) -> None:
-        """The step's blocks moved by kvproc's copy worker process, reading or writing vLLM's own memory by
-        cross-memory attach (this thread only waits for its reply)."""
+        """The batch's blocks moved by kvproc's copy worker process, reading or writing vLLM's own memory by
+        cross-memory attach (the mover thread only waits for its reply)."""
         from kvproc.ipc import messages as m
         from kvproc.ipc.errors import RemoteError
         from kvproc.workers.cma import allow_mover
@@ -269,37 +255,70 @@ class KvprocConnector(KVConnectorBase_V1):
                 assert isinstance(copier, RemoteCopier)  # a ClusterStore's: the copy worker is its own process
                 copier.attach_now(10.0)  # a restarted worker: give it the arenas, then retry
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """vLLM calls this at the start of every step, before the forward. A preempted request's save still reading
+        its blocks must have run before the forward may overwrite them; and the step's asynchronous loads start here,
+        beside the forward (vLLM calls `start_load_kv` only after the forward when no load is synchronous, and
+        `get_finished` right after it: a load started there would be reported, and its request scheduled, a step
+        later)."""
+        meta = kv_connector_metadata
+        assert isinstance(meta, KvprocConnectorMetadata)
+        if meta.wait_jobs:
+            self.rt.count("preemption_waits")
+            self._moves.wait(meta.wait_jobs, self.options.move_wait_s)  # else poisoned: reported failed, not sealed
+        self._start_async_loads(meta)
+
+    def _start_async_loads(self, meta: KvprocConnectorMetadata) -> None:
+        if meta.async_started:
+            return
+        meta.async_started = True
+        self._moves.submit(meta.async_loads, to_vllm=True)  # vLLM holds these requests back until get_finished
+        self._receiving.update(j.req_id for j in meta.async_loads)
+        self._receiving.update(meta.unloaded)
+
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvprocConnectorMetadata)
         self._load_errors.update(meta.failed_loads)
-        self._copy(meta.loads, to_vllm=True)
+        moves = self._moves
+        if meta.loads:  # this step's forward reads them: landed (or reported failed) before it starts
+            moves.submit(meta.loads, to_vllm=True)
+            if not moves.wait([j.job_id for j in meta.loads], self.options.move_wait_s):
+                self._load_errors.update(b for j in meta.loads for b in j.dst)
+        self._start_async_loads(meta)  # if handle_preemptions did not (a runner that does not call it)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads are complete when start_load_kv returns
+        return  # the step's synchronous loads landed in start_load_kv; asynchronous ones are not this step's
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         return  # saved in wait_for_save, all layers at once
 
     def wait_for_save(self) -> None:
+        """Submits the step's saves to the mover and returns: their source blocks stay vLLM's request's until they
+        settle (a finished request's free is delayed, a preempted one's reuse waits in `handle_preemptions`)."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvprocConnectorMetadata)
-        self._copy(meta.saves, to_vllm=False)
+        self._moves.submit(meta.saves, to_vllm=False)
+        if not self.options.async_moves:
+            self._moves.wait([j.job_id for j in meta.saves], self.options.move_wait_s)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        moves = self._moves
+        recving = moves.settled(self._receiving)
+        self._receiving -= recving
+        self._sending |= moves.delayed_among(finished_req_ids)
+        sending = moves.settled(self._sending)
+        self._sending -= sending
+        return sending or None, recving or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        out, self._load_errors = self._load_errors, set()
-        return out
-
-    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        if not self._done and not self._failed:
-            return None
-        out = KvprocWorkerMetadata(self._done, self._failed)
-        self._done, self._failed = [], []
+        out, self._load_errors = self._load_errors | self._moves.take_load_errors(), set()
         return out
 
     # ============================ scheduler side ============================
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        self._drain()
         r = self._reqs.get(request.request_id)
         if r is None and _envelope_of(request) is not None:
             r = self._reqs[request.request_id] = _Req(request.request_id, request)
@@ -330,14 +349,16 @@ class KvprocConnector(KVConnectorBase_V1):
                 prefix = None
             r.resolve = None
             self._start_mirror(r, prefix)
-        if r.mirror is None or r.job is not None:
+        if r.mirror is None or r.job is not None or r.load_job is not None:
             return 0, False
         # Pages the mirror holds (sealed, bytes in staging). At least one token must be computed to sample.
         cap = (request.num_tokens - 1) // self.page * self.page
         hit = min(r.mirror.num_computed, cap)
         ext = max(0, hit - num_computed_tokens)
         r.pending_load = (num_computed_tokens, ext) if ext else None
-        return ext, False
+        # Asynchronous: vLLM holds the request back (its blocks allocated) until the mover reports the load, so
+        # neither this step's forward nor vLLM's scheduler waits for the bytes.
+        return ext, ext > 0 and self.options.async_moves
 
     # ---- P/D consumer ----
 
@@ -389,12 +410,52 @@ class KvprocConnector(KVConnectorBase_V1):
                 self.store.release_handoff(env.producer_req_id)
             r.hold = prefix.hold
             self.rt.count("handoffs_adopted")
-        if r.hold is None or r.pending_load is not None:
+            if not self._start_handoff_mirror(r, env):
+                return 0, False
+        if (r.hold is None and r.mirror is None) or r.pending_load is not None or r.load_job is not None:
             return 0, False
         # The committed prompt tokens, the padded page's real rows included; vLLM computes the rest (the anchor).
         ext = max(0, env.committed_len - num_computed_tokens)
         r.pending_load = (num_computed_tokens, ext) if ext else None
         return ext, False
+
+    def _start_handoff_mirror(self, r: _Req, env: HandoffEnvelope) -> bool:
+        """The consumer's own mirror of a hand-off request, so that it saves the pages it computes (the padded
+        page's real rows and what it decodes) like any request: the hold is adopted as the mirror's prefix, its
+        padded page copied into a private staging block first (kvproc's copy-on-restore). Without room in the staging
+        pool the hold stays a plain source of the load (nothing saved: True). False: the adoption failed after the
+        hold was consumed; vLLM computes the prompt itself."""
+        assert r.hold is not None
+        req = r.request
+        try:
+            kv = RequestKv(self.store.pools[0], r.req_id, list(req.prompt_token_ids or []),
+                           max(1, int(req.max_tokens)), scope=_scope(req))
+        except (ValueError, TypeError) as e:
+            log.warning("kvproc_request_refused", req_id=r.req_id, error=repr(e))
+            self.rt.count("requests_refused")
+            return True
+        k = r.hold.num_blocks
+        padded = env.committed_len % self.page != 0
+        if not kv.try_admit(k - 1 if padded else k):
+            self.rt.count("staging_full")
+            kv.release()
+            return True
+        try:
+            orders = kv.adopt_handoff_prefix(r.hold, env.committed_len)  # consumes the hold
+        except ValueError as e:  # checked before anything is consumed: the hold is still ours
+            log.error("kvproc_handoff_adopt_refused", req_id=r.req_id, error=str(e))
+            kv.release()
+            return True
+        r.hold = None
+        if orders and not self.store.execute_copies(0, orders):  # the padded page's private copy, fenced
+            log.warning("kvproc_handoff_privatize_failed", req_id=r.req_id)
+            self.rt.count("handoffs_short")
+            kv.release()
+            r.handoff = None
+            return False
+        r.mirror = kv
+        r.cursor = SealCursor.after_prefix(env.committed_len // self.page)  # the producer sealed those
+        return True
 
     def _plan_handoff_load(self, r: _Req, meta: KvprocConnectorMetadata) -> None:
         """The hold's pages (the padded one whole: its pad rows are overwritten by vLLM before they are read) into
@@ -410,7 +471,8 @@ class KvprocConnector(KVConnectorBase_V1):
             meta.failed_loads.extend(r.vllm_blocks[a:b])
             return
         job = CopyJob(next(self._job_ids), r.req_id, staging[a:b], r.vllm_blocks[a:b])
-        self._handoff_loads[job.job_id] = r
+        self._loads[job.job_id] = r
+        r.load_job = job.job_id
         meta.loads.append(job)
         self.rt.count("hit_tokens_loaded", ext)
         self.rt.count("handoff_tokens_loaded", ext)
@@ -454,9 +516,20 @@ class KvprocConnector(KVConnectorBase_V1):
         elif r.pending_load is not None and r.pending_load[1] != num_external_tokens:
             # vLLM trimmed the external hit (a partial local block): load what it kept, from the same start
             r.pending_load = (r.pending_load[0] + r.pending_load[1] - num_external_tokens, num_external_tokens)
+        if r.pending_load is not None and r.mirror is not None and r.handoff is None and self.options.async_moves:
+            self._async_ready.append(r)  # vLLM holds it back for the load: planned in this step's meta
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        self._drain()
         meta = KvprocConnectorMetadata()
+        ready, self._async_ready = self._async_ready, []
+        for held in ready:
+            if held.pending_load is not None and held.mirror is not None and not held.finishing:
+                self._plan_load(held, meta, meta.async_loads)
+        for req_id in scheduler_output.preempted_req_ids or ():
+            pre = self._reqs.get(req_id)
+            if pre is not None and pre.job is not None:  # vLLM reuses its blocks in this very step
+                meta.wait_jobs.append(pre.job)
         computed: dict[str, int] = {}
         for new in scheduler_output.scheduled_new_reqs:
             r = self._reqs.get(new.req_id)
@@ -480,25 +553,36 @@ class KvprocConnector(KVConnectorBase_V1):
                 self._plan_handoff_load(r, meta)
             if r is None or r.mirror is None or req_id not in computed:
                 continue
-            if r.pending_load is not None:
-                self._plan_load(r, meta)
+            if r.pending_load is not None:  # synchronous loads (async_moves=False): landed before the forward
+                self._plan_load(r, meta, meta.loads)
             self._plan_save(r, computed[req_id] + n, meta)
         return meta
 
-    def _plan_load(self, r: _Req, meta: KvprocConnectorMetadata) -> None:
+    def _plan_load(self, r: _Req, meta: KvprocConnectorMetadata, into: list[CopyJob]) -> None:
         assert r.mirror is not None and r.pending_load is not None
         local, ext = r.pending_load
         r.pending_load = None
         a, b = local // self.page, (local + ext) // self.page
+        if r.handoff is not None:  # the padded page too, whole: its pad rows are overwritten before they are read
+            b = -(-(local + ext) // self.page)
         staging = r.mirror.block_ids
         if b > len(staging) or b > len(r.vllm_blocks):
             # Never: vLLM counted these tokens as computed, so they must be recomputed, not left unloaded.
             log.error("kvproc_load_inconsistent", req_id=r.req_id, pages=(a, b), mirror=len(staging),
                       vllm=len(r.vllm_blocks))
             meta.failed_loads.extend(r.vllm_blocks[a:b])
+            if into is meta.async_loads:  # vLLM holds it back: report it (its blocks failed) at once
+                meta.unloaded.append(r.req_id)
             return
-        meta.loads.append(CopyJob(next(self._job_ids), r.req_id, staging[a:b], r.vllm_blocks[a:b]))
+        job = CopyJob(next(self._job_ids), r.req_id, staging[a:b], r.vllm_blocks[a:b])
+        self._loads[job.job_id] = r
+        r.load_job = job.job_id
+        into.append(job)
         self.rt.count("hit_tokens_loaded", ext)
+        if r.handoff is not None:
+            self.rt.count("handoff_tokens_loaded", ext)
+        if into is meta.async_loads:
+            self.rt.count("loads_async")
 
     def _plan_save(self, r: _Req, computed_after: int, meta: KvprocConnectorMetadata) -> None:
         """Pages that are full once this step ran: drawn in the mirror now, filled by the worker after the forward,
@@ -541,37 +625,54 @@ class KvprocConnector(KVConnectorBase_V1):
         meta.saves.append(job)
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
-        wm = connector_output.kv_connector_worker_meta
-        if not isinstance(wm, KvprocWorkerMetadata):
+        self._drain()
+
+    def _drain(self) -> None:
+        """The mover's settled jobs (`moves.py`), on the scheduler's thread: seal saved pages, unpin loaded ones."""
+        moves = self.rt.moves
+        if moves is None:
             return
-        for job_id in itertools.chain(wm.done, wm.failed):
-            h = self._handoff_loads.pop(job_id, None)
-            if h is not None and h.hold is not None:  # vLLM's blocks have the hand-off (or recompute it): unpin
-                h.hold.release()
-                h.hold = None
-        for job_id, ok in itertools.chain(((j, True) for j in wm.done), ((j, False) for j in wm.failed)):
+        for job_id, ok in moves.drain():
+            r = self._loads.pop(job_id, None)
+            if r is not None:
+                self._load_done(r, job_id)
+                continue
             r = self._jobs.pop(job_id, None)
-            if r is None or r.job != job_id:
-                continue  # a load job, or a save of a request already retired
-            r.job = None
-            assert r.mirror is not None and r.cursor is not None
-            if ok:
-                r.mirror.apply()
-                try:
-                    if self.producer and not r.padded and r.mirror.num_computed == r.request.num_prompt_tokens:
-                        r.mirror.pad_to_boundary()  # the partial last page gets its name (pad rows never read)
-                        r.padded = True
-                    self.store.seal(0, r.mirror, r.cursor, self._save_class)
-                except Exception as e:  # noqa: BLE001 - refused by the store: counted there; a future miss
-                    log.warning("kvproc_seal_refused", req_id=r.req_id, error=repr(e))
-                    r.saving = False
-            else:
-                r.mirror.revert()
+            if r is not None and r.job == job_id:  # else a save of a request already retired
+                self._save_done(r, ok)
+
+    def _load_done(self, r: _Req, job_id: int) -> None:
+        """vLLM's blocks have the pages (or, failed, vLLM recomputes them): the source need not stay pinned."""
+        if r.load_job != job_id:
+            return
+        r.load_job = None
+        if r.hold is not None:  # a hand-off's full-hit hold
+            r.hold.release()
+            r.hold = None
+        if r.finishing and r.job is None:
+            self._retire(r)
+
+    def _save_done(self, r: _Req, ok: bool) -> None:
+        r.job = None
+        assert r.mirror is not None and r.cursor is not None
+        if ok:
+            r.mirror.apply()
+            try:
+                if self.producer and not r.padded and r.mirror.num_computed == r.request.num_prompt_tokens:
+                    r.mirror.pad_to_boundary()  # the partial last page gets its name (pad rows never read)
+                    r.padded = True
+                self.store.seal(0, r.mirror, r.cursor, self._save_class)
+            except Exception as e:  # noqa: BLE001 - refused by the store: counted there; a future miss
+                log.warning("kvproc_seal_refused", req_id=r.req_id, error=repr(e))
                 r.saving = False
-            if r.finishing:
-                self._retire(r)
+        else:
+            r.mirror.revert()
+            r.saving = False
+        if r.finishing and r.load_job is None:
+            self._retire(r)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._drain()
         r = self._reqs.get(request.request_id)
         if r is None:
             return False, None
@@ -579,15 +680,20 @@ class KvprocConnector(KVConnectorBase_V1):
         if r.resolve is not None:  # finished (aborted) while its resolve ran: drop the prefix when it lands
             r.resolve.add_done_callback(_release_prefix)
             r.resolve = None
-        if r.hold is not None:
+        if r.hold is not None and r.load_job is None:
             r.hold.release()
             r.hold = None
         params = self._envelope_out(r, request) if self.producer else None
-        if r.job is None:
+        # A save still reading vLLM's blocks: vLLM keeps them until the worker reports it settled (get_finished).
+        # (A load in flight needs nothing from us: vLLM keeps a request's blocks while it waits for a load.)
+        delay = r.job is not None and self.rt.moves is not None
+        if delay:
+            assert self.rt.moves is not None
+            self.rt.moves.delay_free(r.req_id)
+            self.rt.count("frees_delayed")
+        if r.job is None and r.load_job is None:
             self._retire(r)
-        # vLLM frees its blocks now: every copy out of them ran in the step that computed them (the hand-off's
-        # partial last page included), so no delayed free is needed even for a hand-off.
-        return False, params
+        return delay, params
 
     def _envelope_out(self, r: _Req, request: "Request") -> dict[str, Any] | None:
         """The producer's hand-off envelope as vLLM's kv_transfer_params: the prompt's KV (its save in flight or
@@ -622,6 +728,11 @@ class KvprocConnector(KVConnectorBase_V1):
         if self._closed:
             return
         self._closed = True
+        moves = self.rt.moves
+        if self._reqs and moves is not None:  # the scheduler side: the last saves land and are sealed first
+            if not moves.idle(self.options.move_wait_s):
+                log.error("kvproc_moves_not_settled_at_shutdown", requests=len(self._reqs))
+            self._drain()
         for r in list(self._reqs.values()):
             if r.hold is not None:
                 r.hold.release()
@@ -663,5 +774,5 @@ def _release_prefix(fut: concurrent.futures.Future[KvPrefix]) -> None:
         pass
 
 
-__all__ = ["KvprocConnector", "KvprocConnectorMetadata", "KvprocWorkerMetadata", "CopyJob"]
+__all__ = ["CopyJob", "KvprocConnector", "KvprocConnectorMetadata"]
 

@@ -2,8 +2,9 @@
 
 vLLM owns its KV tensors and its block table; kvproc's store owns a pool of its own. The pool here is the *staging*
 pool: arenas with the same per-layer block layout as vLLM's, in shared memory kvproc allocated (so the copy worker
-can reach them), `staging_blocks` blocks. Pages move vLLM block <-> staging block on vLLM's worker (one
-`index_copy_` per layer per step) and staging block <-> host tier in kvproc's copy worker process, asynchronously.
+can reach them), `staging_blocks` blocks. Pages move vLLM block <-> staging block on the engine's mover thread
+(`moves.py`: memcpy runs, or kvproc's copy worker by cross-memory attach) and staging block <-> host tier in kvproc's
+copy worker process, both asynchronously to vLLM's forward.
 Sealed staging blocks stay matchable until evicted, so the staging pool is also a small cache of its own.
 
 vLLM creates the worker-side connector first (it owns the tensors) and the scheduler side later, in the same
@@ -22,6 +23,7 @@ import structlog
 
 from kvproc import ArenaId, ClusterStore, KvArena, KvSpec, KvStore, RepackDirection, StoreConfig
 from kvproc.integrations.vllm.contract import VllmKvContract
+from kvproc.integrations.vllm.moves import MoveQueue
 
 if TYPE_CHECKING:
     import torch
@@ -41,13 +43,19 @@ class RuntimeOptions:
     model_id: str | None = None  # the weights' identity (default: from vLLM's model config)
     resolve_wait_s: float = 0.05  # a resolve not done by then is asked again at vLLM's next step
     log_level: str = "warning"  # kvproc's processes
-    # Who moves bytes between vLLM's tensors and the staging pool: "local" (vLLM's worker thread, memcpy runs) or
-    # "cma" (kvproc's copy worker process, by cross-memory attach into vLLM's memory; vLLM's thread waits for it).
+    # Who moves bytes between vLLM's tensors and the staging pool, on the connector's mover thread (`moves.py`):
+    # "local" (memcpy runs in vLLM's process) or "cma" (kvproc's copy worker process, by cross-memory attach into
+    # vLLM's memory; the mover thread waits for its reply).
     mover: str = "local"
     # A shared host tier's runtime dir (`kvproc up --runtime-dir DIR`): the engine attaches to it instead of starting
     # its own. P/D needs one: the producer's and the consumer's stores must reach the same tier.
     tier_runtime_dir: str | None = None
     handoff_wait_s: float = 15.0  # a P/D consumer's full-hit resolve waits this long for the producer's saves
+    # Moves off vLLM's forward thread (`moves.py`): loads reported by get_finished (vLLM holds the request back
+    # meanwhile), saves not waited for (a finished request's free delayed until they settle). False: every step
+    # waits for its moves (the synchronous path, kept for A/B benchmarks).
+    async_moves: bool = True
+    move_wait_s: float = 60.0  # the longest anything waits for a move (a preempted request's save, a sync load)
 
     def __post_init__(self) -> None:
         if self.mover not in ("local", "cma"):
@@ -98,6 +106,7 @@ class KvprocRuntime:
     closed: bool = False
     # Counters both sides bump (the scheduler side: hits; the worker side: copies); read by tests and docs.
     counters: dict[str, int] = field(default_factory=dict)
+    moves: MoveQueue | None = None  # made by the worker side when vLLM registers its tensors
 
     @property
     def staging_views(self) -> dict[str, Any]:
@@ -114,6 +123,8 @@ class KvprocRuntime:
             return
         self.closed = True
         try:
+            if self.moves is not None:
+                self.moves.close()
             self.cluster.close()
         finally:
             log.info("vllm_connector_closed", engine_id=self.engine_id, counters=self.counters)

@@ -23,6 +23,7 @@ from tests.integrations.vllm.conftest import engine, generate, kvproc_transfer_c
 pytestmark = pytest.mark.timeout(600)
 
 MAX_TOKENS = 12
+LONG_TOKENS = 40
 # Lengths off and on vLLM's 32-token block: the padded last page and the aligned case.
 LENGTHS = [70, 96, 45, 131]
 
@@ -67,13 +68,16 @@ def test_pd_producer_and_consumer_give_the_tokens_of_one_engine(tiny_llama: Path
     rng = random.Random(23)
     prompts = [random_tokens(rng, n) for n in LENGTHS]
     mismatch = random_tokens(rng, 77)  # handed off, then presented with another engine's fingerprint
+    long = random_tokens(rng, 45)  # decoded long enough to fill the padded page and the next one on the consumer
     with engine(tiny_llama) as llm:
         want = generate(llm, prompts + [mismatch], MAX_TOKENS)
+        (want_long,) = generate(llm, [long], LONG_TOKENS)
 
     # Prefill: the producer samples the anchor and returns kvproc's envelope.
     with engine(tiny_llama, _pd_config("kv_producer", shared_tier)) as llm:
         handed = [_run(llm, p, 1) for p in prompts + [mismatch]]
-        assert live_runtime().counters.get("handoffs_made") == len(handed)
+        handed_long = _run(llm, long, 1)
+        assert live_runtime().counters.get("handoffs_made") == len(handed) + 1
     envs = [o.kv_transfer_params[HANDOFF_KEY] for o in handed]
     for p, o, env, w in zip(prompts + [mismatch], handed, envs, want):
         assert list(o.outputs[0].token_ids) == w[:1] == [env["anchor_token_id"]]
@@ -99,3 +103,17 @@ def test_pd_producer_and_consumer_give_the_tokens_of_one_engine(tiny_llama: Path
         assert out.num_cached_tokens == 0
         assert rt.counters.get("handoffs_refused") == 1
         assert rt.counters.get("handoffs_adopted") == len(prompts)
+
+        # The consumer saves the pages it computes of a hand-off request (the padded page's real rows included):
+        # after vLLM forgets them, the whole conversation so far comes back from kvproc, with the right next token.
+        env = handed_long.kv_transfer_params[HANDOFF_KEY]
+        out = _run(llm, long + [env["anchor_token_id"]], LONG_TOKENS - 1, {HANDOFF_KEY: env})
+        got = [env["anchor_token_id"]] + list(out.outputs[0].token_ids)
+        assert got == want_long
+        assert llm.reset_prefix_cache()
+        c0 = dict(rt.counters)
+        known = long + got[:-1]  # 45 + 39 tokens: pages 0 (the producer's) and 1 (the padded one, completed here)
+        nxt = _run(llm, known, 1)
+        assert list(nxt.outputs[0].token_ids) == got[-1:]
+        loaded = rt.counters.get("hit_tokens_loaded", 0) - c0.get("hit_tokens_loaded", 0)
+        assert loaded >= 2 * 32, f"{loaded} tokens from kvproc: the consumer did not save the pages it computed"

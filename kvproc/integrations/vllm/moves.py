@@ -1,0 +1,176 @@
+"""The connector's block moves, off vLLM's forward thread: one mover thread per engine, shared by both halves.
+
+The worker side submits each step's copies (vLLM block <-> staging block) as one batch per direction and returns at
+once; the mover thread runs them (by default it asks kvproc's copy worker process to do it, by cross-memory attach:
+`mover="cma"`) one batch after another, in submission order. Every job ends in exactly one reported state, done or
+failed, which both halves read here (they live in one process for a one-rank engine, as the runtime does):
+
+- the scheduler side `drain()`s finished jobs at its next entry point and seals (saves) or unpins (loads);
+- the worker side reports a request to vLLM (`get_finished`) once none of its jobs is in flight: a finished load
+  (`finished_recving`), or the delayed free of a finished request whose save was still running (`finished_sending`).
+
+A job whose source may be overwritten before it ran (a preempted request's blocks: vLLM reuses them at once) is
+waited for (`wait`) before the forward that may overwrite them; one that cannot be waited for in time is
+`poison`-ed: it is reported failed whatever its copy did, so its pages are never sealed.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import structlog
+
+log = structlog.get_logger("kvproc.integrations.vllm")
+
+
+@dataclass
+class CopyJob:
+    """Block copies of one request in one step: `src[i]` -> `dst[i]` (vLLM block ids on one side, staging block ids
+    on the other)."""
+
+    job_id: int
+    req_id: str
+    src: list[int]
+    dst: list[int]
+
+
+class MoveQueue:
+    """Runs `run(jobs, to_vllm)` (raises on failure) for each submitted batch on one thread; tracks every job."""
+
+    def __init__(self, run: Callable[[list[CopyJob], bool], None]) -> None:
+        self._run = run
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvproc-mover")
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._inflight: dict[int, CopyJob] = {}
+        self._by_req: dict[str, set[int]] = {}
+        self._completed: list[tuple[int, bool]] = []  # (job id, ok), not yet drained by the scheduler side
+        self._poisoned: set[int] = set()
+        self._load_errors: set[int] = set()  # vLLM blocks a failed load left unwritten (vLLM recomputes them)
+        self._delayed: set[str] = set()  # requests whose free vLLM delays until their save settles
+        self._closed = False
+        self.failures = 0  # batches that failed (all time)
+        self.busy_s = 0.0  # the mover thread's time in moves (benchmarks)
+        self._failing = False  # the last batch failed: later failures are not logged again until one succeeds
+
+    # ---- worker side ----
+
+    def submit(self, jobs: list[CopyJob], to_vllm: bool) -> None:
+        if not jobs:
+            return
+        with self._lock:
+            for j in jobs:
+                self._inflight[j.job_id] = j
+                self._by_req.setdefault(j.req_id, set()).add(j.job_id)
+            closed = self._closed
+        if closed:
+            self._finish(jobs, to_vllm, False)
+            return
+        self._pool.submit(self._execute, jobs, to_vllm)
+
+    def _execute(self, jobs: list[CopyJob], to_vllm: bool) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._run(jobs, to_vllm)
+            ok = True
+        except Exception as e:  # noqa: BLE001 - a failed copy is a miss (load) or a lost save, never a crash
+            ok = False
+            # Said once per outage (a dead copy worker fails every batch until it is restarted), then counted.
+            if not self._failing:
+                log.error("kvproc_moves_failing", to_vllm=to_vllm, jobs=len(jobs), error=repr(e),
+                          effect="loads recomputed by vLLM, saves lost; retried with every step's moves")
+            self._failing = True
+            self.failures += 1
+        self.busy_s += time.perf_counter() - t0
+        if ok and self._failing:
+            self._failing = False
+            log.info("kvproc_moves_recovered", failed_batches=self.failures)
+        self._finish(jobs, to_vllm, ok)
+
+    def _finish(self, jobs: list[CopyJob], to_vllm: bool, ok: bool) -> None:
+        with self._lock:
+            for j in jobs:
+                good = ok and j.job_id not in self._poisoned
+                self._poisoned.discard(j.job_id)
+                self._inflight.pop(j.job_id, None)
+                ids = self._by_req.get(j.req_id)
+                if ids is not None:
+                    ids.discard(j.job_id)
+                    if not ids:
+                        del self._by_req[j.req_id]
+                if not good and to_vllm:
+                    self._load_errors.update(j.dst)
+                self._completed.append((j.job_id, good))
+            self._idle.notify_all()
+
+    def wait(self, job_ids: Iterable[int], timeout: float) -> bool:
+        """Until none of `job_ids` is in flight; False (and those still in flight poisoned) at `timeout`."""
+        ids = set(job_ids)
+        end = time.monotonic() + timeout
+        with self._lock:
+            while True:
+                left = ids & self._inflight.keys()
+                if not left:
+                    return True
+                rest = end - time.monotonic()
+                if rest <= 0:
+                    self._poisoned |= left
+                    log.error("kvproc_move_wait_timed_out", jobs=sorted(left), timeout_s=timeout)
+                    return False
+                self._idle.wait(rest)
+
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._inflight)
+
+    def busy(self, req_id: str) -> bool:
+        with self._lock:
+            return req_id in self._by_req
+
+    def take_load_errors(self) -> set[int]:
+        with self._lock:
+            out, self._load_errors = self._load_errors, set()
+            return out
+
+    def delayed_among(self, req_ids: Iterable[str]) -> set[str]:
+        """Those of `req_ids` (requests vLLM just finished) whose free vLLM delays for a save of theirs."""
+        with self._lock:
+            return {r for r in req_ids if r in self._delayed}
+
+    def settled(self, req_ids: Iterable[str]) -> set[str]:
+        """Those of `req_ids` with no move in flight; delayed frees among them are forgotten (reported once)."""
+        with self._lock:
+            done = {r for r in req_ids if r not in self._by_req}
+            self._delayed -= done
+            return done
+
+    # ---- scheduler side ----
+
+    def delay_free(self, req_id: str) -> None:
+        with self._lock:
+            self._delayed.add(req_id)
+
+    def drain(self) -> list[tuple[int, bool]]:
+        with self._lock:
+            out, self._completed = self._completed, []
+            return out
+
+    def idle(self, timeout: float) -> bool:
+        """Until nothing is in flight (shutdown: the last saves land before the store closes)."""
+        end = time.monotonic() + timeout
+        with self._lock:
+            while self._inflight:
+                rest = end - time.monotonic()
+                if rest <= 0:
+                    return False
+                self._idle.wait(rest)
+            return True
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+        self._pool.shutdown(wait=True)

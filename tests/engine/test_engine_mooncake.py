@@ -1,0 +1,90 @@
+"""The reference engine on two nodes sharing one Mooncake Store: a conversation's first turn runs on node A, its next
+turn on node B, whose host tier never saw it. B's prefix comes from Mooncake (through its own host tier), and the
+tokens and logits equal the same turns run without any cache. `hybrid` checkpoints bounded state too: its artifacts
+travel with their pages."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvproc.engine.engine import Engine
+from kvproc.engine.pd import PdRouter
+from kvproc.engine.request import Request
+from kvproc.engine.topology import PoolSizes, Topology, make_store
+from kvproc.engine.workload import drive
+from kvproc.store.cluster import ClusterStore
+from kvproc.store.types import StoreConfig
+from kvproc.tiers.mooncake_local import LocalMooncake
+from tests.conftest import remote_stats, written_behind
+from tests.engine.test_engine_pd import SPEC, engine_on, single_engine_outputs
+
+pytestmark = pytest.mark.timeout(120)
+
+FIRST, NEW, OUT = 64, 32, 8
+TOL = {"rtol": 1e-4, "atol": 1e-4}
+SIZES = PoolSizes(device_blocks=64, live_slots=2, staging_slots=8, host_bytes=8 << 20)
+
+
+def _node(model: str, remote: str | None) -> Topology:
+    if remote is None:
+        return make_store("no_cache", model, SIZES, seed=3)
+    return make_store("kvproc", model, SIZES, seed=3, processes=True, remote=remote,
+                      config=StoreConfig(cacheable_pin_fraction=1.0))
+
+
+def _turn(t: Topology, rid: str, prompt: np.ndarray) -> Request:
+    eng = Engine(t.model, t.store, max_batch=1, chunk_tokens=48, checkpoint_every_pages=2,
+                 prefix_cache=t.prefix_cache)
+    req = Request.make(rid, prompt, OUT, keep_logits=True)
+    eng.run([req])
+    assert req.failed is None, req.failed
+    t.store.flush_saves(0)
+    return req
+
+
+# hybrid: paged pages and bounded checkpoint artifacts both travel (dense adds nothing the store tests do not cover)
+@pytest.mark.parametrize("model", ["hybrid"])
+def test_a_conversation_continued_on_another_node_is_served_from_mooncake(mooncake: LocalMooncake,
+                                                                          model: str) -> None:
+    rng = np.random.default_rng(11)
+    first = rng.integers(2, 200, FIRST)
+    new = rng.integers(2, 200, NEW)
+    with _node(model, None) as t:
+        r0 = _turn(t, "t0", first)
+        ref = _turn(t, "t1", np.concatenate([first, r0.output, new]))
+    with _node(model, mooncake.url) as a, _node(model, mooncake.url) as b:
+        a0 = _turn(a, "t0", first)
+        assert a0.output == r0.output
+        written_behind(a.store, FIRST // 16)
+        got = _turn(b, "t1", np.concatenate([first, a0.output, new]))
+        assert got.host_hit_tokens > 0 and got.device_hit_tokens == 0  # B's own tiers had nothing
+        assert remote_stats(b.store)["pulled_pages"] > 0
+    assert got.output == ref.output
+    torch.testing.assert_close(torch.stack(got.logits), torch.stack(ref.logits), **TOL)
+
+
+def test_pd_across_nodes_through_mooncake_equals_a_single_engine(mooncake: LocalMooncake) -> None:
+    """Prefill on node A, decode on node B (each its own host tier): A's hand-off saves are written through to
+    Mooncake before their envelopes are ready, B's full-hit resolve pulls them through its own host tier. Tokens
+    equal one engine's; no hand-off pin or lease is left on either node."""
+    want = single_engine_outputs("dense")
+    with ClusterStore.start(16 << 20, remote=mooncake.url) as p, ClusterStore.start(16 << 20, remote=mooncake.url) as d:
+        # The KV-ready barrier: an envelope is emitted once its hand-off saves have settled, which across nodes means
+        # written through to Mooncake (a decode node's own tier cannot see pages land anywhere else).
+        prefill, decode = engine_on(p, "dense", handoff_barrier=True), engine_on(d, "dense")
+        router = PdRouter(prefill, decode)
+        recs = drive(router, SPEC, prefill.model.vocab_size)
+        assert all(r.failed is None for r in recs), [r.failed for r in recs]
+        assert sorted((r.conversation, r.turn, r.output) for r in recs) == want
+        assert decode.counters["handoffs_adopted"] == SPEC.total_turns
+        assert router.counters["handoffs_rejected"] == 0  # no decode ran ahead of Mooncake
+        assert p.store is not None and d.store is not None
+        written_behind(p.store, 1)
+        tier_p, tier_d = p.store.stats()["tier"], d.store.stats()["tier"]
+        for tier in (tier_p, tier_d):
+            assert tier["open_handoffs"] == 0 and tier["open_leases"] == 0, tier
+        rp = remote_stats(p.store)
+        assert rp["handoffs_written_through"] >= SPEC.total_turns and rp.get("handoff_write_through_failed", 0) == 0
+        assert remote_stats(d.store)["pulled_pages"] > 0

@@ -1,0 +1,104 @@
+"""The connector's moves run off vLLM's forward thread (`kvproc/integrations/vllm/moves.py`): loads are reported
+through `get_finished` (vLLM holds the request back meanwhile), saves are not waited for (a finished request's free is
+delayed until its save settles). Each test slows or breaks the mover (the connector's `_copy`, which the mover thread
+runs) to make the asynchrony observable; the engine and kvproc's processes are real."""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.integrations.vllm.conftest import (
+    engine,
+    generate,
+    kvproc_transfer_config,
+    live_runtime,
+    multi_turn,
+    random_tokens,
+)
+
+pytestmark = pytest.mark.timeout(600)
+
+
+class _Overlap:
+    """Counts vLLM's steps (scheduler side) and the moves during which at least one step began."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, delay_s: float) -> None:
+        from kvproc.integrations.vllm.connector import KvprocConnector
+
+        self.steps = 0
+        self.moves = 0
+        self.overlapped = 0
+        build, copy = KvprocConnector.build_connector_meta, KvprocConnector._copy
+
+        def build_connector_meta(conn: Any, scheduler_output: Any) -> Any:
+            self.steps += 1
+            return build(conn, scheduler_output)
+
+        def slow_copy(conn: Any, jobs: Any, to_vllm: bool) -> None:
+            before = self.steps
+            time.sleep(delay_s)  # a slow mover: the step loop either waits for it or goes on
+            copy(conn, jobs, to_vllm)
+            self.moves += 1
+            self.overlapped += self.steps > before
+
+        monkeypatch.setattr(KvprocConnector, "build_connector_meta", build_connector_meta)
+        monkeypatch.setattr(KvprocConnector, "_copy", slow_copy)
+
+
+def test_slow_moves_overlap_vllm_steps_and_keep_tokens(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       reference: list[tuple[list[int], list[int]]]) -> None:
+    ov = _Overlap(monkeypatch, delay_s=0.15)
+    with engine(tiny_llama, kvproc_transfer_config()) as llm:
+        got = multi_turn(llm)
+        # 113-token prompts, 16 tokens out: the last step computes token 128, so each request's 4th page is saved
+        # in its last step and finishes with that save in flight (the slow mover): vLLM must keep its blocks.
+        rng = random.Random(5)
+        generate(llm, [random_tokens(rng, 113) for _ in range(2)], max_tokens=16)
+        sched = llm.llm_engine.engine_core.engine_core.scheduler
+        held = [rid for rid, req in sched.requests.items() if req.is_finished()]
+        counters = dict(live_runtime().counters)
+        assert live_runtime().moves.idle(60)  # the slow mover finished the saves ...
+        generate(llm, [random_tokens(rng, 8)], max_tokens=2)  # ... and this run's steps report them: blocks freed
+        left = [rid for rid in held if rid in sched.requests]
+    assert [o for _, o in got] == [o for _, o in reference]
+    assert counters.get("loads_async", 0) > 0  # vLLM held requests back for loads and get_finished released them
+    assert counters.get("frees_delayed", 0) > 0 and held, (counters.get("frees_delayed"), held)
+    assert left == []  # every delayed free was reported (finished_sending), none leaked
+    assert ov.moves > 0 and ov.overlapped > 0, (ov.moves, ov.overlapped)  # vLLM stepped on while bytes moved
+
+
+def test_control_synchronous_moves_never_overlap_a_step(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        reference: list[tuple[list[int], list[int]]]) -> None:
+    """The control of the overlap count above: with `async_moves=False` every step waits for its moves, so no step
+    begins while one runs (and the tokens are the same)."""
+    ov = _Overlap(monkeypatch, delay_s=0.05)
+    with engine(tiny_llama, kvproc_transfer_config(async_moves=False)) as llm:
+        got = multi_turn(llm)
+        counters = dict(live_runtime().counters)
+    assert [o for _, o in got] == [o for _, o in reference]
+    assert counters.get("loads_async", 0) == 0 and counters.get("hit_tokens_loaded", 0) > 0
+    assert ov.moves > 0 and ov.overlapped == 0, (ov.moves, ov.overlapped)
+
+
+def test_control_a_mover_that_drops_loads_changes_tokens(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         reference: list[tuple[list[int], list[int]]]) -> None:
+    """The asynchronous loads really feed vLLM's forward: reported done without copying, the tokens change."""
+    from kvproc.integrations.vllm.connector import KvprocConnector
+
+    copy = KvprocConnector._copy
+
+    def drop_loads(conn: Any, jobs: Any, to_vllm: bool) -> None:
+        if not to_vllm:
+            copy(conn, jobs, to_vllm)
+
+    monkeypatch.setattr(KvprocConnector, "_copy", drop_loads)
+    with engine(tiny_llama, kvproc_transfer_config()) as llm:
+        got = multi_turn(llm)
+        counters = dict(live_runtime().counters)
+    assert counters.get("loads_async", 0) > 0
+    assert [o for _, o in got] != [o for _, o in reference]
