@@ -28,6 +28,10 @@ from kvproc.store.build import build_local_store
 from kvproc.store.cluster import ClusterStore
 from kvproc.store.handoff import FingerprintMismatch, HandoffEnvelope
 
+# Unique to this test process: the segment checks below count by cluster name, and another pytest run on the same
+# machine (same /dev/shm) must not be counted.
+PDENG_CLUSTER = f"pdeng{os.getpid()}"
+
 SPEC = WorkloadSpec(conversations=2, turns=2, first_input=45, new_per_turn=20, output_per_turn=6, concurrency=2)
 BLOCKS, LIVE, STAGING, PAGE = 48, 2, 8, 16
 
@@ -36,7 +40,7 @@ BLOCKS, LIVE, STAGING, PAGE = 48, 2, 8, 16
 def shared_tier() -> Iterator[str]:
     """A fresh `kvproc up` per test: a host tier serves one model shape (its first Configure fixes the layout)."""
     rd = f"/tmp/kvup-pd{os.getpid()}"
-    up = subprocess.Popen([sys.executable, "-m", "kvproc", "up", "--cluster", "pdeng", "--runtime-dir", rd,
+    up = subprocess.Popen([sys.executable, "-m", "kvproc", "up", "--cluster", PDENG_CLUSTER, "--runtime-dir", rd,
                            "--host-mib", "64"], stdout=subprocess.PIPE, text=True)
     try:
         assert up.stdout is not None and "up; manifest" in up.stdout.readline()
@@ -45,7 +49,7 @@ def shared_tier() -> Iterator[str]:
         subprocess.run([sys.executable, "-m", "kvproc", "down", "--runtime-dir", rd, "--timeout", "10"],
                        check=False, capture_output=True)
         up.wait(10)
-    assert not list_segments("pdeng")
+    assert not list_segments(PDENG_CLUSTER)
 
 
 def engine_on(cs: ClusterStore, name: str, **kw: object) -> Engine:

@@ -6,6 +6,7 @@ caught, not sampled from."""
 from __future__ import annotations
 
 import functools
+import os
 
 import numpy as np
 import pytest
@@ -15,6 +16,10 @@ from kvproc.engine.engine import Engine
 from kvproc.engine.request import Request
 from kvproc.engine.topology import PoolSizes, Topology, make_store
 from kvproc.store.types import StoreConfig
+
+# Unique to this test process: the segment checks below count by cluster name, and another pytest run on the same
+# machine (same /dev/shm) must not be counted.
+PDRANKS_CLUSTER = f"pdranks{os.getpid()}"
 
 pytestmark = pytest.mark.timeout(300)
 FIRST, NEW, OUT, TURNS, CONV = 64, 32, 8, 3, 3
@@ -140,7 +145,6 @@ def test_ranks_must_match_the_model_and_the_store() -> None:
 def test_pd_between_two_rank_engines_equals_a_single_engine_run(model: str) -> None:
     """A 2-rank prefill engine hands off to a 2-rank decode engine through `kvproc up --ranks 2` (a host tier per
     rank): every rank's shard goes through its own tier, and the tokens are a one-rank single engine's."""
-    import os
     import subprocess
     import sys
 
@@ -153,7 +157,7 @@ def test_pd_between_two_rank_engines_equals_a_single_engine_run(model: str) -> N
 
     want = single_engine_outputs(model)
     rd = f"/tmp/kvup-pdr{os.getpid()}"
-    up = subprocess.Popen([sys.executable, "-m", "kvproc", "up", "--cluster", "pdranks", "--runtime-dir", rd,
+    up = subprocess.Popen([sys.executable, "-m", "kvproc", "up", "--cluster", PDRANKS_CLUSTER, "--runtime-dir", rd,
                            "--host-mib", "32", "--ranks", "2"], stdout=subprocess.PIPE, text=True)
     try:
         assert up.stdout is not None and "up; manifest" in up.stdout.readline()
@@ -177,4 +181,4 @@ def test_pd_between_two_rank_engines_equals_a_single_engine_run(model: str) -> N
         subprocess.run([sys.executable, "-m", "kvproc", "down", "--runtime-dir", rd, "--timeout", "10"],
                        check=False, capture_output=True)
         up.wait(10)
-    assert not list_segments("pdranks")
+    assert not list_segments(PDRANKS_CLUSTER)

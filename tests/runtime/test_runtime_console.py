@@ -21,6 +21,10 @@ from kvproc.ipc.segment import list_segments
 from kvproc.runtime import Cluster, RoleConfig, console, launch, standalone
 from kvproc.runtime import manifest as mf
 
+# Unique to this test process: the segment checks below count by cluster name, and another pytest run on the same
+# machine (same /dev/shm) must not be counted.
+UPT_CLUSTER = f"upt{os.getpid()}"
+
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
@@ -89,7 +93,7 @@ def test_console_reports_a_missing_cluster_cleanly(capsys: pytest.CaptureFixture
 
 def _up(runtime_dir: str, *extra: str) -> subprocess.Popen[str]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvproc", "up", "--cluster", "upt", "--runtime-dir", runtime_dir, *extra],
+        [sys.executable, "-m", "kvproc", "up", "--cluster", UPT_CLUSTER, "--runtime-dir", runtime_dir, *extra],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )  # fmt: skip
     assert proc.stdout is not None
@@ -113,7 +117,7 @@ def test_up_then_down_leaves_no_process_and_no_segment() -> None:
         engine.connect(5)
         assert engine.request(m.Ping(b"tcp"), timeout=5).data == b"tcp"
         engine.request(_CONFIGURE, timeout=5)  # the first engine's Configure creates the host arena
-        assert len(list_segments("upt")) == 1
+        assert len(list_segments(UPT_CLUSTER)) == 1
         engine.close()
         with pytest.raises(HandshakeRefused):
             RpcClient(tcp, token="guess", peer="intruder").connect(5)
@@ -123,7 +127,7 @@ def test_up_then_down_leaves_no_process_and_no_segment() -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait(5)
-    assert not list_segments("upt") and not os.path.exists(runtime_dir)
+    assert not list_segments(UPT_CLUSTER) and not os.path.exists(runtime_dir)
     _, alive = psutil.wait_procs(children, timeout=5)  # forkserver and resource tracker follow their launcher out
     assert not alive, f"left behind: {alive}"
 
@@ -136,13 +140,13 @@ def test_children_die_with_a_sigkilled_launcher() -> None:
         engine.connect(5)
         engine.request(_CONFIGURE, timeout=5)
         engine.close()
-        assert len(list_segments("upt")) == 1
+        assert len(list_segments(UPT_CLUSTER)) == 1
         children = psutil.Process(proc.pid).children(recursive=True)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(5)
         gone, alive = psutil.wait_procs(children, timeout=5)
         assert not alive, f"children outlived their launcher: {alive}"
-        assert not list_segments("upt")  # they stopped in order and unlinked their segments
+        assert not list_segments(UPT_CLUSTER)  # they stopped in order and unlinked their segments
     finally:
         for c in psutil.Process().children(recursive=True):
             if c.pid == proc.pid:

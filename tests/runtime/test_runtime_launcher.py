@@ -22,6 +22,10 @@ from kvproc.runtime import ClusterStartError, RoleConfig, launch
 from kvproc.runtime import manifest as mf
 
 SEG = 64 * 1024
+# Cluster names of this test process only: the fixture below counts segments by cluster name, and another pytest run on
+# the same machine (same /dev/shm) must neither fail this one nor be failed by it.
+LT = f"lt{os.getpid()}"
+CLUSTERS = (LT, LT + "stall", LT + "rate")
 
 
 # The forkserver and resource tracker live as long as this test process (shared by every launch); nothing else may.
@@ -41,7 +45,8 @@ def nothing_left_behind() -> Iterator[None]:
     while (left := _descendants() - before) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not left, f"processes left behind: {left}"
-    assert not list_segments("lt"), f"segments left behind: {list_segments('lt')}"
+    left_segments = [name for c in CLUSTERS for name in list_segments(c)]
+    assert not left_segments, f"segments left behind: {left_segments}"
 
 
 def _roles(**kw: object) -> list[RoleConfig]:
@@ -53,7 +58,7 @@ def _roles(**kw: object) -> list[RoleConfig]:
 
 
 def test_cluster_answers_ping_and_stats_from_every_process_and_leaves_nothing_behind() -> None:
-    with launch(_roles(), cluster_name="lt", runtime_dir=f"/tmp/kvlt-{os.getpid()}") as cluster:
+    with launch(_roles(), cluster_name=LT, runtime_dir=f"/tmp/kvlt-{os.getpid()}") as cluster:
         manifest = mf.read_manifest(cluster.runtime_dir)
         assert {(p.role, p.rank) for p in manifest.processes} == {
             ("host_tier", 0),
@@ -67,8 +72,8 @@ def test_cluster_answers_ping_and_stats_from_every_process_and_leaves_nothing_be
             assert client.request(m.Ping(b"hi"), timeout=5) == m.Pong(b"hi", p.pid)
             report = client.request(m.Stats(), timeout=5)
             assert (report.role, report.rank, report.pid) == (p.role, p.rank, p.pid)
-            assert psutil.Process(p.pid).name().startswith("kvproc:lt:")  # the process title names the role
-        assert len(list_segments("lt")) == 2
+            assert psutil.Process(p.pid).name().startswith(f"kvproc:{LT}:")  # the process title names the role
+        assert len(list_segments(LT)) == 2
         control = RpcClient(manifest.control_endpoint, token=cluster.token, peer="launcher")
         control.connect(5)
         assert control.request(m.Stats(), timeout=5).counters["children_up"] == 3
@@ -78,7 +83,7 @@ def test_cluster_answers_ping_and_stats_from_every_process_and_leaves_nothing_be
 
 
 def test_sigkill_fails_pending_calls_with_peer_dead_and_copy_worker_restarts() -> None:
-    with launch(_roles(), cluster_name="lt", runtime_dir=f"/tmp/kvlt-{os.getpid()}") as cluster:
+    with launch(_roles(), cluster_name=LT, runtime_dir=f"/tmp/kvlt-{os.getpid()}") as cluster:
         victim = cluster.client("copy_worker", 0)
         old_pid = cluster.pid("copy_worker", 0)
         futs = [victim.call(m.Sleep(30.0), timeout=30) for _ in range(8)]
@@ -96,12 +101,12 @@ def test_sigkill_fails_pending_calls_with_peer_dead_and_copy_worker_restarts() -
         assert cluster.pid("copy_worker", 0) != old_pid
         assert new.request(m.Ping(b"again"), timeout=5).data == b"again"
         assert [e.what for e in cluster.events] == ["crashed", "restarted"]
-        assert all(not name.split(".")[3] == str(old_pid) for name in list_segments("lt"))  # swept
+        assert all(not name.split(".")[3] == str(old_pid) for name in list_segments(LT))  # swept
         assert cluster.client("host_tier").request(m.Ping(), timeout=5)  # the others were never disturbed
 
 
 def test_crashed_host_tier_is_marked_unavailable_and_calls_fail_fast() -> None:
-    with launch(_roles(), cluster_name="lt", runtime_dir=f"/tmp/kvlt-{os.getpid()}") as cluster:
+    with launch(_roles(), cluster_name=LT, runtime_dir=f"/tmp/kvlt-{os.getpid()}") as cluster:
         os.kill(cluster.pid("host_tier"), signal.SIGKILL)
         deadline = time.monotonic() + 5
         while cluster.state("host_tier") != "unavailable" and time.monotonic() < deadline:
@@ -114,7 +119,7 @@ def test_crashed_host_tier_is_marked_unavailable_and_calls_fail_fast() -> None:
 
 
 def test_explicit_restart_replaces_a_live_worker() -> None:
-    with launch(_roles(), cluster_name="lt", runtime_dir=f"/tmp/kvlt-{os.getpid()}") as cluster:
+    with launch(_roles(), cluster_name=LT, runtime_dir=f"/tmp/kvlt-{os.getpid()}") as cluster:
         old = cluster.pid("copy_worker", 1)
         client = cluster.restart("copy_worker", 1)
         assert cluster.pid("copy_worker", 1) != old and client.request(m.Ping(), timeout=5).pid != old
@@ -122,7 +127,7 @@ def test_explicit_restart_replaces_a_live_worker() -> None:
 
 
 def test_cancel_reaches_a_request_waiting_in_a_child() -> None:
-    with launch(_roles()[:1], cluster_name="lt", runtime_dir=f"/tmp/kvlt-{os.getpid()}") as cluster:
+    with launch(_roles()[:1], cluster_name=LT, runtime_dir=f"/tmp/kvlt-{os.getpid()}") as cluster:
         token = new_token()
         fut = cluster.client("host_tier").call(m.Sleep(20.0), timeout=20, cancel_token=token)
         time.sleep(0.2)
@@ -133,11 +138,11 @@ def test_cancel_reaches_a_request_waiting_in_a_child() -> None:
 def test_child_that_fails_to_start_is_named_in_the_error_and_nothing_is_left() -> None:
     bad = RoleConfig("copy_worker", 0, options={"segment_bytes": -1})
     with pytest.raises(ClusterStartError, match=r"copy_worker\[0\].*failed to start"):
-        launch([RoleConfig("host_tier"), bad], cluster_name="lt", runtime_dir=f"/tmp/kvlt-{os.getpid()}")
+        launch([RoleConfig("host_tier"), bad], cluster_name=LT, runtime_dir=f"/tmp/kvlt-{os.getpid()}")
 
 
 def test_shutdown_escalates_to_sigkill_for_a_child_that_ignores_messages_and_sigterm() -> None:
-    cluster = launch(_roles()[:2], cluster_name="lt", runtime_dir=f"/tmp/kvlt-{os.getpid()}")
+    cluster = launch(_roles()[:2], cluster_name=LT, runtime_dir=f"/tmp/kvlt-{os.getpid()}")
     stuck = cluster.pid("copy_worker", 0)
     os.kill(stuck, signal.SIGSTOP)  # a hung process: answers nothing, handles no signal but SIGKILL
     t0 = time.monotonic()
@@ -152,7 +157,7 @@ from kvproc.ipc import messages as m
 from kvproc.runtime import RoleConfig, launch
 
 print("engine script ran", flush=True)  # no `if __name__ == "__main__"` guard, on purpose
-with launch([RoleConfig("host_tier")], cluster_name="lt", runtime_dir=f"/tmp/kvlg-{os.getpid()}") as c:
+with launch([RoleConfig("host_tier")], cluster_name=f"lg{os.getpid()}", runtime_dir=f"/tmp/kvlg-{os.getpid()}") as c:
     print("pong", c.client("host_tier").request(m.Ping(), timeout=5).pid > 0, flush=True)
 """
 
@@ -174,7 +179,7 @@ def test_a_pinned_child_runs_every_thread_on_its_cpus_and_keeps_them_across_a_re
     and the parent watcher all inherit it; a restarted incarnation is pinned again. The unpinned role is not."""
     last = max(os.sched_getaffinity(0))
     roles = [RoleConfig("host_tier"), RoleConfig("copy_worker", 0, cpus=(last,))]
-    with launch(roles, cluster_name="lt", runtime_dir=f"/tmp/kvlt-{os.getpid()}") as cluster:
+    with launch(roles, cluster_name=LT, runtime_dir=f"/tmp/kvlt-{os.getpid()}") as cluster:
         for _ in range(2):
             pid = cluster.pid("copy_worker", 0)
             cluster.client("copy_worker", 0).request(m.Stats(), timeout=5)  # the handler pool has run a call
@@ -186,7 +191,7 @@ def test_a_pinned_child_runs_every_thread_on_its_cpus_and_keeps_them_across_a_re
 
 def test_cpus_outside_the_machine_are_refused_before_anything_starts() -> None:
     with pytest.raises(ValueError, match=r"copy_worker\[0\]: cpus \[100000\] must be a non-empty subset"):
-        launch([RoleConfig("copy_worker", 0, cpus=(100_000,))], cluster_name="lt",
+        launch([RoleConfig("copy_worker", 0, cpus=(100_000,))], cluster_name=LT,
                runtime_dir=f"/tmp/kvlt-{os.getpid()}")
 
 
@@ -205,7 +210,7 @@ def test_the_restart_budget_is_a_rate_not_a_lifetime_count() -> None:
     (max_restarts+1)-th crash of a long-lived cluster final)."""
     roles = [RoleConfig("copy_worker", 0, max_restarts=1, restart_window_s=1.0),
              RoleConfig("copy_worker", 1, max_restarts=1, restart_window_s=600.0)]
-    with launch(roles, cluster_name="ltrate", runtime_dir=f"/tmp/kvlt-rate-{os.getpid()}") as cluster:
+    with launch(roles, cluster_name=LT + "rate", runtime_dir=f"/tmp/kvlt-rate-{os.getpid()}") as cluster:
         for _ in range(3):  # rank 0: one crash per window, three times
             _crash_and_wait(cluster, 0)
             assert cluster.available("copy_worker", 0)
@@ -222,7 +227,7 @@ def test_a_stalled_child_is_reconnected_when_it_answers_again_not_left_dead() ->
     """SIGSTOP a copy worker past the heartbeat liveness (3 s): its client is declared dead though the process lives.
     Before, that was final (`client()` kept returning the dead client, `available` stayed False); now the launcher
     reconnects it once it answers, same process, and says so in its events and the manifest."""
-    with launch(_roles(), cluster_name="ltstall", runtime_dir=f"/tmp/kvlt-stall-{os.getpid()}") as cluster:
+    with launch(_roles(), cluster_name=LT + "stall", runtime_dir=f"/tmp/kvlt-stall-{os.getpid()}") as cluster:
         pid = cluster.pid("copy_worker", 0)
         dead = cluster.client("copy_worker", 0)
         os.kill(pid, signal.SIGSTOP)

@@ -19,6 +19,10 @@ from kvproc.store.kv_store import KvStore
 from kvproc.store.types import SaveClass, SealCursor
 from tests.conftest import descendants
 
+# Unique to this test process: the segment checks below count by cluster name, and another pytest run on the same
+# machine (same /dev/shm) must not be counted.
+RANKS2_CLUSTER = f"ranks2{os.getpid()}"
+
 pytestmark = pytest.mark.timeout(90)
 PAGE, BLOCK = 4, 64
 
@@ -85,7 +89,7 @@ def test_pd_handoff_across_two_ranks_through_shared_per_rank_tiers() -> None:
     full-hit resolve on each rank restores that rank's shard bit for bit and consumes that rank's hand-off. A store
     with more ranks than the shared cluster has tiers is refused with the command that fixes it."""
     rd = f"/tmp/kvup-r2{os.getpid()}"
-    up = subprocess.Popen([sys.executable, "-m", "kvproc", "up", "--cluster", "ranks2", "--runtime-dir", rd,
+    up = subprocess.Popen([sys.executable, "-m", "kvproc", "up", "--cluster", RANKS2_CLUSTER, "--runtime-dir", rd,
                            "--host-mib", "8", "--ranks", "2"], stdout=subprocess.PIPE, text=True)
     try:
         assert "up; manifest" in (up.stdout.readline() if up.stdout else "")
@@ -123,7 +127,7 @@ def test_pd_handoff_across_two_ranks_through_shared_per_rank_tiers() -> None:
         subprocess.run([sys.executable, "-m", "kvproc", "down", "--runtime-dir", rd, "--timeout", "10"], check=False,
                        capture_output=True)
         up.wait(10)
-    assert not list_segments("ranks2") and not os.path.exists(rd)
+    assert not list_segments(RANKS2_CLUSTER) and not os.path.exists(rd)
 
 
 def test_two_ranks_without_a_host_tier_each_get_a_worker_and_their_own_prefix_cache() -> None:

@@ -20,6 +20,10 @@ import pytest
 
 from tests.integrations.vllm.conftest import engine, generate, kvproc_transfer_config, live_runtime, random_tokens
 
+# Unique to this test process: the segment checks below count by cluster name, and another pytest run on the same
+# machine (same /dev/shm) must not be counted.
+VLLMPD_CLUSTER = f"vllmpd{os.getpid()}"
+
 pytestmark = pytest.mark.timeout(600)
 
 MAX_TOKENS = 12
@@ -34,7 +38,7 @@ def shared_tier(run_tmpdir: Path) -> Iterator[str]:
     from kvproc.ipc.segment import list_segments
 
     rd = f"/tmp/kvup-pd{os.getpid()}"  # short: the tier's sockets live under it
-    up = subprocess.Popen([sys.executable, "-m", "kvproc", "up", "--cluster", "vllmpd", "--runtime-dir", rd,
+    up = subprocess.Popen([sys.executable, "-m", "kvproc", "up", "--cluster", VLLMPD_CLUSTER, "--runtime-dir", rd,
                            "--host-mib", "128"], stdout=subprocess.PIPE, text=True)
     try:
         assert "up; manifest" in (up.stdout.readline() if up.stdout else "")
@@ -43,7 +47,7 @@ def shared_tier(run_tmpdir: Path) -> Iterator[str]:
         subprocess.run([sys.executable, "-m", "kvproc", "down", "--runtime-dir", rd, "--timeout", "10"],
                        check=False, capture_output=True)
         up.wait(10)
-    assert not list_segments("vllmpd")
+    assert not list_segments(VLLMPD_CLUSTER)
 
 
 def _pd_config(role: str, tier: str) -> dict[str, Any]:
