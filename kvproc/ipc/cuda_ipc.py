@@ -54,7 +54,7 @@ def check_geometry(h: CudaArenaHandle, device: int) -> None:
                            f"({h.storage_size_bytes} B)")
 
 
-def export_arena(name: str, tensor: "torch.Tensor", num_blocks: int, bytes_per_block: int,
+def export_arena(name: str, tensor: torch.Tensor, num_blocks: int, bytes_per_block: int,
                  block_stride: int) -> CudaArenaHandle:
     """In the scheduler (engine) process: the handle of a CUDA arena tensor. NEEDS-GPU-CHECK."""
     if not tensor.is_cuda:
@@ -68,7 +68,7 @@ def export_arena(name: str, tensor: "torch.Tensor", num_blocks: int, bytes_per_b
     return h
 
 
-def open_arena(h: CudaArenaHandle, device: int) -> "torch.Tensor":
+def open_arena(h: CudaArenaHandle, device: int) -> torch.Tensor:
     """In the copy worker bound to `device`: the arena as a flat uint8 CUDA tensor over the engine's memory (no copy).
     NEEDS-GPU-CHECK."""
     check_geometry(h, device)

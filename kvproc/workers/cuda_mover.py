@@ -14,7 +14,8 @@ not written.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from kvproc.workers.movers import MoveError
 

@@ -18,8 +18,9 @@ memory, which the executor's planned CPU paths (slices, gathers, the repack hook
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 
