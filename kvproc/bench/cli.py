@@ -12,6 +12,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "ipc": ("kvproc.bench.ipcbench", "resolve/seal round trips against a raw pyzmq round trip"),
     "remote": ("kvproc.bench.remotebench", "Mooncake tier write-behind/pull against raw batch put/get (kvproc[remote])"),
     "pooled": ("kvproc.bench.pooled", "the Mooncake trace over N nodes: local host tiers vs a shared remote tier"),
+    "gpu": ("kvproc.bench.gpu_check", "the GPU data path check: round trips, mover bandwidth vs copy_ (CPU parts without CUDA)"),
     "chaos": ("kvproc.bench.chaos", "engines on a shared tier under cancellations and faults; every byte checked"),
     # needs vLLM installed (`make venv-vllm`; run with .venv-vllm/bin/python)
     "vllm": ("kvproc.integrations.vllm.bench", "vLLM alone vs vLLM + kvproc vs vLLM + its disk connector"),

@@ -1,7 +1,10 @@
 """Register a shared-memory mapping as pinned (page-locked) host memory for GPU DMA, once per copying process.
 
-Without CUDA this is a no-op. Register after attaching, unregister before unmapping (`Segment.close()` does the
-latter). PyTorch's pinned allocator would round sizes up to powers of two; registering the existing mapping does not.
+Without CUDA this is a no-op (returns False: every copy is a CPU one and nothing needs pinning). With CUDA a failed
+registration raises `PinError` at attach: never a silent pageable copy. Register after attaching, unregister before
+unmapping (`Segment.close()` does the latter). PyTorch's pinned allocator would round sizes up to powers of two;
+registering the existing mapping does not. NEEDS-GPU-CHECK: the CUDA branch has never run (no GPU where it was
+written); `torch.cuda.cudart()` is torch's binding of the CUDA runtime (no cupy needed).
 """
 
 from __future__ import annotations
@@ -13,32 +16,45 @@ from kvproc.ipc.segment import Segment
 _CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context in the process
 
 
+class PinError(RuntimeError):
+    """cudaHostRegister / cudaHostUnregister failed for a segment (the CUDA error is in the message)."""
+
+
 def _cuda_available() -> bool:
     torch = sys.modules.get("torch")  # never import torch just to learn there is no GPU
     return torch is not None and bool(torch.cuda.is_available())
+
+
+def _error(cudart: object, err: object) -> str:
+    try:
+        return f"{int(err)} ({cudart.cudaGetErrorString(err)})"  # type: ignore[attr-defined, call-overload]
+    except Exception:  # noqa: BLE001 - the message is best effort; the code is what matters
+        return str(err)
 
 
 def register(segment: Segment) -> bool:
     """Pin the segment's mapping; returns True if it is now pinned, False on a CPU-only process."""
     if segment.pinned or not _cuda_available():
         return segment.pinned
-    # NEEDS-GPU-CHECK: not exercised on the CPU-only development machines.
     import torch
 
-    err = torch.cuda.cudart().cudaHostRegister(segment.address(), segment.nbytes, _CUDA_HOST_REGISTER_PORTABLE)
+    cudart = torch.cuda.cudart()
+    err = cudart.cudaHostRegister(segment.address(), segment.nbytes, _CUDA_HOST_REGISTER_PORTABLE)
     if int(err) != 0:
-        raise RuntimeError(f"cudaHostRegister({segment.name}, {segment.nbytes} B) failed with CUDA error {err}")
+        raise PinError(f"cudaHostRegister({segment.name}, {segment.nbytes} B) failed: CUDA error "
+                       f"{_error(cudart, err)}; refusing pageable copies")
     segment.pinned = True
     return True
 
 
 def unregister(segment: Segment) -> None:
+    """Unpin; must run before the mapping is unmapped (`Segment.close` calls it first)."""
     if not segment.pinned:
         return
-    # NEEDS-GPU-CHECK: must run before the mapping is unmapped.
     import torch
 
-    err = torch.cuda.cudart().cudaHostUnregister(segment.address())
+    cudart = torch.cuda.cudart()
+    err = cudart.cudaHostUnregister(segment.address())
     segment.pinned = False
     if int(err) != 0:
-        raise RuntimeError(f"cudaHostUnregister({segment.name}) failed with CUDA error {err}")
+        raise PinError(f"cudaHostUnregister({segment.name}) failed: CUDA error {_error(cudart, err)}")

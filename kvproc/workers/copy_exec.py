@@ -20,8 +20,10 @@ release the GIL), which is what reaches the memory-bandwidth limit on this class
 Where the model's stored layout differs (`repack`), an order's blocks of that arena go through the hook in one
 (blocks, bytes) batch per 4 MiB, gathered by id and scattered back, whatever runs they form (`_RepackCopy`).
 
-CPU-only here: device arenas are shared-memory tensors. # NEEDS-GPU-CHECK: a CUDA build would issue
-`dst.copy_(src, non_blocking=True)` on a dedicated stream after the step's event; that path is not written yet.
+Every byte moves through the executor's mover (`kvproc/workers/movers.py`, chosen there from the arenas' device):
+the `copy_rows` calls above are its `rows`, and the planned numpy paths are the `memmove` mover's own (they need its
+numpy views of this process's memory). An engine's private memory moves through the `cma` mover (`engine_move`).
+A mover without host views (`cuda`, never run) gets one batched `rows` call per arena and order (`_MoverRows`).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from kvproc.native import NATIVE
 from kvproc.tiers import save_fence
 from kvproc.tiers.layout import HostLayout
 from kvproc.tiers.slot_table import FENCE, ROW_BYTES
+from kvproc.workers.movers import MoveError, Mover, RemoteMemory, mover_for
 
 RepackFn = Callable[[str, RepackDirection, torch.Tensor, torch.Tensor, ArenaId], None]
 PARALLEL_BYTES = 8 << 20  # below this, a second thread costs more than it saves
@@ -238,7 +241,12 @@ class CopyExecutor:
         host_layout: HostLayout | None = None,
         repack: RepackFn | None = None,
         threads: int = 2,
+        mover: Mover | None = None,
     ) -> None:
+        self.mover = mover if mover is not None else mover_for(_device_of(layout))
+        if not self.mover.host_views:
+            raise CopyError(f"the {self.mover.name} mover has no host views: the copy executor's arenas on it are "
+                            f"not wired yet (docs/gpu.md)")
         self.repack_fn = repack
         self.repack_failures = RepackFailures()
         # The host tier's save-fence words (the slot table's FENCE row), where this host arena has a table.
@@ -323,6 +331,38 @@ class CopyExecutor:
             raise CopyError(f"no arena for groups {sorted({c.group for c in copies})}")
         return self._run(jobs)
 
+    def engine_move(self, pid: int, to_engine: bool, arenas: Sequence[str], engine_bases: Sequence[int],
+                    engine_stride: int, block_bytes: int, engine_ids: Sequence[int], arena_ids: Sequence[int]) -> int:
+        """Blocks between process `pid`'s private memory (block `engine_ids[i]` of layer l at `engine_bases[l] + id *
+        engine_stride`) and block `arena_ids[i]` of `arenas[l]`, through the cross-memory mover (`mover_for`)."""
+        if len(arenas) != len(engine_bases) or len(engine_ids) != len(arena_ids):
+            raise CopyError("EngineMove: arenas/engine_bases or engine_ids/arena_ids differ in length")
+        by_name = {a.name: a for a in self.arenas}
+        try:
+            mover = mover_for(engine_pid=pid)
+        except (MoveError, OSError) as e:
+            raise CopyError(f"EngineMove: {e}") from None
+        n = 0
+        for name, remote in zip(arenas, engine_bases):
+            a = by_name.get(name)
+            if a is None:
+                raise CopyError(f"EngineMove: no arena {name!r} attached")
+            blocks = a.rows.shape[0]
+            if block_bytes > a.stride or any(not 0 <= b < blocks for b in arena_ids):
+                raise CopyError(f"EngineMove: arena {name!r} has {blocks} blocks of {a.stride} B")
+            here, there = a.flat.ctypes.data, RemoteMemory(pid, remote)
+            stride = engine_stride or block_bytes
+            try:
+                n += mover.rows(there, stride, engine_ids, here, a.stride, arena_ids, block_bytes, 0) if to_engine \
+                    else mover.rows(here, a.stride, arena_ids, there, stride, engine_ids, block_bytes, 0)
+            except MoveError as e:
+                raise CopyError(f"EngineMove: {e}") from None
+        return n
+
+    def mover_name(self, kind: str) -> str:
+        """Which mover moved an order of this kind ("save", "load", "device", "engine"): what the worker counts."""
+        return "cma" if kind == "engine" else self.mover.name
+
     def _direct(self, device: Sequence[int], host: Sequence[int], to_host: bool) -> int | None:
         """A page-only order in one `copy_rows` call per arena (see `__init__`); None where it does not apply (no
         compiled module, a repacked arena, a copy big enough for two threads): the planned path takes it."""
@@ -338,13 +378,13 @@ class CopyExecutor:
         if not self._first_call_checks and (min(device) < 0 or max(device) >= limits[0] or min(host) < 0
                                             or max(host) >= limits[1]):
             raise CopyError(f"ids out of range (device < {limits[0]}, host < {limits[1]})")
-        copy = NATIVE.copy_rows  # type: ignore[union-attr]
+        copy = self.mover.rows
         n = 0
         try:
             for flat, stride, hflat, unit, row in self._rows:
                 n += copy(hflat, unit, host, flat, stride, device, row, SAVE_GIL_BYTES) if to_host else \
                     copy(flat, stride, device, hflat, unit, host, row, LOAD_GIL_BYTES)
-        except (IndexError, ValueError) as e:
+        except MoveError as e:
             raise CopyError(str(e)) from None
         self.bytes_copied += n
         return n
@@ -386,9 +426,10 @@ class CopyExecutor:
                 if native_rows and not a.repack:
                     assert a.host_flat is not None
                     row, unit = a.rows.shape[1], a.host.shape[1]
-                    jobs.append(_RowCopy(a.host_flat, unit, host, a.flat, a.stride, device, row, SAVE_GIL_BYTES)
-                                if to_host else
-                                _RowCopy(a.flat, a.stride, device, a.host_flat, unit, host, row, LOAD_GIL_BYTES))
+                    jobs.append(_RowCopy(self.mover, a.host_flat, unit, host, a.flat, a.stride, device, row,
+                                         SAVE_GIL_BYTES) if to_host else
+                                _RowCopy(self.mover, a.flat, a.stride, device, a.host_flat, unit, host, row,
+                                         LOAD_GIL_BYTES))
                     continue
                 if self._per_run(a):
                     if every_run is None:
@@ -532,8 +573,9 @@ class _GatherCopy:
 @dataclass(frozen=True)
 class _RowCopy:
     """Row dst_ids[i] of `dst` = row src_ids[i] of `src` over flat byte buffers (rows `*_stride` bytes apart): one
-    `kvproc.native._native.copy_rows` call, ids checked first, one memmove per contiguous run."""
+    `mover.rows` call (`kvproc.native._native.copy_rows` for memmove), ids checked first, one memmove per run."""
 
+    mover: Mover
     dst: np.ndarray
     dst_stride: int
     dst_ids: Sequence[int]
@@ -548,15 +590,14 @@ class _RowCopy:
         return len(self.dst_ids) * self.row
 
     def part(self, lo: int, hi: int) -> "_RowCopy":
-        return _RowCopy(self.dst, self.dst_stride, self.dst_ids[lo:hi], self.src, self.src_stride,
+        return _RowCopy(self.mover, self.dst, self.dst_stride, self.dst_ids[lo:hi], self.src, self.src_stride,
                         self.src_ids[lo:hi], self.row, self.gil_bytes)
 
     def __call__(self) -> int:
-        assert NATIVE is not None
         try:
-            return int(NATIVE.copy_rows(self.dst, self.dst_stride, self.dst_ids, self.src, self.src_stride,
-                                        self.src_ids, self.row, self.gil_bytes))
-        except (IndexError, ValueError) as e:  # checked by the plan already: a stale layout, say, not a bad order
+            return self.mover.rows(self.dst, self.dst_stride, self.dst_ids, self.src, self.src_stride,
+                                   self.src_ids, self.row, self.gil_bytes)
+        except MoveError as e:  # checked by the plan already: a stale layout, say, not a bad order
             raise CopyError(str(e)) from None
 
 
@@ -586,6 +627,14 @@ class _RepackCopy:
         call_hook(self.fn, self.group, self.direction, src, out, self.ident)
         self.dst[self.dst_ids] = out.numpy()
         return int(self.dst_ids.size) * self.device_row
+
+
+def _device_of(layout: ArenaLayout) -> str:
+    """The device every arena of a layout is on ("cpu", "cuda:0"); arenas on two devices are a layout error."""
+    devices = {str(a.tensor.device) for _, a in layout.arenas}
+    if len(devices) > 1:
+        raise CopyError(f"arenas on more than one device: {sorted(devices)}")
+    return devices.pop() if devices else "cpu"
 
 
 _SIZED = (_SliceCopy, _GatherCopy, _RowCopy, _RepackCopy)  # jobs that know their byte count (the two-thread split)

@@ -12,7 +12,6 @@ Threads: handlers run on the server's pool; the current attachment (executor + m
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import threading
 import time
@@ -33,7 +32,6 @@ from kvproc.runtime.histogram import Histogram
 from kvproc.runtime.role import Role, RoleEnv
 from kvproc.tiers import save_fence
 from kvproc.tiers.host import layout_from_wire
-from kvproc.workers.cma import CmaError, CmaMover, block_spans
 from kvproc.workers.copy_exec import CopyError, CopyExecutor, RepackError
 
 log = structlog.get_logger("kvproc.copy_worker")
@@ -76,8 +74,6 @@ class _Attachment:
     arenas: int
     host_bytes: int
     load_fences: np.ndarray | None = None  # the store's load-fence words (`kvproc/tiers/load_fence.py`)
-    # arena name -> (address of block 0 in this process, block stride, blocks): EngineMove's local side
-    arena_addrs: dict[str, tuple[int, int, int]] = dataclasses.field(default_factory=dict)
 
 
 class CopyWorkerRole(Role):
@@ -146,12 +142,10 @@ class CopyWorkerRole(Role):
                 raise HandlerError("bad_request", f"load fences [{msg.load_fence_offset}, +{8 * msg.load_fence_words})"
                                                   f" are outside {fseg.name} ({fseg.nbytes} B)")
             fences = fseg.numpy(np.int64, msg.load_fence_offset, msg.load_fence_words)
-        addrs = {ref.name: (seg(ref.segment).address() + ref.offset, ref.block_stride, ref.num_blocks)
-                 for ref in msg.arenas}
         executor = CopyExecutor(layout, host, host_layout, repack, threads=self.threads)
         del host, arenas, layout  # only the executor holds views now (so retired segments can unmap)
         new = _Attachment(executor, segments, len(msg.arenas), host_layout.total_bytes if host_layout else 0,
-                          load_fences=fences, arena_addrs=addrs)
+                          load_fences=fences)
         del fences
         with self._lock:
             self._current = new
@@ -198,7 +192,10 @@ class CopyWorkerRole(Role):
         ns = time.perf_counter_ns() - t0
         orders, nbytes, nanos = _COUNTER_NAMES[kind]
         # ns: copy time in situ (console, benches), and its distribution (`copy_latency_seconds` in /metrics)
-        self.counters.inc_many(((orders, 1), (nbytes, n), (nanos, ns), *_COPY_LATENCY[kind].keys(ns)))
+        # which mover moved it (`kvproc/workers/movers.py`): orders and bytes by mover, in stats and the console
+        mover = att.executor.mover_name(kind)
+        self.counters.inc_many(((orders, 1), (nbytes, n), (nanos, ns), (f"mover_orders.{mover}", 1),
+                                (f"mover_bytes.{mover}", n), *_COPY_LATENCY[kind].keys(ns)))
         return m.Copied(n, ns)
 
     @handles(m.Save)
@@ -232,27 +229,9 @@ class CopyWorkerRole(Role):
     def engine_move(self, msg: m.EngineMove, ctx: CallContext) -> m.Copied:
         """Blocks between an engine's own (private) memory and the arenas, by cross-memory attach: the engine
         allocated those tensors, so it names them by pid and address (the CPU analogue of a CUDA IPC handle)."""
-        att = self._attachment()  # holds the arenas' mappings for the whole move
-
-        def move(_: CopyExecutor) -> int:
-            if len(msg.arenas) != len(msg.engine_bases) or len(msg.engine_ids) != len(msg.arena_ids):
-                raise CopyError("EngineMove: arenas/engine_bases or engine_ids/arena_ids differ in length")
-            mover, n = CmaMover(msg.pid), 0
-            for name, remote in zip(msg.arenas, msg.engine_bases):
-                if name not in att.arena_addrs:
-                    raise CopyError(f"EngineMove: no arena {name!r} attached")
-                base, stride, blocks = att.arena_addrs[name]
-                if msg.block_bytes > stride or any(not 0 <= b < blocks for b in msg.arena_ids):
-                    raise CopyError(f"EngineMove: arena {name!r} has {blocks} blocks of {stride} B")
-                spans = block_spans(remote, msg.engine_ids, base, msg.arena_ids, msg.block_bytes,
-                                    msg.engine_stride, stride)
-                try:
-                    n += mover.write(spans) if msg.to_engine else mover.read(spans)
-                except CmaError as e:
-                    raise CopyError(f"EngineMove: {e}") from None
-            return n
-
-        return self._execute("engine", move)
+        return self._execute("engine", lambda ex: ex.engine_move(
+            msg.pid, msg.to_engine, msg.arenas, msg.engine_bases, msg.engine_stride, msg.block_bytes, msg.engine_ids,
+            msg.arena_ids))
 
     def on_stop(self) -> None:
         with self._lock:

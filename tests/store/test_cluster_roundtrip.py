@@ -48,6 +48,9 @@ def test_round_trip_restores_every_group_bit_for_bit() -> None:
         assert st["rank0"]["active_blocks"] == 0 and st["tier"]["open_leases"] == 0
         worker = cs.cluster.client("copy_worker").request(m.Stats(), timeout=5).counters
         assert worker["orders_save"] == 1 and worker["orders_load"] == 1 and worker["orders_device"] == 2
+        # every order named its mover (kvproc/workers/movers.py): all four by memmove on this CPU machine
+        assert worker["mover_orders.memmove"] == 4 and "mover_orders.cma" not in worker
+        assert worker["mover_bytes.memmove"] == worker["bytes_save"] + worker["bytes_load"] + worker["bytes_device"]
 
 
 def test_a_repacking_model_round_trips_through_the_workers_repack() -> None:

@@ -1,0 +1,85 @@
+"""CUDA IPC for device arenas: the scheduler exports an arena (an engine's CUDA tensor) once at attach, its rank's copy
+worker opens it. NEVER RUN: written on a machine without a GPU; only `check_geometry` has run (tests/ipc).
+
+The handle is torch's own CUDA storage sharing (`UntypedStorage._share_cuda_` / `_new_shared_cuda`, what
+`torch.multiprocessing` sends for a CUDA tensor): it names the caching allocator's block, not the raw `cudaMalloc`
+base, so an arena inside a bigger allocation opens at the right address (a bare `cudaIpcGetMemHandle` of the
+tensor's pointer would name the whole allocation). The producer must keep the tensor alive while a worker has it open.
+Like `ArenaRef`, the handle carries the geometry, and `open_arena` checks it (and the device) before any copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+
+class CudaIpcError(RuntimeError):
+    """An arena handle does not fit (wrong device, geometry outside the shared block) or could not be opened."""
+
+
+@dataclass(frozen=True)
+class CudaArenaHandle:
+    name: str
+    device: int  # the CUDA device index the arena lives on; the worker opening it must be bound to the same one
+    storage_handle: bytes  # torch's `_share_cuda_` fields, passed back unchanged to `_new_shared_cuda`
+    storage_size_bytes: int
+    storage_offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    offset: int  # the arena's first byte, counted from the shared storage's start
+    num_blocks: int
+    bytes_per_block: int
+    block_stride: int
+
+    @property
+    def nbytes(self) -> int:
+        return (self.num_blocks - 1) * self.block_stride + self.bytes_per_block
+
+
+def check_geometry(h: CudaArenaHandle, device: int) -> None:
+    """What `open_arena` checks before mapping anything: the device, and that the arena lies inside the storage."""
+    if h.device != device:
+        raise CudaIpcError(f"arena {h.name}: on cuda:{h.device}, this worker is bound to cuda:{device}")
+    if h.num_blocks <= 0 or h.bytes_per_block <= 0 or h.block_stride < h.bytes_per_block:
+        raise CudaIpcError(f"arena {h.name}: bad geometry ({h.num_blocks} blocks of {h.bytes_per_block} B, stride "
+                           f"{h.block_stride})")
+    if h.offset < 0 or h.offset + h.nbytes > h.storage_size_bytes:
+        raise CudaIpcError(f"arena {h.name}: [{h.offset}, +{h.nbytes}) is outside the shared storage "
+                           f"({h.storage_size_bytes} B)")
+
+
+def export_arena(name: str, tensor: torch.Tensor, num_blocks: int, bytes_per_block: int,
+                 block_stride: int) -> CudaArenaHandle:
+    """In the scheduler (engine) process: the handle of a CUDA arena tensor. NEEDS-GPU-CHECK."""
+    if not tensor.is_cuda:
+        raise CudaIpcError(f"arena {name}: a {tensor.device} tensor has no CUDA IPC handle")
+    storage = tensor.untyped_storage()
+    dev, handle, size, off, rc_handle, rc_off, ev_handle, ev_sync = storage._share_cuda_()
+    h = CudaArenaHandle(name, int(dev), bytes(handle), int(size), int(off), bytes(rc_handle), int(rc_off),
+                        bytes(ev_handle), bool(ev_sync), int(tensor.storage_offset()) * tensor.element_size(),
+                        num_blocks, bytes_per_block, block_stride)
+    check_geometry(h, int(dev))
+    return h
+
+
+def open_arena(h: CudaArenaHandle, device: int) -> torch.Tensor:
+    """In the copy worker bound to `device`: the arena as a flat uint8 CUDA tensor over the engine's memory (no copy).
+    NEEDS-GPU-CHECK."""
+    check_geometry(h, device)
+    import torch
+
+    torch.cuda._lazy_init()
+    try:
+        storage = torch.UntypedStorage._new_shared_cuda(
+            h.device, h.storage_handle, h.storage_size_bytes, h.storage_offset_bytes, h.ref_counter_handle,
+            h.ref_counter_offset, h.event_handle, h.event_sync_required)
+    except RuntimeError as e:
+        raise CudaIpcError(f"arena {h.name}: cannot open its CUDA IPC handle on cuda:{device}: {e}") from None
+    t = torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", device))
+    return t.set_(storage, h.offset, (h.nbytes,), (1,))
