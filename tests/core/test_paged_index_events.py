@@ -74,9 +74,8 @@ def churn(pb: PagedBlocks, seed: int) -> list[str]:
             held.append(ids)
         elif r < 0.9 and held:
             pb.release(held.pop(rng.randrange(len(held))))
-        elif r < 0.93:
-            if pb.evict_all():
-                did.append("evict_all")
+        elif r < 0.93 and pb.evict_all():
+            did.append("evict_all")
     return did
 
 
