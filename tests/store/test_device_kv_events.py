@@ -148,3 +148,43 @@ def test_without_kv_events_no_device_publisher_and_nothing_in_the_manifest() -> 
     with cluster_store() as (cs, store, _):
         assert cs.device_events is None and store.pools[0].paged.listener is None
         assert mf.read_manifest(cs.cluster.runtime_dir).published == {}
+
+
+def test_an_in_process_store_publishes_too_from_what_its_index_already_holds() -> None:
+    """`DevicePublishers.start` on a store that has pages indexed already: the stream starts with them (after
+    `AllBlocksCleared`), then follows the churn."""
+    import shutil
+    import tempfile
+
+    from kvproc.store.device_events import DevicePublishers
+    from tests.store.conftest import churn as churn_local
+    from tests.store.conftest import compute as compute_local
+    from tests.store.conftest import make_store
+
+    store, model, _, _ = make_store(16, tier=False)
+    tmp = tempfile.mkdtemp(prefix="kvd")
+    try:
+        kv, _, _, _ = compute_local(store, model, "before", list(range(17)))
+        kv.release()
+        pubs = DevicePublishers.start(store, tmp)
+        try:
+            for i in range(6):
+                kv, _, _, _ = compute_local(store, model, f"r{i}", [100 * (i + 1) + j for j in range(9)])
+                kv.release()
+            churn_local(store)
+            kv, _, _, _ = compute_local(store, model, "after", list(range(17)))
+            kv.release()
+            assert pubs.publishers[0].flush()
+            batches = [decode_batch(p) for _, p in _replay(pubs.publishers[0].replay_endpoint)]
+            first = batches[0].events
+            assert isinstance(first[0], AllBlocksCleared) and isinstance(first[1], BlockStored)
+            assert len(first[1].block_hashes) == 4  # "before"'s pages, indexed when the publisher started
+            keys, seen = _rebuild(batches)
+            assert seen["removed"] > 0
+            assert keys == set(store.pools[0].paged.index)
+        finally:
+            pubs.close()
+        assert store.pools[0].paged.listener is None
+    finally:
+        store.close()
+        shutil.rmtree(tmp, ignore_errors=True)
