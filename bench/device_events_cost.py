@@ -6,7 +6,8 @@ listener) and on (a `DeviceIndexEvents` publishing to a real `KvEventPublisher`)
 
 Two levels, each timed per iteration, the arms interleaved (order rotating) for `--rounds` short rounds (a loaded
 host's swings hit every arm alike); printed: the median and the best (minimum) round of each arm, and their ratios to
-`before`:
+`before`, and the median over rounds of each round's ratio to `before` (the arms of one round ran within
+milliseconds of each other):
 - `helpers`: `paged_register` of `--pages` fresh hashes then `paged_unhash` of those blocks (the C calls alone);
 - `pool`: `PagedBlocks` in steady state: `allocate(pages)` (evicts as many cached blocks: unhash), `register`,
   `release` (the blocks go back to the LRU), the path a prefill's pages take.
@@ -147,13 +148,15 @@ def main() -> int:
     med = {k: statistics.median(v) for k, v in times.items()}
     best = {k: min(v) for k, v in times.items()}
     print(f"{args.pages} pages per iteration, {args.iters} iterations x {args.rounds} rounds, base {args.base}; "
-          "ns per iteration (median round, best round)")
+          "ns per iteration (median round, best round), and the median over rounds of the round's ratio to before")
     for level in ("helpers", "pool"):
-        mb, bb = med[f"{level} before"], best[f"{level} before"]
+        base = f"{level} before"
+        mb, bb = med[base], best[base]
         for k in names:
             if k.startswith(level):
+                paired = statistics.median(a / b for a, b in zip(times[k], times[base]))
                 print(f"  {k:24s} median {med[k]:9.0f} ns {med[k] / mb:6.3f}x   best {best[k]:9.0f} ns "
-                      f"{best[k] / bb:6.3f}x")
+                      f"{best[k] / bb:6.3f}x   paired {paired:6.3f}x")
     return 0
 
 

@@ -225,6 +225,11 @@ class DeviceIndexEvents:
             pool.paged.listener = None
 
     def stored(self, hashes: Sequence[bytes], positions: list[int]) -> None:
+        first, last = positions[0], positions[-1]
+        if last - first == len(positions) - 1:  # one run (the usual case: a prefill's new pages): no loop
+            self.publisher.publish([BlockStored(list(hashes[first:last + 1]), hashes[first - 1] if first else None,
+                                                [], self.block_size, None, MEDIUM_DEVICE)])
+            return
         events: list[KvEvent] = []
         start = prev = positions[0]
         for p in positions[1:] + [-1]:  # -1 closes the last run

@@ -188,3 +188,25 @@ def test_an_in_process_store_publishes_too_from_what_its_index_already_holds() -
     finally:
         store.close()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_a_registration_with_gaps_is_one_stored_event_per_run_with_its_parent() -> None:
+    import shutil
+    import tempfile
+
+    from kvproc.tiers.kv_events import DeviceIndexEvents, KvEventPublisher
+
+    tmp = tempfile.mkdtemp(prefix="kvd")
+    pub = KvEventPublisher(tmp, 0, kind="device")
+    try:
+        h = [bytes([i]) * 16 for i in range(7)]
+        events = DeviceIndexEvents(pub, PAGE)
+        events.stored(h, [0, 1, 3, 5, 6])  # 2 and 4 were indexed already
+        events.stored(h, [2, 3, 4])
+        assert pub.flush()
+        got = [e for _, p in _replay(pub.replay_endpoint) for e in decode_batch(p).events]
+        assert [(e.block_hashes, e.parent_block_hash) for e in got] == [
+            ([h[0], h[1]], None), ([h[3]], h[2]), ([h[5], h[6]], h[4]), ([h[2], h[3], h[4]], h[1])]
+    finally:
+        pub.close()
+        shutil.rmtree(tmp, ignore_errors=True)
