@@ -198,11 +198,9 @@ class PagedBlocks:
         all_hashes = hashes
         hashes = list(hashes)
         already = self.hashed[idx]
-        positions = np.arange(len(hashes))
         if already.any():
             keep = ~already
             idx = idx[keep]
-            positions = positions[keep]
             hashes = [h for h, k in zip(hashes, keep.tolist()) if k]
         if not idx.size:
             return
@@ -210,7 +208,7 @@ class PagedBlocks:
         new: list[int] = []
         if listener is not None:  # the keys the index does not hold yet (a hash twice in the call: its first)
             index, fresh = self.index, set()
-            for p, h in zip(positions.tolist(), hashes):
+            for p, h in zip(np.flatnonzero(~already).tolist(), hashes):
                 if h not in index and h not in fresh:
                     fresh.add(h)
                     new.append(p)
