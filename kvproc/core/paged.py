@@ -13,10 +13,11 @@ fixed cost per call (a 64-id list takes ~4 us just to become an array) is most o
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from functools import partial
 from itertools import takewhile
 from operator import is_not
-from typing import Callable, Sequence
+from typing import Protocol
 
 import numpy as np
 
@@ -34,6 +35,17 @@ class StaleBlockError(RuntimeError):
     """A block handle's generation no longer matches: the block was reused since the handle was made."""
 
 
+class IndexListener(Protocol):
+    """Told of every change to the prefix index's key set (KV events: `kvproc/tiers/kv_events.py`'s
+    `DeviceIndexEvents`), under the pool's lock, so in the order the changes happened."""
+
+    def stored(self, hashes: Sequence[bytes], positions: list[int]) -> None:
+        """`hashes[i]` for each i in `positions` (ascending) became a key of the index, in one `register` call."""
+
+    def removed(self, hashes: list[bytes]) -> None:
+        """These keys left the index (their block was evicted while it owned the entry)."""
+
+
 class PagedBlocks:
     def __init__(self, num_blocks: int) -> None:
         if num_blocks <= 0:
@@ -49,6 +61,8 @@ class PagedBlocks:
         self.inactive = RunLru(num_blocks)
         self.index: dict[bytes, int] = {}
         self.evictions = 0
+        # KV events: None (the default) costs one attribute test per register / unhash call, nothing per block.
+        self.listener: IndexListener | None = None
 
     # -- capacity -------------------------------------------------------------------------------------------------
     @property
@@ -97,16 +111,22 @@ class PagedBlocks:
         return n
 
     def _unhash(self, ids: list[int]) -> None:
+        listener = self.listener
+        removed: list[bytes] | None = None if listener is None else []
         if NATIVE is not None:
-            NATIVE.paged_unhash(self.hashed, self.block_hash, self.index, ids)
-            return
-        index, block_hash = self.index, self.block_hash  # a displaced duplicate no longer owns its index entry
-        for bid in ids:
-            h = block_hash[bid]
-            if h is not None and index.get(h) == bid:
-                del index[h]
-            block_hash[bid] = None
-        self.hashed[ids] = False
+            NATIVE.paged_unhash(self.hashed, self.block_hash, self.index, ids, removed)
+        else:
+            index, block_hash = self.index, self.block_hash  # a displaced duplicate no longer owns its index entry
+            for bid in ids:
+                h = block_hash[bid]
+                if h is not None and index.get(h) == bid:
+                    del index[h]
+                    if removed is not None:
+                        removed.append(h)
+                block_hash[bid] = None
+            self.hashed[ids] = False
+        if removed:
+            listener.removed(removed)  # type: ignore[union-attr]  # removed is a list only with a listener
 
     def acquire(self, ids: Sequence[int]) -> None:
         """Add one reference to each block (blocks must be active or inactive, never free)."""
@@ -164,10 +184,18 @@ class PagedBlocks:
         block takes the index entry: both hold identical KV, and the displaced block keeps its hash but is no longer
         reachable, so it simply ages out of the LRU. This keeps registration one C-level dict update per call.
         """
+        listener = self.listener
         if NATIVE is not None:
-            NATIVE.paged_register(self.hashed, self.block_hash, self.index, ids, hashes)
+            if listener is None:
+                NATIVE.paged_register(self.hashed, self.block_hash, self.index, ids, hashes)
+                return
+            added: list[int] = []
+            NATIVE.paged_register(self.hashed, self.block_hash, self.index, ids, hashes, added)
+            if added:
+                listener.stored(hashes, added)
             return
         idx = np.asarray(ids, dtype=np.int64)
+        all_hashes = hashes
         hashes = list(hashes)
         already = self.hashed[idx]
         if already.any():
@@ -177,11 +205,20 @@ class PagedBlocks:
         if not idx.size:
             return
         ids_list = idx.tolist()
+        new: list[int] = []
+        if listener is not None:  # the keys the index does not hold yet (a hash twice in the call: its first)
+            index, fresh = self.index, set()
+            for p, h in zip(np.flatnonzero(~already).tolist(), hashes):
+                if h not in index and h not in fresh:
+                    fresh.add(h)
+                    new.append(p)
         self.index.update(zip(hashes, ids_list))
         block_hash = self.block_hash
         for bid, h in zip(ids_list, hashes):
             block_hash[bid] = h
         self.hashed[idx] = True
+        if new:
+            listener.stored(all_hashes, new)  # type: ignore[union-attr]  # new is non-empty only with a listener
 
     def match(self, hashes: Sequence[bytes]) -> list[int]:
         """Block ids of the longest indexed prefix of `hashes` (one dict probe per page, in C)."""

@@ -619,12 +619,20 @@ done:
     return out;
 }
 
-/* paged_register(hashed, block_hash, index, ids, hashes) -> blocks registered: each block not hashed yet takes its
- * hash (block_hash[id] = h, hashed[id] = True) and the index entry (index[h] = id: the newest block wins). */
+/* paged_register(hashed, block_hash, index, ids, hashes, added=None) -> blocks registered: each block not hashed yet
+ * takes its hash (block_hash[id] = h, hashed[id] = True) and the index entry (index[h] = id: the newest block wins).
+ * `added`, a list when the caller publishes KV events (else None: no extra work), gets the position in `hashes` of
+ * every hash the index did not hold before (a displaced duplicate changes the entry's owner, not the key set). */
 static PyObject *paged_register(PyObject *self, PyObject *args) {
-    PyObject *hashed_o, *bh, *index, *ids_o, *hashes_o;
-    if (!PyArg_ParseTuple(args, "OO!O!OO", &hashed_o, &PyList_Type, &bh, &PyDict_Type, &index, &ids_o, &hashes_o))
+    PyObject *hashed_o, *bh, *index, *ids_o, *hashes_o, *added = Py_None;
+    if (!PyArg_ParseTuple(args, "OO!O!OO|O", &hashed_o, &PyList_Type, &bh, &PyDict_Type, &index, &ids_o, &hashes_o,
+                          &added))
         return NULL;
+    if (added == Py_None) added = NULL;
+    else if (!PyList_Check(added)) {
+        PyErr_SetString(PyExc_TypeError, "added must be a list or None");
+        return NULL;
+    }
     Arr hashed;
     if (get_arr(hashed_o, &hashed, 1, "hashed")) return NULL;
     PyObject *hs = NULL, *out = NULL;
@@ -648,6 +656,10 @@ static PyObject *paged_register(PyObject *self, PyObject *args) {
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t b = ids[i];
         if (h[b]) continue;
+        if (added) { /* events on: note the new keys (one more probe of the dict, only then) */
+            int had = PyDict_Contains(index, items[i]);
+            if (had < 0 || (!had && append_int(added, i))) goto done;
+        }
         PyObject *id = PyLong_FromLongLong(b);
         if (!id) goto done;
         int rc = PyDict_SetItem(index, items[i], id);
@@ -666,11 +678,18 @@ done:
     return out;
 }
 
-/* paged_unhash(hashed, block_hash, index, ids): evicted blocks lose their hash, and their index entry where they still
- * own it (a displaced duplicate does not: that entry belongs to the newer block). */
+/* paged_unhash(hashed, block_hash, index, ids, removed=None): evicted blocks lose their hash, and their index entry
+ * where they still own it (a displaced duplicate does not: that entry belongs to the newer block). `removed`, a list
+ * when the caller publishes KV events (else None), gets every hash whose index entry went. */
 static PyObject *paged_unhash(PyObject *self, PyObject *args) {
-    PyObject *hashed_o, *bh, *index, *ids_o;
-    if (!PyArg_ParseTuple(args, "OO!O!O", &hashed_o, &PyList_Type, &bh, &PyDict_Type, &index, &ids_o)) return NULL;
+    PyObject *hashed_o, *bh, *index, *ids_o, *removed = Py_None;
+    if (!PyArg_ParseTuple(args, "OO!O!O|O", &hashed_o, &PyList_Type, &bh, &PyDict_Type, &index, &ids_o, &removed))
+        return NULL;
+    if (removed == Py_None) removed = NULL;
+    else if (!PyList_Check(removed)) {
+        PyErr_SetString(PyExc_TypeError, "removed must be a list or None");
+        return NULL;
+    }
     Arr hashed;
     if (get_arr(hashed_o, &hashed, 1, "hashed")) return NULL;
     PyObject *out = NULL;
@@ -684,7 +703,10 @@ static PyObject *paged_unhash(PyObject *self, PyObject *args) {
         if (key != Py_None) {
             PyObject *owner = PyDict_GetItemWithError(index, key); /* borrowed */
             if (!owner && PyErr_Occurred()) goto done;
-            if (owner && PyLong_Check(owner) && PyLong_AsLongLong(owner) == b && PyDict_DelItem(index, key)) goto done;
+            if (owner && PyLong_Check(owner) && PyLong_AsLongLong(owner) == b) {
+                if (removed && PyList_Append(removed, key)) goto done; /* before the delete: a failure changes nothing */
+                if (PyDict_DelItem(index, key)) goto done;
+            }
             Py_INCREF(Py_None);
             PyList_SetItem(bh, b, Py_None);
         }
@@ -882,8 +904,8 @@ static PyMethodDef methods[] = {
     {"paged_acquire", paged_acquire, METH_VARARGS, "paged_acquire(refcount, hashed, stamp, ids) -> (left LRU, free)"},
     {"paged_release", paged_release, METH_VARARGS,
      "paged_release(refcount, hashed, ids) -> (hashed zeros, unhashed zeros, underflow ids or None)"},
-    {"paged_register", paged_register, METH_VARARGS, "paged_register(hashed, block_hash, index, ids, hashes) -> n"},
-    {"paged_unhash", paged_unhash, METH_VARARGS, "paged_unhash(hashed, block_hash, index, ids)"},
+    {"paged_register", paged_register, METH_VARARGS, "paged_register(hashed, block_hash, index, ids, hashes, added=None) -> n"},
+    {"paged_unhash", paged_unhash, METH_VARARGS, "paged_unhash(hashed, block_hash, index, ids, removed=None)"},
     {"lru_stamp", lru_stamp, METH_VARARGS, "lru_stamp(stamp, ids, seq) -> ids already stamped"},
     {"spin_readable", spin_readable, METH_VARARGS,
      "spin_readable(fds, seconds) -> index of a readable fd, or -1 (polls without sleeping, without the GIL)"},

@@ -94,6 +94,7 @@ class Cluster:
         self._control: Any = None
         self.control_endpoint = ""
         self.metrics: Any = None  # a MetricsEndpoint when launched with `metrics=` (its `.address`)
+        self.published: dict[str, str] = {}  # this process's own endpoints (device KV events), for the manifest
         # Counters of what the launcher's process embeds (the store), shown by `kvproc console status` with the
         # launcher's own: each provider returns a flat {name: int}.
         self.counter_providers: list[Callable[[], Mapping[str, int]]] = []
@@ -394,6 +395,13 @@ class Cluster:
     def _record(self, key: tuple[str, int], pid: int, what: str, detail: str) -> None:
         self.events.append(PeerEvent(key[0], key[1], pid, what, detail, time.time()))
 
+    def publish(self, endpoints: Mapping[str, str]) -> None:
+        """Name endpoints this process serves (e.g. device-pool KV events) in the manifest (`Manifest.published`)."""
+        with self._cond:  # the lock every manifest rewrite takes: a concurrent state change keeps them
+            self.published.update(endpoints)
+            if not self._stopping:
+                self.write_manifest()
+
     def _set_state(self, key: tuple[str, int], state: str) -> None:
         # The manifest is rewritten under the same lock, so whoever sees the new state (console, tests) also finds
         # it in the manifest.
@@ -440,6 +448,7 @@ class Cluster:
         manifest = mf.Manifest(
             mf.MANIFEST_VERSION, self.name, self.runtime_dir, os.getpid(), self.created_at, self.control_endpoint, procs,
             launcher_identity=self.identity, metrics=self.metrics.address if self.metrics is not None else "",
+            published=dict(self.published),
         )
         return mf.write_manifest(self.runtime_dir, manifest)
 

@@ -96,6 +96,9 @@ class Manifest(msgspec.Struct):
     processes: list[ProcessEntry] = []
     launcher_identity: ProcessIdentity | None = None
     metrics: str = ""  # HOST:PORT of the cluster's Prometheus /metrics, "" when off (`runtime/metrics.py`)
+    # Endpoints the launcher's own process (the engine's) serves, by name: each rank's device-pool KV events,
+    # "kv_events_device_<rank>" (PUB) and "kv_events_device_replay_<rank>" (ROUTER), when started with KV events
+    published: dict[str, str] = {}
 
 
 def check_cluster_name(name: str) -> None:

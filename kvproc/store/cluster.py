@@ -45,6 +45,7 @@ from kvproc.ipc.segment import Segment, SegmentBusyError
 from kvproc.runtime import manifest as mf
 from kvproc.runtime.config import RoleConfig
 from kvproc.runtime.launcher import Cluster, launch
+from kvproc.store.device_events import DevicePublishers
 from kvproc.store.kv_store import KvStore
 from kvproc.store.types import StoreConfig
 from kvproc.tiers.host import layout_from_wire, layout_to_wire
@@ -125,6 +126,8 @@ class ClusterStore:
         self.copy_timeout_s = copy_timeout_s
         self.shutdown_deadline_s = shutdown_deadline_s
         self.store: KvStore | None = None
+        self.kv_events = False  # publish each rank's device-pool KV events from attach_model on (`start(kv_events=)`)
+        self.device_events: DevicePublishers | None = None
         self.tiers: list[RemoteTier] = []  # one per rank
         self.copiers: list[RemoteCopier] = []
         self.host_layouts: list[HostLayout] = []  # per rank
@@ -159,7 +162,9 @@ class ClusterStore:
 
         `metrics="HOST:PORT"` serves Prometheus `/metrics` of every process and the store (`kvproc/runtime/
         metrics.py`; port 0 picks a free one: `cs.cluster.metrics.address`). `kv_events=True` makes each host tier
-        publish what it stores and removes (`kvproc/tiers/kv_events.py`; `kv_events.endpoints(runtime_dir, rank)`).
+        publish what it stores and removes (`kvproc/tiers/kv_events.py`; `kv_events.endpoints(runtime_dir, rank)`),
+        and each rank's device pool what its prefix index gains and loses, from this process once a model is
+        attached (`store/device_events.py`; `endpoints(runtime_dir, rank, "device")`, in the manifest's `published`).
 
         `remote="mooncake://HOST:PORT?metadata=..."` puts a Mooncake Store below each host tier (`kvproc/tiers/
         mooncake.py`: write-behind of committed pages, host-tier misses pulled from it; needs `kvproc[remote]`).
@@ -194,6 +199,7 @@ class ClusterStore:
         cs = cls(cluster, host_bytes, ranks, copy_timeout_s=copy_timeout_s, shutdown_deadline_s=shutdown_deadline_s)
         cs._external_tiers = external
         cs._external_token = token
+        cs.kv_events = kv_events
         for r, client in enumerate(external):
             client.add_death_listener(functools.partial(cs._external_tier_dead, r, client))
         return cs
@@ -331,6 +337,10 @@ class ClusterStore:
         tiers = self.tiers * self.ranks if shared else self.tiers
         self.store = KvStore(layouts, live_slots=live_slots, tiers=tiers or None, copiers=self.copiers, config=config)
         self.cluster.counter_providers.append(self.store.counters_flat)  # `kvproc console status` shows them
+        if self.kv_events:
+            self.device_events = DevicePublishers.start(self.store, self.cluster.runtime_dir)
+            self.cluster.counter_providers.append(self.device_events.counters)
+            self.cluster.publish(self.device_events.published())
         return self.store
 
     def _copy_client(self, rank: int) -> Any:
@@ -345,6 +355,8 @@ class ClusterStore:
         try:
             if self.store is not None:
                 self.store.close()
+            if self.device_events is not None:
+                self.device_events.close()
             for c in self.copiers:
                 c.close()
             for t in self.tiers:

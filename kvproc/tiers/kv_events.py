@@ -16,6 +16,10 @@ start seq) with every kept batch from there, `[seq, payload]` each, then `[-1, b
 batches are kept. Endpoints: `ipc://<runtime dir>/kv-events-<rank>` and `.../kv-events-replay-<rank>`
 (`endpoints()`). Off unless the tier is started with `kv_events` (`ClusterStore.start(kv_events=True)`, `kvproc up
 --kv-events`).
+
+Each rank's device pool publishes the same way (`DeviceIndexEvents`, medium "GPU" as vLLM names its own, endpoints
+`kv-events-device-<rank>` / `kv-events-device-replay-<rank>`), from the engine's process: what its prefix index
+holds, i.e. which page hashes a resolve there would match.
 """
 
 from __future__ import annotations
@@ -25,12 +29,14 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any, Union
 
 import msgspec
 import zmq
 
 MEDIUM = "cpu"
+MEDIUM_DEVICE = "GPU"  # vLLM's MEDIUM_GPU: what routers already read for an engine's own prefix cache
 TOPIC = b"kv-events"
 END = (-1).to_bytes(8, "big", signed=True)
 
@@ -69,18 +75,19 @@ def decode_batch(payload: bytes) -> KVEventBatch:
     return _decoder.decode(payload)
 
 
-def endpoints(runtime_dir: str, rank: int) -> tuple[str, str]:
-    """(PUB endpoint, replay endpoint) of rank `rank`'s host tier."""
-    return (f"ipc://{os.path.join(runtime_dir, f'kv-events-{rank}')}",
-            f"ipc://{os.path.join(runtime_dir, f'kv-events-replay-{rank}')}")
+def endpoints(runtime_dir: str, rank: int, kind: str = "") -> tuple[str, str]:
+    """(PUB endpoint, replay endpoint) of rank `rank`'s host tier (`kind` "") or device pool (`kind` "device")."""
+    k = f"{kind}-" if kind else ""
+    return (f"ipc://{os.path.join(runtime_dir, f'kv-events-{k}{rank}')}",
+            f"ipc://{os.path.join(runtime_dir, f'kv-events-{k}replay-{rank}')}")
 
 
 def coalesce(events: list[KvEvent]) -> list[KvEvent]:
     """Neighbouring removals become one event (evictions come a page at a time)."""
     out: list[KvEvent] = []
     for e in events:
-        if isinstance(e, BlockRemoved) and out and isinstance(out[-1], BlockRemoved):
-            out[-1] = BlockRemoved(out[-1].block_hashes + e.block_hashes)
+        if isinstance(e, BlockRemoved) and out and isinstance(out[-1], BlockRemoved) and out[-1].medium == e.medium:
+            out[-1] = BlockRemoved(out[-1].block_hashes + e.block_hashes, e.medium)
         else:
             out.append(e)
     return out
@@ -91,9 +98,10 @@ class KvEventPublisher:
     queued while a batch was being sent go out together as the next batch. Replays are answered on another thread,
     from the kept batches. Neither thread polls: each sleeps in a blocking wait."""
 
-    def __init__(self, runtime_dir: str, rank: int, replay_batches: int = 10_000) -> None:
-        self.pub_endpoint, self.replay_endpoint = endpoints(runtime_dir, rank)
-        self._queue: queue.SimpleQueue[list[KvEvent] | None] = queue.SimpleQueue()
+    def __init__(self, runtime_dir: str, rank: int, replay_batches: int = 10_000, kind: str = "") -> None:
+        self.pub_endpoint, self.replay_endpoint = endpoints(runtime_dir, rank, kind)
+        # Items: a list of events, a flush marker (set once everything queued before it was sent), None (stop).
+        self._queue: queue.SimpleQueue[list[KvEvent] | threading.Event | None] = queue.SimpleQueue()
         self._kept: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=replay_batches)
         self._kept_lock = threading.Lock()
         self._encoder = msgspec.msgpack.Encoder()
@@ -120,21 +128,33 @@ class KvEventPublisher:
         if events:
             self._queue.put(events)
 
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until every batch of events published before this call went out (True), or `timeout` passed."""
+        done = threading.Event()
+        self._queue.put(done)
+        return done.wait(timeout)
+
     def _pub_main(self) -> None:
         try:
             while True:
                 item = self._queue.get()
                 if item is None:
                     return
+                if isinstance(item, threading.Event):
+                    item.set()
+                    continue
                 events = list(item)
-                try:  # whatever queued meanwhile joins this batch
-                    while (more := self._queue.get_nowait()) is not None:
+                more: list[KvEvent] | threading.Event | None = []
+                try:  # whatever queued meanwhile joins this batch, up to a flush marker or the stop
+                    while isinstance(more := self._queue.get_nowait(), list):
                         events += more
                 except queue.Empty:
                     more = []
                 self._send(events)
                 if more is None:
                     return
+                if isinstance(more, threading.Event):
+                    more.set()
         finally:
             self._pub.close()
 
@@ -175,3 +195,50 @@ class KvEventPublisher:
     def stats(self) -> dict[str, Any]:
         return {"kv_events.batches": self.batches, "kv_events.events": self.events, "kv_events.replays": self.replays,
                 "kv_events.seq": self.seq}
+
+
+class DeviceIndexEvents:
+    """A device pool's prefix index as KV events (`core.paged.IndexListener`): told of each change under the pool's
+    lock, so the batches follow the index's own order. `BlockStored` is one event per run of consecutive new keys of
+    one registration (parent: the registration's page before the run, None at its first page); a key already indexed
+    (a re-registered page, a duplicate computed twice) is no event, and neither is the eviction of a block that no
+    longer owns its key (a displaced duplicate). `attach` starts the stream with `AllBlocksCleared` and the keys the
+    index holds already, so a subscriber's set is the index's from the first batch on."""
+
+    def __init__(self, publisher: KvEventPublisher, block_size: int) -> None:
+        self.publisher = publisher
+        self.block_size = block_size
+
+    def attach(self, pool: Any) -> None:
+        """Start publishing `pool`'s (a `core.pool.BlockPool`) index changes."""
+        with pool.lock:
+            keys = list(pool.paged.index)
+            events: list[KvEvent] = [AllBlocksCleared()]
+            if keys:
+                events.append(BlockStored(keys, None, [], self.block_size, None, MEDIUM_DEVICE))
+            self.publisher.publish(events)
+            pool.paged.listener = self
+
+    @staticmethod
+    def detach(pool: Any) -> None:
+        with pool.lock:
+            pool.paged.listener = None
+
+    def stored(self, hashes: Sequence[bytes], positions: list[int]) -> None:
+        first, last = positions[0], positions[-1]
+        if last - first == len(positions) - 1:  # one run (the usual case: a prefill's new pages): no loop
+            self.publisher.publish([BlockStored(list(hashes[first:last + 1]), hashes[first - 1] if first else None,
+                                                [], self.block_size, None, MEDIUM_DEVICE)])
+            return
+        events: list[KvEvent] = []
+        start = prev = positions[0]
+        for p in positions[1:] + [-1]:  # -1 closes the last run
+            if p != prev + 1:
+                events.append(BlockStored(list(hashes[start:prev + 1]), hashes[start - 1] if start else None, [],
+                                          self.block_size, None, MEDIUM_DEVICE))
+                start = p
+            prev = p
+        self.publisher.publish(events)
+
+    def removed(self, hashes: list[bytes]) -> None:
+        self.publisher.publish([BlockRemoved(hashes, MEDIUM_DEVICE)])

@@ -226,7 +226,32 @@ def test_paged_ops_change_nothing_when_one_id_is_bad():
         N.paged_take(pb.generation, pb.generation, [0])
     with pytest.raises(TypeError, match="not bytes"):
         N.paged_register(pb.hashed, pb.block_hash, pb.index, [2], ["str"])
+    with pytest.raises(TypeError, match="added must be a list"):
+        N.paged_register(pb.hashed, pb.block_hash, pb.index, [2], [b"c" * 16], ())
+    with pytest.raises(TypeError, match="removed must be a list"):
+        N.paged_unhash(pb.hashed, pb.block_hash, pb.index, [0], ())
     assert unchanged()
+
+
+@needs_native
+def test_paged_register_and_unhash_report_the_keys_they_added_and_removed():
+    """The optional output lists (KV events): positions of keys new to the index, keys whose entry went; a key
+    already indexed (a duplicate) and a displaced block's eviction report nothing."""
+    from kvproc.core.paged import PagedBlocks
+
+    pb = PagedBlocks(8)
+    a, b = b"a" * 16, b"b" * 16
+    added: list[int] = []
+    N.paged_register(pb.hashed, pb.block_hash, pb.index, [0, 1, 2], [a, b, a], added)
+    assert added == [0, 1] and pb.index == {a: 2, b: 1}  # block 2 displaced block 0 under key a
+    added = []
+    N.paged_register(pb.hashed, pb.block_hash, pb.index, [0, 3], [b"z" * 16, b], added)  # 0 is hashed: skipped
+    assert added == [] and pb.index == {a: 2, b: 3}
+    removed: list[bytes] = []
+    N.paged_unhash(pb.hashed, pb.block_hash, pb.index, [0, 1], removed)  # both displaced: no key leaves
+    assert removed == [] and pb.index == {a: 2, b: 3}
+    N.paged_unhash(pb.hashed, pb.block_hash, pb.index, [2, 3], removed)
+    assert removed == [a, b] and pb.index == {}
 
 
 def reference_rows(dst: np.ndarray, dstride: int, dids: list[int], src: np.ndarray, sstride: int, sids: list[int],

@@ -1,0 +1,212 @@
+"""Device-pool KV events (issue 21): rank 0's publisher, in the store's own process, lets a subscriber rebuild the
+device prefix index's key set from the events alone, through device evictions, a re-registered page, a displaced
+duplicate (two requests computing one prompt), `drop_device_cache` and restores from the host tier; the endpoints are
+in the manifest; and a subscriber that misses one kind of event ends with another set (the control)."""
+
+from __future__ import annotations
+
+import zmq
+
+from kvproc import RequestKv
+from kvproc.runtime import manifest as mf
+from kvproc.store.types import SealCursor
+from kvproc.tiers.kv_events import (
+    END,
+    TOPIC,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    decode_batch,
+    endpoints,
+)
+from tests.conftest import PAGE, cluster_store, compute
+
+
+def _replay(endpoint: str, start: int = 0) -> list[tuple[int, bytes]]:
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(endpoint)
+    try:
+        s.send_multipart([b"", start.to_bytes(8, "big", signed=True)])
+        out = []
+        while True:
+            assert s.poll(10_000), "no replay answer"
+            _, seq, payload = s.recv_multipart()
+            if seq == END:
+                return out
+            out.append((int.from_bytes(seq, "big", signed=True), payload))
+    finally:
+        s.close()
+
+
+def _rebuild(batches: list[KVEventBatch], drop: type | None = None) -> tuple[set[bytes], dict[str, int]]:
+    keys: set[bytes] = set()
+    seen = {"stored": 0, "removed": 0, "cleared": 0}
+    for batch in batches:
+        for e in batch.events:
+            if drop is not None and isinstance(e, drop):
+                continue
+            if isinstance(e, AllBlocksCleared):
+                keys.clear()
+                seen["cleared"] += 1
+            elif isinstance(e, BlockStored):
+                assert drop or not keys & set(e.block_hashes), "a key stored twice without a removal between"
+                assert e.medium == "GPU" and e.block_size == PAGE and e.token_ids == []
+                keys.update(e.block_hashes)
+                seen["stored"] += len(e.block_hashes)
+            elif isinstance(e, BlockRemoved):
+                assert drop or set(e.block_hashes) <= keys, "a key removed that was never stored"
+                assert e.medium == "GPU"
+                keys.difference_update(e.block_hashes)
+                seen["removed"] += len(e.block_hashes)
+    return keys, seen
+
+
+def test_a_subscriber_rebuilds_rank0s_device_index_from_events_alone() -> None:
+    with cluster_store(1 << 20, kv_events=True) as (cs, store, model):  # 32 device blocks: the workload evicts
+        pool = store.pools[0]
+        manifest = mf.read_manifest(cs.cluster.runtime_dir)
+        pub_ep, replay_ep = endpoints(cs.cluster.runtime_dir, 0, "device")
+        assert manifest.published == {"kv_events_device_0": pub_ep, "kv_events_device_replay_0": replay_ep}
+        sub = zmq.Context.instance().socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, TOPIC)
+        sub.connect(pub_ep)
+        try:
+            # 12 prompts of 4 full pages (+1 token): 60 blocks' worth through 32, saved to the host tier
+            for i in range(12):
+                kv, cur, _, _ = compute(store, model, f"r{i}", [1000 * i + j for j in range(17)])
+                store.retire(0, kv, cur)
+            store.flush_saves(0, 10)
+            assert pool.paged.evictions > 0
+            # a page registered again (the same blocks): the index keeps its entry, no event
+            kv, cur, _, _ = compute(store, model, "again", [1000 * 11 + j for j in range(17)])
+            with pool.lock:
+                pool.paged.register(kv.block_ids[:4], kv.page_hashes[:4])
+            store.retire(0, kv, cur)
+            # a displaced duplicate: two requests compute one new prompt side by side; the second's blocks take
+            # the keys, the first's keep their hashes and age out without a removal
+            toks = [777_000 + j for j in range(17)]
+            kvs = []
+            for rid in ("dupA", "dupB"):
+                prefix = store.resolve_prefix_sync(0, rid, toks)
+                assert prefix.hold.num_blocks == 0
+                kvx = RequestKv(pool, rid, toks, 4)
+                assert kvx.try_admit(0)
+                store.execute_copies(0, kvx.match_and_add_prefix(prefix.hold))
+                kvx.schedule(len(toks))
+                kvs.append(kvx)
+            for kvx in kvs:
+                kvx.apply()
+            displaced, dup_keys = list(kvs[0].block_ids[:4]), list(kvs[0].page_hashes[:4])
+            assert [pool.paged.index[h] for h in dup_keys] == kvs[1].block_ids[:4]
+            for kvx in kvs:  # one after the other: dupA's blocks enter the LRU first
+                store.retire(0, kvx, SealCursor.after_prefix(0))
+                store.flush_saves(0, 10)
+            with pool.lock:  # evict every cached block but the newest 4 (dupB's): the displaced ones go
+                taken = pool.paged.allocate(pool.paged.available - 4)
+                pool.paged.release(taken)
+            with pool.lock:  # the displaced blocks were evicted (lost their hashes) while their keys stayed indexed
+                assert all(pool.paged.block_hash[b] != h for b, h in zip(displaced, dup_keys))
+                assert set(dup_keys) <= set(pool.paged.index)
+            assert store.drop_device_cache(0) > 0
+            kv, cur, prefix, _ = compute(store, model, "restored", [1000 * 5 + j for j in range(17)])
+            assert prefix.host_tokens == 16  # restored from the host tier: registered again, new keys
+            kept_kv = kv  # still active when the events are read: its keys stay indexed
+
+            pub = cs.device_events.publishers[0]  # type: ignore[union-attr]
+            assert pub.flush()
+            kept = _replay(replay_ep)
+            seqs = [s for s, _ in kept]
+            assert seqs == list(range(pub.seq)), "a gap or a reordering in the batches' seq"
+            batches = [decode_batch(p) for _, p in kept]
+            assert isinstance(batches[0].events[0], AllBlocksCleared)
+            with pool.lock:
+                index_keys = set(pool.paged.index)
+            keys, seen = _rebuild(batches)
+            assert seen["removed"] > 0 and seen["stored"] > seen["removed"]
+            assert keys == index_keys and set(kept_kv.page_hashes[:4]) <= keys
+            # controls: missing the removals, or the stores, gives another set
+            assert _rebuild(batches, drop=BlockRemoved)[0] != index_keys
+            assert _rebuild(batches, drop=BlockStored)[0] != index_keys
+            # the live stream carried the same batches (those after the subscriber connected)
+            live: list[tuple[int, bytes]] = []
+            while sub.poll(200):
+                topic, seq, payload = sub.recv_multipart()
+                assert topic == TOPIC
+                live.append((int.from_bytes(seq, "big", signed=True), payload))
+            assert live and live == kept[len(kept) - len(live):]
+            counters = cs.cluster.counters()
+            assert counters.get("rank0.kv_events.seq") == pub.seq
+            store.retire(0, kept_kv, cur)
+        finally:
+            sub.close()
+
+
+def test_without_kv_events_no_device_publisher_and_nothing_in_the_manifest() -> None:
+    with cluster_store() as (cs, store, _):
+        assert cs.device_events is None and store.pools[0].paged.listener is None
+        assert mf.read_manifest(cs.cluster.runtime_dir).published == {}
+
+
+def test_an_in_process_store_publishes_too_from_what_its_index_already_holds() -> None:
+    """`DevicePublishers.start` on a store that has pages indexed already: the stream starts with them (after
+    `AllBlocksCleared`), then follows the churn."""
+    import shutil
+    import tempfile
+
+    from kvproc.store.device_events import DevicePublishers
+    from tests.store.conftest import churn as churn_local
+    from tests.store.conftest import compute as compute_local
+    from tests.store.conftest import make_store
+
+    store, model, _, _ = make_store(16, tier=False)
+    tmp = tempfile.mkdtemp(prefix="kvd")
+    try:
+        kv, _, _, _ = compute_local(store, model, "before", list(range(17)))
+        kv.release()
+        pubs = DevicePublishers.start(store, tmp)
+        try:
+            for i in range(6):
+                kv, _, _, _ = compute_local(store, model, f"r{i}", [100 * (i + 1) + j for j in range(9)])
+                kv.release()
+            churn_local(store)
+            kv, _, _, _ = compute_local(store, model, "after", list(range(17)))
+            kv.release()
+            assert pubs.publishers[0].flush()
+            batches = [decode_batch(p) for _, p in _replay(pubs.publishers[0].replay_endpoint)]
+            first = batches[0].events
+            assert isinstance(first[0], AllBlocksCleared) and isinstance(first[1], BlockStored)
+            assert len(first[1].block_hashes) == 4  # "before"'s pages, indexed when the publisher started
+            keys, seen = _rebuild(batches)
+            assert seen["removed"] > 0
+            assert keys == set(store.pools[0].paged.index)
+        finally:
+            pubs.close()
+        assert store.pools[0].paged.listener is None
+    finally:
+        store.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_a_registration_with_gaps_is_one_stored_event_per_run_with_its_parent() -> None:
+    import shutil
+    import tempfile
+
+    from kvproc.tiers.kv_events import DeviceIndexEvents, KvEventPublisher
+
+    tmp = tempfile.mkdtemp(prefix="kvd")
+    pub = KvEventPublisher(tmp, 0, kind="device")
+    try:
+        h = [bytes([i]) * 16 for i in range(7)]
+        events = DeviceIndexEvents(pub, PAGE)
+        events.stored(h, [0, 1, 3, 5, 6])  # 2 and 4 were indexed already
+        events.stored(h, [2, 3, 4])
+        assert pub.flush()
+        got = [e for _, p in _replay(pub.replay_endpoint) for e in decode_batch(p).events]
+        assert [(e.block_hashes, e.parent_block_hash) for e in got] == [
+            ([h[0], h[1]], None), ([h[3]], h[2]), ([h[5], h[6]], h[4]), ([h[2], h[3], h[4]], h[1])]
+    finally:
+        pub.close()
+        shutil.rmtree(tmp, ignore_errors=True)
