@@ -11,6 +11,8 @@ import importlib.util
 import os
 import random
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -128,3 +130,21 @@ def live_runtime() -> Any:
 
     (rt,) = live_runtimes()
     return rt
+
+
+@pytest.fixture(scope="module")
+def shared_tier(run_tmpdir: Path) -> Iterator[str]:
+    """A standalone host tier both engines' stores attach to (started and stopped here)."""
+    from kvproc.ipc.segment import list_segments
+
+    rd = f"/tmp/kvup-pd{os.getpid()}"  # short: the tier's sockets live under it
+    up = subprocess.Popen([sys.executable, "-m", "kvproc", "up", "--cluster", "vllmpd", "--runtime-dir", rd,
+                           "--host-mib", "128"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert "up; manifest" in (up.stdout.readline() if up.stdout else "")
+        yield rd
+    finally:
+        subprocess.run([sys.executable, "-m", "kvproc", "down", "--runtime-dir", rd, "--timeout", "10"],
+                       check=False, capture_output=True)
+        up.wait(10)
+    assert not list_segments("vllmpd")
