@@ -148,3 +148,23 @@ def shared_tier(run_tmpdir: Path) -> Iterator[str]:
                        check=False, capture_output=True)
         up.wait(10)
     assert not list_segments("vllmpd")
+
+
+@pytest.fixture(scope="module")
+def cpu_async_scheduling() -> Iterator[None]:
+    """vLLM's CPU platform turns asynchronous scheduling off whatever the caller asked ("not required on CPU",
+    `CpuPlatform.check_and_update_config`); GPU engines run it by default. Within this fixture an engine that asks
+    for it explicitly (`async_scheduling=True`) keeps it, so the connector is tested as a GPU engine drives it."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    orig = CpuPlatform.check_and_update_config.__func__  # type: ignore[attr-defined]
+
+    def keep_async(cls: Any, vllm_config: Any) -> None:
+        asked = vllm_config.scheduler_config.async_scheduling
+        orig(cls, vllm_config)
+        if asked:
+            vllm_config.scheduler_config.async_scheduling = True
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(CpuPlatform, "check_and_update_config", classmethod(keep_async))
+        yield

@@ -1,6 +1,7 @@
 """`kvproc proxy` in front of two real `vllm serve` processes (a kv_producer and a kv_consumer with kvproc's
 connector, one shared `kvproc up` tier): the client's completions, streamed or not, carry the tokens of one vLLM
-engine alone, and the consumer computes no prompt token; either side failing is an HTTP error, never a hang.
+engine alone, and the consumer computes no prompt token (sync scheduling: vLLM's CPU platform turns async off,
+`test_vllm_pd_async.py` covers it in-process); either side failing is an HTTP error, never a hang.
 
 The reference is the session's multi-turn workload on vLLM alone (conftest's `reference`: already computed when the
 folder runs), so the test's own cost is the two servers' start-up.
