@@ -111,7 +111,7 @@ class PdProxy:
             raise ProxyError(504, f"{side} at {self._url(side, path)} did not answer within "
                                   f"{self.options.timeout_s:g} s", f"{side}_timeout") from e
         except aiohttp.ClientError as e:
-            raise ProxyError(502, f"{side} at {self._url(side, path)} unreachable: {e!r}", f"{side}_unreachable") from e
+            raise ProxyError(502, f"{side} at {self._url(side, path)} unreachable: {type(e).__name__}: {e}", f"{side}_unreachable") from e
         except ValueError as e:
             raise ProxyError(502, f"{side} answered with a body that is not a completion: {e}", f"{side}_error") from e
 
@@ -126,7 +126,7 @@ class PdProxy:
             raise ProxyError(504, f"{side} at {self._url(side, path)} did not answer within "
                                   f"{self.options.timeout_s:g} s", f"{side}_timeout") from e
         except aiohttp.ClientError as e:
-            raise ProxyError(502, f"{side} at {self._url(side, path)} unreachable: {e!r}", f"{side}_unreachable") from e
+            raise ProxyError(502, f"{side} at {self._url(side, path)} unreachable: {type(e).__name__}: {e}", f"{side}_unreachable") from e
         if r.status != 200:
             try:
                 text = await r.text()
@@ -151,7 +151,7 @@ class PdProxy:
             raise ProxyError(504, f"{side} sent nothing for {self.options.timeout_s:g} s mid-stream",
                              f"{side}_timeout") from e
         except aiohttp.ClientError as e:
-            raise ProxyError(502, f"{side} stream broken: {e!r}", f"{side}_unreachable") from e
+            raise ProxyError(502, f"{side} stream broken: {type(e).__name__}: {e}", f"{side}_unreachable") from e
         except ValueError as e:
             raise ProxyError(502, f"{side} sent an event that is not JSON: {e}", f"{side}_error") from e
         raise ProxyError(502, f"{side} closed its stream before [DONE]", f"{side}_error")
@@ -251,7 +251,7 @@ class PdProxy:
         except asyncio.TimeoutError as e:
             raise ProxyError(504, f"{side} did not answer {path} in time", f"{side}_timeout") from e
         except aiohttp.ClientError as e:
-            raise ProxyError(502, f"{side} at {self._url(side, path)} unreachable: {e!r}", f"{side}_unreachable") from e
+            raise ProxyError(502, f"{side} at {self._url(side, path)} unreachable: {type(e).__name__}: {e}", f"{side}_unreachable") from e
 
 
 # ---- the two-hop split and merge (pure functions of the JSON bodies) ----
@@ -260,8 +260,13 @@ def _check_request(body: Any) -> None:
     if not isinstance(body, dict):
         raise ProxyError(400, "the request body is not a JSON object", "invalid_request_error")
     bad = [k for k in UNSUPPORTED if body.get(k) not in (None, False)]
-    if int(body.get("n") or 1) != 1 or int(body.get("best_of") or 1) != 1:
-        bad.append("n/best_of > 1")
+    try:
+        if int(body.get("n") or 1) != 1 or int(body.get("best_of") or 1) != 1:
+            bad.append("n/best_of > 1")
+        int(body.get("max_tokens") or 16)
+    except (TypeError, ValueError) as e:
+        raise ProxyError(400, f"kvproc proxy: n, best_of and max_tokens must be integers: {e}",
+                         "invalid_request_error") from e
     prompt = body.get("prompt")
     one = isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt))
     if not one and not (isinstance(prompt, list) and len(prompt) == 1):
