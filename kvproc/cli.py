@@ -16,6 +16,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "console": ("kvproc.runtime.console", "main", "inspect a running cluster: status, profile"),
     "up": ("kvproc.runtime.standalone", "up_main", "start a standalone host tier shared by engines on this node"),
     "down": ("kvproc.runtime.standalone", "down_main", "orderly shutdown of a cluster found through its manifest"),
+    "proxy": ("kvproc.integrations.vllm.proxy", "main", "OpenAI-compatible P/D front for two `vllm serve` engines"),
 }
 
 

@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterator
 import psutil
 import pytest
 import torch
+import zmq
 
 from kvproc import ArenaId, GroupKind, GroupSpec, KvArena, KvSpec, RepackDirection, RequestKv
 from kvproc.ipc.segment import list_segments
@@ -23,6 +24,7 @@ from kvproc.runtime import manifest as mf
 from kvproc.store.cluster import ClusterStore
 from kvproc.store.kv_store import KvStore
 from kvproc.store.types import SealCursor, StoreConfig
+from kvproc.tiers.kv_events import END
 from kvproc.tiers.mooncake_local import LocalMooncake, unavailable_reason
 
 PAGE = 4
@@ -233,6 +235,25 @@ def nothing_left(store: KvStore) -> None:
     store.flush_loads(0, 5)
     assert store.stats()["rank0"]["active_blocks"] == 0
     wait_for(lambda: store.stats()["tier"]["open_leases"] == 0, what="every lease back")
+
+
+def replay_kv_events(endpoint: str, start: int = 0) -> list[tuple[int, bytes]]:
+    """Every (seq, payload) a KV-event publisher's replay endpoint still holds from `start` on (host tier or device
+    pool: `kvproc.tiers.kv_events`)."""
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(endpoint)
+    try:
+        s.send_multipart([b"", start.to_bytes(8, "big", signed=True)])
+        out = []
+        while True:
+            assert s.poll(10_000), "no replay answer"
+            _, seq, payload = s.recv_multipart()
+            if seq == END:
+                return out
+            out.append((int.from_bytes(seq, "big", signed=True), payload))
+    finally:
+        s.close()
 
 
 def wait_for(cond: Callable[[], bool], timeout: float = 5.0, what: str = "condition") -> None:

@@ -30,7 +30,11 @@ from kvproc.workers.copy_exec import CopyExecutor
 SIZES = {"4KiB": 4 << 10, "64KiB": 64 << 10, "1MiB": 1 << 20, "16MiB": 16 << 20}
 
 
-def _best(fn: Callable[[], object], repeats: int) -> float:
+def best_time(fn: Callable[[], object], repeats: int, *, warm: bool = False) -> float:
+    """The fastest of `repeats` calls of `fn` (seconds); `warm`: one untimed call first (page faults, first touch,
+    lazy CUDA init are not the copy's cost)."""
+    if warm:
+        fn()
     best = float("inf")
     for _ in range(repeats):
         t = time.perf_counter()
@@ -52,7 +56,7 @@ def measure(block_bytes: int, batch_bytes: int, repeats: int, seed: int = 0) -> 
     rng = np.random.default_rng(seed)
     src_a = dev.numpy()[: n * block_bytes]
     dst_a = host[: n * block_bytes]
-    memcpy_s = _best(lambda: np.copyto(dst_a, src_a), repeats)
+    memcpy_s = best_time(lambda: np.copyto(dst_a, src_a), repeats)
     out: list[dict[str, Any]] = []
     layouts = ["contiguous", "scattered", "scattered, numpy"]
     scattered = rng.permutation(2 * n)[:n].tolist(), rng.permutation(min(hl.page_slots, 2 * n))[:n].tolist()
@@ -72,10 +76,10 @@ def _measure_ops(ex: CopyExecutor, ids: list[int], slots: list[int], n: int, blo
     for op in ("save", "load"):
         if op == "save":
             order = SaveOrder("bench", ids, slots)
-            t = _best(lambda: ex.save(order), repeats)
+            t = best_time(lambda: ex.save(order), repeats)
         else:
             lorder = LoadOrder("bench", slots, ids)
-            t = _best(lambda: ex.load(lorder), repeats)
+            t = best_time(lambda: ex.load(lorder), repeats)
         gbps = n * block_bytes / t / 1e9
         mgbps = n * block_bytes / memcpy_s / 1e9
         out.append({"op": op, "block_bytes": block_bytes, "layout": layout_name, "gbps": round(gbps, 2),

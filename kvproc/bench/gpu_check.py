@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvproc.bench.copybench import best_time
 from kvproc.contract import GroupKind, GroupSpec, KvArena, KvSpec, validate_layout
 from kvproc.engine.models import MODEL_NAMES, build_model
 from kvproc.ipc.orders import BoundedCopy, LoadOrder, SaveOrder
@@ -37,13 +38,7 @@ DEMO_SKIP = "demo on a GPU: the reference engine's models allocate CPU tensors; 
 
 
 def _best(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # warm: page faults, first-touch, lazy CUDA init are not the copy's cost
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
+    return best_time(fn, repeats, warm=True)
 
 
 # ---- 1. round trip ------------------------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -167,3 +167,26 @@ class SharedMemoryModel(BytesModel):
         for i, (g, a) in enumerate(self._arenas):
             t = allocator(a.name, a.tensor.numel())
             self._arenas[i] = (g, type(a)(a.name, t, a.num_blocks, a.bytes_per_block, a.block_stride))
+
+
+class RankShardModel:
+    """Paged groups with an arena per rank (each rank's shard), in memory from `alloc` (a cluster's shared-memory
+    allocator, or plain tensors)."""
+
+    def __init__(self, spec: KvSpec, ranks: int,
+                 alloc: Callable[[str, int], torch.Tensor] = lambda name, n: torch.zeros(n, dtype=torch.uint8),
+                 num_blocks: int = 16, block_bytes: int = 64) -> None:
+        self._spec, self.block_bytes = spec, block_bytes
+        self._arenas = {r: [(g.name, KvArena(f"{g.name}_r{r}", alloc(f"{g.name}_r{r}", num_blocks * block_bytes),
+                                             num_blocks, block_bytes, block_bytes)) for g in spec.groups]
+                        for r in range(ranks)}
+
+    def spec(self) -> KvSpec:
+        return self._spec
+
+    def arenas(self, rank: int) -> list[tuple[str, KvArena]]:
+        return list(self._arenas[rank])
+
+    def block(self, rank: int, b: int) -> torch.Tensor:
+        """Rank `rank`'s block `b` of its first group's arena."""
+        return self._arenas[rank][0][1].tensor[b * self.block_bytes : (b + 1) * self.block_bytes]

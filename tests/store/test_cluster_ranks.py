@@ -11,13 +11,14 @@ import sys
 import pytest
 import torch
 
-from kvproc import GroupKind, GroupSpec, KvArena, KvSpec, RequestKv
+from kvproc import GroupKind, GroupSpec, KvSpec, RequestKv
 from kvproc.ipc.segment import list_segments
 from kvproc.store.cluster import ClusterStore
 from kvproc.store.handoff import handoff_resolve_policy, padded_chain
 from kvproc.store.kv_store import KvStore
 from kvproc.store.types import SaveClass, SealCursor
 from tests.conftest import descendants
+from tests.store.conftest import RankShardModel
 
 # Unique to this test process: the segment checks below count by cluster name, and another pytest run on the same
 # machine (same /dev/shm) must not be counted.
@@ -27,25 +28,13 @@ pytestmark = pytest.mark.timeout(90)
 PAGE, BLOCK = 4, 64
 
 
-class PerRankModel:
+def per_rank_model(cs: ClusterStore, ranks: int, num_blocks: int = 16) -> RankShardModel:
     """One paged group; each rank has its own arena (its shard) in the scheduler's shared memory."""
-
-    def __init__(self, cs: ClusterStore, ranks: int, num_blocks: int = 16) -> None:
-        self._spec = KvSpec(PAGE, (GroupSpec("kv", GroupKind.PAGED),), model_id="tests-ranks-model")
-        self._arenas = {r: [("kv", KvArena(f"kv_r{r}", cs.allocator(f"kv_r{r}", num_blocks * BLOCK), num_blocks,
-                                           BLOCK, BLOCK))] for r in range(ranks)}
-
-    def spec(self) -> KvSpec:
-        return self._spec
-
-    def arenas(self, rank: int) -> list[tuple[str, KvArena]]:
-        return list(self._arenas[rank])
-
-    def block(self, rank: int, b: int) -> torch.Tensor:
-        return self._arenas[rank][0][1].tensor[b * BLOCK : (b + 1) * BLOCK]
+    spec = KvSpec(PAGE, (GroupSpec("kv", GroupKind.PAGED),), model_id="tests-ranks-model")
+    return RankShardModel(spec, ranks, cs.allocator, num_blocks, BLOCK)
 
 
-def _compute_and_retire(store: KvStore, model: PerRankModel, rank: int, toks: list[int]) -> dict[bytes, torch.Tensor]:
+def _compute_and_retire(store: KvStore, model: RankShardModel, rank: int, toks: list[int]) -> dict[bytes, torch.Tensor]:
     kv = RequestKv(store.pools[rank], f"a{rank}", toks, 1)
     assert kv.try_admit(0)
     kv.schedule(len(toks))
@@ -62,7 +51,7 @@ def test_two_ranks_each_restore_their_own_shard_from_their_own_tier() -> None:
     before = descendants()
     with ClusterStore.start(1 << 20, ranks=2) as cs:
         assert len({cs.cluster.pid("host_tier", r) for r in range(2)}) == 2  # a tier process per rank
-        model = PerRankModel(cs, 2)
+        model = per_rank_model(cs, 2)
         store = cs.attach_model(model, live_slots=1)
         assert len(store.tiers) == 2 and store.tiers[0] is not store.tiers[1]
         toks = list(range(9))  # the same prompt on both ranks: the same page hashes, different shards
@@ -97,7 +86,7 @@ def test_pd_handoff_across_two_ranks_through_shared_per_rank_tiers() -> None:
             ClusterStore.start(1 << 20, ranks=3, tier_runtime_dir=rd)
         with ClusterStore.start(1 << 20, ranks=2, tier_runtime_dir=rd) as P, \
                 ClusterStore.start(1 << 20, ranks=2, tier_runtime_dir=rd) as D:
-            mp, md = PerRankModel(P, 2), PerRankModel(D, 2)
+            mp, md = per_rank_model(P, 2), per_rank_model(D, 2)
             sp, sd = P.attach_model(mp, live_slots=1), D.attach_model(md, live_slots=1)
             assert P.host_segments == D.host_segments and len(set(P.host_segments)) == 2  # joined, one per rank
             toks = list(range(1, 11))  # 10 tokens: 2 full pages + a partial one padded to the boundary
@@ -132,7 +121,7 @@ def test_pd_handoff_across_two_ranks_through_shared_per_rank_tiers() -> None:
 
 def test_two_ranks_without_a_host_tier_each_get_a_worker_and_their_own_prefix_cache() -> None:
     with ClusterStore.start(0, ranks=2) as cs:
-        model = PerRankModel(cs, 2)
+        model = per_rank_model(cs, 2)
         store = cs.attach_model(model, live_slots=1)
         assert len({cs.cluster.pid("copy_worker", r) for r in range(2)}) == 2 and store.tiers == ()
         toks = list(range(9))

@@ -11,7 +11,6 @@ from kvproc import RequestKv
 from kvproc.runtime import manifest as mf
 from kvproc.store.types import SealCursor
 from kvproc.tiers.kv_events import (
-    END,
     TOPIC,
     AllBlocksCleared,
     BlockRemoved,
@@ -20,24 +19,7 @@ from kvproc.tiers.kv_events import (
     decode_batch,
     endpoints,
 )
-from tests.conftest import PAGE, cluster_store, compute
-
-
-def _replay(endpoint: str, start: int = 0) -> list[tuple[int, bytes]]:
-    s = zmq.Context.instance().socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.connect(endpoint)
-    try:
-        s.send_multipart([b"", start.to_bytes(8, "big", signed=True)])
-        out = []
-        while True:
-            assert s.poll(10_000), "no replay answer"
-            _, seq, payload = s.recv_multipart()
-            if seq == END:
-                return out
-            out.append((int.from_bytes(seq, "big", signed=True), payload))
-    finally:
-        s.close()
+from tests.conftest import PAGE, cluster_store, compute, replay_kv_events
 
 
 def _rebuild(batches: list[KVEventBatch], drop: type | None = None) -> tuple[set[bytes], dict[str, int]]:
@@ -117,7 +99,7 @@ def test_a_subscriber_rebuilds_rank0s_device_index_from_events_alone() -> None:
 
             pub = cs.device_events.publishers[0]  # type: ignore[union-attr]
             assert pub.flush()
-            kept = _replay(replay_ep)
+            kept = replay_kv_events(replay_ep)
             seqs = [s for s, _ in kept]
             assert seqs == list(range(pub.seq)), "a gap or a reordering in the batches' seq"
             batches = [decode_batch(p) for _, p in kept]
@@ -175,7 +157,7 @@ def test_an_in_process_store_publishes_too_from_what_its_index_already_holds() -
             kv, _, _, _ = compute_local(store, model, "after", list(range(17)))
             kv.release()
             assert pubs.publishers[0].flush()
-            batches = [decode_batch(p) for _, p in _replay(pubs.publishers[0].replay_endpoint)]
+            batches = [decode_batch(p) for _, p in replay_kv_events(pubs.publishers[0].replay_endpoint)]
             first = batches[0].events
             assert isinstance(first[0], AllBlocksCleared) and isinstance(first[1], BlockStored)
             assert len(first[1].block_hashes) == 4  # "before"'s pages, indexed when the publisher started
@@ -204,7 +186,7 @@ def test_a_registration_with_gaps_is_one_stored_event_per_run_with_its_parent() 
         events.stored(h, [0, 1, 3, 5, 6])  # 2 and 4 were indexed already
         events.stored(h, [2, 3, 4])
         assert pub.flush()
-        got = [e for _, p in _replay(pub.replay_endpoint) for e in decode_batch(p).events]
+        got = [e for _, p in replay_kv_events(pub.replay_endpoint) for e in decode_batch(p).events]
         assert [(e.block_hashes, e.parent_block_hash) for e in got] == [
             ([h[0], h[1]], None), ([h[3]], h[2]), ([h[5], h[6]], h[4]), ([h[2], h[3], h[4]], h[1])]
     finally:

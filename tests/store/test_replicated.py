@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvproc import GroupKind, GroupSpec, KvArena, KvContractError, KvSpec, RequestKv, Sharding
+from kvproc import GroupKind, GroupSpec, KvContractError, KvSpec, RequestKv, Sharding
 from kvproc.contract import validate_layout
 from kvproc.core.hashing import HashAlgorithm
 from kvproc.store import cluster
@@ -17,6 +17,7 @@ from kvproc.store.handoff import fingerprint
 from kvproc.store.kv_store import KvStore
 from kvproc.store.types import SealCursor
 from tests.conftest import descendants
+from tests.store.conftest import RankShardModel as Model
 
 pytestmark = pytest.mark.timeout(120)
 PAGE, BLOCK = 4, 64
@@ -26,25 +27,6 @@ TOKS = list(range(9))  # two full pages
 def _spec(*shardings: Sharding) -> KvSpec:
     groups = tuple(GroupSpec(f"g{i}", GroupKind.PAGED, s) for i, s in enumerate(shardings))
     return KvSpec(PAGE, groups, model_id="tests-replicated-model")
-
-
-class Model:
-    """Paged groups with an arena per rank, in memory from `alloc` (the cluster's shared memory or plain tensors)."""
-
-    def __init__(self, spec: KvSpec, ranks: int, alloc=lambda name, n: torch.zeros(n, dtype=torch.uint8),  # type: ignore[no-untyped-def]
-                 num_blocks: int = 16) -> None:
-        self._spec = spec
-        self._arenas = {r: [(g.name, KvArena(f"{g.name}_r{r}", alloc(f"{g.name}_r{r}", num_blocks * BLOCK),
-                                             num_blocks, BLOCK, BLOCK)) for g in spec.groups] for r in range(ranks)}
-
-    def spec(self) -> KvSpec:
-        return self._spec
-
-    def arenas(self, rank: int) -> list[tuple[str, KvArena]]:
-        return list(self._arenas[rank])
-
-    def block(self, rank: int, b: int) -> torch.Tensor:
-        return self._arenas[rank][0][1].tensor[b * BLOCK : (b + 1) * BLOCK]
 
 
 def _compute_and_retire(store: KvStore, model: Model, rank: int) -> list[torch.Tensor]:

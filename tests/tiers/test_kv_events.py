@@ -10,7 +10,6 @@ import zmq
 
 from kvproc.ipc import messages as m
 from kvproc.tiers.kv_events import (
-    END,
     TOPIC,
     AllBlocksCleared,
     BlockRemoved,
@@ -19,24 +18,7 @@ from kvproc.tiers.kv_events import (
     decode_batch,
     endpoints,
 )
-from tests.conftest import cluster_store, compute, wait_for
-
-
-def _replay(endpoint: str, start: int = 0) -> list[tuple[int, bytes]]:
-    s = zmq.Context.instance().socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.connect(endpoint)
-    try:
-        s.send_multipart([b"", start.to_bytes(8, "big", signed=True)])
-        out = []
-        while True:
-            assert s.poll(10_000), "no replay answer"
-            _, seq, payload = s.recv_multipart()
-            if seq == END:
-                return out
-            out.append((int.from_bytes(seq, "big", signed=True), payload))
-    finally:
-        s.close()
+from tests.conftest import cluster_store, compute, replay_kv_events, wait_for
 
 
 def _rebuild(batches: list[KVEventBatch]) -> tuple[set[bytes], int, int]:
@@ -85,8 +67,8 @@ def test_a_subscriber_rebuilds_the_tiers_key_set_from_events_alone() -> None:
             counters = tier.request(m.Stats(), timeout=5).counters
             assert counters["index.evictions"] > 0  # the workload really churned the tier
             wait_for(lambda: tier.request(m.Stats(), timeout=5).counters["kv_events.seq"] ==
-                     len(_replay(replay)), what="every batch published")
-            kept = _replay(replay)
+                     len(replay_kv_events(replay)), what="every batch published")
+            kept = replay_kv_events(replay)
             seqs = [s for s, _ in kept]
             assert seqs == list(range(len(seqs))), "a gap or a reordering in the batches' seq"
             batches = [decode_batch(p) for _, p in kept]
@@ -124,7 +106,7 @@ def test_the_manifest_names_the_events_and_metrics_endpoints_and_they_answer() -
         assert tier.published == dict(zip(("kv_events", "kv_events_replay"), endpoints(cs.cluster.runtime_dir, 0)))
         (worker,) = [p for p in found.processes if p.role == "copy_worker"]
         assert worker.published == {}
-        first = _replay(tier.published["kv_events_replay"])[0]
+        first = replay_kv_events(tier.published["kv_events_replay"])[0]
         assert first[0] == 0 and isinstance(decode_batch(first[1]).events[0], AllBlocksCleared)
     with cluster_store() as (cs, _, _):
         found = mf.read_manifest(cs.cluster.runtime_dir)

@@ -11,11 +11,17 @@ import importlib.util
 import os
 import random
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import pytest
+
+# Unique to this test process: the shared tier's segment check counts by cluster name, and another pytest run on the
+# same machine (same /dev/shm) must not be counted.
+VLLMPD_CLUSTER = f"vllmpd{os.getpid()}"
 
 if importlib.util.find_spec("vllm") is None:
     collect_ignore_glob = ["test_*.py"]
@@ -128,3 +134,41 @@ def live_runtime() -> Any:
 
     (rt,) = live_runtimes()
     return rt
+
+
+@pytest.fixture(scope="module")
+def shared_tier(run_tmpdir: Path) -> Iterator[str]:
+    """A standalone host tier both engines' stores attach to (started and stopped here)."""
+    from kvproc.ipc.segment import list_segments
+
+    rd = f"/tmp/kvup-pd{os.getpid()}"  # short: the tier's sockets live under it
+    up = subprocess.Popen([sys.executable, "-m", "kvproc", "up", "--cluster", VLLMPD_CLUSTER, "--runtime-dir", rd,
+                           "--host-mib", "128"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert "up; manifest" in (up.stdout.readline() if up.stdout else "")
+        yield rd
+    finally:
+        subprocess.run([sys.executable, "-m", "kvproc", "down", "--runtime-dir", rd, "--timeout", "10"],
+                       check=False, capture_output=True)
+        up.wait(10)
+    assert not list_segments(VLLMPD_CLUSTER)
+
+
+@pytest.fixture(scope="module")
+def cpu_async_scheduling() -> Iterator[None]:
+    """vLLM's CPU platform turns asynchronous scheduling off whatever the caller asked ("not required on CPU",
+    `CpuPlatform.check_and_update_config`); GPU engines run it by default. Within this fixture an engine that asks
+    for it explicitly (`async_scheduling=True`) keeps it, so the connector is tested as a GPU engine drives it."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    orig = CpuPlatform.check_and_update_config.__func__  # type: ignore[attr-defined]
+
+    def keep_async(cls: Any, vllm_config: Any) -> None:
+        asked = vllm_config.scheduler_config.async_scheduling
+        orig(cls, vllm_config)
+        if asked:
+            vllm_config.scheduler_config.async_scheduling = True
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(CpuPlatform, "check_and_update_config", classmethod(keep_async))
+        yield

@@ -9,20 +9,13 @@ hand-offs wait in the shared tier (leased to the consumer) meanwhile.
 
 from __future__ import annotations
 
-import os
 import random
-import subprocess
-import sys
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
 from tests.integrations.vllm.conftest import engine, generate, kvproc_transfer_config, live_runtime, random_tokens
-
-# Unique to this test process: the segment checks below count by cluster name, and another pytest run on the same
-# machine (same /dev/shm) must not be counted.
-VLLMPD_CLUSTER = f"vllmpd{os.getpid()}"
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -30,24 +23,6 @@ MAX_TOKENS = 12
 LONG_TOKENS = 40
 # Lengths off and on vLLM's 32-token block: the padded last page and the aligned case.
 LENGTHS = [70, 96, 45, 131]
-
-
-@pytest.fixture(scope="module")
-def shared_tier(run_tmpdir: Path) -> Iterator[str]:
-    """A standalone host tier both engines' stores attach to (started and stopped here)."""
-    from kvproc.ipc.segment import list_segments
-
-    rd = f"/tmp/kvup-pd{os.getpid()}"  # short: the tier's sockets live under it
-    up = subprocess.Popen([sys.executable, "-m", "kvproc", "up", "--cluster", VLLMPD_CLUSTER, "--runtime-dir", rd,
-                           "--host-mib", "128"], stdout=subprocess.PIPE, text=True)
-    try:
-        assert "up; manifest" in (up.stdout.readline() if up.stdout else "")
-        yield rd
-    finally:
-        subprocess.run([sys.executable, "-m", "kvproc", "down", "--runtime-dir", rd, "--timeout", "10"],
-                       check=False, capture_output=True)
-        up.wait(10)
-    assert not list_segments(VLLMPD_CLUSTER)
 
 
 def _pd_config(role: str, tier: str) -> dict[str, Any]:
