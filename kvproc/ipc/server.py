@@ -233,6 +233,7 @@ class RpcServer:
         self.peers_goodbye = 0  # forgotten: the client said Goodbye
         self.peers_disconnected = 0  # forgotten: the connection closed
         self.peers_expired_idle = 0  # forgotten: untracked and silent for `peer_idle_s`
+        self.goodbye_unknown = 0  # Goodbyes of peers already forgotten (their close overtook them)
         self.peers_evicted = 0  # forgotten: its client identity was at `max_peers_per_client`
         self.conns_dropped_no_hello = 0  # connections closed at their Hello deadline
 
@@ -359,7 +360,11 @@ class RpcServer:
                 self._on_hello(ident, msg, data_f)
             else:
                 peer = self._peers.get(ident)
-                if peer is None or peer.session != msg.session:
+                if peer is None and kind is m.Goodbye:
+                    # Already forgotten: its connection's close (the socket monitor) can overtake the Goodbye it
+                    # sent just before. What the Goodbye asks is done; not a bad frame, and nobody reads a reply.
+                    self.goodbye_unknown += 1
+                elif peer is None or peer.session != msg.session:
                     self.unauthenticated += 1
                     self._frame_error(ident, "not_authenticated", f"{kind.__name__} without this connection's Hello")
                 elif kind is m.Heartbeat:
@@ -698,6 +703,7 @@ class RpcServer:
             "peers_goodbye": self.peers_goodbye,
             "peers_disconnected": self.peers_disconnected,
             "peers_expired_idle": self.peers_expired_idle,
+            "goodbye_unknown": self.goodbye_unknown,
             "peers_evicted": self.peers_evicted,
             "conns_dropped_no_hello": self.conns_dropped_no_hello,
         }

@@ -202,6 +202,22 @@ def test_close_says_goodbye_and_the_server_forgets_the_client_without_watching_c
         assert srv.transport_stats()["peers_goodbye"] == 10
 
 
+def test_a_goodbye_of_a_peer_already_forgotten_is_no_bad_frame() -> None:
+    """A client's close can reach the server (the socket monitor) before the Goodbye it sent just before: the peer is
+    forgotten first, then its Goodbye arrives. That is counted, not answered and not logged as a bad frame (it was,
+    as "Goodbye without this connection's Hello", noise in every console run)."""
+    with _serving(_Parking()) as (srv, (ep,)):
+        errors = srv.transport_stats()["errors"]
+        s = _dealer(ep)  # a peer the server does not know (as after it forgot it)
+        s.send(m.encode(m.Goodbye("closing", new_session())))
+        s.send(_call(7, m.Echo(b"x")))  # the next reply on this socket must be the Call's, not one for the Goodbye
+        reply = _recv(s)
+        assert type(reply) is m.Failed and (reply.call_id, reply.exc_type) == (7, "HandshakeRequired"), reply
+        stats = srv.transport_stats()
+        assert stats["goodbye_unknown"] == 1 and stats["errors"] == errors + 1  # the Call's refusal only
+        s.close()
+
+
 def test_a_goodbye_with_another_session_does_not_forget_the_peer() -> None:
     with _serving(_Parking()) as (srv, (ep,)):
         s = _dealer(ep)

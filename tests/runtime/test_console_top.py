@@ -15,7 +15,8 @@ def _frames(capsys: Any, runtime_dir: str, n: int, *extra: str) -> list[dict[str
     capsys.readouterr()
     assert console.main(["top", "--runtime-dir", runtime_dir, "--frames", str(n), "--interval", "0.5", "--json",
                          *extra]) == 0
-    lines = capsys.readouterr().out.splitlines()
+    # The cluster runs in this process too: its log lines (console-rendered, not JSON) may share the captured stdout.
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     assert len(lines) == n
     return [json.loads(line) for line in lines]
 
