@@ -25,8 +25,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
+from kvproc.ipc.segment import list_segments, sweep_dead_segments
 from tests.integrations.vllm.conftest import BLOCK, MAX_LEN, VLLM_BLOCKS, kvproc_transfer_config, random_tokens
 
 pytestmark = pytest.mark.timeout(600)
@@ -97,8 +99,22 @@ def servers(tiny_llama: Path, shared_tier: str, run_tmpdir: Path) -> Iterator[Se
     try:
         yield Servers(*(f"http://127.0.0.1:{ports[s]}" for s in ("producer", "consumer")), procs, logs)
     finally:
+        # The servers' engine processes (their children) create the connector's arenas: name them before they go.
+        pids = [p.pid for p in procs.values()] + [c.pid for p in procs.values() if p.poll() is None
+                                                  for c in psutil.Process(p.pid).children(recursive=True)]
         for p in procs.values():
             _stop(p)
+        # Known gap (docs/vllm.md): a `vllm serve` stopped by SIGTERM leaves its connector's staging arenas in
+        # /dev/shm (its cluster name is its own, so no later start sweeps them). Only what these servers created, and
+        # only once their owner locks prove them dead (the servers' own children hold the lock for a moment longer).
+        end = time.monotonic() + 30
+        while _segments_of(pids) and time.monotonic() < end:
+            sweep_dead_segments(pids=pids)
+            time.sleep(0.2)
+
+
+def _segments_of(pids: list[int]) -> list[str]:
+    return [n for n in list_segments() if any(f".{pid}." in n for pid in pids)]
 
 
 def _post(url: str, body: dict[str, Any], timeout: float = 120) -> tuple[int, Any]:
