@@ -126,7 +126,7 @@ class ClusterStore:
         self.copy_timeout_s = copy_timeout_s
         self.shutdown_deadline_s = shutdown_deadline_s
         self.store: KvStore | None = None
-        self.kv_events = False  # publish each rank's device-pool KV events from attach_model on (`start(kv_events=)`)
+        self.kv_events = False  # publish each rank's device-pool KV events from attach_model on (`start(device_kv_events=)`)
         self.device_events: DevicePublishers | None = None
         self.tiers: list[RemoteTier] = []  # one per rank
         self.copiers: list[RemoteCopier] = []
@@ -149,7 +149,8 @@ class ClusterStore:
               runtime_dir: str | None = None, max_restarts: int = 3, restart_window_s: float = 300.0,
               tier_runtime_dir: str | None = None, log_level: str = "info",
               cpus: Mapping[str, Sequence[int]] | None = None, metrics: str | None = None,
-              kv_events: bool = False, remote: str | None = None) -> "ClusterStore":
+              kv_events: bool = False, device_kv_events: bool = False,
+              remote: str | None = None) -> "ClusterStore":
         """Launch the host tier (if `host_bytes`) and one copy worker per rank; wait until all are up.
 
         `tier_runtime_dir` attaches to running shared host tiers instead (`kvproc up [--ranks N]`, found through
@@ -162,9 +163,12 @@ class ClusterStore:
 
         `metrics="HOST:PORT"` serves Prometheus `/metrics` of every process and the store (`kvproc/runtime/
         metrics.py`; port 0 picks a free one: `cs.cluster.metrics.address`). `kv_events=True` makes each host tier
-        publish what it stores and removes (`kvproc/tiers/kv_events.py`; `kv_events.endpoints(runtime_dir, rank)`),
-        and each rank's device pool what its prefix index gains and loses, from this process once a model is
-        attached (`store/device_events.py`; `endpoints(runtime_dir, rank, "device")`, in the manifest's `published`).
+        publish what it stores and removes (`kvproc/tiers/kv_events.py`; `kv_events.endpoints(runtime_dir, rank)`).
+        `device_kv_events=True` makes each rank's device pool publish what its prefix index gains and loses, from
+        this process once a model is attached (`store/device_events.py`; `endpoints(runtime_dir, rank, "device")`,
+        in the manifest's `published`). A switch of its own: its publisher shares this process (and its GIL) with
+        the resolves, and cost a resolve +21% in `kvproc bench ipc --observe-ab` (host events and /metrics: none
+        visible; bench/RESULTS.md).
 
         `remote="mooncake://HOST:PORT?metadata=..."` puts a Mooncake Store below each host tier (`kvproc/tiers/
         mooncake.py`: write-behind of committed pages, host-tier misses pulled from it; needs `kvproc[remote]`).
@@ -199,7 +203,7 @@ class ClusterStore:
         cs = cls(cluster, host_bytes, ranks, copy_timeout_s=copy_timeout_s, shutdown_deadline_s=shutdown_deadline_s)
         cs._external_tiers = external
         cs._external_token = token
-        cs.kv_events = kv_events
+        cs.kv_events = device_kv_events
         for r, client in enumerate(external):
             client.add_death_listener(functools.partial(cs._external_tier_dead, r, client))
         return cs

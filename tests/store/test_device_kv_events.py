@@ -46,7 +46,7 @@ def _rebuild(batches: list[KVEventBatch], drop: type | None = None) -> tuple[set
 
 
 def test_a_subscriber_rebuilds_rank0s_device_index_from_events_alone() -> None:
-    with cluster_store(1 << 20, kv_events=True) as (cs, store, model):  # 32 device blocks: the workload evicts
+    with cluster_store(1 << 20, kv_events=True, device_kv_events=True) as (cs, store, model):  # 32 device blocks: the workload evicts
         pool = store.pools[0]
         manifest = mf.read_manifest(cs.cluster.runtime_dir)
         pub_ep, replay_ep = endpoints(cs.cluster.runtime_dir, 0, "device")
