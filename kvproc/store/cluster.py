@@ -126,7 +126,7 @@ class ClusterStore:
         self.copy_timeout_s = copy_timeout_s
         self.shutdown_deadline_s = shutdown_deadline_s
         self.store: KvStore | None = None
-        self.kv_events = False  # publish each rank's device-pool KV events from attach_model on (`start(device_kv_events=)`)
+        self.device_kv_events = False  # each rank's device-pool KV events from attach_model on (`start(device_kv_events=)`)
         self.device_events: DevicePublishers | None = None
         self.tiers: list[RemoteTier] = []  # one per rank
         self.copiers: list[RemoteCopier] = []
@@ -203,7 +203,7 @@ class ClusterStore:
         cs = cls(cluster, host_bytes, ranks, copy_timeout_s=copy_timeout_s, shutdown_deadline_s=shutdown_deadline_s)
         cs._external_tiers = external
         cs._external_token = token
-        cs.kv_events = device_kv_events
+        cs.device_kv_events = device_kv_events
         for r, client in enumerate(external):
             client.add_death_listener(functools.partial(cs._external_tier_dead, r, client))
         return cs
@@ -341,7 +341,7 @@ class ClusterStore:
         tiers = self.tiers * self.ranks if shared else self.tiers
         self.store = KvStore(layouts, live_slots=live_slots, tiers=tiers or None, copiers=self.copiers, config=config)
         self.cluster.counter_providers.append(self.store.counters_flat)  # `kvproc console status` shows them
-        if self.kv_events:
+        if self.device_kv_events:
             self.device_events = DevicePublishers.start(self.store, self.cluster.runtime_dir)
             self.cluster.counter_providers.append(self.device_events.counters)
             self.cluster.publish(self.device_events.published())
