@@ -126,7 +126,7 @@ class ClusterStore:
         self.copy_timeout_s = copy_timeout_s
         self.shutdown_deadline_s = shutdown_deadline_s
         self.store: KvStore | None = None
-        self.device_kv_events = False  # device-pool events of each rank from attach_model on (`start(device_kv_events=)`)
+        self.device_kv_events = False  # publish device-pool events from attach_model on (`start(device_kv_events=)`)
         self.device_events: DevicePublishers | None = None
         self.tiers: list[RemoteTier] = []  # one per rank
         self.copiers: list[RemoteCopier] = []
