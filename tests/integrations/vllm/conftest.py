@@ -11,8 +11,6 @@ import importlib.util
 import os
 import random
 import shutil
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -139,19 +137,10 @@ def live_runtime() -> Any:
 @pytest.fixture(scope="module")
 def shared_tier(run_tmpdir: Path) -> Iterator[str]:
     """A standalone host tier both engines' stores attach to (started and stopped here)."""
-    from kvproc.ipc.segment import list_segments
+    from tests.conftest import kvproc_up
 
-    rd = f"/tmp/kvup-pd{os.getpid()}"  # short: the tier's sockets live under it
-    up = subprocess.Popen([sys.executable, "-m", "kvproc", "up", "--cluster", VLLMPD_CLUSTER, "--runtime-dir", rd,
-                           "--host-mib", "128"], stdout=subprocess.PIPE, text=True)
-    try:
-        assert "up; manifest" in (up.stdout.readline() if up.stdout else "")
+    with kvproc_up(VLLMPD_CLUSTER, "--host-mib", "128") as (rd, _):
         yield rd
-    finally:
-        subprocess.run([sys.executable, "-m", "kvproc", "down", "--runtime-dir", rd, "--timeout", "10"],
-                       check=False, capture_output=True)
-        up.wait(10)
-    assert not list_segments(VLLMPD_CLUSTER)
 
 
 @pytest.fixture(scope="module")
