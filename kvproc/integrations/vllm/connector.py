@@ -73,6 +73,7 @@ from kvproc.integrations.vllm import runtime as rt_mod
 from kvproc.integrations.vllm.contract import VllmKvContract, contract_from_vllm, model_identity
 from kvproc.integrations.vllm.moves import CopyJob, MoveQueue
 from kvproc.tiers.remote import RemoteCopier
+from kvproc.workers.movers import MEMMOVE
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -89,6 +90,9 @@ log = structlog.get_logger("kvproc.integrations.vllm")
 # consumer's request is given it through SamplingParams.extra_args["kv_transfer_params"]).
 HANDOFF_KEY = "kvproc_handoff"
 
+# The longest a step in which vLLM scheduled nothing waits in `get_finished` for one of our moves to settle.
+IDLE_WAIT_S = 0.02
+
 
 # ---- what travels scheduler -> worker and back ------------------------------------------------------------------
 
@@ -101,6 +105,7 @@ class KvprocConnectorMetadata(KVConnectorMetadata):
     wait_jobs: list[int] = field(default_factory=list)  # saves of preempted requests: done before vLLM reuses blocks
     unloaded: list[str] = field(default_factory=list)  # requests held back for a load that could not be planned
     async_started: bool = False  # the worker side submitted async_loads (at handle_preemptions, before the forward)
+    idle: bool = False  # vLLM scheduled no token this step: it only waits for moves (see get_finished)
 
 
 # ---- the scheduler side's per-request state -----------------------------------------------------------------------
@@ -216,16 +221,20 @@ class KvprocConnector(KVConnectorBase_V1):
         consecutive blocks on both sides are coalesced: one memcpy (or one iovec) per run per layer. (torch's
         `index_copy_` on uint8 rows moves ~0.13 GiB/s here against ~4.7 GiB/s for this: bench/RESULTS.md, "vLLM
         connector".)"""
-        runs = _runs([b for j in jobs for b in j.src], [b for j in jobs for b in j.dst])
+        src_ids = [b for j in jobs for b in j.src]
+        dst_ids = [b for j in jobs for b in j.dst]
         if self.options.mover == "cma":
             self._move_in_copy_worker(jobs, to_vllm)
         else:
+            row = self.contract.bytes_per_block
             for name, vk in self._kv.items():
                 sk = self._staging[name]
                 src, dst = (sk, vk) if to_vllm else (vk, sk)
-                for a, b, n in runs:
-                    np.copyto(dst[b:b + n], src[a:a + n])
-        self.rt.count("pages_loaded_into_vllm" if to_vllm else "pages_saved_from_vllm", sum(n for _, _, n in runs))
+                # One native call per layer, the GIL released for all of it (gil_bytes=0): a numpy copy per run
+                # gets the GIL back after each run, and while vLLM's engine thread runs Python that is a wait of up
+                # to the interpreter's switch interval (5 ms) per run: it made moves ~20x slower than memcpy.
+                MEMMOVE.rows(dst.reshape(-1), row, dst_ids, src.reshape(-1), row, src_ids, row, 0)
+        self.rt.count("pages_loaded_into_vllm" if to_vllm else "pages_saved_from_vllm", len(src_ids))
 
     def _move_in_copy_worker(self, jobs: list[CopyJob], to_vllm: bool) -> None:
         """The batch's blocks moved by kvproc's copy worker process, reading or writing vLLM's own memory by
@@ -304,12 +313,25 @@ class KvprocConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         moves = self._moves
+        self._sending |= moves.delayed_among(finished_req_ids)
+        if self._idle_step() and (self._receiving or self._sending):
+            # vLLM scheduled nothing: every request it has waits for a load or a delayed free of ours, and its engine
+            # loop would call us again at once, hundreds of times per load, holding the GIL and a core the moves
+            # need. Wait here (GIL released) until one of them settles, for at most IDLE_WAIT_S: a request vLLM
+            # receives meanwhile is seen that much later, and only when the engine had nothing else to do.
+            self.rt.count("idle_step_waits")
+            moves.wait_any(self._receiving | self._sending, IDLE_WAIT_S)
         recving = moves.settled(self._receiving)
         self._receiving -= recving
-        self._sending |= moves.delayed_among(finished_req_ids)
         sending = moves.settled(self._sending)
         self._sending -= sending
         return sending or None, recving or None
+
+    def _idle_step(self) -> bool:
+        if not self.has_connector_metadata():
+            return False
+        meta = self._get_connector_metadata()
+        return isinstance(meta, KvprocConnectorMetadata) and meta.idle
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self._load_errors = self._load_errors | self._moves.take_load_errors(), set()
@@ -556,6 +578,7 @@ class KvprocConnector(KVConnectorBase_V1):
             if r.pending_load is not None:  # synchronous loads (async_moves=False): landed before the forward
                 self._plan_load(r, meta, meta.loads)
             self._plan_save(r, computed[req_id] + n, meta)
+        meta.idle = scheduler_output.total_num_scheduled_tokens == 0
         return meta
 
     def _plan_load(self, r: _Req, meta: KvprocConnectorMetadata, into: list[CopyJob]) -> None:
@@ -740,19 +763,6 @@ class KvprocConnector(KVConnectorBase_V1):
                 r.mirror.release()
         self._reqs.clear()
         rt_mod.release(self.rt)
-
-
-def _runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
-    """(src start, dst start, length) of the runs where both sides' block ids are consecutive."""
-    out: list[tuple[int, int, int]] = []
-    i = 0
-    while i < len(src):
-        j = i + 1
-        while j < len(src) and src[j] == src[j - 1] + 1 and dst[j] == dst[j - 1] + 1:
-            j += 1
-        out.append((src[i], dst[i], j - i))
-        i = j
-    return out
 
 
 def _envelope_of(request: "Request") -> HandoffEnvelope | None:

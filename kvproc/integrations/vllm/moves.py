@@ -123,6 +123,17 @@ class MoveQueue:
                     return False
                 self._idle.wait(rest)
 
+    def wait_any(self, req_ids: set[str], timeout: float) -> bool:
+        """Until one of `req_ids` has no move in flight (True), or `timeout` passed (False)."""
+        end = time.monotonic() + timeout
+        with self._lock:
+            while all(r in self._by_req for r in req_ids):
+                rest = end - time.monotonic()
+                if rest <= 0:
+                    return False
+                self._idle.wait(rest)
+            return True
+
     def in_flight(self) -> int:
         with self._lock:
             return len(self._inflight)
