@@ -223,13 +223,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--conversations", type=int, default=12)
     p.add_argument("--turns", type=int, default=4)
-    p.add_argument("--system", type=int, default=256)
-    p.add_argument("--first-input", type=int, default=256)
-    p.add_argument("--new-per-turn", type=int, default=128)
-    p.add_argument("--output", type=int, default=32)
+    # Sized so that prefill dominates (the issue's workload): on a CPU a decode step costs ~60 ms whatever it holds,
+    # so with 256-token turns and 32 tokens out the decode steps were ~80% of vLLM alone's wall time. vLLM's cache
+    # holds the 4 running conversations at their longest (4 x 92 blocks), not the 12 (bench/RESULTS.md, "vLLM
+    # connector": the earlier defaults, 96 blocks, made requests queue for blocks and TTFT measure that queue).
+    p.add_argument("--system", type=int, default=1024)
+    p.add_argument("--first-input", type=int, default=1024)
+    p.add_argument("--new-per-turn", type=int, default=256)
+    p.add_argument("--output", type=int, default=16)
     p.add_argument("--concurrency", type=int, default=4)
-    p.add_argument("--vllm-blocks", type=int, default=96, help="vLLM's KV cache, in blocks of 32 tokens")
-    p.add_argument("--host-mib", type=int, default=512, help="kvproc's host tier budget")
+    p.add_argument("--vllm-blocks", type=int, default=400, help="vLLM's KV cache, in blocks of 32 tokens")
+    p.add_argument("--host-mib", type=int, default=2048, help="kvproc's host tier budget")
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--arms", default=",".join(ARMS), help=f"a subset of {','.join(ARMS + EXTRA_ARMS)}")
     p.add_argument("--json", dest="json_path", default=None, help="write the results here")
