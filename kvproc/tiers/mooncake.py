@@ -40,6 +40,7 @@ from kvproc.tiers.deadline_ops import OK, TIMEOUT, OpRunner
 from kvproc.tiers.host_index import HostIndex, QueryResult, SaveClass, SaveTicket, Shed
 from kvproc.tiers.layout import HostLayout, Region
 from kvproc.tiers.mooncake_client import UNREACHABLE, Breaker, MooncakeClient, RemoteSpec
+from kvproc.tiers.mooncake_watch import KeyWatch
 from kvproc.tiers.save_fence import FenceRevoked, claim, release
 
 log = structlog.get_logger("kvproc.mooncake")
@@ -71,9 +72,12 @@ def namespace(fingerprint: str, ns: str = "") -> str:
 class MooncakeTier:
     def __init__(self, spec: RemoteSpec, *, fingerprint: str, layout: HostLayout, segment_addr: int,
                  index: HostIndex, lock: threading.Lock, settled: Callable[[], None], max_pull_pages: int = 256,
-                 write_batch_pages: int = 64, max_queued_pages: int = 65536) -> None:
+                 write_batch_pages: int = 64, max_queued_pages: int = 65536,
+                 key_found: Callable[[bytes], None] = lambda key: None,
+                 key_wanted: Callable[[bytes], bool] = lambda key: False) -> None:
         """`lock` guards `index` (the host tier's lock); `settled` answers the host tier's waiters after a pull's
-        save settles (called without the lock)."""
+        save settles (called without the lock). `key_found` / `key_wanted`: the host tier's full-hit waiters, for
+        `watch` (called without the lock)."""
         self.spec = spec
         self.ns = namespace(fingerprint, spec.namespace)
         self.index, self.lock, self.settled = index, lock, settled
@@ -98,6 +102,7 @@ class MooncakeTier:
         self._in_flight = 0  # pages the writer has taken from the queue and not finished
         self._writer = threading.Thread(target=self._write_loop, name="kvproc-mooncake-writer", daemon=True)
         self._writer.start()
+        self._watch = KeyWatch(self._watch_probe, key_found, key_wanted, self.counters)
         # Connect now (setup and registration take a while), not at the first query.
         self._reads.submit(lambda: self.client.exists([f"{self.ns}/connect"]), self.timeout_s * 5, self._connected,
                            what="connect")
@@ -170,6 +175,38 @@ class MooncakeTier:
                 self._pull(ticket)
 
         self._reads.submit(lambda: self.client.exists(keys), min(timeout, self.timeout_s), probed, what="exists")
+
+    # ---- full-hit waits: a key another node is writing through ----
+
+    def watch(self, key: bytes, deadline: float) -> bool:
+        """A full-hit waiter parked on `key` (this tier lacks it): re-probe Mooncake for it until `deadline`
+        (monotonic seconds), and answer its waiters once Mooncake has it (their resolve then queries again, which
+        pulls it). False: not watched (the watch is full, counted)."""
+        return self._watch.watch(key, deadline)
+
+    def _watch_probe(self, keys: list[bytes], done: Callable[[set[bytes]], None]) -> None:
+        """Which of `keys` Mooncake holds with every required artifact (one batched existence check)."""
+        if not self.breaker.closed:
+            self.counters["watch_skipped_unreachable"] += 1
+            done(set())
+            return
+        groups = list(self.index.required)
+        names = [self.page_key(h) for h in keys] + [self.artifact_key(h, g) for h in keys for g in groups]
+
+        def probed(outcome: str, codes: Any) -> None:
+            if outcome == OK and any(c < 0 for c in codes):
+                outcome, codes = "failed", sorted(set(codes))
+            if outcome != OK:
+                self.counters[f"watch_probes_{outcome}"] += 1
+                self.breaker.failure(f"exists: {outcome} {codes!r}")
+                done(set())
+                return
+            self.breaker.success()
+            n, g = len(keys), len(groups)
+            done({h for i, h in enumerate(keys)
+                  if codes[i] == 1 and all(codes[n + i * g + j] == 1 for j in range(g))})
+
+        self._reads.submit(lambda: self.client.exists(names), self.timeout_s, probed, what="exists")
 
     def _present_run(self, codes: list[int], pages: int, groups: int) -> int:
         """The longest run of wanted pages Mooncake holds, cut back to the deepest page whose artifacts it holds too
@@ -425,6 +462,7 @@ class MooncakeTier:
             self._queued = 0
             self._cv.notify_all()
         self._unlease(left)  # write-throughs waiting on them hear False
+        self._watch.close()
         self._reads.close()
         self._writes.close()
         self._writer.join(self.timeout_s * 2)

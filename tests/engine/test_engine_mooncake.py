@@ -65,15 +65,16 @@ def test_a_conversation_continued_on_another_node_is_served_from_mooncake(moonca
     torch.testing.assert_close(torch.stack(got.logits), torch.stack(ref.logits), **TOL)
 
 
-def test_pd_across_nodes_through_mooncake_equals_a_single_engine(mooncake: LocalMooncake) -> None:
+@pytest.mark.parametrize("barrier", [True, False], ids=["barrier", "no_barrier"])
+def test_pd_across_nodes_through_mooncake_equals_a_single_engine(mooncake: LocalMooncake, barrier: bool) -> None:
     """Prefill on node A, decode on node B (each its own host tier): A's hand-off saves are written through to
-    Mooncake before their envelopes are ready, B's full-hit resolve pulls them through its own host tier. Tokens
-    equal one engine's; no hand-off pin or lease is left on either node."""
+    Mooncake, B's full-hit resolve pulls them through its own host tier. With the KV-ready barrier an envelope is
+    emitted once its saves are in Mooncake; without it B may ask first, and its full-hit wait is answered when the
+    pages land in Mooncake (B's host tier re-probes for the awaited key). Tokens equal one engine's; no hand-off pin
+    or lease is left on either node."""
     want = single_engine_outputs("dense")
     with ClusterStore.start(16 << 20, remote=mooncake.url) as p, ClusterStore.start(16 << 20, remote=mooncake.url) as d:
-        # The KV-ready barrier: an envelope is emitted once its hand-off saves have settled, which across nodes means
-        # written through to Mooncake (a decode node's own tier cannot see pages land anywhere else).
-        prefill, decode = engine_on(p, "dense", handoff_barrier=True), engine_on(d, "dense")
+        prefill, decode = engine_on(p, "dense", handoff_barrier=barrier), engine_on(d, "dense")
         router = PdRouter(prefill, decode)
         recs = drive(router, SPEC, prefill.model.vocab_size)
         assert all(r.failed is None for r in recs), [r.failed for r in recs]
@@ -87,4 +88,5 @@ def test_pd_across_nodes_through_mooncake_equals_a_single_engine(mooncake: Local
             assert tier["open_handoffs"] == 0 and tier["open_leases"] == 0, tier
         rp = remote_stats(p.store)
         assert rp["handoffs_written_through"] >= SPEC.total_turns and rp.get("handoff_write_through_failed", 0) == 0
-        assert remote_stats(d.store)["pulled_pages"] > 0
+        rd = remote_stats(d.store)
+        assert rd["pulled_pages"] > 0
