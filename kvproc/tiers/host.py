@@ -163,7 +163,7 @@ class HostTierRole(Role):
                 self.remote = MooncakeTier(self.remote_spec, fingerprint=msg.fingerprint, layout=layout,
                                            segment_addr=seg.address(), index=index, lock=self._lock,
                                            settled=self._answer_settled, key_found=self._key_landed_remote,
-                                           key_wanted=self._key_awaited)
+                                           key_wanted=self._key_awaited, handoff_ttl_s=self.handoff_ttl_s)
             self._configured = m.Configured(seg.name, msg.layout, msg.fingerprint)
             self.counters.inc("configured")
             log.info("host_tier_configured", fingerprint=msg.fingerprint, segment=seg.name,
@@ -204,7 +204,9 @@ class HostTierRole(Role):
     @handles(m.RevokeHandoff)
     def revoke_handoff(self, msg: m.RevokeHandoff, ctx: CallContext) -> m.Done:
         with self._lock:
-            self._index().revoke_handoff(msg.req_id)
+            self._index().revoke_handoff(msg.req_id, consumed=msg.consumed)
+        if self.remote is not None and not msg.consumed:
+            self.remote.revoke_handoff(msg.req_id)  # what its write-through put in Mooncake goes too
         return m.Done()
 
     # ---- saves ----

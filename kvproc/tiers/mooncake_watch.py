@@ -19,8 +19,8 @@ import itertools
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import structlog
 
@@ -108,7 +108,7 @@ class KeyWatch:
             self.counters["watch_probes"] += 1
             try:
                 self._probe(due, functools.partial(self._probed, due))
-            except Exception:  # noqa: BLE001 - a probe that cannot even start is a miss; the backoff goes on
+            except Exception:
                 log.exception("mooncake_watch_probe_failed", keys=len(due))
                 self._probed(due, set())
 

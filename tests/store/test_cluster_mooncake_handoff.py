@@ -6,6 +6,7 @@ while Mooncake is down is answered within its deadline, counted, and the produce
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -13,7 +14,7 @@ import pytest
 from kvproc.store.handoff import handoff_resolve_policy
 from kvproc.store.kv_store import KvStore
 from kvproc.store.types import SaveClass
-from kvproc.tiers.mooncake_local import LocalMooncake
+from kvproc.tiers.mooncake_local import LocalMooncake, unavailable_reason
 from tests.conftest import (
     ShmBytesModel,
     Written,
@@ -22,6 +23,7 @@ from tests.conftest import (
     compute,
     nothing_left,
     remote_stats,
+    restores,
     wait_for,
 )
 
@@ -44,6 +46,11 @@ def connected(*stores: KvStore) -> None:
         wait_for(lambda s=s: remote_stats(s).get("connected") == 1, 10, "connected to Mooncake")
 
 
+def consume(store: KvStore, producer: str, toks: list[int], wait_s: float = WAIT_S) -> Any:
+    """A decode node's full-hit resolve of the producer's chain (the first 16 tokens)."""
+    return store.resolve_prefix_sync(0, f"dec-{producer}", toks[:16], policy=handoff_resolve_policy(producer, wait_s))
+
+
 class Consumer(threading.Thread):
     """A decode node's full-hit resolve of a producer's chain, on its own thread (it waits)."""
 
@@ -53,8 +60,7 @@ class Consumer(threading.Thread):
         self.prefix: Any = None
 
     def run(self) -> None:
-        self.prefix = self.store.resolve_prefix_sync(0, f"dec-{self.producer}", self.toks[:16],
-                                                     policy=handoff_resolve_policy(self.producer, self.wait_s))
+        self.prefix = consume(self.store, self.producer, self.toks, self.wait_s)
 
     def result(self) -> Any:
         self.join(self.wait_s + 10)
@@ -101,3 +107,54 @@ def test_a_full_hit_wait_for_a_handoff_nobody_produces_ends_at_its_deadline(moon
         assert rb.get("watch_found", 0) == 0 and rb["watch_probes"] >= 1
         nothing_left(b)
         assert b.stats()["tier"]["waiters"] == 0
+
+
+@pytest.fixture()
+def short_lease() -> Iterator[LocalMooncake]:
+    """A Mooncake Store whose read leases last 1 s (the master's `--default_kv_lease_ttl`; 10 s by default)."""
+    why = unavailable_reason()
+    if why:
+        pytest.skip(why)
+    with LocalMooncake.start(segment_mb=64, lease_ttl_ms=1000) as mc:
+        yield mc
+
+
+def test_a_revoked_handoff_leaves_mooncake_and_a_consumed_one_stays_as_cache(short_lease: LocalMooncake) -> None:
+    """Three nodes. A hand-off consumed on B stays in Mooncake (soft-pinned until the hand-off TTL) and C, which never
+    saw it, restores it as plain cache. A hand-off its producer revokes before anyone read it is removed from Mooncake
+    (the keys its write-through created): B's full-hit resolve of it misses."""
+    url = short_lease.url + "&lease_ttl=1"
+    with cluster_store(remote=url) as (_, a, model_a), cluster_store(remote=url) as (_, b, model_b), \
+            cluster_store(remote=url) as (_, c, model_c):
+        connected(a, b, c)
+        kept = produce(a, model_a, "kept", TOKS)
+        wait_for(lambda: remote_stats(a).get("handoffs_written_through", 0) == 1, 10, "written through")
+        ra = remote_stats(a)
+        assert ra["handoff_keys_pinned"] == 4 and ra["handoffs_pinned"] == 1, ra
+        model_b.zero()
+        prefix = consume(b, "kept", TOKS)
+        assert prefix.host_tokens == 16
+        check_bytes(model_b, prefix, kept)
+        prefix.hold.release()
+        assert restores(c, model_c, "c-kept", TOKS, kept) == 4  # plain cache on a third node
+        assert remote_stats(c)["pulled_pages"] == 4
+
+        other = list(range(100, 117))
+        gone = produce(a, model_a, "gone", other)
+        wait_for(lambda: remote_stats(a).get("handoffs_written_through", 0) == 2, 10, "written through")
+        # C reads the pages first (a plain prefix hit: they are cache on C from now on): Mooncake leases them for a
+        # second, so the revoke's first removal is refused and retried once the lease is over.
+        assert restores(c, model_c, "c-gone", other, gone) == 4
+        a.revoke_handoff("gone")  # the producer's revoke: nobody will read it
+        wait_for(lambda: remote_stats(a).get("handoff_keys_removed", 0) == 4, 10, "the revoked keys removed")
+        assert remote_stats(a)["handoff_remove_retried"] >= 1
+        missed = consume(b, "gone", other, wait_s=1.5)
+        assert missed.host_tokens == 0, remote_stats(b)
+        missed.hold.release()
+        ra = remote_stats(a)
+        assert ra["handoffs_pinned"] == 1 and ra.get("handoff_remove_failed", 0) == 0  # "kept" is still pinned
+        assert ra.get("handoff_keys_removed", 0) == 4  # "kept"'s keys were never removed
+        for s in (a, b, c):
+            nothing_left(s)
+            tier = s.stats()["tier"]
+            assert tier["open_handoffs"] == 0 and tier["waiters"] == 0, tier
