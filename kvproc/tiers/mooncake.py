@@ -19,6 +19,10 @@ first: Mooncake's `put` of an existing key is a silent no-op, which would hide a
   ordinary host save, so the query answers `Loading` and the store's resolve waits for its settlement as for any
   pending save), and pulls them into those slots (`batch_get_into_multi_buffers`) under the save's fence; the save
   commits when they land, or aborts.
+- **Hand-offs** (`write_behind(done=...)`, a write-through): the keys a hand-off creates are written soft-pinned for
+  the hand-off TTL and remembered per producer (`mooncake_pins.HandoffPins`); the producer's `revoke_handoff` removes
+  them (never forced: a key under Mooncake's read lease is tried again after it). A full-hit wait on a key this tier
+  lacks is `watch`ed: re-probed on a backoff (`mooncake_watch.KeyWatch`) and answered once the key is in Mooncake.
 - **Faults**: every Mooncake call has a deadline (`OpRunner`) and one terminal outcome; a failure or timeout opens the
   breaker (`mooncake_client.Breaker`): while it is open no query waits on Mooncake (the resolve gets the host tier's
   answer) and write-behind is shed, counted. A pull that times out aborts its save (its slots stay quarantined by the
