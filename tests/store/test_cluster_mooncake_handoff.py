@@ -84,7 +84,7 @@ def test_a_consumer_that_asks_first_is_served_once_the_producer_writes_through(m
         check_bytes(model_b, prefix, written)
         prefix.hold.release()
         rb = remote_stats(b)
-        assert rb["watch_keys"] == 1 and rb["watch_found"] == 1 and rb["watch_probes"] >= 1 and rb["pulled_pages"] == 4
+        assert rb["watch_found"] >= 1 and rb["watch_probes"] >= 1 and rb["pulled_pages"] == 4, rb
         assert remote_stats(a)["handoffs_written_through"] >= 1
         nothing_left(b)
         for s in (a, b):
