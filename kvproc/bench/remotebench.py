@@ -177,6 +177,18 @@ def run_size(mc: LocalMooncake, name: str, page: int, total: int, batch: int, re
             "pull_vs_raw_get": round(gbs["pull"] / gbs["raw_get"], 3)}
 
 
+def _latency(args: argparse.Namespace) -> int:
+    from kvproc.bench.remote_latency import run_latency
+
+    with LocalMooncake.start(segment_mb=256) as mc:
+        row = run_latency(mc, model=args.model, prompts=args.prompts, prompt_tokens=args.prompt_tokens)
+    print(json.dumps(row), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([row], f, indent=1)
+    return 0
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="kvproc bench remote", description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="1MiB,4MiB", help=f"page sizes, of {', '.join(SIZES)}")
@@ -184,7 +196,14 @@ def main(argv: list[str]) -> int:
     p.add_argument("--batch", type=int, default=64, help="pages per raw call and per committed save")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", default=None, help="also write the rows here")
+    p.add_argument("--latency", action="store_true",
+                   help="instead: what a remote hit adds to a resolve (`kvproc/bench/remote_latency.py`)")
+    p.add_argument("--prompts", type=int, default=20, help="--latency: prompts (each resolved remote, then host)")
+    p.add_argument("--prompt-tokens", type=int, default=256, help="--latency: tokens per prompt")
+    p.add_argument("--model", default="dense", help="--latency: the reference model")
     args = p.parse_args(argv)
+    if args.latency:
+        return _latency(args)
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
     # Capacity for every measurement's keys (raw and kvproc, each repeat): nothing is evicted during the run.
     seg_mb = 2 * len(sizes) * args.repeats * args.total_mib + 256

@@ -325,6 +325,9 @@ class AbortSave(Request, tag=307):
 
 class RevokeHandoff(Request, tag=308):
     req_id: str
+    # The consumer has the hand-off's KV (a device hit: no load consumed it): its pins go, the pages stay as cache
+    # everywhere. Without it: nobody will read the hand-off (the tier below also drops what the hand-off put there).
+    consumed: bool = False
 
 
 class TierStats(Request, tag=309):

@@ -462,18 +462,18 @@ class KvStore:
     # -- hand-off leases -------------------------------------------------------------------------------------------
     def release_handoff(self, producer_req_id: str) -> None:
         """The consumer has the hand-off's KV without a load (a device hit): release the producer's entries."""
-        self._revoke_everywhere(producer_req_id, "handoff_released_at_admission")
+        self._revoke_everywhere(producer_req_id, "handoff_released_at_admission", consumed=True)
 
     def revoke_handoff(self, producer_req_id: str) -> None:
         """Nobody will read this hand-off (the request was cancelled or rejected): release it now, not at TTL."""
         self._revoke_everywhere(producer_req_id, "handoff_revoked")
 
-    def _revoke_everywhere(self, producer_req_id: str, counter: str) -> None:
+    def _revoke_everywhere(self, producer_req_id: str, counter: str, consumed: bool = False) -> None:
         live = [t for _, t in self.distinct_tiers if t.available]  # every rank's shard of the hand-off
         if live:
             self.count(counter)
         for t in live:
-            self._loop.call(t.revoke_handoff, producer_req_id)
+            self._loop.call(t.revoke_handoff, producer_req_id, consumed)
 
     # -- bounded copies through the worker ------------------------------------------------------------------------
     def execute_copies(self, rank: int, orders: Sequence[Any]) -> bool:

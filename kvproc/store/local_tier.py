@@ -93,8 +93,8 @@ class LocalTier:
     def abort_save(self, save_id: int, writer_dead: bool = False) -> None:
         self.index.abort_save(save_id, writer_dead=writer_dead)
 
-    def revoke_handoff(self, producer_req_id: str) -> None:
-        self.index.revoke_handoff(producer_req_id)
+    def revoke_handoff(self, producer_req_id: str, consumed: bool = False) -> None:
+        self.index.revoke_handoff(producer_req_id, consumed=consumed)
 
     async def stats(self) -> dict[str, int]:
         return self.index.stats()

@@ -162,7 +162,8 @@ class HostTierRole(Role):
             if self.remote_spec is not None:
                 self.remote = MooncakeTier(self.remote_spec, fingerprint=msg.fingerprint, layout=layout,
                                            segment_addr=seg.address(), index=index, lock=self._lock,
-                                           settled=self._answer_settled)
+                                           settled=self._answer_settled, key_found=self._key_landed_remote,
+                                           key_wanted=self._key_awaited, handoff_ttl_s=self.handoff_ttl_s)
             self._configured = m.Configured(seg.name, msg.layout, msg.fingerprint)
             self.counters.inc("configured")
             log.info("host_tier_configured", fingerprint=msg.fingerprint, segment=seg.name,
@@ -203,7 +204,9 @@ class HostTierRole(Role):
     @handles(m.RevokeHandoff)
     def revoke_handoff(self, msg: m.RevokeHandoff, ctx: CallContext) -> m.Done:
         with self._lock:
-            self._index().revoke_handoff(msg.req_id)
+            self._index().revoke_handoff(msg.req_id, consumed=msg.consumed)
+        if self.remote is not None and not msg.consumed:
+            self.remote.revoke_handoff(msg.req_id)  # what its write-through put in Mooncake goes too
         return m.Done()
 
     # ---- saves ----
@@ -288,7 +291,23 @@ class HostTierRole(Role):
             if msg.key in self._index().entries:
                 return m.Waited(True)
             self._park(ctx, self._key_waiters, msg.key)
+        if self.remote is not None:
+            # A full-hit wait (a hand-off produced on another node) is answered when the key lands in Mooncake too:
+            # nothing brings it into this tier by itself, only the resolve's next query pulls it.
+            self.remote.watch(msg.key, ctx.deadline_ns / 1e9)
         return ctx.defer()
+
+    def _key_awaited(self, key: bytes) -> bool:
+        with self._lock:
+            return bool(self._key_waiters.get(key))
+
+    def _key_landed_remote(self, key: bytes) -> None:
+        """Mooncake has `key` (and its artifacts): its waiters query again, and that query pulls it."""
+        with self._lock:
+            waiters = self._key_waiters.pop(key, [])
+        for w in waiters:
+            if w.ctx.ok(m.Waited(True)):
+                self.counters.inc("waiters_notified_remote")
 
     def _park(self, ctx: CallContext, table: dict[Any, list[_Waiter]], key: Any) -> None:
         # Under self._lock: registration and the index check are atomic, so a settlement cannot slip between.

@@ -19,6 +19,10 @@ first: Mooncake's `put` of an existing key is a silent no-op, which would hide a
   ordinary host save, so the query answers `Loading` and the store's resolve waits for its settlement as for any
   pending save), and pulls them into those slots (`batch_get_into_multi_buffers`) under the save's fence; the save
   commits when they land, or aborts.
+- **Hand-offs** (`write_behind(done=...)`, a write-through): the keys a hand-off creates are written soft-pinned for
+  the hand-off TTL and remembered per producer (`mooncake_pins.HandoffPins`); the producer's `revoke_handoff` removes
+  them (never forced: a key under Mooncake's read lease is tried again after it). A full-hit wait on a key this tier
+  lacks is `watch`ed: re-probed on a backoff (`mooncake_watch.KeyWatch`) and answered once the key is in Mooncake.
 - **Faults**: every Mooncake call has a deadline (`OpRunner`) and one terminal outcome; a failure or timeout opens the
   breaker (`mooncake_client.Breaker`): while it is open no query waits on Mooncake (the resolve gets the host tier's
   answer) and write-behind is shed, counted. A pull that times out aborts its save (its slots stay quarantined by the
@@ -39,11 +43,21 @@ import structlog
 from kvproc.tiers.deadline_ops import OK, TIMEOUT, OpRunner
 from kvproc.tiers.host_index import HostIndex, QueryResult, SaveClass, SaveTicket, Shed
 from kvproc.tiers.layout import HostLayout, Region
-from kvproc.tiers.mooncake_client import UNREACHABLE, Breaker, MooncakeClient, RemoteSpec
+from kvproc.tiers.mooncake_client import (
+    OBJECT_HAS_LEASE,
+    OBJECT_NOT_FOUND,
+    UNREACHABLE,
+    Breaker,
+    MooncakeClient,
+    RemoteSpec,
+)
+from kvproc.tiers.mooncake_pins import HandoffPins
+from kvproc.tiers.mooncake_watch import KeyWatch
 from kvproc.tiers.save_fence import FenceRevoked, claim, release
 
 log = structlog.get_logger("kvproc.mooncake")
 
+REMOVE_ATTEMPTS = 3  # a revoked hand-off's removal: the first try, then after each read lease
 WRITER = "mooncake-write-behind"  # the write-behind's lease owner (its leases show up under this request id)
 PULLER = "mooncake-pull:"  # prefix of a pull's save request id
 
@@ -56,6 +70,7 @@ class _Pending:
     items: list[tuple[bytes, int, tuple[str, ...]]]  # (page hash, its slot, artifact groups to write at it)
     new_pages: set[bytes]  # the pages whose bytes this save brought (others: only their new artifacts)
     done: Callable[[bool], None] | None = None  # a write-through's waiter: True once every key is in Mooncake
+    producer: str = ""  # a write-through's hand-off producer (the keys it creates are soft-pinned for it)
 
     def finish(self, ok: bool) -> None:
         done, self.done = self.done, None
@@ -71,9 +86,13 @@ def namespace(fingerprint: str, ns: str = "") -> str:
 class MooncakeTier:
     def __init__(self, spec: RemoteSpec, *, fingerprint: str, layout: HostLayout, segment_addr: int,
                  index: HostIndex, lock: threading.Lock, settled: Callable[[], None], max_pull_pages: int = 256,
-                 write_batch_pages: int = 64, max_queued_pages: int = 65536) -> None:
+                 write_batch_pages: int = 64, max_queued_pages: int = 65536,
+                 key_found: Callable[[bytes], None] = lambda key: None,
+                 key_wanted: Callable[[bytes], bool] = lambda key: False, handoff_ttl_s: float = 300.0) -> None:
         """`lock` guards `index` (the host tier's lock); `settled` answers the host tier's waiters after a pull's
-        save settles (called without the lock)."""
+        save settles (called without the lock). `key_found` / `key_wanted`: the host tier's full-hit waiters, for
+        `watch` (called without the lock). `handoff_ttl_s`: how long a hand-off's keys stay soft-pinned in Mooncake
+        unless its producer revokes it (the host tier's own hand-off TTL)."""
         self.spec = spec
         self.ns = namespace(fingerprint, spec.namespace)
         self.index, self.lock, self.settled = index, lock, settled
@@ -98,6 +117,10 @@ class MooncakeTier:
         self._in_flight = 0  # pages the writer has taken from the queue and not finished
         self._writer = threading.Thread(target=self._write_loop, name="kvproc-mooncake-writer", daemon=True)
         self._writer.start()
+        self.pins = HandoffPins(handoff_ttl_s, self.counters)
+        self._pins_lock = threading.Lock()
+        self._timers: set[threading.Timer] = set()  # removals waiting out Mooncake's read lease
+        self._watch = KeyWatch(self._watch_probe, key_found, key_wanted, self.counters)
         # Connect now (setup and registration take a while), not at the first query.
         self._reads.submit(lambda: self.client.exists([f"{self.ns}/connect"]), self.timeout_s * 5, self._connected,
                            what="connect")
@@ -170,6 +193,38 @@ class MooncakeTier:
                 self._pull(ticket)
 
         self._reads.submit(lambda: self.client.exists(keys), min(timeout, self.timeout_s), probed, what="exists")
+
+    # ---- full-hit waits: a key another node is writing through ----
+
+    def watch(self, key: bytes, deadline: float) -> bool:
+        """A full-hit waiter parked on `key` (this tier lacks it): re-probe Mooncake for it until `deadline`
+        (monotonic seconds), and answer its waiters once Mooncake has it (their resolve then queries again, which
+        pulls it). False: not watched (the watch is full, counted)."""
+        return self._watch.watch(key, deadline)
+
+    def _watch_probe(self, keys: list[bytes], done: Callable[[set[bytes]], None]) -> None:
+        """Which of `keys` Mooncake holds with every required artifact (one batched existence check)."""
+        if not self.breaker.closed:
+            self.counters["watch_skipped_unreachable"] += 1
+            done(set())
+            return
+        groups = list(self.index.required)
+        names = [self.page_key(h) for h in keys] + [self.artifact_key(h, g) for h in keys for g in groups]
+
+        def probed(outcome: str, codes: Any) -> None:
+            if outcome == OK and any(c < 0 for c in codes):
+                outcome, codes = "failed", sorted(set(codes))
+            if outcome != OK:
+                self.counters[f"watch_probes_{outcome}"] += 1
+                self.breaker.failure(f"exists: {outcome} {codes!r}")
+                done(set())
+                return
+            self.breaker.success()
+            n, g = len(keys), len(groups)
+            done({h for i, h in enumerate(keys)
+                  if codes[i] == 1 and all(codes[n + i * g + j] == 1 for j in range(g))})
+
+        self._reads.submit(lambda: self.client.exists(names), self.timeout_s, probed, what="exists")
 
     def _present_run(self, codes: list[int], pages: int, groups: int) -> int:
         """The longest run of wanted pages Mooncake holds, cut back to the deepest page whose artifacts it holds too
@@ -274,7 +329,7 @@ class MooncakeTier:
         new_pages = set(hashes) if through else {t.keys[i] for i, slot in enumerate(t.page_slots) if slot is not None}
         shed: list[_Pending] = []
         with self._cv:
-            self._queue.append(_Pending(lease, items, new_pages, done))
+            self._queue.append(_Pending(lease, items, new_pages, done, t.req_id if through else ""))
             self._queued += len(items)
             while self._queued > self.max_queued_pages and len(self._queue) > 1:
                 old = self._queue.popleft()  # bounded: the oldest queued save is shed
@@ -295,7 +350,9 @@ class MooncakeTier:
                 if self._closed:
                     return
                 batch: list[_Pending] = []
-                while self._queue and (not batch or sum(len(p.items) for p in batch) < self.write_batch_pages):
+                # A batch is all write-throughs or none: a write-through's new keys are written soft-pinned.
+                while self._queue and (not batch or sum(len(p.items) for p in batch) < self.write_batch_pages) and \
+                        (not batch or (self._queue[0].done is None) == (batch[0].done is None)):
                     batch.append(self._queue.popleft())
                 n = sum(len(p.items) for p in batch)
                 self._queued -= n
@@ -370,8 +427,9 @@ class MooncakeTier:
             self._unlease(batch, ok)
             return
         k2, p2, s2 = [keys[i] for i in todo], [ptrs[i] for i in todo], [sizes[i] for i in todo]
+        pin_s = self.pins.ttl_s if batch[0].done is not None else 0.0
         t0 = time.monotonic()
-        outcome, codes = self._writes.call(lambda: self.client.put_from(k2, p2, s2), self.timeout_s,
+        outcome, codes = self._writes.call(lambda: self.client.put_from(k2, p2, s2, soft_pin_s=pin_s), self.timeout_s,
                                            on_late=lambda *_: self._unlease(batch), what="put_from")
         if outcome == TIMEOUT:  # the call still reads the slots: the leases go back when it ends (`on_late`)
             self.breaker.failure("put_from: timeout")
@@ -382,9 +440,17 @@ class MooncakeTier:
             self.breaker.failure(f"put_from: {codes!r}")
             self.counters["writes_shed_unreachable"] += len(k2)
             return
+        created: dict[str, list[str]] = {}
         for i, c in zip(todo, codes):
             if c != 0:
                 ok[owner[i]] = False
+            elif pin_s:
+                created.setdefault(batch[owner[i]].producer, []).append(keys[i])
+        for producer, made in created.items():  # before the write-throughs are answered: a revoke may follow
+            with self._pins_lock:
+                revoked = self.pins.record(producer, made)
+            if revoked:
+                self._remove(producer, revoked)
         self._unlease(batch, ok)
         self.counters["write_ns"] += int((time.monotonic() - t0) * 1e9)
         for c, s in zip(codes, s2):
@@ -397,6 +463,59 @@ class MooncakeTier:
                 self.counters["writes_refused"] += 1  # Mooncake's capacity or policy said no: its call
         if any(c in UNREACHABLE for c in codes):
             self.breaker.failure(f"put_from: {sorted(set(codes))}")
+
+    # ---- a hand-off's revoke ----
+
+    def revoke_handoff(self, producer: str) -> None:
+        """The producer's revoke reached this tier: remove the keys its write-through created (soft-pinned) from
+        Mooncake, so that no node pulls a hand-off nobody will read and its capacity is free again."""
+        with self._pins_lock:
+            keys = self.pins.revoke(producer)
+        if keys:
+            self._remove(producer, keys)
+
+    def _remove(self, producer: str, keys: list[str], attempt: int = 1) -> None:
+        """Never forced (`MooncakeClient.remove`): a key leased by a recent read or existence check is removed again
+        once the lease has run out (`lease_ttl`), up to `REMOVE_ATTEMPTS` times; then its soft pin lapses at the
+        TTL (counted)."""
+
+        def removed(outcome: str, codes: Any) -> None:
+            if outcome != OK:
+                self.counters["handoff_remove_failed"] += len(keys)
+                if outcome != "closed":
+                    self.breaker.failure(f"remove: {outcome} {codes!r}")
+                return
+            busy = [k for k, c in zip(keys, codes) if c == OBJECT_HAS_LEASE]
+            self.counters["handoff_keys_removed"] += sum(c == 0 for c in codes)
+            self.counters["handoff_keys_gone"] += sum(c == OBJECT_NOT_FOUND for c in codes)  # evicted already
+            self.counters["handoff_remove_failed"] += sum(c not in (0, OBJECT_NOT_FOUND, OBJECT_HAS_LEASE)
+                                                          for c in codes)
+            if not busy:
+                return
+            if attempt >= REMOVE_ATTEMPTS:
+                self.counters["handoff_remove_gave_up"] += len(busy)
+                log.warning("mooncake_handoff_remove_gave_up", producer=producer, keys=len(busy))
+                return
+            self.counters["handoff_remove_retried"] += len(busy)
+            self._later(self.spec.lease_ttl_s + 0.2, lambda: self._remove(producer, busy, attempt + 1))
+
+        self._writes.submit(lambda: self.client.remove(keys), self.timeout_s, removed, what="remove")
+
+    def _later(self, delay: float, fn: Callable[[], None]) -> None:
+        def run() -> None:
+            with self._cv:
+                self._timers.discard(timer)
+                if self._closed:
+                    return
+            fn()
+
+        timer = threading.Timer(delay, run)
+        timer.daemon = True
+        with self._cv:
+            if self._closed:
+                return
+            self._timers.add(timer)
+        timer.start()
 
     # ---- observability and shutdown ----
 
@@ -412,6 +531,10 @@ class MooncakeTier:
         out["remote.reachable"] = int(self.breaker.closed)
         out["remote.connected"] = int(self.client.connected)
         out["remote.breaker_opened"] = self.breaker.opened
+        with self._pins_lock:
+            self.pins.expire()
+            out["remote.handoffs_pinned"] = self.pins.producers
+        out["remote.watching"] = self._watch.watching
         for name, runner in (("reads", self._reads), ("writes", self._writes)):
             for k, v in runner.outcomes.items():
                 out[f"remote.ops_{name}_{k}"] = v
@@ -423,8 +546,12 @@ class MooncakeTier:
             left, self._queue = list(self._queue), deque()
             self.counters["writes_shed_closing"] += self._queued
             self._queued = 0
+            timers, self._timers = self._timers, set()
             self._cv.notify_all()
+        for timer in timers:
+            timer.cancel()
         self._unlease(left)  # write-throughs waiting on them hear False
+        self._watch.close()
         self._reads.close()
         self._writes.close()
         self._writer.join(self.timeout_s * 2)

@@ -1,10 +1,12 @@
 """The Mooncake Store client as the host tier uses it: its URL, its connection, and a breaker for an unreachable store.
 
 URL: `mooncake://MASTER_HOST:PORT?metadata=http://HOST:PORT/metadata[&protocol=tcp][&local=HOST][&ns=NAME]
-[&timeout=S]` -- `metadata` is the transfer engine's metadata server (the master's embedded one in the usual setup),
+[&timeout=S][&lease_ttl=S]` -- `metadata` is the transfer engine's metadata server (the master's embedded one in the usual setup),
 `local` the address this process's transfer engine binds and advertises (default: the master's host when that is a
 loopback address, else this machine's hostname), `ns` a namespace prefixed to every key (a fleet's or a tenant's scope;
-the model's fingerprint is always part of the key too), `timeout` each remote operation's deadline in seconds.
+the model's fingerprint is always part of the key too), `timeout` each remote operation's deadline in seconds,
+`lease_ttl` the master's `--default_kv_lease_ttl` in seconds (a key read or checked within it cannot be removed
+without force: a revoked hand-off's removal is retried after it).
 
 The library (`pip install 'kvproc[remote]'`, plus the system's libibverbs) is imported only when a tier is configured
 with a URL: without one, nothing here runs.
@@ -36,6 +38,9 @@ MAX_BACKOFF_S = 5.0
 # other negative codes are the store refusing one key (no space, object busy, ...), counted per key.
 TRANSFER_FAIL, RPC_FAIL = -800, -900
 UNREACHABLE = frozenset({TRANSFER_FAIL, RPC_FAIL})
+# `batch_remove`'s per-key codes besides 0 (measured with 0.3.13): the key is gone already, or it is leased (read or
+# checked for existence within the master's lease TTL: removable without force only once that has passed).
+OBJECT_NOT_FOUND, OBJECT_HAS_LEASE = -704, -706
 
 
 @dataclass(frozen=True)
@@ -46,6 +51,7 @@ class RemoteSpec:
     local_host: str = ""
     namespace: str = ""
     timeout_s: float = 2.0
+    lease_ttl_s: float = 10.0  # the master's --default_kv_lease_ttl
 
     @classmethod
     def parse(cls, url: str) -> RemoteSpec:
@@ -53,7 +59,7 @@ class RemoteSpec:
         if u.scheme != "mooncake" or not u.hostname or not u.port:
             raise ValueError(f"remote must be mooncake://HOST:PORT?metadata=..., got {url!r}")
         q = {k: v[-1] for k, v in parse_qs(u.query).items()}
-        unknown = set(q) - {"metadata", "protocol", "local", "ns", "timeout"}
+        unknown = set(q) - {"metadata", "protocol", "local", "ns", "timeout", "lease_ttl"}
         if unknown:
             raise ValueError(f"unknown remote option(s) {sorted(unknown)} in {url!r}")
         if "metadata" not in q:
@@ -65,10 +71,11 @@ class RemoteSpec:
             except ValueError:  # a host name, not an address
                 local = "127.0.0.1" if u.hostname == "localhost" else socket.gethostname()
         timeout = float(q.get("timeout", 2.0))
-        if timeout <= 0:
-            raise ValueError(f"remote timeout must be positive, got {timeout}")
+        lease_ttl = float(q.get("lease_ttl", 10.0))
+        if timeout <= 0 or lease_ttl <= 0:
+            raise ValueError(f"remote timeout and lease_ttl must be positive, got {timeout}, {lease_ttl}")
         return cls(f"{u.hostname}:{u.port}", q["metadata"], q.get("protocol", "tcp"), local, q.get("ns", ""),
-                   timeout)
+                   timeout, lease_ttl)
 
 
 class Breaker:
@@ -161,8 +168,24 @@ class MooncakeClient:
     def exists(self, keys: list[str]) -> list[int]:
         return list(self._ready().batch_is_exist(keys))
 
-    def put_from(self, keys: list[str], ptrs: list[list[int]], sizes: list[list[int]]) -> list[int]:
-        return list(self._ready().batch_put_from_multi_buffers(keys, ptrs, sizes))
+    def put_from(self, keys: list[str], ptrs: list[list[int]], sizes: list[list[int]], *,
+                 soft_pin_s: float = 0.0) -> list[int]:
+        """`soft_pin_s` > 0: the new objects are soft-pinned that long (Mooncake evicts them only when nothing
+        unpinned is left to evict, and not at all with the master's `--allow_evict_soft_pinned_objects=false`)."""
+        store = self._ready()
+        if soft_pin_s <= 0:
+            return list(store.batch_put_from_multi_buffers(keys, ptrs, sizes))
+        from mooncake.store import ReplicateConfig, SoftPinAction
+
+        config = ReplicateConfig()
+        config.soft_pin_action = SoftPinAction.ENABLE
+        config.soft_pin_ttl_ms = int(soft_pin_s * 1000)
+        return list(store.batch_put_from_multi_buffers(keys, ptrs, sizes, config))
+
+    def remove(self, keys: list[str]) -> list[int]:
+        """Never forced: a forced remove would free an object another node may be reading into its host tier right
+        now (its read lease is what protects that read)."""
+        return list(self._ready().batch_remove(keys, False))
 
     def get_into(self, keys: list[str], ptrs: list[list[int]], sizes: list[list[int]]) -> list[int]:
         return list(self._ready().batch_get_into_multi_buffers(keys, ptrs, sizes))

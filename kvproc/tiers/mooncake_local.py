@@ -66,8 +66,9 @@ def _listening(port: int) -> bool:
 
 
 class LocalMooncake:
-    def __init__(self, segment_mb: int, log_dir: str) -> None:
+    def __init__(self, segment_mb: int, log_dir: str, lease_ttl_ms: int = 0) -> None:
         self.segment_mb = segment_mb
+        self.lease_ttl_ms = lease_ttl_ms  # the master's --default_kv_lease_ttl (0: its default, 10 s)
         self.log_dir = log_dir
         self.rpc_port, self.meta_port, self.metrics_port, self.node_port = (free_port() for _ in range(4))
         self.master: subprocess.Popen[bytes] | None = None
@@ -78,8 +79,9 @@ class LocalMooncake:
         self._own_logs = False
 
     @classmethod
-    def start(cls, segment_mb: int = 256, *, log_dir: str | None = None, timeout_s: float = 30.0) -> LocalMooncake:
-        mc = cls(segment_mb, log_dir or tempfile.mkdtemp(prefix="kvproc-mooncake-"))
+    def start(cls, segment_mb: int = 256, *, log_dir: str | None = None, timeout_s: float = 30.0,
+              lease_ttl_ms: int = 0) -> LocalMooncake:
+        mc = cls(segment_mb, log_dir or tempfile.mkdtemp(prefix="kvproc-mooncake-"), lease_ttl_ms)
         mc._own_logs = log_dir is None  # a temporary log folder goes with `stop`
         try:
             mc.start_master(timeout_s)
@@ -125,7 +127,8 @@ class LocalMooncake:
             self._master_bin, f"--rpc_address={HOST}", f"--rpc_port={self.rpc_port}",
             "--enable_http_metadata_server=true", f"--http_metadata_server_host={HOST}",
             f"--http_metadata_server_port={self.meta_port}", f"--metrics_host={HOST}",
-            f"--metrics_port={self.metrics_port}", "--enable_metric_reporting=false"], "master")
+            f"--metrics_port={self.metrics_port}", "--enable_metric_reporting=false",
+            *([f"--default_kv_lease_ttl={self.lease_ttl_ms}"] if self.lease_ttl_ms else [])], "master")
         self._wait(self.master, self.rpc_port, "mooncake_master", timeout_s)
         self._wait(self.master, self.meta_port, "mooncake_master (metadata)", timeout_s)
 

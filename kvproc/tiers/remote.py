@@ -253,8 +253,8 @@ class RemoteTier:
     def abort_save(self, save_id: int, writer_dead: bool = False) -> None:
         self._oneway(m.AbortSave(save_id, writer_dead))
 
-    def revoke_handoff(self, producer_req_id: str) -> None:
-        self._oneway(m.RevokeHandoff(producer_req_id))
+    def revoke_handoff(self, producer_req_id: str, consumed: bool = False) -> None:
+        self._oneway(m.RevokeHandoff(producer_req_id, consumed))
 
     def _defer(self, msg: m.RequestBody, pid: int, why: Any) -> bool:
         """A release, abort or revoke lost to a dead client (the tier stalled past its heartbeats; the message may or

@@ -17,7 +17,7 @@ from kvproc.engine.workload import drive
 from kvproc.store.cluster import ClusterStore
 from kvproc.store.types import StoreConfig
 from kvproc.tiers.mooncake_local import LocalMooncake
-from tests.conftest import remote_stats, written_behind
+from tests.conftest import kvproc_up, remote_stats, wait_for, written_behind
 from tests.engine.test_engine_pd import SPEC, engine_on, single_engine_outputs
 
 pytestmark = pytest.mark.timeout(120)
@@ -65,15 +65,16 @@ def test_a_conversation_continued_on_another_node_is_served_from_mooncake(moonca
     torch.testing.assert_close(torch.stack(got.logits), torch.stack(ref.logits), **TOL)
 
 
-def test_pd_across_nodes_through_mooncake_equals_a_single_engine(mooncake: LocalMooncake) -> None:
+@pytest.mark.parametrize("barrier", [True, False], ids=["barrier", "no_barrier"])
+def test_pd_across_nodes_through_mooncake_equals_a_single_engine(mooncake: LocalMooncake, barrier: bool) -> None:
     """Prefill on node A, decode on node B (each its own host tier): A's hand-off saves are written through to
-    Mooncake before their envelopes are ready, B's full-hit resolve pulls them through its own host tier. Tokens
-    equal one engine's; no hand-off pin or lease is left on either node."""
+    Mooncake, B's full-hit resolve pulls them through its own host tier. With the KV-ready barrier an envelope is
+    emitted once its saves are in Mooncake; without it B may ask first, and its full-hit wait is answered when the
+    pages land in Mooncake (B's host tier re-probes for the awaited key). Tokens equal one engine's; no hand-off pin
+    or lease is left on either node."""
     want = single_engine_outputs("dense")
     with ClusterStore.start(16 << 20, remote=mooncake.url) as p, ClusterStore.start(16 << 20, remote=mooncake.url) as d:
-        # The KV-ready barrier: an envelope is emitted once its hand-off saves have settled, which across nodes means
-        # written through to Mooncake (a decode node's own tier cannot see pages land anywhere else).
-        prefill, decode = engine_on(p, "dense", handoff_barrier=True), engine_on(d, "dense")
+        prefill, decode = engine_on(p, "dense", handoff_barrier=barrier), engine_on(d, "dense")
         router = PdRouter(prefill, decode)
         recs = drive(router, SPEC, prefill.model.vocab_size)
         assert all(r.failed is None for r in recs), [r.failed for r in recs]
@@ -87,4 +88,36 @@ def test_pd_across_nodes_through_mooncake_equals_a_single_engine(mooncake: Local
             assert tier["open_handoffs"] == 0 and tier["open_leases"] == 0, tier
         rp = remote_stats(p.store)
         assert rp["handoffs_written_through"] >= SPEC.total_turns and rp.get("handoff_write_through_failed", 0) == 0
-        assert remote_stats(d.store)["pulled_pages"] > 0
+        rd = remote_stats(d.store)
+        assert rd["pulled_pages"] > 0
+
+
+@pytest.mark.parametrize("victim", ["storage", "master"])
+def test_handoffs_committed_while_mooncake_is_down_are_answered_counted_and_served_on_their_node(
+        mooncake: LocalMooncake, victim: str) -> None:
+    """Mooncake dies before the prefill node's hand-offs commit, and nobody has noticed yet (the breaker is closed:
+    the first write-through really goes out and fails). Every commit is answered within its deadline, the failures
+    are counted, each hand-off stays pinned in the node's own host tier, and P/D on that node (prefill and decode
+    sharing its tier, with the KV-ready barrier) keeps serving: tokens equal one engine's, nothing left pinned."""
+    want = single_engine_outputs("dense")
+    with kvproc_up("mcdown", "--host-mib", "64", "--remote", mooncake.url + "&timeout=1") as (rd, _), \
+            ClusterStore.start(16 << 20, tier_runtime_dir=rd) as p, ClusterStore.start(16 << 20, tier_runtime_dir=rd) as d:
+        prefill, decode = engine_on(p, "dense", handoff_barrier=True), engine_on(d, "dense")
+        assert p.store is not None
+        wait_for(lambda: remote_stats(p.store).get("connected") == 1, 10, "the tier connected to Mooncake")
+        (mooncake.kill_master if victim == "master" else mooncake.kill_storage)()
+        router = PdRouter(prefill, decode)
+        recs = drive(router, SPEC, prefill.model.vocab_size)
+        assert all(r.failed is None for r in recs), [r.failed for r in recs]
+        assert sorted((r.conversation, r.turn, r.output) for r in recs) == want
+        assert decode.counters["handoffs_adopted"] == SPEC.total_turns
+        # Each hand-off's commit was answered (the barrier emitted every envelope) and its save stands.
+        assert p.store.stats()["store"].get("handoff_save_failed", 0) == 0
+        wait_for(lambda: remote_stats(p.store).get("handoff_write_through_failed", 0) >= SPEC.total_turns, 15,
+                 "every write-through's failure counted")
+        st = remote_stats(p.store)
+        assert st.get("handoffs_written_through", 0) == 0 and st["breaker_opened"] >= 1, st
+        # The first write-through really went out (and failed or ran out its deadline): not only skipped.
+        assert sum(st.get(f"ops_writes_{o}", 0) for o in ("ok", "failed", "timeout")) >= 1, st
+        tier = p.store.stats()["tier"]
+        assert tier["open_handoffs"] == 0 and tier["open_leases"] == 0 and tier["waiters"] == 0, tier
