@@ -151,6 +151,9 @@ def _sweep(spec: JanitorSpec) -> int:
             break
         time.sleep(0.1)
     dir_removal = mf.remove_runtime_dir(spec.runtime_dir, spec.launcher) if spec.runtime_dir else None
-    log.warning("janitor_swept_after_launcher_death", cluster=spec.cluster, launcher_pid=spec.launcher_pid,
-                segments=removed, left=left, runtime_dir=dir_removal.message if dir_removal else None)
+    try:
+        log.warning("janitor_swept_after_launcher_death", cluster=spec.cluster, launcher_pid=spec.launcher_pid,
+                    segments=removed, left=left, runtime_dir=dir_removal.message if dir_removal else None)
+    except OSError:
+        pass  # the launcher's stdout may be a pipe nobody reads any more: the sweep is done, the line is lost
     return 0 if not left else 1

@@ -114,6 +114,10 @@ def servers(tiny_llama: Path, shared_tier: str, run_tmpdir: Path) -> Iterator[Se
         if left:
             sweep_dead_segments(pids=pids)  # not to leave them to the next run; the assertion below still fails
         assert not left, f"the servers left these in /dev/shm after SIGTERM: {left}"
+        # And it was the janitor (any kvproc start on the machine sweeps dead owners too, so an empty /dev/shm alone
+        # could be another test's doing): its line is in each server's log (its stdout is the engine's).
+        for side, path in logs.items():
+            assert "janitor_swept_after_launcher_death" in path.read_text(errors="replace"), f"{side}: no janitor"
 
 
 def _segments_of(pids: list[int]) -> list[str]:
