@@ -1,9 +1,9 @@
 """`kvproc proxy`: an OpenAI-compatible HTTP front for P/D between two running `vllm serve` engines with kvproc's
 connector, a `kv_producer` (prefill) and a `kv_consumer` (decode) sharing one `kvproc up` tier (docs/vllm.md).
 
-Each `/v1/completions` request (and `/v1/chat/completions`: `proxy_chat.py`) goes to the producer with `max_tokens=1` (its output token is the *anchor*, its
-`kv_transfer_params` kvproc's hand-off envelope), then to the consumer as the prompt's token ids followed by the
-anchor, with `max_tokens` one less and the envelope; the client gets one response (the anchor first), streamed or
+Each `/v1/completions` request (and `/v1/chat/completions`: `proxy_chat.py`) goes to the producer with
+`max_tokens=1` (its output token is the *anchor*, its `kv_transfer_params` kvproc's hand-off envelope), then to the
+consumer as the prompt's token ids followed by the anchor, with `max_tokens` one less and the envelope; the client gets one response (the anchor first), streamed or
 not as it asked. Errors of either side come back as HTTP errors naming the side; every upstream call has a deadline
 (a dead or stuck engine is a 502/504, never a hang).
 

@@ -268,6 +268,16 @@ def test_proxy_chat_gives_one_engines_answer_streamed_or_not(servers: Servers) -
         assert computed - computed0 == 2, "the consumer computed prompt tokens the producer had"
         assert hits - hits0 >= want[0]["usage"]["prompt_tokens"] - 1
 
+        # max_tokens=1: the producer's answer is the whole answer, streamed or not.
+        anchor = want[0]["choices"][0]["token_ids"][:1]
+        status, out = _post(url, _chat_body(convs[0], max_tokens=1), path="/v1/chat/completions")
+        assert status == 200 and out["choices"][0]["token_ids"] == anchor and out["usage"]["completion_tokens"] == 1
+        assert out["kv_transfer_params"] is None
+        status, events = _post(url, _chat_body(convs[0], max_tokens=1, stream=True), path="/v1/chat/completions")
+        assert status == 200
+        (ch,) = events[0]["choices"]
+        assert ch["delta"]["role"] == "assistant" and ch["token_ids"] == anchor and ch["finish_reason"] == "length"
+
         # What the two-hop split cannot honour: a 400 naming the field.
         tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
         for extra, field in (({"n": 2}, "n > 1"), ({"logprobs": True}, "logprobs"), ({"tools": tools}, "tools"),
