@@ -52,7 +52,9 @@ def _serve(model: Path, role: str, tier: str, port: int, log: Path) -> subproces
             "--max-model-len", str(MAX_LEN), "--block-size", str(BLOCK), "--num-gpu-blocks-override",
             str(VLLM_BLOCKS), "--max-num-seqs", "2", "--enable-prefix-caching", "--no-async-scheduling", "--seed", "0",
             "--kv-transfer-config", json.dumps(cfg)]
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[3]))
+    # VLLM_ENABLE_V1_MULTIPROCESSING=0 (conftest sets it too): on CPU the model runs in the engine-core process, not in
+    # a daemonic worker where the connector refuses to start (docs/vllm.md).
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[3]), VLLM_ENABLE_V1_MULTIPROCESSING="0")
     return subprocess.Popen(args, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
 
 
