@@ -46,6 +46,7 @@ from kvproc.runtime.child import ChildSpec, child_main
 from kvproc.runtime.config import ClusterStartError, PeerEvent, RoleConfig
 from kvproc.runtime.control import start_control_server
 from kvproc.runtime.forking import forkserver_context, parent_main_hidden
+from kvproc.runtime.janitor import Janitor, JanitorSpec, start_janitor
 from kvproc.runtime.roles import resolve_role_class
 from kvproc.runtime.supervisor import PROCESS_LOCK, ChildHandle, Supervisor, describe_exit
 
@@ -53,9 +54,13 @@ log = structlog.get_logger(__name__)
 
 
 def _kill_leftovers(
-    children: dict[tuple[str, int], ChildHandle], runtime_dir: str, owner: mf.ProcessIdentity | None
+    children: dict[tuple[str, int], ChildHandle], runtime_dir: str, owner: mf.ProcessIdentity | None,
+    janitor: list[Janitor],
 ) -> None:
-    # weakref.finalize backstop: holds only the child table, a path and an identity, never the Cluster itself.
+    # weakref.finalize backstop: holds only the child table, a path, an identity and the janitor's pipe, never the
+    # Cluster itself.
+    for j in janitor:
+        j.stop()
     for child in list(children.values()):
         if not child.exited.is_set():
             try:
@@ -98,7 +103,11 @@ class Cluster:
         # Counters of what the launcher's process embeds (the store), shown by `kvproc console status` with the
         # launcher's own: each provider returns a flat {name: int}.
         self.counter_providers: list[Callable[[], Mapping[str, int]]] = []
-        self._finalizer = weakref.finalize(self, _kill_leftovers, self._children, runtime_dir, self.identity)
+        # The janitor (`janitor.py`) sweeps what this cluster leaves if its launcher is killed; a list so that the
+        # finalizer can see one started after it was made.
+        self._janitor: list[Janitor] = []
+        self._finalizer = weakref.finalize(self, _kill_leftovers, self._children, runtime_dir, self.identity,
+                                           self._janitor)
 
     # ---- public API ----
 
@@ -146,7 +155,9 @@ class Cluster:
         """Replace the child (stopping it first if alive) and return the new incarnation's client."""
         return self._restart((role, rank), timeout, explicit=True)
 
-    def shutdown(self, deadline_s: float = 5.0) -> None:
+    def shutdown(self, deadline_s: float = 5.0, *, stop_janitor: bool = True) -> None:
+        """Stop every child against one deadline and remove what they leave. `stop_janitor=False` keeps the janitor
+        watching: an owner with segments of its own to unlink after this (`ClusterStore`) stops it after those."""
         with self._cond:
             if self._stopping:
                 already = True
@@ -188,7 +199,21 @@ class Cluster:
                 self._state[k] = "stopped"
             self._cond.notify_all()
         log.info("cluster_down", cluster=self.name)
+        if stop_janitor:
+            self.stop_janitor()
         self._done.set()
+
+    def stop_janitor(self) -> None:
+        """Everything of this cluster is gone: the janitor has nothing to watch for any more."""
+        while self._janitor:
+            self._janitor.pop().stop()
+
+    def _start_janitor(self, timeout: float) -> None:
+        spec = JanitorSpec(self.name, os.getpid(), self.runtime_dir, self.identity)
+        try:
+            self._janitor.append(start_janitor(self._mp, spec, timeout))
+        except Exception as e:  # noqa: BLE001 - never fail a start over it: the next start's sweep remains
+            log.warning("janitor_not_started", cluster=self.name, error=repr(e))
 
     @property
     def stopped(self) -> threading.Event:
@@ -261,6 +286,7 @@ class Cluster:
         deadline = time.monotonic() + ready_timeout_s
         started = []
         try:
+            self._start_janitor(ready_timeout_s)  # first: a launcher killed while its children start is covered
             for key in self._order:
                 child, conn = self._start_child(self._configs[key])
                 self._children[key] = child
@@ -276,6 +302,7 @@ class Cluster:
             for child, _ in started:
                 child.process.join(5.0)
             sweep_dead_segments(pids=self._all_pids)
+            self.stop_janitor()
             raise
         for key in self._order:
             self._state[key] = "up"
@@ -512,6 +539,7 @@ def launch(
         if cluster.metrics is not None:
             cluster.metrics.close()
         mf.remove_runtime_dir(path, cluster.identity)
+        cluster.stop_janitor()
         cluster._finalizer.detach()
         raise
     log.info("cluster_up", cluster=cluster_name, seconds=round(time.monotonic() - t0, 3), roles=len(roles))

@@ -368,7 +368,9 @@ class ClusterStore:
             for client in self._external_tiers:
                 client.close()
         finally:
-            self.cluster.shutdown(self.shutdown_deadline_s)
+            # The launcher's janitor keeps watching until the arenas below are unlinked too: a kill in between
+            # leaves nothing either.
+            self.cluster.shutdown(self.shutdown_deadline_s, stop_janitor=False)
             for seg in self._segments:
                 seg.unlink()
                 try:
@@ -376,6 +378,7 @@ class ClusterStore:
                 except SegmentBusyError:
                     pass  # the model still views it: the memory goes with the last view (the name is gone now)
             self._finalizer.detach()
+            self.cluster.stop_janitor()
 
     def __enter__(self) -> "ClusterStore":
         return self

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import itertools
+import multiprocessing
 import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -151,6 +152,12 @@ class KvprocConnector(KVConnectorBase_V1):
         if pc.world_size != 1:
             raise KvContractError(f"KvprocConnector supports one rank for now (tensor_parallel_size="
                                   f"{pc.tensor_parallel_size}, pipeline_parallel_size={pc.pipeline_parallel_size})")
+        if multiprocessing.current_process().daemon:
+            # vLLM's CPU platform runs even one rank in a daemonic worker process unless told otherwise: kvproc can
+            # start no process there, and this half would not share the runtime with the scheduler's half.
+            raise KvContractError("KvprocConnector: vLLM runs the model in a separate (daemonic) worker process; on "
+                                  "CPU set VLLM_ENABLE_V1_MULTIPROCESSING=0 (one rank: the model then runs in the "
+                                  "engine-core process, beside vLLM's scheduler)")
         if vllm_config.speculative_config is not None:
             raise KvContractError("KvprocConnector does not support speculative decoding yet")
         if kv_cache_config is None:

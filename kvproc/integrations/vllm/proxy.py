@@ -1,9 +1,9 @@
 """`kvproc proxy`: an OpenAI-compatible HTTP front for P/D between two running `vllm serve` engines with kvproc's
 connector, a `kv_producer` (prefill) and a `kv_consumer` (decode) sharing one `kvproc up` tier (docs/vllm.md).
 
-Each `/v1/completions` request goes to the producer with `max_tokens=1` (its output token is the *anchor*, its
-`kv_transfer_params` kvproc's hand-off envelope), then to the consumer as the prompt's token ids followed by the
-anchor, with `max_tokens` one less and the envelope; the client gets one response (the anchor first), streamed or
+Each `/v1/completions` request (and `/v1/chat/completions`: `proxy_chat.py`) goes to the producer with
+`max_tokens=1` (its output token is the *anchor*, its `kv_transfer_params` kvproc's hand-off envelope), then to the
+consumer as the prompt's token ids followed by the anchor, with `max_tokens` one less and the envelope; the client gets one response (the anchor first), streamed or
 not as it asked. Errors of either side come back as HTTP errors naming the side; every upstream call has a deadline
 (a dead or stuck engine is a 502/504, never a hang).
 
@@ -17,13 +17,17 @@ import asyncio
 import json
 import signal
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 import structlog
 from aiohttp import web
+
+from kvproc.integrations.vllm import proxy_chat as chat
+from kvproc.integrations.vllm.proxy_common import ProxyError, merged_usage, refuse, send, split_refusals, start_sse
+from kvproc.integrations.vllm.proxy_common import upstream_message as _upstream_message
 
 log = structlog.get_logger("kvproc.vllm.proxy")
 
@@ -43,27 +47,6 @@ class ProxyOptions:
     timeout_s: float = 300.0
 
 
-class ProxyError(Exception):
-    """One HTTP error to the client: its status and a message naming the side that failed."""
-
-    def __init__(self, status: int, message: str, kind: str = "proxy_error") -> None:
-        super().__init__(message)
-        self.status, self.message, self.kind = status, message, kind
-
-    def response(self) -> web.Response:
-        return web.json_response({"error": {"message": self.message, "type": self.kind, "code": self.status}},
-                                 status=self.status)
-
-
-def _upstream_message(side: str, status: int, text: str) -> str:
-    try:
-        err = json.loads(text).get("error", text)
-        msg = err.get("message", err) if isinstance(err, dict) else err
-    except (ValueError, AttributeError):
-        msg = text
-    return f"{side} answered {status}: {str(msg)[:2000]}"
-
-
 class PdProxy:
     def __init__(self, options: ProxyOptions) -> None:
         self.options = options
@@ -77,6 +60,7 @@ class PdProxy:
     def app(self) -> web.Application:
         app = web.Application()
         app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.on_startup.append(self._start)
@@ -180,7 +164,8 @@ class PdProxy:
         try:
             decode = _decode_body(body, choice, envelope, max_tokens)
             if body.get("stream"):
-                return await self._stream_decode(request, body, prefill, decode)
+                return await self._stream_decode(request, decode, lambda ev: _anchor_chunk(body, prefill, ev),
+                                                 lambda ev: _fix_chunk(body, prefill, ev))
             out = await self._post_json("consumer", "/v1/completions", decode)
         except ProxyError as e:
             log.warning("kvproc_proxy_failed", stage="decode", status=e.status, error=e.message)
@@ -193,29 +178,72 @@ class PdProxy:
         out = _merge(body, prefill, None)
         if not body.get("stream"):
             return web.json_response(out)
-        resp = await _start_sse(request)
+        resp = await start_sse(request)
         ch = out["choices"][0]
-        await _send(resp, dict(out, object="text_completion", choices=[ch]))
+        await send(resp, dict(out, object="text_completion", choices=[ch]))
         await resp.write(b"data: [DONE]\n\n")
         return resp
 
-    async def _stream_decode(self, request: web.Request, body: dict[str, Any], prefill: dict[str, Any],
-                             decode: dict[str, Any]) -> web.StreamResponse:
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        """The chat template is rendered by the producer only; the consumer continues from its token ids
+        (`proxy_chat.py`)."""
+        try:
+            body = await request.json()
+        except ValueError:
+            return ProxyError(400, "the request body is not JSON", "invalid_request_error").response()
+        try:
+            budget = chat.check_chat_request(body)
+            prefill = await self._post_json("producer", "/v1/chat/completions",
+                                            chat.chat_prefill_body(body, PREFILL_PARAMS))
+            chat.anchor_of(prefill)  # a producer's answer without token ids is a 502 before anything is sent
+        except ProxyError as e:
+            log.warning("kvproc_proxy_failed", stage="chat_prefill", status=e.status, error=e.message)
+            return e.response()
+        if (budget is not None and budget <= 1) or prefill["choices"][0].get("finish_reason") == "stop":
+            return await self._chat_prefill_only(request, body, prefill)
+        envelope = prefill.get("kv_transfer_params")
+        if not envelope:
+            log.warning("kvproc_proxy_no_handoff", producer_id=prefill.get("id"))
+        try:
+            decode = chat.chat_decode_body(body, prefill, envelope, budget)
+            if body.get("stream"):
+                return await self._stream_decode(request, decode, lambda _: chat.first_chunk(body, prefill, False),
+                                                 lambda ev: chat.chat_chunk(body, prefill, ev))
+            out = await self._post_json("consumer", "/v1/completions", decode)
+        except ProxyError as e:
+            log.warning("kvproc_proxy_failed", stage="chat_decode", status=e.status, error=e.message)
+            return e.response()
+        return web.json_response(chat.merge_chat(body, prefill, out))
+
+    async def _chat_prefill_only(self, request: web.Request, body: dict[str, Any],
+                                 prefill: dict[str, Any]) -> web.StreamResponse:
+        if not body.get("stream"):
+            return web.json_response(chat.merge_chat(body, prefill, None))
+        resp = await start_sse(request)
+        await send(resp, chat.first_chunk(body, prefill, True))
+        if (body.get("stream_options") or {}).get("include_usage"):
+            await send(resp, chat.usage_chunk(prefill))
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    async def _stream_decode(self, request: web.Request, decode: dict[str, Any],
+                             first: Callable[[dict[str, Any]], dict[str, Any]],
+                             convert: Callable[[dict[str, Any]], dict[str, Any]]) -> web.StreamResponse:
+        """Relays the consumer's stream: `first(its first event)` (the anchor) first, then `convert(each event)`."""
         r = await self._open_stream("consumer", "/v1/completions", decode)
         resp: web.StreamResponse | None = None
         try:
             async for ev in self._events("consumer", r):
-                if resp is None:  # the anchor first, in the consumer's stream's id
-                    resp = await _start_sse(request)
-                    await _send(resp, _anchor_chunk(body, prefill, ev))
-                _fix_chunk(body, prefill, ev)
-                await _send(resp, ev)
+                if resp is None:  # the anchor first
+                    resp = await start_sse(request)
+                    await send(resp, first(ev))
+                await send(resp, convert(ev))
         except ProxyError as e:
             log.warning("kvproc_proxy_failed", stage="decode_stream", status=e.status, error=e.message)
             if resp is None:
                 return e.response()
             # Headers are sent: the error goes in the stream, as vLLM itself reports one, then the end.
-            await _send(resp, {"error": {"message": e.message, "type": e.kind, "code": e.status}})
+            await send(resp, {"error": {"message": e.message, "type": e.kind, "code": e.status}})
         finally:
             r.release()
         if resp is None:
@@ -271,8 +299,7 @@ def _check_request(body: Any) -> None:
     one = isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt))
     if not one and not (isinstance(prompt, list) and len(prompt) == 1):
         bad.append("prompt (one prompt: a string or a list of token ids)")
-    if bad:
-        raise ProxyError(400, f"kvproc proxy: not supported in P/D: {', '.join(bad)}", "invalid_request_error")
+    refuse(bad + split_refusals(body))
 
 
 def _prefill_body(body: dict[str, Any]) -> dict[str, Any]:
@@ -312,21 +339,13 @@ def _merge(body: dict[str, Any], prefill: dict[str, Any], decode: dict[str, Any]
         ch["text"] = p.get("text", "") + ch.get("text", "")
         ch["token_ids"] = list(p.get("token_ids") or []) + list(ch.get("token_ids") or [])
         ch["prompt_token_ids"] = p.get("prompt_token_ids")
-        out["usage"] = _usage(prefill.get("usage"), decode.get("usage"))
+        out["usage"] = merged_usage(prefill.get("usage"), decode.get("usage"))
     if not body.get("return_token_ids"):
         ch.pop("token_ids", None)
         ch.pop("prompt_token_ids", None)
     out["choices"] = [ch]
     out["kv_transfer_params"] = None
     return out
-
-
-def _usage(prefill: dict[str, Any] | None, decode: dict[str, Any] | None) -> dict[str, Any] | None:
-    if not prefill or not decode:
-        return decode
-    prompt = int(prefill.get("prompt_tokens") or 0)
-    completion = int(decode.get("completion_tokens") or 0) + int(prefill.get("completion_tokens") or 0)
-    return dict(decode, prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
 def _anchor_chunk(body: dict[str, Any], prefill: dict[str, Any], first: dict[str, Any]) -> dict[str, Any]:
@@ -337,24 +356,15 @@ def _anchor_chunk(body: dict[str, Any], prefill: dict[str, Any], first: dict[str
     return {k: first[k] for k in ("id", "object", "created", "model") if k in first} | {"choices": [ch]}
 
 
-def _fix_chunk(body: dict[str, Any], prefill: dict[str, Any], ev: dict[str, Any]) -> None:
+def _fix_chunk(body: dict[str, Any], prefill: dict[str, Any], ev: dict[str, Any]) -> dict[str, Any]:
     """A consumer chunk as the client expects it: the prompt it sent (without the anchor), usage of one engine."""
     for ch in ev.get("choices") or []:
         if not body.get("return_token_ids"):
             ch.pop("token_ids", None)
         ch.pop("prompt_token_ids", None)  # the anchor chunk carried the client's prompt ids
     if ev.get("usage"):
-        ev["usage"] = _usage(prefill.get("usage"), ev["usage"])
-
-
-async def _start_sse(request: web.Request) -> web.StreamResponse:
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await resp.prepare(request)
-    return resp
-
-
-async def _send(resp: web.StreamResponse, ev: dict[str, Any]) -> None:
-    await resp.write(b"data: " + json.dumps(ev).encode() + b"\n\n")
+        ev["usage"] = merged_usage(prefill.get("usage"), ev["usage"])
+    return ev
 
 
 # ---- `kvproc proxy` ----
