@@ -10,6 +10,9 @@ msgspec msgpack, array-like, tagged), so a router that reads vLLM's stream reads
 - `BlockRemoved(block_hashes, medium)`: pages evicted;
 - `AllBlocksCleared()`: the first batch of a tier incarnation (a subscriber drops what an earlier one held).
 
+A batch is what changed over up to `batch_interval_s` (10 ms; sooner at `flush`, the stop or `max_pending` events),
+in change order: the changing thread only appends (`KvEventPublisher`), so a router sees a change ~10 ms late at most.
+
 Transport (vLLM's convention): a ZeroMQ PUB socket sends `[topic, seq (8 bytes, big-endian), payload]` per batch;
 `seq` grows by one per batch, so a gap is visible. A ROUTER socket beside it answers a replay request (the 8-byte
 start seq) with every kept batch from there, `[seq, payload]` each, then `[-1, b""]`. The last `replay_batches`

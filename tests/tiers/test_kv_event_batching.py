@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -38,6 +39,7 @@ def test_publishes_within_an_interval_go_out_as_one_batch_in_order_at_a_flush(tm
     try:
         for i in range(50):
             pub.publish([_removed(i)])
+            time.sleep(0.002)  # the publisher's thread could run (it would, were it woken per publish)
         assert pub.seq == 0  # nothing sent yet: the interval has not ended and nobody asked
         assert pub.flush()
         assert pub.flush()  # nothing new: no empty batch
