@@ -403,7 +403,10 @@ class RequestKv:
         full = self.num_computed // P
         if full > self._registered and self.pool.spec.prefix_caching:
             with self.pool.lock:
-                self.pool.paged.register(self._s.block_ids[self._registered : full], self._hashes[self._registered : full])
+                paged = self.pool.paged
+                # the pages' token ids only for KV events (a listener): a view, no per-token work here
+                toks = None if paged.listener is None else self._tokens.view()[self._registered * P : full * P]
+                paged.register(self._s.block_ids[self._registered : full], self._hashes[self._registered : full], toks)
             self._registered = full
 
     # -- bounded checkpoints --------------------------------------------------------------------------------------

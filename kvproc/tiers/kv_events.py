@@ -35,7 +35,10 @@ from collections.abc import Sequence
 from typing import Any, Union
 
 import msgspec
+import numpy as np
 import zmq
+
+from kvproc.core.hashing import PAD_TOKEN_ID
 
 MEDIUM = "cpu"
 MEDIUM_DEVICE = "GPU"  # vLLM's MEDIUM_GPU: what routers already read for an engine's own prefix cache
@@ -84,6 +87,26 @@ def endpoints(runtime_dir: str, rank: int, kind: str = "") -> tuple[str, str]:
             f"ipc://{os.path.join(runtime_dir, f'kv-events-{k}replay-{rank}')}")
 
 
+def _token_ids(tokens: Any, start: int, stop: int, page_tokens: int) -> Any:
+    """Pages `start..stop-1`'s token ids from a registration's `tokens` (`IndexListener.stored`): [] when unknown; a
+    copy, and for an int64 array still an array -- turned into a list by the publisher's thread as it encodes
+    (`_enc_hook`), not here under the pool's lock. A last page shorter than a page (a padded hand-off tail)
+    is padded with `PAD_TOKEN_ID`, as the page itself was."""
+    if tokens is None:
+        return []
+    out = tokens[start * page_tokens:stop * page_tokens]
+    short = (stop - start) * page_tokens - len(out)
+    if isinstance(out, np.ndarray):
+        return np.concatenate((out, np.full(short, PAD_TOKEN_ID, dtype=out.dtype))) if short else out.copy()
+    return list(out) + [PAD_TOKEN_ID] * short
+
+
+def _enc_hook(obj: Any) -> Any:
+    if isinstance(obj, (np.ndarray, np.generic)):  # `BlockStored.token_ids` of a device registration (`_token_ids`)
+        return obj.tolist()
+    raise NotImplementedError(f"cannot encode {type(obj).__name__}")
+
+
 def coalesce(events: list[KvEvent]) -> list[KvEvent]:
     """Neighbouring removals become one event (evictions come a page at a time)."""
     out: list[KvEvent] = []
@@ -120,7 +143,7 @@ class KvEventPublisher:
         self._hurry = threading.Event()  # send it now: a flush, the stop, or `max_pending` reached
         self._kept: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=replay_batches)
         self._kept_lock = threading.Lock()
-        self._encoder = msgspec.msgpack.Encoder()
+        self._encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
         self._stop = threading.Event()
         self.seq = 0
         self.batches = 0
@@ -246,7 +269,9 @@ class DeviceIndexEvents:
     lock, so the batches follow the index's own order. `BlockStored` is one event per run of consecutive new keys of
     one registration (parent: the registration's page before the run, None at its first page); a key already indexed
     (a re-registered page, a duplicate computed twice) is no event, and neither is the eviction of a block that no
-    longer owns its key (a displaced duplicate). `attach` starts the stream with `AllBlocksCleared` and the keys the
+    longer owns its key (a displaced duplicate). `token_ids` are the pages' tokens where the registration knew them
+    (a computed page: its request's; a page restored by the store's resolve: the prompt's), else empty (`attach`'s
+    first event, a bare `PagedBlocks.register`). `attach` starts the stream with `AllBlocksCleared` and the keys the
     index holds already, so a subscriber's set is the index's from the first batch on."""
 
     def __init__(self, publisher: KvEventPublisher, block_size: int) -> None:
@@ -268,18 +293,19 @@ class DeviceIndexEvents:
         with pool.lock:
             pool.paged.listener = None
 
-    def stored(self, hashes: Sequence[bytes], positions: list[int]) -> None:
+    def stored(self, hashes: Sequence[bytes], positions: list[int], tokens: Any = None) -> None:
+        P = self.block_size
         first, last = positions[0], positions[-1]
         if last - first == len(positions) - 1:  # one run (the usual case: a prefill's new pages): no loop
             self.publisher.publish([BlockStored(list(hashes[first:last + 1]), hashes[first - 1] if first else None,
-                                                [], self.block_size, None, MEDIUM_DEVICE)])
+                                                _token_ids(tokens, first, last + 1, P), P, None, MEDIUM_DEVICE)])
             return
         events: list[KvEvent] = []
         start = prev = positions[0]
         for p in positions[1:] + [-1]:  # -1 closes the last run
             if p != prev + 1:
-                events.append(BlockStored(list(hashes[start:prev + 1]), hashes[start - 1] if start else None, [],
-                                          self.block_size, None, MEDIUM_DEVICE))
+                events.append(BlockStored(list(hashes[start:prev + 1]), hashes[start - 1] if start else None,
+                                          _token_ids(tokens, start, prev + 1, P), P, None, MEDIUM_DEVICE))
                 start = p
             prev = p
         self.publisher.publish(events)

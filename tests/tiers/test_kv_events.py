@@ -110,7 +110,9 @@ def test_the_manifest_names_the_events_and_metrics_endpoints_and_they_answer() -
         assert tier.published == dict(zip(("kv_events", "kv_events_replay"), endpoints(cs.cluster.runtime_dir, 0)))
         (worker,) = [p for p in found.processes if p.role == "copy_worker"]
         assert worker.published == {}
-        first = replay_kv_events(tier.published["kv_events_replay"])[0]
+        replay = tier.published["kv_events_replay"]
+        wait_for(lambda: bool(replay_kv_events(replay)), timeout=10, what="the first batch (sent within an interval)")
+        first = replay_kv_events(replay)[0]
         assert first[0] == 0 and isinstance(decode_batch(first[1]).events[0], AllBlocksCleared)
     with cluster_store() as (cs, _, _):
         found = mf.read_manifest(cs.cluster.runtime_dir)
