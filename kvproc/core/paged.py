@@ -43,7 +43,8 @@ class IndexListener(Protocol):
     def stored(self, hashes: Sequence[bytes], positions: list[int], tokens: TokenIds | None = None) -> None:
         """`hashes[i]` for each i in `positions` (ascending) became a key of the index, in one `register` call;
         `tokens`, when the caller knew them, holds the token ids of the registered pages, page i's at
-        `tokens[i * page_tokens:(i + 1) * page_tokens]` (a view: copy what is kept)."""
+        `tokens[i * page_tokens:(i + 1) * page_tokens]`, which the caller never changes afterwards (a request's
+        sealed pages' tokens never change; a restore passes a copy), so a listener may keep it uncopied."""
 
     def removed(self, hashes: list[bytes]) -> None:
         """These keys left the index (their block was evicted while it owned the entry)."""

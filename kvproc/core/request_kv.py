@@ -404,7 +404,8 @@ class RequestKv:
         if full > self._registered and self.pool.spec.prefix_caching:
             with self.pool.lock:
                 paged = self.pool.paged
-                # the pages' token ids only for KV events (a listener): a view, no per-token work here
+                # the pages' token ids only for KV events (a listener): a view, no per-token work here (the buffer only
+                # grows: a sealed page's tokens never change, so the view may outlive this call)
                 toks = None if paged.listener is None else self._tokens.view()[self._registered * P : full * P]
                 paged.register(self._s.block_ids[self._registered : full], self._hashes[self._registered : full], toks)
             self._registered = full

@@ -22,7 +22,7 @@ batches are kept. Endpoints: `ipc://<runtime dir>/kv-events-<rank>` and `.../kv-
 
 Each rank's device pool publishes the same way (`DeviceIndexEvents`, medium "GPU" as vLLM names its own, endpoints
 `kv-events-device-<rank>` / `kv-events-device-replay-<rank>`), from the engine's process: what its prefix index
-holds, i.e. which page hashes a resolve there would match.
+holds, i.e. which page hashes a resolve there would match; its `BlockStored` carry the pages' token ids.
 """
 
 from __future__ import annotations
@@ -88,17 +88,22 @@ def endpoints(runtime_dir: str, rank: int, kind: str = "") -> tuple[str, str]:
 
 
 def _token_ids(tokens: Any, start: int, stop: int, page_tokens: int) -> Any:
-    """Pages `start..stop-1`'s token ids from a registration's `tokens` (`IndexListener.stored`): [] when unknown; a
-    copy, and for an int64 array still an array -- turned into a list by the publisher's thread as it encodes
-    (`_enc_hook`), not here under the pool's lock. A last page shorter than a page (a padded hand-off tail)
-    is padded with `PAD_TOKEN_ID`, as the page itself was."""
+    """Pages `start..stop-1`'s token ids from a registration's `tokens` (`IndexListener.stored`): [] when unknown.
+    Not copied (the registering side never changes them: `IndexListener.stored`), and an int64 array stays an
+    array -- turned into a list by the publisher's thread as it encodes (`_enc_hook`), not here under the pool's
+    lock. A last page shorter than a page (a padded hand-off tail) is padded with `PAD_TOKEN_ID`, as the page
+    itself was."""
     if tokens is None:
         return []
+    n = (stop - start) * page_tokens
+    if start == 0 and len(tokens) == n:  # the whole registration (a prefill's new pages): as it is
+        return tokens
     out = tokens[start * page_tokens:stop * page_tokens]
-    short = (stop - start) * page_tokens - len(out)
+    if len(out) == n:
+        return out
     if isinstance(out, np.ndarray):
-        return np.concatenate((out, np.full(short, PAD_TOKEN_ID, dtype=out.dtype))) if short else out.copy()
-    return list(out) + [PAD_TOKEN_ID] * short
+        return np.concatenate((out, np.full(n - len(out), PAD_TOKEN_ID, dtype=out.dtype)))
+    return list(out) + [PAD_TOKEN_ID] * (n - len(out))
 
 
 def _enc_hook(obj: Any) -> Any:
