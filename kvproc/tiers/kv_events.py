@@ -10,8 +10,9 @@ msgspec msgpack, array-like, tagged), so a router that reads vLLM's stream reads
 - `BlockRemoved(block_hashes, medium)`: pages evicted;
 - `AllBlocksCleared()`: the first batch of a tier incarnation (a subscriber drops what an earlier one held).
 
-A batch is what changed over up to `batch_interval_s` (10 ms; sooner at `flush`, the stop or `max_pending` events),
-in change order: the changing thread only appends (`KvEventPublisher`), so a router sees a change ~10 ms late at most.
+A batch is what changed over up to `batch_interval_s` (50 ms; sooner at `flush`, the stop or `max_pending` events),
+in change order: the changing thread only appends (`KvEventPublisher`), so a router sees a change ~50 ms late at most
+(vLLM's own publisher sends once per engine step, tens of ms).
 
 Transport (vLLM's convention): a ZeroMQ PUB socket sends `[topic, seq (8 bytes, big-endian), payload]` per batch;
 `seq` grows by one per batch, so a gap is visible. A ROUTER socket beside it answers a replay request (the 8-byte
@@ -125,17 +126,17 @@ def coalesce(events: list[KvEvent]) -> list[KvEvent]:
 
 class KvEventPublisher:
     """Publishes on a thread of its own (a ZeroMQ socket belongs to one thread), in batches gathered over
-    `batch_interval_s`: `publish` only appends to a list under a lock -- no queue, no thread wake per call -- and the
-    first publish after a send wakes the thread, which waits `batch_interval_s` (less when a `flush`, the stop or
-    `max_pending` events ask it to hurry), then takes the whole list and encodes and sends it as one batch. So a
-    stream of small changes (a device pool's registration per resolve, a host tier's save) costs its producer one
-    list append each, and the process one wake, one encode and one send per interval, not per change: waking the
-    thread and sending per change cost a blocking resolve +21% to +50% in `kvproc bench ipc --observe-ab
+    `batch_interval_s`: `publish` only appends to a list under a lock -- no queue, no thread wake per call. The
+    thread sleeps until a publish finds it idle (one wake), then sends what gathered at the end of each interval
+    (sooner when a `flush`, the stop or `max_pending` events ask), one batch each, until an interval brings nothing
+    and it is idle again. So a stream of small changes (a device pool's registration per resolve, a host tier's
+    save) costs its producer one list append each, and the process one wake, encode and send per interval: waking
+    the thread and sending per change cost a blocking resolve +21% to +61% in `kvproc bench ipc --observe-ab
     --device-events` on 2 cores (bench/RESULTS.md). Replays are answered on another thread, from the kept batches.
     Neither thread polls: each sleeps in a blocking wait."""
 
     def __init__(self, runtime_dir: str, rank: int, replay_batches: int = 10_000, kind: str = "",
-                 batch_interval_s: float = 0.01, max_pending: int = 4096) -> None:
+                 batch_interval_s: float = 0.05, max_pending: int = 4096) -> None:
         self.pub_endpoint, self.replay_endpoint = endpoints(runtime_dir, rank, kind)
         self.batch_interval_s = batch_interval_s
         self.max_pending = max_pending
