@@ -57,10 +57,11 @@ def run_arm(observed: bool, n: int, blocks: int, scrape_s: float, device_events:
     finally:
         seen = observer.close() if observer is not None else {}
         wall = time.perf_counter() - t0
+        device_batches = sum(p.batches for p in cs.device_events.publishers) if cs.device_events is not None else 0
         cs.close()
     return {"arm": "observed" if observed else "plain", "resolve_median_us": statistics.median(resolve_s) * 1e6,
             "resolve_mean_us": statistics.fmean(resolve_s) * 1e6, "seal_median_us": statistics.median(seal_s) * 1e6,
-            "seconds": round(wall, 1), **seen}
+            "seconds": round(wall, 1), "device_event_batches": device_batches, **seen}
 
 
 def histogram_cost_ns(reps: int = 200_000) -> float:
