@@ -411,11 +411,14 @@ class Observer:
     """`kvproc/bench/observer.py` in a child process for the bench's duration (a Prometheus server and a router are
     processes of their own: in this one they would take the store's GIL)."""
 
-    def __init__(self, cs: ClusterStore, scrape_s: float = 1.0) -> None:
+    def __init__(self, cs: ClusterStore, scrape_s: float = 1.0, device: bool = False) -> None:
+        """`device`: also read rank 0's device-pool events (`device_kv_events=True`, after `attach_model`)."""
         from kvproc.tiers.kv_events import endpoints
 
+        subs = [endpoints(cs.cluster.runtime_dir, 0)[0]] + ([endpoints(cs.cluster.runtime_dir, 0, "device")[0]]
+                                                            if device else [])
         self.proc = subprocess.Popen([sys.executable, "-m", "kvproc.bench.observer", cs.cluster.metrics.address,
-                                      endpoints(cs.cluster.runtime_dir, 0)[0], str(scrape_s)],
+                                      ",".join(subs), str(scrape_s)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert self.proc.stdout is not None
         if self.proc.stdout.readline().strip() != "ready":  # subscribed before anything is timed
@@ -449,12 +452,15 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--plot", metavar="PATH", default=None,
                     help="PNG of resolve and seal time per block count, with the raw round trips")
     ap.add_argument("--scrape-s", type=float, default=1.0, help="/metrics scrape interval when observed (s)")
+    ap.add_argument("--device-events", action="store_true",
+                    help="with --observe-ab: the observed arm also publishes (and reads) rank 0's device-pool events "
+                         "(ClusterStore.start(device_kv_events=True))")
     args = ap.parse_args(argv)
     n = 5 if args.quick else args.n
     if args.observe_ab:
         from kvproc.bench import observe_ab
 
-        return observe_ab.main(args.observe_ab, n, 16, args.scrape_s, args.json)
+        return observe_ab.main(args.observe_ab, n, 16, args.scrape_s, args.json, args.device_events)
     sizes = [1, 16, 64, 256]
     cpus = tuple(int(c) for c in args.kvproc_cpus.split(",")) if args.kvproc_cpus else None
     if cpus:

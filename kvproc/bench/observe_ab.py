@@ -27,20 +27,24 @@ from typing import Any
 ARMS = ("plain", "observed")
 
 
-def run_arm(observed: bool, n: int, blocks: int, scrape_s: float) -> dict[str, Any]:
-    """One arm in this process: a fresh cluster, `n` seals timed, then `n` host-hit resolves timed."""
+def run_arm(observed: bool, n: int, blocks: int, scrape_s: float, device_events: bool = False) -> dict[str, Any]:
+    """One arm in this process: a fresh cluster, `n` seals timed, then `n` host-hit resolves timed. `device_events`:
+    the observed arm also publishes rank 0's device-pool events (`device_kv_events=True`), read by the observer."""
     from kvproc.bench.ipcbench import ARENA_BLOCK, CONCURRENCY, IpcBench, IpcBenchModel, Observer
     from kvproc.store.cluster import ClusterStore
     from kvproc.store.types import StoreConfig
 
     warm = 10
     host_bytes = (2 * n + warm + 64) * blocks * 2 * ARENA_BLOCK + (4 << 20)
-    cs = ClusterStore.start(host_bytes, metrics="127.0.0.1:0" if observed else None, kv_events=observed)
-    observer = Observer(cs, scrape_s) if observed else None
+    cs = ClusterStore.start(host_bytes, metrics="127.0.0.1:0" if observed else None, kv_events=observed,
+                            device_kv_events=observed and device_events)
+    observer: Observer | None = None
     t0 = time.perf_counter()
     try:
         model = IpcBenchModel(cs.allocator, 2048)
         store = cs.attach_model(model, live_slots=CONCURRENCY, config=StoreConfig(cacheable_pin_fraction=1.0))
+        # After attach_model: the device pools' publishers (when on) exist, and the observer subscribes to them too.
+        observer = Observer(cs, scrape_s, device=observed and device_events) if observed else None
         b = IpcBench(cs, store, model)
         try:
             seal_s = [b.seal(b.prompt(blocks)) for _ in range(n + warm)][warm:]
@@ -53,10 +57,11 @@ def run_arm(observed: bool, n: int, blocks: int, scrape_s: float) -> dict[str, A
     finally:
         seen = observer.close() if observer is not None else {}
         wall = time.perf_counter() - t0
+        device_batches = sum(p.batches for p in cs.device_events.publishers) if cs.device_events is not None else 0
         cs.close()
     return {"arm": "observed" if observed else "plain", "resolve_median_us": statistics.median(resolve_s) * 1e6,
             "resolve_mean_us": statistics.fmean(resolve_s) * 1e6, "seal_median_us": statistics.median(seal_s) * 1e6,
-            "seconds": round(wall, 1), **seen}
+            "seconds": round(wall, 1), "device_event_batches": device_batches, **seen}
 
 
 def histogram_cost_ns(reps: int = 200_000) -> float:
@@ -77,23 +82,24 @@ def histogram_cost_ns(reps: int = 200_000) -> float:
     return (time.perf_counter_ns() - t) / reps
 
 
-def _child(arm: str, n: int, blocks: int, scrape_s: float) -> dict[str, Any]:
+def _child(arm: str, n: int, blocks: int, scrape_s: float, device_events: bool) -> dict[str, Any]:
     out = subprocess.run([sys.executable, "-m", "kvproc.bench.observe_ab", "--child", arm, "--n", str(n),
-                          "--blocks", str(blocks), "--scrape-s", str(scrape_s)],
+                          "--blocks", str(blocks), "--scrape-s", str(scrape_s)]
+                         + (["--device-events"] if device_events else []),
                          capture_output=True, text=True, timeout=600, check=False)
     if out.returncode != 0:
         raise RuntimeError(f"arm {arm} failed ({out.returncode}):\n{out.stderr[-3000:]}")
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
-def main(pairs: int, n: int, blocks: int, scrape_s: float, json_path: str | None) -> int:
+def main(pairs: int, n: int, blocks: int, scrape_s: float, json_path: str | None, device_events: bool = False) -> int:
     rows: list[dict[str, Any]] = []
     for i in range(pairs):
         order = ARMS if i % 2 == 0 else ARMS[::-1]
         got = {}
         for arm in order:
             print(f"  observe A/B: pair {i + 1}/{pairs}, {arm} ...", file=sys.stderr, flush=True)
-            got[arm] = _child(arm, n, blocks, scrape_s)
+            got[arm] = _child(arm, n, blocks, scrape_s, device_events)
         rows.append({"first": order[0], **{f"{a}_{k}": v for a in ARMS for k, v in got[a].items() if k != "arm"}})
     ratio = {k: [r[f"observed_{k}"] / r[f"plain_{k}"] for r in rows]
              for k in ("resolve_median_us", "resolve_mean_us", "seal_median_us")}
@@ -101,7 +107,8 @@ def main(pairs: int, n: int, blocks: int, scrape_s: float, json_path: str | None
     plain_us = statistics.median(r["plain_resolve_median_us"] for r in rows)
     print(f"# observability A/B, {pairs} pairs (arms alternating which goes first), {n} host-hit resolves of {blocks} "
           f"blocks and {n} seals per arm, each arm its own process and cluster; observed: /metrics scraped every "
-          f"{scrape_s:g} s and every KV event batch read, by a third process")
+          f"{scrape_s:g} s and every KV event batch read, by a third process"
+          + ("; device-pool events on (device_kv_events=True)" if device_events else "; host-tier events only"))
     print("| pair | first | plain resolve (us, median / mean) | observed resolve (us, median / mean) | ratio (median) "
           "| plain seal (us) | observed seal (us) | scrapes | event batches read |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -121,7 +128,7 @@ def main(pairs: int, n: int, blocks: int, scrape_s: float, json_path: str | None
     if json_path:
         with open(json_path, "w") as f:
             json.dump({"pairs": rows, "median_ratio": med, "histogram_observe_ns": hist_ns, "n": n, "blocks": blocks,
-                       "scrape_s": scrape_s}, f, indent=2)
+                       "scrape_s": scrape_s, "device_events": device_events}, f, indent=2)
     return 0
 
 
@@ -131,5 +138,6 @@ if __name__ == "__main__":
     ap.add_argument("--n", type=int, default=300)
     ap.add_argument("--blocks", type=int, default=16)
     ap.add_argument("--scrape-s", type=float, default=1.0)
+    ap.add_argument("--device-events", action="store_true")
     a = ap.parse_args()
-    print(json.dumps(run_arm(a.child == "observed", a.n, a.blocks, a.scrape_s)), flush=True)
+    print(json.dumps(run_arm(a.child == "observed", a.n, a.blocks, a.scrape_s, a.device_events)), flush=True)

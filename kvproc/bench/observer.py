@@ -2,7 +2,9 @@
 Prometheus /metrics every second (or every ARGV[3] s) and read every KV event batch, until stdin closes; prints
 "ready" once subscribed and scraped once, then at the end the counts as JSON.
 
-    python -m kvproc.bench.observer HOST:PORT ipc://.../kv-events-0
+    python -m kvproc.bench.observer HOST:PORT ipc://.../kv-events-0[,ipc://.../kv-events-device-0]
+
+(several event endpoints, comma-separated: one SUB socket connected to each, as a router subscribes to every tier).
 
 Imports neither torch nor the store: it must cost what a real scraper and subscriber cost, no more.
 """
@@ -38,7 +40,8 @@ def observe(address: str, endpoint: str, every_s: float = 1.0) -> dict[str, int]
 
     sub: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, TOPIC)
-    sub.connect(endpoint)
+    for e in endpoint.split(","):
+        sub.connect(e)
     scrape_once()  # the endpoint answers, and meanwhile the subscription has joined: the bench may start timing
     print("ready", flush=True)
     threads = [threading.Thread(target=f, daemon=True) for f in (scrape, until_stdin_closes)]

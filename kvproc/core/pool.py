@@ -340,7 +340,13 @@ class BlockPool:
             )
         with self.lock:
             self.paged.check(res.ids, res.gens)
-            self.paged.register(res.ids, hashes)
+            toks = hold.prompt_tokens
+            if toks is not None and self.paged.listener is not None:  # KV events' token ids: the restored pages'
+                P = self.page_tokens  # (they follow the hold's pages); a copy (the caller owns its prompt), in C
+                toks = toks[len(hs.ids) * P : (len(hs.ids) + len(hashes)) * P]
+                if isinstance(toks, np.ndarray):
+                    toks = toks.copy()
+            self.paged.register(res.ids, hashes, toks if self.paged.listener is not None else None)
             final = res.ids
             hs.ids.extend(final)
             # just checked: the reservation's generations are current (and its own array: the reservation is spent)

@@ -403,7 +403,11 @@ class RequestKv:
         full = self.num_computed // P
         if full > self._registered and self.pool.spec.prefix_caching:
             with self.pool.lock:
-                self.pool.paged.register(self._s.block_ids[self._registered : full], self._hashes[self._registered : full])
+                paged = self.pool.paged
+                # the pages' token ids only for KV events (a listener): a view, no per-token work here (the buffer only
+                # grows: a sealed page's tokens never change, so the view may outlive this call)
+                toks = None if paged.listener is None else self._tokens.view()[self._registered * P : full * P]
+                paged.register(self._s.block_ids[self._registered : full], self._hashes[self._registered : full], toks)
             self._registered = full
 
     # -- bounded checkpoints --------------------------------------------------------------------------------------

@@ -167,8 +167,8 @@ class ClusterStore:
         `device_kv_events=True` makes each rank's device pool publish what its prefix index gains and loses, from
         this process once a model is attached (`store/device_events.py`; `endpoints(runtime_dir, rank, "device")`,
         in the manifest's `published`). A switch of its own: its publisher shares this process (and its GIL) with
-        the resolves, and cost a resolve +21% in `kvproc bench ipc --observe-ab` (host events and /metrics: none
-        visible; bench/RESULTS.md).
+        the resolves; batched (50 ms), it cost a resolve +1.3% / +3.4% in `kvproc bench ipc --observe-ab 8
+        --device-events` on a loaded 2-vCPU box, about its noise (per change: +51-61%; bench/RESULTS.md).
 
         `remote="mooncake://HOST:PORT?metadata=..."` puts a Mooncake Store below each host tier (`kvproc/tiers/
         mooncake.py`: write-behind of committed pages, host-tier misses pulled from it; needs `kvproc[remote]`).

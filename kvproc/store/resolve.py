@@ -133,6 +133,7 @@ class Resolver:
                                          or policy.consume_handoff_of is not None)
         n_tokens = len(tokens)
         hold = pool.probe(hashes, n_tokens, policy.reuse)
+        hold.prompt_tokens = tokens  # a restore's pages' token ids, for the device pool's KV events (a reference)
         P = pool.page_tokens
         cap = min(len(hashes), n_tokens // P) if policy.reuse is ReusePolicy.FULL_PAGES else (n_tokens - 1) // P
         dev_pages = hold.num_blocks

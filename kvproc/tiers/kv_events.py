@@ -10,6 +10,10 @@ msgspec msgpack, array-like, tagged), so a router that reads vLLM's stream reads
 - `BlockRemoved(block_hashes, medium)`: pages evicted;
 - `AllBlocksCleared()`: the first batch of a tier incarnation (a subscriber drops what an earlier one held).
 
+A batch is what changed over up to `batch_interval_s` (50 ms; sooner at `flush`, the stop or `max_pending` events),
+in change order: the changing thread only appends (`KvEventPublisher`), so a router sees a change ~50 ms late at most
+(vLLM's own publisher sends once per engine step, tens of ms).
+
 Transport (vLLM's convention): a ZeroMQ PUB socket sends `[topic, seq (8 bytes, big-endian), payload]` per batch;
 `seq` grows by one per batch, so a gap is visible. A ROUTER socket beside it answers a replay request (the 8-byte
 start seq) with every kept batch from there, `[seq, payload]` each, then `[-1, b""]`. The last `replay_batches`
@@ -19,21 +23,23 @@ batches are kept. Endpoints: `ipc://<runtime dir>/kv-events-<rank>` and `.../kv-
 
 Each rank's device pool publishes the same way (`DeviceIndexEvents`, medium "GPU" as vLLM names its own, endpoints
 `kv-events-device-<rank>` / `kv-events-device-replay-<rank>`), from the engine's process: what its prefix index
-holds, i.e. which page hashes a resolve there would match.
+holds, i.e. which page hashes a resolve there would match; its `BlockStored` carry the pages' token ids.
 """
 
 from __future__ import annotations
 
 import collections
 import os
-import queue
 import threading
 import time
 from collections.abc import Sequence
 from typing import Any, Union
 
 import msgspec
+import numpy as np
 import zmq
+
+from kvproc.core.hashing import PAD_TOKEN_ID
 
 MEDIUM = "cpu"
 MEDIUM_DEVICE = "GPU"  # vLLM's MEDIUM_GPU: what routers already read for an engine's own prefix cache
@@ -82,6 +88,31 @@ def endpoints(runtime_dir: str, rank: int, kind: str = "") -> tuple[str, str]:
             f"ipc://{os.path.join(runtime_dir, f'kv-events-{k}replay-{rank}')}")
 
 
+def _token_ids(tokens: Any, start: int, stop: int, page_tokens: int) -> Any:
+    """Pages `start..stop-1`'s token ids from a registration's `tokens` (`IndexListener.stored`): [] when unknown.
+    Not copied (the registering side never changes them: `IndexListener.stored`), and an int64 array stays an
+    array -- turned into a list by the publisher's thread as it encodes (`_enc_hook`), not here under the pool's
+    lock. A last page shorter than a page (a padded hand-off tail) is padded with `PAD_TOKEN_ID`, as the page
+    itself was."""
+    if tokens is None:
+        return []
+    n = (stop - start) * page_tokens
+    if start == 0 and len(tokens) == n:  # the whole registration (a prefill's new pages): as it is
+        return tokens
+    out = tokens[start * page_tokens:stop * page_tokens]
+    if len(out) == n:
+        return out
+    if isinstance(out, np.ndarray):
+        return np.concatenate((out, np.full(n - len(out), PAD_TOKEN_ID, dtype=out.dtype)))
+    return list(out) + [PAD_TOKEN_ID] * (n - len(out))
+
+
+def _enc_hook(obj: Any) -> Any:
+    if isinstance(obj, (np.ndarray, np.generic)):  # `BlockStored.token_ids` of a device registration (`_token_ids`)
+        return obj.tolist()
+    raise NotImplementedError(f"cannot encode {type(obj).__name__}")
+
+
 def coalesce(events: list[KvEvent]) -> list[KvEvent]:
     """Neighbouring removals become one event (evictions come a page at a time)."""
     out: list[KvEvent] = []
@@ -94,21 +125,36 @@ def coalesce(events: list[KvEvent]) -> list[KvEvent]:
 
 
 class KvEventPublisher:
-    """Publishes on a thread of its own (a ZeroMQ socket belongs to one thread): `publish` only enqueues, and events
-    queued while a batch was being sent go out together as the next batch. Replays are answered on another thread,
-    from the kept batches. Neither thread polls: each sleeps in a blocking wait."""
+    """Publishes on a thread of its own (a ZeroMQ socket belongs to one thread), in batches gathered over
+    `batch_interval_s`: `publish` only appends to a list under a lock -- no queue, no thread wake per call. The
+    thread sleeps until a publish finds it idle (one wake), then sends what gathered at the end of each interval
+    (sooner when a `flush`, the stop or `max_pending` events ask), one batch each, until an interval brings nothing
+    and it is idle again. So a stream of small changes (a device pool's registration per resolve, a host tier's
+    save) costs its producer one list append each, and the process one wake, encode and send per interval: waking
+    the thread and sending per change cost a blocking resolve +21% to +61% in `kvproc bench ipc --observe-ab
+    --device-events` on 2 cores (bench/RESULTS.md). Replays are answered on another thread, from the kept batches.
+    Neither thread polls: each sleeps in a blocking wait."""
 
-    def __init__(self, runtime_dir: str, rank: int, replay_batches: int = 10_000, kind: str = "") -> None:
+    def __init__(self, runtime_dir: str, rank: int, replay_batches: int = 10_000, kind: str = "",
+                 batch_interval_s: float = 0.05, max_pending: int = 4096) -> None:
         self.pub_endpoint, self.replay_endpoint = endpoints(runtime_dir, rank, kind)
-        # Items: a list of events, a flush marker (set once everything queued before it was sent), None (stop).
-        self._queue: queue.SimpleQueue[list[KvEvent] | threading.Event | None] = queue.SimpleQueue()
+        self.batch_interval_s = batch_interval_s
+        self.max_pending = max_pending
+        # Events in publish order, and flush markers (set once everything before them was sent); taken whole.
+        self._pending: list[KvEvent | threading.Event] = []
+        self._lock = threading.Lock()
+        self._armed = False  # the thread was woken for what is pending: later publishes join without a wake
+        self._stopping = False
+        self._wake = threading.Event()  # something is pending
+        self._hurry = threading.Event()  # send it now: a flush, the stop, or `max_pending` reached
         self._kept: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=replay_batches)
         self._kept_lock = threading.Lock()
-        self._encoder = msgspec.msgpack.Encoder()
+        self._encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
         self._stop = threading.Event()
         self.seq = 0
         self.batches = 0
-        self.events = 0
+        self.events = 0  # events sent (before `coalesce`)
+        self.queued = 0  # events published; `queued - events` still wait for their batch
         self.replays = 0
         ctx: zmq.Context[Any] = zmq.Context.instance()
         self._pub = ctx.socket(zmq.PUB)
@@ -125,36 +171,56 @@ class KvEventPublisher:
             t.start()
 
     def publish(self, events: list[KvEvent]) -> None:
-        if events:
-            self._queue.put(events)
+        """Queue `events` (in this order, after everything published before) for the next batch; never blocks on
+        the sending (safe under a caller's lock: the pool's, the tier's)."""
+        if not events:
+            return
+        with self._lock:
+            self._pending += events
+            self.queued += len(events)
+            wake, self._armed = not self._armed, True
+            hurry = len(self._pending) >= self.max_pending
+        if wake:
+            self._wake.set()
+        if hurry:
+            self._hurry.set()
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until every batch of events published before this call went out (True), or `timeout` passed."""
         done = threading.Event()
-        self._queue.put(done)
+        with self._lock:
+            self._pending.append(done)
+            self._armed = True
+        self._wake.set()
+        self._hurry.set()
         return done.wait(timeout)
 
     def _pub_main(self) -> None:
         try:
             while True:
-                item = self._queue.get()
-                if item is None:
+                self._wake.wait()  # idle: until a publish (or a flush, or the stop)
+                # Busy: a batch per interval, one wake each (the interval's end), until an interval brings nothing.
+                while True:
+                    self._hurry.wait(self.batch_interval_s)  # what is published meanwhile joins this batch
+                    with self._lock:
+                        items, self._pending = self._pending, []
+                        self._hurry.clear()
+                        stopping = self._stopping
+                        if not items:  # idle again: the next publish wakes the thread (it sees _armed False)
+                            self._armed = False
+                            self._wake.clear()
+                    if not items:
+                        break
+                    events = [e for e in items if not isinstance(e, threading.Event)]
+                    if events:
+                        self._send(events)
+                    for e in items:
+                        if isinstance(e, threading.Event):
+                            e.set()
+                    if stopping:
+                        return
+                if stopping:
                     return
-                if isinstance(item, threading.Event):
-                    item.set()
-                    continue
-                events = list(item)
-                more: list[KvEvent] | threading.Event | None = []
-                try:  # whatever queued meanwhile joins this batch, up to a flush marker or the stop
-                    while isinstance(more := self._queue.get_nowait(), list):
-                        events += more
-                except queue.Empty:
-                    more = []
-                self._send(events)
-                if more is None:
-                    return
-                if isinstance(more, threading.Event):
-                    more.set()
         finally:
             self._pub.close()
 
@@ -164,7 +230,10 @@ class KvEventPublisher:
         with self._kept_lock:
             self._kept.append((seq, payload))
             self.seq += 1
-        self._pub.send_multipart([TOPIC, seq.to_bytes(8, "big", signed=True), payload])
+        pub = self._pub  # three sends: a third of send_multipart's cost for frames this small (pyzmq's checks)
+        pub.send(TOPIC, zmq.SNDMORE)
+        pub.send(seq.to_bytes(8, "big", signed=True), zmq.SNDMORE)
+        pub.send(payload)
         self.batches += 1
         self.events += len(events)
 
@@ -187,14 +256,18 @@ class KvEventPublisher:
             self._replay.close()
 
     def close(self) -> None:
+        """Stop; what was published before goes out first."""
         self._stop.set()
-        self._queue.put(None)
+        with self._lock:
+            self._stopping = True
+        self._wake.set()
+        self._hurry.set()
         for t in self._threads:
             t.join(5)
 
     def stats(self) -> dict[str, Any]:
-        return {"kv_events.batches": self.batches, "kv_events.events": self.events, "kv_events.replays": self.replays,
-                "kv_events.seq": self.seq}
+        return {"kv_events.batches": self.batches, "kv_events.events": self.events, "kv_events.queued": self.queued,
+                "kv_events.replays": self.replays, "kv_events.seq": self.seq}
 
 
 class DeviceIndexEvents:
@@ -202,7 +275,9 @@ class DeviceIndexEvents:
     lock, so the batches follow the index's own order. `BlockStored` is one event per run of consecutive new keys of
     one registration (parent: the registration's page before the run, None at its first page); a key already indexed
     (a re-registered page, a duplicate computed twice) is no event, and neither is the eviction of a block that no
-    longer owns its key (a displaced duplicate). `attach` starts the stream with `AllBlocksCleared` and the keys the
+    longer owns its key (a displaced duplicate). `token_ids` are the pages' tokens where the registration knew them
+    (a computed page: its request's; a page restored by the store's resolve: the prompt's), else empty (`attach`'s
+    first event, a bare `PagedBlocks.register`). `attach` starts the stream with `AllBlocksCleared` and the keys the
     index holds already, so a subscriber's set is the index's from the first batch on."""
 
     def __init__(self, publisher: KvEventPublisher, block_size: int) -> None:
@@ -224,18 +299,19 @@ class DeviceIndexEvents:
         with pool.lock:
             pool.paged.listener = None
 
-    def stored(self, hashes: Sequence[bytes], positions: list[int]) -> None:
+    def stored(self, hashes: Sequence[bytes], positions: list[int], tokens: Any = None) -> None:
+        P = self.block_size
         first, last = positions[0], positions[-1]
         if last - first == len(positions) - 1:  # one run (the usual case: a prefill's new pages): no loop
             self.publisher.publish([BlockStored(list(hashes[first:last + 1]), hashes[first - 1] if first else None,
-                                                [], self.block_size, None, MEDIUM_DEVICE)])
+                                                _token_ids(tokens, first, last + 1, P), P, None, MEDIUM_DEVICE)])
             return
         events: list[KvEvent] = []
         start = prev = positions[0]
         for p in positions[1:] + [-1]:  # -1 closes the last run
             if p != prev + 1:
-                events.append(BlockStored(list(hashes[start:prev + 1]), hashes[start - 1] if start else None, [],
-                                          self.block_size, None, MEDIUM_DEVICE))
+                events.append(BlockStored(list(hashes[start:prev + 1]), hashes[start - 1] if start else None,
+                                          _token_ids(tokens, start, prev + 1, P), P, None, MEDIUM_DEVICE))
                 start = p
             prev = p
         self.publisher.publish(events)

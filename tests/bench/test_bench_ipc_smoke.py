@@ -38,12 +38,14 @@ def test_ipc_bench_runs_and_writes_the_documented_json(tmp_path):
 @pytest.mark.timeout(600)
 def test_the_observability_ab_runs_both_arms_in_their_own_processes_and_writes_the_ratios(tmp_path):
     out = tmp_path / "ab.json"
-    assert main(["--observe-ab", "2", "--n", "20", "--scrape-s", "0.2", "--json", str(out)]) == 0
+    assert main(["--observe-ab", "2", "--n", "20", "--scrape-s", "0.2", "--device-events", "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert [p["first"] for p in doc["pairs"]] == ["plain", "observed"]  # the order alternates
     for p in doc["pairs"]:
         assert p["plain_resolve_median_us"] > 0 and p["observed_resolve_median_us"] > 0
         assert "plain_metrics_scrapes" not in p  # the plain arm has no endpoint and no observer
         assert p["observed_kv_event_batches_read"] > 0  # the observed arm's seals were published and read
+        # --device-events: the observed arm's device pool published too; the plain arm has no publisher
+        assert p["observed_device_event_batches"] > 0 and p["plain_device_event_batches"] == 0
     assert set(doc["median_ratio"]) == {"resolve_median_us", "resolve_mean_us", "seal_median_us"}
-    assert doc["histogram_observe_ns"] > 0
+    assert doc["histogram_observe_ns"] > 0 and doc["device_events"] is True

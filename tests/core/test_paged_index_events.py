@@ -22,7 +22,7 @@ class Recorder:
     def __init__(self) -> None:
         self.log: list[tuple[str, list[bytes]]] = []
 
-    def stored(self, hashes: Sequence[bytes], positions: list[int]) -> None:
+    def stored(self, hashes: Sequence[bytes], positions: list[int], tokens: object = None) -> None:
         assert positions == sorted(set(positions))
         self.log.append(("stored", [hashes[p] for p in positions]))
 

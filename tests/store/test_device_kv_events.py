@@ -1,13 +1,16 @@
 """Device-pool KV events (issue 21): rank 0's publisher, in the store's own process, lets a subscriber rebuild the
 device prefix index's key set from the events alone, through device evictions, a re-registered page, a displaced
 duplicate (two requests computing one prompt), `drop_device_cache` and restores from the host tier; the endpoints are
-in the manifest; and a subscriber that misses one kind of event ends with another set (the control)."""
+in the manifest; and a subscriber that misses one kind of event ends with another set (the control). Each stored page
+carries its token ids (vLLM's `BlockStored.token_ids`), computed or restored."""
 
 from __future__ import annotations
 
+import numpy as np
 import zmq
 
 from kvproc import RequestKv
+from kvproc.core.hashing import PAD_TOKEN_ID
 from kvproc.runtime import manifest as mf
 from kvproc.store.types import SealCursor
 from kvproc.tiers.kv_events import (
@@ -22,9 +25,12 @@ from kvproc.tiers.kv_events import (
 from tests.conftest import PAGE, cluster_store, compute, replay_kv_events
 
 
-def _rebuild(batches: list[KVEventBatch], drop: type | None = None) -> tuple[set[bytes], dict[str, int]]:
+def _rebuild(batches: list[KVEventBatch], drop: type | None = None,
+             tokens: dict[bytes, list[int]] | None = None) -> tuple[set[bytes], dict[str, int]]:
+    """The key set the events leave; `tokens` (when given) collects each stored page's token ids from the events
+    that carry them (`seen["untokened"]` counts the pages stored without)."""
     keys: set[bytes] = set()
-    seen = {"stored": 0, "removed": 0, "cleared": 0}
+    seen = {"stored": 0, "removed": 0, "cleared": 0, "untokened": 0}
     for batch in batches:
         for e in batch.events:
             if drop is not None and isinstance(e, drop):
@@ -34,7 +40,14 @@ def _rebuild(batches: list[KVEventBatch], drop: type | None = None) -> tuple[set
                 seen["cleared"] += 1
             elif isinstance(e, BlockStored):
                 assert drop or not keys & set(e.block_hashes), "a key stored twice without a removal between"
-                assert e.medium == "GPU" and e.block_size == PAGE and e.token_ids == []
+                assert e.medium == "GPU" and e.block_size == PAGE
+                if e.token_ids:  # vLLM's layout: the pages' tokens, one page after the other
+                    assert len(e.token_ids) == PAGE * len(e.block_hashes)
+                    for i, h in enumerate(e.block_hashes):
+                        if tokens is not None:
+                            tokens[h] = e.token_ids[i * PAGE:(i + 1) * PAGE]
+                else:
+                    seen["untokened"] += len(e.block_hashes)
                 keys.update(e.block_hashes)
                 seen["stored"] += len(e.block_hashes)
             elif isinstance(e, BlockRemoved):
@@ -57,8 +70,14 @@ def test_a_subscriber_rebuilds_rank0s_device_index_from_events_alone() -> None:
         sub.connect(pub_ep)
         try:
             # 12 prompts of 4 full pages (+1 token): 60 blocks' worth through 32, saved to the host tier
+            expected: dict[bytes, list[int]] = {}  # page hash -> its tokens, for every page the test makes
+
+            def pages_of(kv: RequestKv, toks: list[int]) -> None:
+                expected.update((h, toks[k * PAGE:(k + 1) * PAGE]) for k, h in enumerate(kv.page_hashes[:4]))
+
             for i in range(12):
-                kv, cur, _, _ = compute(store, model, f"r{i}", [1000 * i + j for j in range(17)])
+                kv, cur, _, _ = compute(store, model, f"r{i}", toks := [1000 * i + j for j in range(17)])
+                pages_of(kv, toks)
                 store.retire(0, kv, cur)
             store.flush_saves(0, 10)
             assert pool.paged.evictions > 0
@@ -81,6 +100,7 @@ def test_a_subscriber_rebuilds_rank0s_device_index_from_events_alone() -> None:
                 kvs.append(kvx)
             for kvx in kvs:
                 kvx.apply()
+                pages_of(kvx, toks)
             displaced, dup_keys = list(kvs[0].block_ids[:4]), list(kvs[0].page_hashes[:4])
             assert [pool.paged.index[h] for h in dup_keys] == kvs[1].block_ids[:4]
             for kvx in kvs:  # one after the other: dupA's blocks enter the LRU first
@@ -93,8 +113,9 @@ def test_a_subscriber_rebuilds_rank0s_device_index_from_events_alone() -> None:
                 assert all(pool.paged.block_hash[b] != h for b, h in zip(displaced, dup_keys))
                 assert set(dup_keys) <= set(pool.paged.index)
             assert store.drop_device_cache(0) > 0
-            kv, cur, prefix, _ = compute(store, model, "restored", [1000 * 5 + j for j in range(17)])
+            kv, cur, prefix, _ = compute(store, model, "restored", toks := [1000 * 5 + j for j in range(17)])
             assert prefix.host_tokens == 16  # restored from the host tier: registered again, new keys
+            pages_of(kv, toks)
             kept_kv = kv  # still active when the events are read: its keys stay indexed
 
             pub = cs.device_events.publishers[0]  # type: ignore[union-attr]
@@ -106,9 +127,13 @@ def test_a_subscriber_rebuilds_rank0s_device_index_from_events_alone() -> None:
             assert isinstance(batches[0].events[0], AllBlocksCleared)
             with pool.lock:
                 index_keys = set(pool.paged.index)
-            keys, seen = _rebuild(batches)
+            got_tokens: dict[bytes, list[int]] = {}
+            keys, seen = _rebuild(batches, tokens=got_tokens)
             assert seen["removed"] > 0 and seen["stored"] > seen["removed"]
             assert keys == index_keys and set(kept_kv.page_hashes[:4]) <= keys
+            # every stored page, computed or restored, carried its own tokens (the restored ones: the prompt's)
+            assert seen["untokened"] == 0 and got_tokens == {h: expected[h] for h in got_tokens}
+            assert set(kept_kv.page_hashes[:4]) <= set(got_tokens)
             # controls: missing the removals, or the stores, gives another set
             assert _rebuild(batches, drop=BlockRemoved)[0] != index_keys
             assert _rebuild(batches, drop=BlockStored)[0] != index_keys
@@ -164,6 +189,7 @@ def test_an_in_process_store_publishes_too_from_what_its_index_already_holds() -
             keys, seen = _rebuild(batches)
             assert seen["removed"] > 0
             assert keys == set(store.pools[0].paged.index)
+            assert seen["untokened"] == 4  # only the pages indexed before the publisher started: tokens unknown
         finally:
             pubs.close()
         assert store.pools[0].paged.listener is None
@@ -183,12 +209,19 @@ def test_a_registration_with_gaps_is_one_stored_event_per_run_with_its_parent() 
     try:
         h = [bytes([i]) * 16 for i in range(7)]
         events = DeviceIndexEvents(pub, PAGE)
-        events.stored(h, [0, 1, 3, 5, 6])  # 2 and 4 were indexed already
-        events.stored(h, [2, 3, 4])
+        toks = np.arange(7 * PAGE - 1, dtype=np.int64)  # page i: tokens i*PAGE.., the last one a token short
+        events.stored(h, [0, 1, 3, 5, 6], toks)  # 2 and 4 were indexed already
+        events.stored(h, [2, 3, 4], toks.tolist())  # tokens as a list: the same token_ids
+        events.stored(h, [0])  # tokens unknown (a bare register): none
         assert pub.flush()
         got = [e for _, p in replay_kv_events(pub.replay_endpoint) for e in decode_batch(p).events]
         assert [(e.block_hashes, e.parent_block_hash) for e in got] == [
-            ([h[0], h[1]], None), ([h[3]], h[2]), ([h[5], h[6]], h[4]), ([h[2], h[3], h[4]], h[1])]
+            ([h[0], h[1]], None), ([h[3]], h[2]), ([h[5], h[6]], h[4]), ([h[2], h[3], h[4]], h[1]), ([h[0]], None)]
+
+        def pages(*ps: int) -> list[int]:  # a short last page is padded, as the page itself was
+            return [t if t < 7 * PAGE - 1 else PAD_TOKEN_ID for p in ps for t in range(p * PAGE, (p + 1) * PAGE)]
+
+        assert [e.token_ids for e in got] == [pages(0, 1), pages(3), pages(5, 6), pages(2, 3, 4), []]
     finally:
         pub.close()
         shutil.rmtree(tmp, ignore_errors=True)

@@ -66,8 +66,12 @@ def test_a_subscriber_rebuilds_the_tiers_key_set_from_events_alone() -> None:
             tier = cs.cluster.client("host_tier")
             counters = tier.request(m.Stats(), timeout=5).counters
             assert counters["index.evictions"] > 0  # the workload really churned the tier
-            wait_for(lambda: tier.request(m.Stats(), timeout=5).counters["kv_events.seq"] ==
-                     len(replay_kv_events(replay)), what="every batch published")
+            def all_sent() -> bool:  # every event the tier published went out (batches wait up to an interval)
+                c = tier.request(m.Stats(), timeout=5).counters
+                return bool(c["kv_events.events"] == c["kv_events.queued"] and
+                            c["kv_events.seq"] == len(replay_kv_events(replay)))
+
+            wait_for(all_sent, what="every batch published")
             kept = replay_kv_events(replay)
             seqs = [s for s, _ in kept]
             assert seqs == list(range(len(seqs))), "a gap or a reordering in the batches' seq"
@@ -106,7 +110,9 @@ def test_the_manifest_names_the_events_and_metrics_endpoints_and_they_answer() -
         assert tier.published == dict(zip(("kv_events", "kv_events_replay"), endpoints(cs.cluster.runtime_dir, 0)))
         (worker,) = [p for p in found.processes if p.role == "copy_worker"]
         assert worker.published == {}
-        first = replay_kv_events(tier.published["kv_events_replay"])[0]
+        replay = tier.published["kv_events_replay"]
+        wait_for(lambda: bool(replay_kv_events(replay)), timeout=10, what="the first batch (sent within an interval)")
+        first = replay_kv_events(replay)[0]
         assert first[0] == 0 and isinstance(decode_batch(first[1]).events[0], AllBlocksCleared)
     with cluster_store() as (cs, _, _):
         found = mf.read_manifest(cs.cluster.runtime_dir)
