@@ -231,7 +231,7 @@ class KvprocConnector(KVConnectorBase_V1):
         src_ids = [b for j in jobs for b in j.src]
         dst_ids = [b for j in jobs for b in j.dst]
         if self.options.mover == "cma":
-            self._move_in_copy_worker(jobs, to_vllm)
+            self._move_in_copy_worker(src_ids, dst_ids, to_vllm)
         else:
             row = self.contract.bytes_per_block
             for name, vk in self._kv.items():
@@ -243,7 +243,7 @@ class KvprocConnector(KVConnectorBase_V1):
                 MEMMOVE.rows(dst.reshape(-1), row, dst_ids, src.reshape(-1), row, src_ids, row, 0)
         self.rt.count("pages_loaded_into_vllm" if to_vllm else "pages_saved_from_vllm", len(src_ids))
 
-    def _move_in_copy_worker(self, jobs: list[CopyJob], to_vllm: bool) -> None:
+    def _move_in_copy_worker(self, src_ids: list[int], dst_ids: list[int], to_vllm: bool) -> None:
         """The batch's blocks moved by kvproc's copy worker process, reading or writing vLLM's own memory by
         cross-memory attach (the mover thread only waits for its reply)."""
         from kvproc.ipc import messages as m
@@ -251,8 +251,7 @@ class KvprocConnector(KVConnectorBase_V1):
         from kvproc.workers.cma import allow_mover
 
         c, cluster = self.contract, self.rt.cluster.cluster
-        vllm_ids = [b for j in jobs for b in (j.dst if to_vllm else j.src)]
-        staging_ids = [b for j in jobs for b in (j.src if to_vllm else j.dst)]
+        vllm_ids, staging_ids = (dst_ids, src_ids) if to_vllm else (src_ids, dst_ids)
         msg = m.EngineMove(os.getpid(), to_vllm, [f"vllm.{n}" for n in c.layer_names],
                            [self._bases[n] for n in c.layer_names], c.bytes_per_block, c.bytes_per_block, vllm_ids,
                            staging_ids)

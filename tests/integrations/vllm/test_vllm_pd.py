@@ -41,6 +41,33 @@ def _run(llm: Any, prompt: list[int], max_tokens: int, params: dict[str, Any] | 
     return out
 
 
+def _envelopes(prompts: list[list[int]], handed: list[Any], want: list[list[int]]) -> list[dict[str, Any]]:
+    """The producer's envelopes, each checked: its anchor is the one-engine first token, the whole prompt committed."""
+    from kvproc.integrations.vllm.connector import HANDOFF_KEY
+
+    envs = [o.kv_transfer_params[HANDOFF_KEY] for o in handed]
+    for p, o, env, w in zip(prompts, handed, envs, want):
+        assert list(o.outputs[0].token_ids) == w[:1] == [env["anchor_token_id"]]
+        assert env["committed_len"] == len(p)
+    return envs
+
+
+def _decode_handoffs(llm: Any, prompts: list[list[int]], envs: list[dict[str, Any]], want: list[list[int]],
+                     max_tokens: int) -> Any:
+    """The consumer continues every hand-off from its anchor: one engine's tokens, no prompt token computed, every
+    hand-off adopted and its tokens loaded. Returns the consumer's runtime."""
+    from kvproc.integrations.vllm.connector import HANDOFF_KEY
+
+    rt = live_runtime()
+    for p, env, w in zip(prompts, envs, want):
+        out = _run(llm, p + [env["anchor_token_id"]], max_tokens - 1, {HANDOFF_KEY: env})
+        assert [env["anchor_token_id"]] + list(out.outputs[0].token_ids) == w
+        assert out.num_cached_tokens == len(p), "the consumer computed prompt tokens the producer had"
+    assert rt.counters.get("handoffs_adopted") == len(prompts)
+    assert rt.counters.get("handoff_tokens_loaded") == sum(len(p) for p in prompts)
+    return rt
+
+
 def test_pd_producer_and_consumer_give_the_tokens_of_one_engine(tiny_llama: Path, shared_tier: str) -> None:
     from kvproc.integrations.vllm.connector import HANDOFF_KEY
 
@@ -57,20 +84,11 @@ def test_pd_producer_and_consumer_give_the_tokens_of_one_engine(tiny_llama: Path
         handed = [_run(llm, p, 1) for p in prompts + [mismatch]]
         handed_long = _run(llm, long, 1)
         assert live_runtime().counters.get("handoffs_made") == len(handed) + 1
-    envs = [o.kv_transfer_params[HANDOFF_KEY] for o in handed]
-    for p, o, env, w in zip(prompts + [mismatch], handed, envs, want):
-        assert list(o.outputs[0].token_ids) == w[:1] == [env["anchor_token_id"]]
-        assert env["committed_len"] == len(p)
+    envs = _envelopes(prompts + [mismatch], handed, want)
 
     # Decode: the consumer adopts the hand-off; it computes the anchor and what it generates, no prompt token.
     with engine(tiny_llama, _pd_config("kv_consumer", shared_tier)) as llm:
-        rt = live_runtime()
-        for p, env, w in zip(prompts, envs, want):
-            out = _run(llm, p + [env["anchor_token_id"]], MAX_TOKENS - 1, {HANDOFF_KEY: env})
-            assert [env["anchor_token_id"]] + list(out.outputs[0].token_ids) == w
-            assert out.num_cached_tokens == len(p), "the consumer computed prompt tokens the producer had"
-        assert rt.counters.get("handoffs_adopted") == len(prompts)
-        assert rt.counters.get("handoff_tokens_loaded") == sum(LENGTHS)
+        rt = _decode_handoffs(llm, prompts, envs, want, MAX_TOKENS)
         tier = rt.store.stats()["tier"]
         assert tier["handoffs_consumed"] == len(prompts)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.integrations.vllm.conftest import engine, generate, live_runtime, random_tokens
-from tests.integrations.vllm.test_vllm_pd import _pd_config, _run
+from tests.integrations.vllm.test_vllm_pd import _decode_handoffs, _envelopes, _pd_config, _run
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -20,8 +20,6 @@ LENGTHS = [70, 96, 45]
 
 def test_pd_with_async_scheduling_gives_the_tokens_of_one_engine(tiny_llama: Path, shared_tier: str,
                                                                  cpu_async_scheduling: None) -> None:
-    from kvproc.integrations.vllm.connector import HANDOFF_KEY
-
     rng = random.Random(41)
     prompts = [random_tokens(rng, n) for n in LENGTHS]
     with engine(tiny_llama) as llm:
@@ -30,16 +28,7 @@ def test_pd_with_async_scheduling_gives_the_tokens_of_one_engine(tiny_llama: Pat
         assert llm.llm_engine.vllm_config.scheduler_config.async_scheduling is True
         handed = [_run(llm, p, 1) for p in prompts]
         assert live_runtime().counters.get("handoffs_made") == len(prompts)
-    envs = [o.kv_transfer_params[HANDOFF_KEY] for o in handed]
-    for p, o, env, w in zip(prompts, handed, envs, want):
-        assert list(o.outputs[0].token_ids) == w[:1] == [env["anchor_token_id"]]
-        assert env["committed_len"] == len(p)
+    envs = _envelopes(prompts, handed, want)
     with engine(tiny_llama, _pd_config("kv_consumer", shared_tier), async_scheduling=True) as llm:
         assert llm.llm_engine.vllm_config.scheduler_config.async_scheduling is True
-        rt = live_runtime()
-        for p, env, w in zip(prompts, envs, want):
-            out = _run(llm, p + [env["anchor_token_id"]], MAX_TOKENS - 1, {HANDOFF_KEY: env})
-            assert [env["anchor_token_id"]] + list(out.outputs[0].token_ids) == w
-            assert out.num_cached_tokens == len(p), "the consumer computed prompt tokens the producer had"
-        assert rt.counters.get("handoffs_adopted") == len(prompts)
-        assert rt.counters.get("handoff_tokens_loaded") == sum(LENGTHS)
+        _decode_handoffs(llm, prompts, envs, want, MAX_TOKENS)
