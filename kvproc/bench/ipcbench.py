@@ -411,19 +411,32 @@ class Observer:
     """`kvproc/bench/observer.py` in a child process for the bench's duration (a Prometheus server and a router are
     processes of their own: in this one they would take the store's GIL)."""
 
-    def __init__(self, cs: ClusterStore, scrape_s: float = 1.0, device: bool = False) -> None:
-        """`device`: also read rank 0's device-pool events (`device_kv_events=True`, after `attach_model`)."""
+    def __init__(self, cs: ClusterStore, scrape_s: float = 1.0, device: bool = False, nice: int = 0) -> None:
+        """`device`: also read rank 0's device-pool events (`device_kv_events=True`, after `attach_model`). `nice`:
+        the observer's niceness (19: it takes only CPU kvproc's processes leave, as if it ran on another machine)."""
         from kvproc.tiers.kv_events import endpoints
 
         subs = [endpoints(cs.cluster.runtime_dir, 0)[0]] + ([endpoints(cs.cluster.runtime_dir, 0, "device")[0]]
                                                             if device else [])
         self.proc = subprocess.Popen([sys.executable, "-m", "kvproc.bench.observer", cs.cluster.metrics.address,
                                       ",".join(subs), str(scrape_s)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     preexec_fn=(lambda: os.nice(nice)) if nice else None)
         assert self.proc.stdout is not None
         if self.proc.stdout.readline().strip() != "ready":  # subscribed before anything is timed
             self.proc.kill()
             raise RuntimeError("the observer process did not start")
+
+    def scrape_start(self) -> None:
+        """With `scrape_s` 0 (scrapes on demand): start one scrape; `scrape_done` waits for it."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("scrape\n")
+        self.proc.stdin.flush()
+
+    def scrape_done(self) -> None:
+        assert self.proc.stdout is not None
+        if self.proc.stdout.readline().strip() != "scraped":
+            raise RuntimeError("the observer process did not scrape")
 
     def close(self) -> dict[str, int]:
         out, _ = self.proc.communicate("", timeout=30)
@@ -451,12 +464,22 @@ def main(argv: list[str]) -> int:
                          "(kvproc/bench/observe_ab.py; --n resolves per arm)")
     ap.add_argument("--plot", metavar="PATH", default=None,
                     help="PNG of resolve and seal time per block count, with the raw round trips")
+    ap.add_argument("--observe-toggle", type=int, default=0, metavar="R",
+                    help="only the observability A/B within one run: R rounds of --n resolves, observation switched "
+                         "on and off every round (kvproc/bench/observe_toggle.py)")
+    ap.add_argument("--toggled", choices=("all", "events", "metrics"), default="all",
+                    help="with --observe-toggle: what the on arm switches on (device-pool events, /metrics scrapes, "
+                         "or both)")
     ap.add_argument("--scrape-s", type=float, default=1.0, help="/metrics scrape interval when observed (s)")
     ap.add_argument("--device-events", action="store_true",
                     help="with --observe-ab: the observed arm also publishes (and reads) rank 0's device-pool events "
                          "(ClusterStore.start(device_kv_events=True))")
     args = ap.parse_args(argv)
     n = 5 if args.quick else args.n
+    if args.observe_toggle:
+        from kvproc.bench import observe_toggle
+
+        return observe_toggle.main(args.observe_toggle, n, 16, args.scrape_s, args.json, args.toggled)
     if args.observe_ab:
         from kvproc.bench import observe_ab
 

@@ -5,6 +5,8 @@ Prometheus /metrics every second (or every ARGV[3] s) and read every KV event ba
     python -m kvproc.bench.observer HOST:PORT ipc://.../kv-events-0[,ipc://.../kv-events-device-0]
 
 (several event endpoints, comma-separated: one SUB socket connected to each, as a router subscribes to every tier).
+An interval of 0 scrapes only when told: each line on stdin is one scrape, answered by a line "scraped" on stdout
+(`kvproc/bench/observe_toggle.py` times its scrapes by the bench's own clock).
 
 Imports neither torch nor the store: it must cost what a real scraper and subscriber cost, no more.
 """
@@ -35,7 +37,12 @@ def observe(address: str, endpoint: str, every_s: float = 1.0) -> dict[str, int]
             scrape_once()
 
     def until_stdin_closes() -> None:
-        sys.stdin.read()
+        if every_s > 0:
+            sys.stdin.read()
+        else:  # on demand: a line, a scrape
+            for _ in sys.stdin:
+                scrape_once()
+                print("scraped", flush=True)
         stop.set()
 
     sub: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.SUB)
@@ -44,7 +51,8 @@ def observe(address: str, endpoint: str, every_s: float = 1.0) -> dict[str, int]
         sub.connect(e)
     scrape_once()  # the endpoint answers, and meanwhile the subscription has joined: the bench may start timing
     print("ready", flush=True)
-    threads = [threading.Thread(target=f, daemon=True) for f in (scrape, until_stdin_closes)]
+    threads = [threading.Thread(target=f, daemon=True)
+               for f in ((scrape, until_stdin_closes) if every_s > 0 else (until_stdin_closes,))]
     for t in threads:
         t.start()
     while not stop.is_set():

@@ -49,3 +49,18 @@ def test_the_observability_ab_runs_both_arms_in_their_own_processes_and_writes_t
         assert p["observed_device_event_batches"] > 0 and p["plain_device_event_batches"] == 0
     assert set(doc["median_ratio"]) == {"resolve_median_us", "resolve_mean_us", "seal_median_us"}
     assert doc["histogram_observe_ns"] > 0 and doc["device_events"] is True
+
+
+@pytest.mark.timeout(600)
+def test_the_observability_toggle_times_both_arms_in_one_run_and_scrapes_only_when_on(tmp_path):
+    out = tmp_path / "toggle.json"
+    # --scrape-s 0: a scrape on every on round (the rate is the bench's own clock, so a tiny one scrapes each time)
+    assert main(["--observe-toggle", "8", "--n", "5", "--scrape-s", "0", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert len(doc["per_round_median"]["on"]) == len(doc["per_round_median"]["off"]) == 4  # ABBA: 4 of each
+    assert len(doc["pair_ratios"]) == 4 and all(r > 0 for r in doc["pair_ratios"])
+    assert doc["scrapes"] == 4  # one per on round, none in an off round
+    assert doc["observer"]["metrics_scrapes"] == 5  # those, and the one before "ready"
+    assert doc["observer"]["kv_event_batches_read"] > 0 and doc["device_batches"] > 0
+    lo, hi = doc["median_ratio"][1:]
+    assert lo <= doc["median_ratio"][0] <= hi
