@@ -62,7 +62,8 @@ def main(rounds: int, n: int, blocks: int, scrape_s: float, json_path: str | Non
     from kvproc.store.cluster import ClusterStore
     from kvproc.store.types import StoreConfig
 
-    host_bytes = (rounds * n + 64) * blocks * 2 * ARENA_BLOCK + (4 << 20)
+    # The host tier holds a few rounds' prompts: a round resolves only what it sealed, older pages may be evicted.
+    host_bytes = (4 * n + 64) * blocks * 2 * ARENA_BLOCK + (4 << 20)
     cs = ClusterStore.start(host_bytes, metrics="127.0.0.1:0", kv_events=True, device_kv_events=True)
     observer: Observer | None = None
     next_scrape, scrapes = 0.0, 0
