@@ -45,7 +45,7 @@ from kvproc.ipc.segment import Segment
 from kvproc.ipc.service import handles
 from kvproc.runtime.role import Role, RoleEnv
 from kvproc.tiers.host_index import Hit, HostIndex, Loading, QueryResult, SaveClass, SaveTicket
-from kvproc.tiers.kv_events import AllBlocksCleared, KvEventPublisher
+from kvproc.tiers.kv_events import DEFAULT_INTERVAL_S, AllBlocksCleared, KvEventPublisher, interval_ms
 from kvproc.tiers.layout import HostLayout, Region
 from kvproc.tiers.mooncake import MooncakeTier
 from kvproc.tiers.mooncake_client import RemoteSpec
@@ -116,8 +116,10 @@ class HostTierRole(Role):
         # KV events for routers (`kv_events.py`): off unless the `kv_events` option asks.
         self.events: KvEventPublisher | None = None
         if opts.get("kv_events"):
-            self.events = KvEventPublisher(env.runtime_dir, env.rank)
-            self.published.update(kv_events=self.events.pub_endpoint, kv_events_replay=self.events.replay_endpoint)
+            self.events = KvEventPublisher(env.runtime_dir, env.rank,
+                                           batch_interval_s=opts.get("kv_events_interval_s", DEFAULT_INTERVAL_S))
+            self.published.update(kv_events=self.events.pub_endpoint, kv_events_replay=self.events.replay_endpoint,
+                                  kv_events_interval_ms=interval_ms(self.events.batch_interval_s))
         # The tier below this one (`mooncake.py`): off unless the `remote` option names a Mooncake Store. Parsed
         # here so that a bad URL fails the tier's start; connected at Configure (it needs the segment and the model).
         self.remote_spec = RemoteSpec.parse(opts["remote"]) if opts.get("remote") else None

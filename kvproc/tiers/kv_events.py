@@ -10,9 +10,10 @@ msgspec msgpack, array-like, tagged), so a router that reads vLLM's stream reads
 - `BlockRemoved(block_hashes, medium)`: pages evicted;
 - `AllBlocksCleared()`: the first batch of a tier incarnation (a subscriber drops what an earlier one held).
 
-A batch is what changed over up to `batch_interval_s` (50 ms; sooner at `flush`, the stop or `max_pending` events),
-in change order: the changing thread only appends (`KvEventPublisher`), so a router sees a change ~50 ms late at most
-(vLLM's own publisher sends once per engine step, tens of ms).
+A batch is what changed over up to `batch_interval_s` (50 ms by default; sooner at `flush`, the stop or `max_pending`
+events), in change order: the changing thread only appends (`KvEventPublisher`), so a router sees a change ~50 ms late
+at most (vLLM's own publisher sends once per engine step, tens of ms). The interval is an operator's setting
+(`ClusterStore.start(kv_events_interval_s=)`, `kvproc up --kv-events-interval-ms`; `check_interval` bounds it).
 
 Transport (vLLM's convention): a ZeroMQ PUB socket sends `[topic, seq (8 bytes, big-endian), payload]` per batch;
 `seq` grows by one per batch, so a gap is visible. A ROUTER socket beside it answers a replay request (the 8-byte
@@ -29,6 +30,7 @@ holds, i.e. which page hashes a resolve there would match; its `BlockStored` car
 from __future__ import annotations
 
 import collections
+import math
 import os
 import threading
 import time
@@ -45,6 +47,29 @@ MEDIUM = "cpu"
 MEDIUM_DEVICE = "GPU"  # vLLM's MEDIUM_GPU: what routers already read for an engine's own prefix cache
 TOPIC = b"kv-events"
 END = (-1).to_bytes(8, "big", signed=True)
+DEFAULT_INTERVAL_S = 0.05
+# The longest batch interval accepted: an hour already makes the events useless to a router; past it a typo (a
+# value in microseconds, 1e10) would overflow the thread's timed wait (`threading.TIMEOUT_MAX`) and kill it.
+MAX_INTERVAL_S = 3600.0
+
+
+def check_interval(interval_s: float) -> float:
+    """`interval_s` as a float, or ValueError saying what is accepted: (0, 1 h], finite."""
+    try:
+        v = float(interval_s)
+    except (TypeError, ValueError):
+        raise ValueError(f"KV-event batch interval must be a number of seconds, got {interval_s!r}") from None
+    if not (math.isfinite(v) and 0 < v <= MAX_INTERVAL_S):
+        raise ValueError(f"KV-event batch interval must be > 0 and <= {MAX_INTERVAL_S:g} s (1 h), got {interval_s!r}"
+                         " s")
+    return v
+
+
+def interval_ms(interval_s: float) -> str:
+    """The interval as the manifest's `published` records it (milliseconds, a string: `published` maps names to
+    strings): "50", "3600000", "0.5"."""
+    ms = round(interval_s * 1000, 3)
+    return str(int(ms)) if ms == int(ms) else str(ms)
 
 
 class BlockStored(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
@@ -136,9 +161,9 @@ class KvEventPublisher:
     Neither thread polls: each sleeps in a blocking wait."""
 
     def __init__(self, runtime_dir: str, rank: int, replay_batches: int = 10_000, kind: str = "",
-                 batch_interval_s: float = 0.05, max_pending: int = 4096) -> None:
+                 batch_interval_s: float = DEFAULT_INTERVAL_S, max_pending: int = 4096) -> None:
         self.pub_endpoint, self.replay_endpoint = endpoints(runtime_dir, rank, kind)
-        self.batch_interval_s = batch_interval_s
+        self.batch_interval_s = check_interval(batch_interval_s)  # before any socket or thread: nothing to undo
         self.max_pending = max_pending
         # Events in publish order, and flush markers (set once everything before them was sent); taken whole.
         self._pending: list[KvEvent | threading.Event] = []

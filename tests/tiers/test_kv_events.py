@@ -107,7 +107,8 @@ def test_the_manifest_names_the_events_and_metrics_endpoints_and_they_answer() -
         found = mf.read_manifest(cs.cluster.runtime_dir)  # what a console or a router reads: nothing else shared
         assert found.metrics == cs.cluster.metrics.address
         (tier,) = [p for p in found.processes if p.role == "host_tier"]
-        assert tier.published == dict(zip(("kv_events", "kv_events_replay"), endpoints(cs.cluster.runtime_dir, 0)))
+        assert tier.published == {**dict(zip(("kv_events", "kv_events_replay"), endpoints(cs.cluster.runtime_dir, 0))),
+                                  "kv_events_interval_ms": "50"}
         (worker,) = [p for p in found.processes if p.role == "copy_worker"]
         assert worker.published == {}
         replay = tier.published["kv_events_replay"]
