@@ -120,6 +120,8 @@ class HostTierRole(Role):
                                            batch_interval_s=opts.get("kv_events_interval_s", DEFAULT_INTERVAL_S))
             self.published.update(kv_events=self.events.pub_endpoint, kv_events_replay=self.events.replay_endpoint,
                                   kv_events_interval_ms=interval_ms(self.events.batch_interval_s))
+            # test-only (`tests/tiers/test_kv_event_failures.py`): the first N batches fail to encode, for real
+            self.events.test_only_poison_batches = int(opts.get("test_only_poison_kv_event_batches", 0))
         # The tier below this one (`mooncake.py`): off unless the `remote` option names a Mooncake Store. Parsed
         # here so that a bad URL fails the tier's start; connected at Configure (it needs the segment and the model).
         self.remote_spec = RemoteSpec.parse(opts["remote"]) if opts.get("remote") else None

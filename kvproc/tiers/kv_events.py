@@ -39,9 +39,12 @@ from typing import Any, Union
 
 import msgspec
 import numpy as np
+import structlog
 import zmq
 
 from kvproc.core.hashing import PAD_TOKEN_ID
+
+log = structlog.get_logger("kvproc.kv_events")
 
 MEDIUM = "cpu"
 MEDIUM_DEVICE = "GPU"  # vLLM's MEDIUM_GPU: what routers already read for an engine's own prefix cache
@@ -158,7 +161,15 @@ class KvEventPublisher:
     save) costs its producer one list append each, and the process one wake, encode and send per interval: waking
     the thread and sending per change cost a blocking resolve +21% to +61% in `kvproc bench ipc --observe-ab
     --device-events` on 2 cores (bench/RESULTS.md). Replays are answered on another thread, from the kept batches.
-    Neither thread polls: each sleeps in a blocking wait."""
+    Neither thread polls: each sleeps in a blocking wait.
+
+    A batch that fails to encode or send is dropped, and the thread goes on with the next one: one bad batch (an
+    event the encoder cannot take, a socket error) must not end the stream of every later change, and taking the
+    pending list whole each interval keeps it bounded either way. Its seq is skipped (a batch that failed before it
+    was kept), so a subscriber sees the gap and that no replay fills it: its view of this source is then incomplete.
+    The first failure is logged with its traceback, every one counted (`kv_events.failed` batches,
+    `kv_events.dropped` events). Should the thread itself end (a failure outside a batch), `publish` stops
+    appending (counted as dropped) and `flush` answers False at once: nothing waits for a thread that is gone."""
 
     def __init__(self, runtime_dir: str, rank: int, replay_batches: int = 10_000, kind: str = "",
                  batch_interval_s: float = DEFAULT_INTERVAL_S, max_pending: int = 4096) -> None:
@@ -179,8 +190,14 @@ class KvEventPublisher:
         self.seq = 0
         self.batches = 0
         self.events = 0  # events sent (before `coalesce`)
-        self.queued = 0  # events published; `queued - events` still wait for their batch
+        self.queued = 0  # events published; `queued - events - dropped` still wait for their batch
         self.replays = 0
+        self.failed = 0  # batches dropped: encoding or sending raised
+        self.dropped = 0  # events in them, and events published after the thread ended
+        self._dead = False  # the publisher's thread ended without a stop: publishes are dropped, not kept
+        # Test-only seam: the next N batches get an object the encoder cannot encode appended, so that msgspec's
+        # own encode raises in the publisher's thread (`tests/tiers/test_kv_event_failures.py`). Never set otherwise.
+        self.test_only_poison_batches = 0
         ctx: zmq.Context[Any] = zmq.Context.instance()
         self._pub = ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
@@ -201,6 +218,9 @@ class KvEventPublisher:
         if not events:
             return
         with self._lock:
+            if self._dead:  # nobody would ever take them: count, do not keep
+                self.dropped += len(events)
+                return
             self._pending += events
             self.queued += len(events)
             wake, self._armed = not self._armed, True
@@ -211,16 +231,22 @@ class KvEventPublisher:
             self._hurry.set()
 
     def flush(self, timeout: float = 10.0) -> bool:
-        """Wait until every batch of events published before this call went out (True), or `timeout` passed."""
+        """Wait until every batch of events published before this call went out (True); False when `timeout`
+        passed, a batch failed meanwhile (`kv_events.failed`) or the thread is gone."""
         done = threading.Event()
+        failed = self.failed
         with self._lock:
+            if self._dead:
+                return False
             self._pending.append(done)
             self._armed = True
         self._wake.set()
         self._hurry.set()
-        return done.wait(timeout)
+        return done.wait(timeout) and self.failed == failed and not self._dead
 
     def _pub_main(self) -> None:
+        taken: list[KvEvent | threading.Event] = []  # the batch in hand: what a failure outside it would lose
+        stopping = False
         try:
             while True:
                 self._wake.wait()  # idle: until a publish (or a flush, or the stop)
@@ -228,26 +254,54 @@ class KvEventPublisher:
                 while True:
                     self._hurry.wait(self.batch_interval_s)  # what is published meanwhile joins this batch
                     with self._lock:
-                        items, self._pending = self._pending, []
+                        taken, self._pending = self._pending, []
                         self._hurry.clear()
                         stopping = self._stopping
-                        if not items:  # idle again: the next publish wakes the thread (it sees _armed False)
+                        if not taken:  # idle again: the next publish wakes the thread (it sees _armed False)
                             self._armed = False
                             self._wake.clear()
-                    if not items:
+                    if not taken:
                         break
-                    events = [e for e in items if not isinstance(e, threading.Event)]
+                    events = [e for e in taken if not isinstance(e, threading.Event)]
                     if events:
-                        self._send(events)
-                    for e in items:
+                        self._send_or_drop(events)
+                    for e in taken:
                         if isinstance(e, threading.Event):
                             e.set()
+                    taken = []
                     if stopping:
                         return
                 if stopping:
                     return
+        except BaseException:  # logged and counted: the thread has nobody to raise to
+            stopping = False
+            log.exception("kv_events_publisher_died", endpoint=self.pub_endpoint)
         finally:
+            if not stopping:  # ended on a failure: later publishes must not pile up for it, nor flushes wait
+                with self._lock:
+                    self._dead = True
+                    left, self._pending = taken + self._pending, []
+                    self.dropped += sum(1 for e in left if not isinstance(e, threading.Event))
+                for e in left:
+                    if isinstance(e, threading.Event):
+                        e.set()  # its flush answers False (`_dead`)
             self._pub.close()
+
+    def _send_or_drop(self, events: list[KvEvent]) -> None:
+        seq, n = self.seq, len(events)
+        try:
+            if self.test_only_poison_batches > 0:
+                self.test_only_poison_batches -= 1
+                events = events + [object()]  # type: ignore[list-item]  # msgspec's encode raises on it, for real
+            self._send(events)
+        except Exception:
+            self.failed += 1
+            self.dropped += n
+            with self._kept_lock:
+                if self.seq == seq:  # failed before the batch was kept: skip its seq, so that the gap shows
+                    self.seq += 1
+            if self.failed == 1:  # once: a failure that repeats every interval would flood the log
+                log.exception("kv_events_batch_failed", endpoint=self.pub_endpoint, seq=seq, events=n)
 
     def _send(self, events: list[KvEvent]) -> None:
         payload = self._encoder.encode(KVEventBatch(time.time(), coalesce(events)))
@@ -292,7 +346,8 @@ class KvEventPublisher:
 
     def stats(self) -> dict[str, Any]:
         return {"kv_events.batches": self.batches, "kv_events.events": self.events, "kv_events.queued": self.queued,
-                "kv_events.replays": self.replays, "kv_events.seq": self.seq}
+                "kv_events.replays": self.replays, "kv_events.seq": self.seq, "kv_events.failed": self.failed,
+                "kv_events.dropped": self.dropped}
 
 
 class DeviceIndexEvents:
