@@ -152,7 +152,7 @@ class ClusterStore:
               tier_runtime_dir: str | None = None, log_level: str = "info",
               cpus: Mapping[str, Sequence[int]] | None = None, metrics: str | None = None,
               kv_events: bool = False, device_kv_events: bool = False,
-              kv_events_interval_s: float = DEFAULT_INTERVAL_S,
+              kv_events_interval_s: float = DEFAULT_INTERVAL_S, kv_events_tokens: bool = False,
               remote: str | None = None) -> "ClusterStore":
         """Launch the host tier (if `host_bytes`) and one copy worker per rank; wait until all are up.
 
@@ -175,7 +175,9 @@ class ClusterStore:
         `kv_events_interval_s` is how long both gather changes into one batch (50 ms; (0, 3600] s, else ValueError
         before anything starts): shorter, a router learns sooner and the publisher wakes more often. Recorded in the
         manifest beside the endpoints (`kv_events_interval_ms`). A shared tier's (`tier_runtime_dir`) is its own
-        (`kvproc up --kv-events-interval-ms`).
+        (`kvproc up --kv-events-interval-ms`). `kv_events_tokens=True` (with `kv_events`) puts the pages' token ids
+        in the host tiers' `BlockStored`: each save then carries its tokens to the tier (8 bytes a token in its
+        ReserveSave); off, the save path is as without events.
 
         `remote="mooncake://HOST:PORT?metadata=..."` puts a Mooncake Store below each host tier (`kvproc/tiers/
         mooncake.py`: write-behind of committed pages, host-tier misses pulled from it; needs `kvproc[remote]`).
@@ -183,6 +185,9 @@ class ClusterStore:
         if ranks < 1:
             raise ValueError(f"ranks must be >= 1, got {ranks}")
         kv_events_interval_s = check_interval(kv_events_interval_s)
+        if kv_events_tokens and not kv_events:
+            raise ValueError("kv_events_tokens=True puts token ids in the host tiers' KV events: it needs "
+                             "kv_events=True")
         save_ttl_s = derived_save_ttl(copy_timeout_s, save_ttl_s, StoreConfig.tier_call_timeout_s)
         external: list[RpcClient] = []
         token = ""
@@ -195,7 +200,8 @@ class ClusterStore:
             roles += [RoleConfig("host_tier", r, log_level=log_level, options={
                 "host_bytes": host_bytes, "lease_ttl_s": lease_ttl_s, "handoff_ttl_s": handoff_ttl_s,
                 "save_ttl_s": save_ttl_s, "reap_interval_s": reap_interval_s, "kv_events": kv_events,
-                "kv_events_interval_s": kv_events_interval_s, "remote": remote or ""})
+                "kv_events_interval_s": kv_events_interval_s, "kv_events_tokens": kv_events_tokens,
+                "remote": remote or ""})
                 for r in range(ranks)]
         roles += [RoleConfig("copy_worker", r, max_restarts=max_restarts, restart_window_s=restart_window_s,
                              log_level=log_level) for r in range(ranks)]
@@ -334,7 +340,7 @@ class ClusterStore:
                 self.host_segments.append(conf.segment)
                 self.host_layouts.append(layout_from_wire(conf.layout))  # a joined tier's layout wins over our plan
                 self.tiers.append(RemoteTier(functools.partial(self._tier_client, r), self.host_layouts[r],
-                                             segment=conf.segment))
+                                             segment=conf.segment, wants_token_ids=conf.token_ids))
         for r, layout in enumerate(layouts):
             # The rank's load-fence words, in a segment this process owns (the worker maps it with the arenas).
             words = self.allocator(f"load_fences{r}", 8 * LOAD_FENCE_WORDS)

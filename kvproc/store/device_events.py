@@ -42,7 +42,8 @@ class DevicePublishers:
         return out
 
     def counters(self) -> dict[str, int]:
-        """`rank<r>.kv_events.*` (batches, events, queued, replays, seq, failed, dropped), for `kvproc console status` and `/metrics`."""
+        """`rank<r>.kv_events.*` (batches, events, queued, replays, seq, failed, dropped), for `kvproc console
+        status` and `/metrics`."""
         return {f"rank{r}.{k}": v for r, pub in enumerate(self.publishers) for k, v in pub.stats().items()}
 
     def close(self) -> None:

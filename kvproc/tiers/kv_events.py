@@ -5,7 +5,8 @@ msgspec msgpack, array-like, tagged), so a router that reads vLLM's stream reads
 
 - `BlockStored(block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium)`: pages committed, one event per
   run of consecutive new pages of one save; `parent_block_hash` is the page before the run in that save (None at the
-  save's first page: the tier never sees the chain before it); `token_ids` is empty (the tier keeps hashes only);
+  save's first page: the tier never sees the chain before it); `token_ids` the run's pages' tokens, one page after the
+  other, when the tier was started with `kv_events_tokens` (the stores then send each save's tokens), else empty;
   `medium` is "cpu";
 - `BlockRemoved(block_hashes, medium)`: pages evicted;
 - `AllBlocksCleared()`: the first batch of a tier incarnation (a subscriber drops what an earlier one held).
@@ -116,12 +117,12 @@ def endpoints(runtime_dir: str, rank: int, kind: str = "") -> tuple[str, str]:
             f"ipc://{os.path.join(runtime_dir, f'kv-events-{k}replay-{rank}')}")
 
 
-def _token_ids(tokens: Any, start: int, stop: int, page_tokens: int) -> Any:
-    """Pages `start..stop-1`'s token ids from a registration's `tokens` (`IndexListener.stored`): [] when unknown.
-    Not copied (the registering side never changes them: `IndexListener.stored`), and an int64 array stays an
-    array -- turned into a list by the publisher's thread as it encodes (`_enc_hook`), not here under the pool's
-    lock. A last page shorter than a page (a padded hand-off tail) is padded with `PAD_TOKEN_ID`, as the page
-    itself was."""
+def page_token_ids(tokens: Any, start: int, stop: int, page_tokens: int) -> Any:
+    """Pages `start..stop-1`'s token ids from a registration's `tokens` (`IndexListener.stored`; a host-tier save's
+    `ReserveSave.token_ids`): [] when unknown. Not copied (the registering side never changes them:
+    `IndexListener.stored`), and an int64 array stays an array -- turned into a list by the publisher's thread as
+    it encodes (`_enc_hook`), not here under the pool's (or the tier's) lock. A last page shorter than a page (a
+    padded hand-off tail) is padded with `PAD_TOKEN_ID`, as the page itself was."""
     if tokens is None:
         return []
     n = (stop - start) * page_tokens
@@ -136,7 +137,7 @@ def _token_ids(tokens: Any, start: int, stop: int, page_tokens: int) -> Any:
 
 
 def _enc_hook(obj: Any) -> Any:
-    if isinstance(obj, (np.ndarray, np.generic)):  # `BlockStored.token_ids` of a device registration (`_token_ids`)
+    if isinstance(obj, (np.ndarray, np.generic)):  # `BlockStored.token_ids` (`page_token_ids`)
         return obj.tolist()
     raise NotImplementedError(f"cannot encode {type(obj).__name__}")
 
@@ -384,14 +385,14 @@ class DeviceIndexEvents:
         first, last = positions[0], positions[-1]
         if last - first == len(positions) - 1:  # one run (the usual case: a prefill's new pages): no loop
             self.publisher.publish([BlockStored(list(hashes[first:last + 1]), hashes[first - 1] if first else None,
-                                                _token_ids(tokens, first, last + 1, P), P, None, MEDIUM_DEVICE)])
+                                                page_token_ids(tokens, first, last + 1, P), P, None, MEDIUM_DEVICE)])
             return
         events: list[KvEvent] = []
         start = prev = positions[0]
         for p in positions[1:] + [-1]:  # -1 closes the last run
             if p != prev + 1:
                 events.append(BlockStored(list(hashes[start:prev + 1]), hashes[start - 1] if start else None,
-                                          _token_ids(tokens, start, prev + 1, P), P, None, MEDIUM_DEVICE))
+                                          page_token_ids(tokens, start, prev + 1, P), P, None, MEDIUM_DEVICE))
                 start = p
             prev = p
         self.publisher.publish(events)

@@ -85,6 +85,7 @@ def test_a_bad_interval_is_refused_before_anything_starts(bad: float, tmp_path) 
 def test_kvproc_up_refuses_a_bad_interval_as_a_usage_error(bad: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
     rd = tmp_path / "rd"
     r = subprocess.run([sys.executable, "-m", "kvproc", "up", "--cluster", "kvbad", "--runtime-dir", str(rd),
-                        "--kv-events", "--kv-events-interval-ms", bad], capture_output=True, text=True, timeout=60, check=False)
+                        "--kv-events", "--kv-events-interval-ms", bad], capture_output=True, text=True, timeout=60,
+                       check=False)
     assert r.returncode == 2 and "--kv-events-interval-ms" in r.stderr
     assert not rd.exists()
