@@ -124,6 +124,7 @@ class HostTierRole(Role):
             # Token ids in BlockStored (`kv_events_tokens`): the stores send each save's tokens with its ReserveSave
             # (they learn it from `Configured.token_ids`); off, the save path carries nothing more than before.
             self.events_tokens = bool(opts.get("kv_events_tokens"))
+            self.published["kv_events_tokens"] = "1" if self.events_tokens else "0"  # routers: token ids coming?
             # test-only (`tests/tiers/test_kv_event_failures.py`): the first N batches fail to encode, for real
             self.events.test_only_poison_batches = int(opts.get("test_only_poison_kv_event_batches", 0))
         # The tier below this one (`mooncake.py`): off unless the `remote` option names a Mooncake Store. Parsed

@@ -129,7 +129,7 @@ def test_the_manifest_names_the_events_and_metrics_endpoints_and_they_answer() -
         assert found.metrics == cs.cluster.metrics.address
         (tier,) = [p for p in found.processes if p.role == "host_tier"]
         assert tier.published == {**dict(zip(("kv_events", "kv_events_replay"), endpoints(cs.cluster.runtime_dir, 0))),
-                                  "kv_events_interval_ms": "50"}
+                                  "kv_events_interval_ms": "50", "kv_events_tokens": "0"}
         (worker,) = [p for p in found.processes if p.role == "copy_worker"]
         assert worker.published == {}
         replay = tier.published["kv_events_replay"]

@@ -56,7 +56,7 @@ def test_a_short_interval_sends_without_being_asked_and_is_in_the_manifest() -> 
 def test_an_hour_interval_from_kvproc_up_holds_the_events_until_the_stop() -> None:
     with kvproc_up("kvint", "--kv-events", "--kv-events-interval-ms", str(HOUR_MS)) as (rd, _pid):
         (tier,) = [p for p in mf.read_manifest(rd).processes if p.role == "host_tier"]
-        assert tier.published["kv_events_interval_ms"] == str(HOUR_MS)
+        assert tier.published["kv_events_interval_ms"] == str(HOUR_MS) and tier.published["kv_events_tokens"] == "0"
         with cluster_store(1 << 20, tier_runtime_dir=rd) as (cs, store, model):
             _workload(cs, store, model)
             # 30 default intervals: a tier that batched over 50 ms would have sent by now (the workload itself
