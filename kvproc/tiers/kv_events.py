@@ -220,6 +220,7 @@ class KvEventPublisher:
             return
         with self._lock:
             if self._dead:  # nobody would ever take them: count, do not keep
+                self.queued += len(events)
                 self.dropped += len(events)
                 return
             self._pending += events
