@@ -310,6 +310,10 @@ class ReserveSave(Request, tag=305):
     keys: list[bytes]
     bounded_groups: list[str]
     save_class: str  # SaveClass value: "cacheable" | "handoff"
+    # The pages' token ids (int64, native order, page i's at [i * page_tokens, (i + 1) * page_tokens)), sent only to
+    # a tier that asked for them (`Configured.token_ids`: its KV events carry them); None (off the wire: a trailing
+    # default) otherwise.
+    token_ids: bytes | None = None
 
 
 class CommitSave(Request, tag=306):
@@ -342,6 +346,7 @@ class Configured(Payload, tag=400):
     segment: str
     layout: HostLayoutSpec
     fingerprint: str = ""
+    token_ids: bool = False  # the tier's KV events carry token ids: send them with each `ReserveSave`
 
 
 class TierMiss(Payload, tag=401):

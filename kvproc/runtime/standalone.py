@@ -31,6 +31,7 @@ from kvproc.ipc.client import RpcClient
 from kvproc.ipc.errors import IpcError
 from kvproc.runtime import manifest as mf
 from kvproc.runtime.logs import configure_logging
+from kvproc.tiers.kv_events import DEFAULT_INTERVAL_S, MAX_INTERVAL_S, check_interval
 
 
 def up_main(argv: list[str]) -> int:
@@ -48,6 +49,11 @@ def up_main(argv: list[str]) -> int:
     parser.add_argument("--shutdown-deadline", type=float, default=5.0)
     parser.add_argument("--kv-events", action="store_true",
                         help="publish KV events (pages stored/removed) on ipc://<runtime dir>/kv-events-<rank>")
+    parser.add_argument("--kv-events-interval-ms", type=float, default=DEFAULT_INTERVAL_S * 1000, metavar="MS",
+                        help="how long a KV-event batch gathers changes (default 50; at most 3600000, one hour): "
+                             "shorter, routers learn sooner and the publisher wakes more often")
+    parser.add_argument("--kv-events-tokens", action="store_true",
+                        help="put the pages' token ids in BlockStored (each save then carries its tokens here)")
     parser.add_argument("--remote", default="", metavar="mooncake://HOST:PORT?metadata=URL",
                         help="a Mooncake Store below the host tier: committed pages written behind to it, host-tier "
                              "misses pulled from it (needs kvproc[remote]; see docs/remote.md)")
@@ -56,12 +62,20 @@ def up_main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.ranks < 1:
         parser.error(f"--ranks must be >= 1, got {args.ranks}")
+    if args.kv_events_tokens and not args.kv_events:
+        parser.error("--kv-events-tokens puts token ids in the KV events: it needs --kv-events")
+    try:  # here, not in the tier's process: a bad value is a usage error, not a failed start
+        interval_s = check_interval(args.kv_events_interval_ms / 1000)
+    except ValueError:
+        parser.error(f"--kv-events-interval-ms must be > 0 and <= {MAX_INTERVAL_S * 1000:g}, "
+                     f"got {args.kv_events_interval_ms:g}")
     configure_logging("launcher", 0, level=args.log_level)
 
     from kvproc.runtime.launcher import RoleConfig, launch
 
     options = {"host_bytes": args.host_mib << 20, "lease_ttl_s": args.lease_ttl, "handoff_ttl_s": args.handoff_ttl,
-               "kv_events": args.kv_events, "remote": args.remote}
+               "kv_events": args.kv_events, "kv_events_interval_s": interval_s,
+               "kv_events_tokens": args.kv_events_tokens, "remote": args.remote}
     try:
         cluster = launch(
             [RoleConfig("host_tier", r, tcp=_rank_tcp(args.tcp, r), options=options) for r in range(args.ranks)],

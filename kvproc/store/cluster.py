@@ -49,6 +49,7 @@ from kvproc.store.device_events import DevicePublishers
 from kvproc.store.kv_store import KvStore
 from kvproc.store.types import StoreConfig
 from kvproc.tiers.host import layout_from_wire, layout_to_wire
+from kvproc.tiers.kv_events import DEFAULT_INTERVAL_S, check_interval
 from kvproc.tiers.layout import HostLayout
 from kvproc.tiers.load_fence import LOAD_FENCE_WORDS, LoadFences
 from kvproc.tiers.remote import RemoteCopier, RemoteTier
@@ -128,6 +129,7 @@ class ClusterStore:
         self.store: KvStore | None = None
         self.device_kv_events = False  # publish device-pool events from attach_model on (`start(device_kv_events=)`)
         self.device_events: DevicePublishers | None = None
+        self.kv_events_interval_s = DEFAULT_INTERVAL_S  # the device publishers' batch interval (`start(...)`)
         self.tiers: list[RemoteTier] = []  # one per rank
         self.copiers: list[RemoteCopier] = []
         self.host_layouts: list[HostLayout] = []  # per rank
@@ -150,6 +152,7 @@ class ClusterStore:
               tier_runtime_dir: str | None = None, log_level: str = "info",
               cpus: Mapping[str, Sequence[int]] | None = None, metrics: str | None = None,
               kv_events: bool = False, device_kv_events: bool = False,
+              kv_events_interval_s: float = DEFAULT_INTERVAL_S, kv_events_tokens: bool = False,
               remote: str | None = None) -> "ClusterStore":
         """Launch the host tier (if `host_bytes`) and one copy worker per rank; wait until all are up.
 
@@ -169,12 +172,22 @@ class ClusterStore:
         in the manifest's `published`). A switch of its own: its publisher shares this process (and its GIL) with
         the resolves; batched (50 ms), it cost a resolve +1.3% / +3.4% in `kvproc bench ipc --observe-ab 8
         --device-events` on a loaded 2-vCPU box, about its noise (per change: +51-61%; bench/RESULTS.md).
+        `kv_events_interval_s` is how long both gather changes into one batch (50 ms; (0, 3600] s, else ValueError
+        before anything starts): shorter, a router learns sooner and the publisher wakes more often. Recorded in the
+        manifest beside the endpoints (`kv_events_interval_ms`). A shared tier's (`tier_runtime_dir`) is its own
+        (`kvproc up --kv-events-interval-ms`). `kv_events_tokens=True` (with `kv_events`) puts the pages' token ids
+        in the host tiers' `BlockStored`: each save then carries its tokens to the tier (8 bytes a token in its
+        ReserveSave); off, the save path is as without events.
 
         `remote="mooncake://HOST:PORT?metadata=..."` puts a Mooncake Store below each host tier (`kvproc/tiers/
         mooncake.py`: write-behind of committed pages, host-tier misses pulled from it; needs `kvproc[remote]`).
         Ignored with `tier_runtime_dir` (a shared tier's remote is `kvproc up --remote`)."""
         if ranks < 1:
             raise ValueError(f"ranks must be >= 1, got {ranks}")
+        kv_events_interval_s = check_interval(kv_events_interval_s)
+        if kv_events_tokens and not kv_events:
+            raise ValueError("kv_events_tokens=True puts token ids in the host tiers' KV events: it needs "
+                             "kv_events=True")
         save_ttl_s = derived_save_ttl(copy_timeout_s, save_ttl_s, StoreConfig.tier_call_timeout_s)
         external: list[RpcClient] = []
         token = ""
@@ -187,6 +200,7 @@ class ClusterStore:
             roles += [RoleConfig("host_tier", r, log_level=log_level, options={
                 "host_bytes": host_bytes, "lease_ttl_s": lease_ttl_s, "handoff_ttl_s": handoff_ttl_s,
                 "save_ttl_s": save_ttl_s, "reap_interval_s": reap_interval_s, "kv_events": kv_events,
+                "kv_events_interval_s": kv_events_interval_s, "kv_events_tokens": kv_events_tokens,
                 "remote": remote or ""})
                 for r in range(ranks)]
         roles += [RoleConfig("copy_worker", r, max_restarts=max_restarts, restart_window_s=restart_window_s,
@@ -204,6 +218,7 @@ class ClusterStore:
         cs._external_tiers = external
         cs._external_token = token
         cs.device_kv_events = device_kv_events
+        cs.kv_events_interval_s = kv_events_interval_s
         for r, client in enumerate(external):
             client.add_death_listener(functools.partial(cs._external_tier_dead, r, client))
         return cs
@@ -325,7 +340,7 @@ class ClusterStore:
                 self.host_segments.append(conf.segment)
                 self.host_layouts.append(layout_from_wire(conf.layout))  # a joined tier's layout wins over our plan
                 self.tiers.append(RemoteTier(functools.partial(self._tier_client, r), self.host_layouts[r],
-                                             segment=conf.segment))
+                                             segment=conf.segment, wants_token_ids=conf.token_ids))
         for r, layout in enumerate(layouts):
             # The rank's load-fence words, in a segment this process owns (the worker maps it with the arenas).
             words = self.allocator(f"load_fences{r}", 8 * LOAD_FENCE_WORDS)
@@ -342,7 +357,8 @@ class ClusterStore:
         self.store = KvStore(layouts, live_slots=live_slots, tiers=tiers or None, copiers=self.copiers, config=config)
         self.cluster.counter_providers.append(self.store.counters_flat)  # `kvproc console status` shows them
         if self.device_kv_events:
-            self.device_events = DevicePublishers.start(self.store, self.cluster.runtime_dir)
+            self.device_events = DevicePublishers.start(self.store, self.cluster.runtime_dir,
+                                                        batch_interval_s=self.kv_events_interval_s)
             self.cluster.counter_providers.append(self.device_events.counters)
             self.cluster.publish(self.device_events.published())
         return self.store

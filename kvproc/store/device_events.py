@@ -6,7 +6,7 @@ them at `attach_model` and names them in the manifest; an in-process store (`bui
 from __future__ import annotations
 
 from kvproc.store.kv_store import KvStore
-from kvproc.tiers.kv_events import DeviceIndexEvents, KvEventPublisher
+from kvproc.tiers.kv_events import DEFAULT_INTERVAL_S, DeviceIndexEvents, KvEventPublisher, interval_ms
 
 KIND = "device"
 
@@ -17,13 +17,13 @@ class DevicePublishers:
         self.publishers = publishers
 
     @classmethod
-    def start(cls, store: KvStore, runtime_dir: str) -> DevicePublishers:
-        """One publisher per rank, bound at `kv_events.endpoints(runtime_dir, rank, "device")`; each rank's stream
-        starts with `AllBlocksCleared` and the keys its index holds already."""
+    def start(cls, store: KvStore, runtime_dir: str, batch_interval_s: float = DEFAULT_INTERVAL_S) -> DevicePublishers:
+        """One publisher per rank, bound at `kv_events.endpoints(runtime_dir, rank, "device")`, batching over
+        `batch_interval_s`; each rank's stream starts with `AllBlocksCleared` and the keys its index holds already."""
         pubs: list[KvEventPublisher] = []
         try:
             for pool in store.pools:
-                pub = KvEventPublisher(runtime_dir, pool.rank, kind=KIND)
+                pub = KvEventPublisher(runtime_dir, pool.rank, kind=KIND, batch_interval_s=batch_interval_s)
                 pubs.append(pub)
                 DeviceIndexEvents(pub, pool.page_tokens).attach(pool)
         except BaseException:
@@ -37,10 +37,13 @@ class DevicePublishers:
         for r, pub in enumerate(self.publishers):
             out[f"kv_events_{KIND}_{r}"] = pub.pub_endpoint
             out[f"kv_events_{KIND}_replay_{r}"] = pub.replay_endpoint
+        if self.publishers:  # one setting for all ranks
+            out[f"kv_events_{KIND}_interval_ms"] = interval_ms(self.publishers[0].batch_interval_s)
         return out
 
     def counters(self) -> dict[str, int]:
-        """`rank<r>.kv_events.*` (batches, events, queued, replays, seq), for `kvproc console status` and `/metrics`."""
+        """`rank<r>.kv_events.*` (batches, events, queued, replays, seq, failed, dropped), for `kvproc console
+        status` and `/metrics`."""
         return {f"rank{r}.{k}": v for r, pub in enumerate(self.publishers) for k, v in pub.stats().items()}
 
     def close(self) -> None:

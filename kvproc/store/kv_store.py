@@ -255,7 +255,8 @@ class KvStore:
         runs on the store's loop; its source pages stay pinned until the copy lands. Call only after the step that
         wrote them synchronized (i.e. after `kv.apply`)."""
         self._check_rank(rank)
-        if self.tier_of(rank) is None or not self.spec.prefix_caching:
+        tier = self.tier_of(rank)
+        if tier is None or not self.spec.prefix_caching:
             if save_class is SaveClass.HANDOFF:
                 self.count("handoff_refused")
                 raise HandoffUnavailable(kv.req_id, self.handoff_unavailable_reason(rank) or "")
@@ -280,6 +281,9 @@ class KvStore:
                 return
         keys = kv.page_hashes[start:end]
         ids = kv.block_ids[start:end]
+        # The pages' tokens, for a tier whose KV events carry them (`kv_events_tokens`): a view (sealed pages' tokens
+        # never change), turned into bytes on the loop as the ReserveSave is built. Off: not even sliced.
+        tokens = kv.token_array()[start * P:end * P] if tier.wants_token_ids else None
         with pool.lock:
             # Each key must name the page its block holds (sealed in place under that hash): a key committed
             # over other bytes would serve them to every later reader of that prompt.
@@ -308,7 +312,7 @@ class KvStore:
         except Exception:
             self._settle_accounting(rank, len(ids), save_class, cursor, start, shed=True)
             raise
-        self._loop.call(self._start_save, rank, kv.req_id, keys, ids, staging, pin, save_class, cursor, start)
+        self._loop.call(self._start_save, rank, kv.req_id, keys, ids, staging, pin, save_class, cursor, start, tokens)
 
     def drop_device_cache(self, rank: int) -> int:
         """Evict rank `rank`'s device prefix cache (what nobody holds): the next resolve of those prompts goes to the
@@ -356,14 +360,16 @@ class KvStore:
         return start
 
     def _start_save(self, rank: int, req_id: str, keys: list[bytes], ids: list[int], staging: dict[str, int],
-                    pin: Any, save_class: SaveClass, cursor: SealCursor, start: int) -> None:
+                    pin: Any, save_class: SaveClass, cursor: SealCursor, start: int,
+                    tokens: np.ndarray | None = None) -> None:
         task = asyncio.get_running_loop().create_task(
-            self._save(rank, req_id, keys, ids, staging, pin, save_class, cursor, start))
+            self._save(rank, req_id, keys, ids, staging, pin, save_class, cursor, start, tokens))
         self._saves[rank].add(task)
         task.add_done_callback(self._saves[rank].discard)
 
     async def _save(self, rank: int, req_id: str, keys: list[bytes], ids: list[int], staging: dict[str, int],
-                    pin: Any, save_class: SaveClass, cursor: SealCursor, start: int) -> None:
+                    pin: Any, save_class: SaveClass, cursor: SealCursor, start: int,
+                    tokens: np.ndarray | None = None) -> None:
         state, reason = "failed", "unknown"
         ticket: SaveTicket | Shed | None = None
         tier = self.tier_of(rank)
@@ -384,7 +390,7 @@ class KvStore:
                 state, reason = "shed", "tier_unavailable"
                 return
             ticket = await tier.reserve_save(req_id, keys, sorted(staging), save_class,
-                                             timeout=self.config.tier_call_timeout_s)
+                                             timeout=self.config.tier_call_timeout_s, token_ids=tokens)
             if isinstance(ticket, Shed):
                 state, reason = "shed", "tier_full"
                 return

@@ -32,6 +32,9 @@ class Tier(Protocol):
     # The tier's page-slot table (`kvproc.tiers.slot_table`; None: this tier publishes none). A speculative load that
     # it verifies before and after the copy needs no query.
     slot_table: np.ndarray | None
+    # The tier's KV events carry token ids: `reserve_save` wants the pages' tokens (`token_ids`); False, the store
+    # does not even slice them.
+    wants_token_ids: bool
 
     @property
     def available(self) -> bool: ...
@@ -53,7 +56,8 @@ class Tier(Protocol):
         ...
 
     async def reserve_save(self, req_id: str, keys: Sequence[bytes], bounded_groups: Sequence[str],
-                           save_class: SaveClass, *, timeout: float) -> SaveTicket | Shed: ...
+                           save_class: SaveClass, *, timeout: float,
+                           token_ids: np.ndarray | None = None) -> SaveTicket | Shed: ...
 
     async def commit_save(self, save_id: int, *, timeout: float) -> bool:
         """Make a save's entries visible (its copy landed). False: the tier had given the save's slots back (TTL,

@@ -45,7 +45,7 @@ from kvproc.ipc.segment import Segment
 from kvproc.ipc.service import handles
 from kvproc.runtime.role import Role, RoleEnv
 from kvproc.tiers.host_index import Hit, HostIndex, Loading, QueryResult, SaveClass, SaveTicket
-from kvproc.tiers.kv_events import AllBlocksCleared, KvEventPublisher
+from kvproc.tiers.kv_events import DEFAULT_INTERVAL_S, AllBlocksCleared, KvEventPublisher, interval_ms
 from kvproc.tiers.layout import HostLayout, Region
 from kvproc.tiers.mooncake import MooncakeTier
 from kvproc.tiers.mooncake_client import RemoteSpec
@@ -115,9 +115,18 @@ class HostTierRole(Role):
         self._stopping = False
         # KV events for routers (`kv_events.py`): off unless the `kv_events` option asks.
         self.events: KvEventPublisher | None = None
+        self.events_tokens = False
         if opts.get("kv_events"):
-            self.events = KvEventPublisher(env.runtime_dir, env.rank)
-            self.published.update(kv_events=self.events.pub_endpoint, kv_events_replay=self.events.replay_endpoint)
+            self.events = KvEventPublisher(env.runtime_dir, env.rank,
+                                           batch_interval_s=opts.get("kv_events_interval_s", DEFAULT_INTERVAL_S))
+            self.published.update(kv_events=self.events.pub_endpoint, kv_events_replay=self.events.replay_endpoint,
+                                  kv_events_interval_ms=interval_ms(self.events.batch_interval_s))
+            # Token ids in BlockStored (`kv_events_tokens`): the stores send each save's tokens with its ReserveSave
+            # (they learn it from `Configured.token_ids`); off, the save path carries nothing more than before.
+            self.events_tokens = bool(opts.get("kv_events_tokens"))
+            self.published["kv_events_tokens"] = "1" if self.events_tokens else "0"  # routers: token ids coming?
+            # test-only (`tests/tiers/test_kv_event_failures.py`): the first N batches fail to encode, for real
+            self.events.test_only_poison_batches = int(opts.get("test_only_poison_kv_event_batches", 0))
         # The tier below this one (`mooncake.py`): off unless the `remote` option names a Mooncake Store. Parsed
         # here so that a bad URL fails the tier's start; connected at Configure (it needs the segment and the model).
         self.remote_spec = RemoteSpec.parse(opts["remote"]) if opts.get("remote") else None
@@ -164,7 +173,7 @@ class HostTierRole(Role):
                                            segment_addr=seg.address(), index=index, lock=self._lock,
                                            settled=self._answer_settled, key_found=self._key_landed_remote,
                                            key_wanted=self._key_awaited, handoff_ttl_s=self.handoff_ttl_s)
-            self._configured = m.Configured(seg.name, msg.layout, msg.fingerprint)
+            self._configured = m.Configured(seg.name, msg.layout, msg.fingerprint, self.events_tokens)
             self.counters.inc("configured")
             log.info("host_tier_configured", fingerprint=msg.fingerprint, segment=seg.name,
                      bytes=layout.total_bytes, page_slots=layout.page_slots, bounded=layout.bounded_slots)
@@ -219,7 +228,8 @@ class HostTierRole(Role):
             raise HandlerError("bad_request", f"unknown save class {msg.save_class!r}") from None
         with self._lock:
             index = self._index()
-            t = index.reserve_save(msg.req_id, msg.keys, msg.bounded_groups, save_class)
+            tokens = np.frombuffer(msg.token_ids, np.int64) if msg.token_ids and self.events_tokens else None
+            t = index.reserve_save(msg.req_id, msg.keys, msg.bounded_groups, save_class, tokens)
             self._publish_locked(index)  # making room evicts
         if not isinstance(t, SaveTicket):
             return m.TierShed(t.reason)

@@ -32,13 +32,13 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from itertools import takewhile
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from kvproc.core.lru import RunLru
 from kvproc.native import NATIVE
-from kvproc.tiers.kv_events import BlockRemoved, BlockStored, KvEvent
+from kvproc.tiers.kv_events import BlockRemoved, BlockStored, KvEvent, page_token_ids
 from kvproc.tiers.save_fence import BUSY, NO_FENCE, REVOKED, FenceTable
 from kvproc.tiers.slot_table import FENCE, GEN, ROWS, TAG, key_tags
 
@@ -84,6 +84,9 @@ class SaveTicket:
     # The save's fence word and token (`save_fence.py`): the copy worker claims it before writing the slots.
     fence: int = NO_FENCE
     fence_token: int = 0
+    # The pages' token ids (`ReserveSave.token_ids`), kept for the BlockStored events of its commit; None: not known
+    # (or no events). Never on the wire back.
+    token_ids: Any = None
 
     @property
     def copies(self) -> int:
@@ -306,8 +309,11 @@ class HostIndex:
         keys: Sequence[bytes],
         bounded_groups: Sequence[str] = (),
         save_class: SaveClass = SaveClass.CACHEABLE,
+        token_ids: Any = None,
     ) -> SaveTicket | Shed:
-        """Reserve slots for the pages `keys` (and bounded artifacts at `keys[-1]`) not already present or pending."""
+        """Reserve slots for the pages `keys` (and bounded artifacts at `keys[-1]`) not already present or pending.
+        `token_ids` (the pages' tokens, `block_size` per page) go into the commit's BlockStored events; kept only
+        while this index publishes events."""
         if not keys:
             raise ValueError("reserve_save needs at least one page key")
         entries, pending = self.entries, self.pending
@@ -340,7 +346,8 @@ class HostIndex:
         for g in want_bounded:
             bounded[g] = self.free_bounded[g].pop()
         ticket = SaveTicket(next(self._ids), req_id, save_class, tuple(keys), page_slots, bounded,
-                            self.clock() + self.save_ttl_s, page_gens, *fence)
+                            self.clock() + self.save_ttl_s, page_gens, *fence,
+                            token_ids if self.events is not None else None)
         self.saves[ticket.save_id] = ticket
         if present:
             self._save_holds[ticket.save_id] = present
@@ -451,20 +458,24 @@ class HostIndex:
         return True
 
     def _stored_events(self, t: SaveTicket) -> None:
-        """One BlockStored per run of consecutive pages this save added, parented on the save's page before it."""
+        """One BlockStored per run of consecutive pages this save added, parented on the save's page before it; with
+        the run's token ids where the save brought them (`token_ids`: sliced here, listed by the publisher's
+        thread as it encodes), else empty."""
         assert self.events is not None
+        P, tokens = self.block_size, t.token_ids if self.block_size else None
         run: list[bytes] = []
         parent: bytes | None = None
+        first = 0
         for i, (k, slot) in enumerate(zip(t.keys, t.page_slots)):
             if slot is not None:
                 if not run:
-                    parent = t.keys[i - 1] if i else None
+                    parent, first = (t.keys[i - 1] if i else None), i
                 run.append(k)
             elif run:
-                self.events.append(BlockStored(run, parent, [], self.block_size))
+                self.events.append(BlockStored(run, parent, page_token_ids(tokens, first, i, P), P))
                 run = []
         if run:
-            self.events.append(BlockStored(run, parent, [], self.block_size))
+            self.events.append(BlockStored(run, parent, page_token_ids(tokens, first, len(t.keys), P), P))
 
     def take_events(self) -> list[KvEvent]:
         """The events since the last call (under the caller's lock)."""

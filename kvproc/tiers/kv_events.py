@@ -5,14 +5,16 @@ msgspec msgpack, array-like, tagged), so a router that reads vLLM's stream reads
 
 - `BlockStored(block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium)`: pages committed, one event per
   run of consecutive new pages of one save; `parent_block_hash` is the page before the run in that save (None at the
-  save's first page: the tier never sees the chain before it); `token_ids` is empty (the tier keeps hashes only);
+  save's first page: the tier never sees the chain before it); `token_ids` the run's pages' tokens, one page after the
+  other, when the tier was started with `kv_events_tokens` (the stores then send each save's tokens), else empty;
   `medium` is "cpu";
 - `BlockRemoved(block_hashes, medium)`: pages evicted;
 - `AllBlocksCleared()`: the first batch of a tier incarnation (a subscriber drops what an earlier one held).
 
-A batch is what changed over up to `batch_interval_s` (50 ms; sooner at `flush`, the stop or `max_pending` events),
-in change order: the changing thread only appends (`KvEventPublisher`), so a router sees a change ~50 ms late at most
-(vLLM's own publisher sends once per engine step, tens of ms).
+A batch is what changed over up to `batch_interval_s` (50 ms by default; sooner at `flush`, the stop or `max_pending`
+events), in change order: the changing thread only appends (`KvEventPublisher`), so a router sees a change ~50 ms late
+at most (vLLM's own publisher sends once per engine step, tens of ms). The interval is an operator's setting
+(`ClusterStore.start(kv_events_interval_s=)`, `kvproc up --kv-events-interval-ms`; `check_interval` bounds it).
 
 Transport (vLLM's convention): a ZeroMQ PUB socket sends `[topic, seq (8 bytes, big-endian), payload]` per batch;
 `seq` grows by one per batch, so a gap is visible. A ROUTER socket beside it answers a replay request (the 8-byte
@@ -29,6 +31,7 @@ holds, i.e. which page hashes a resolve there would match; its `BlockStored` car
 from __future__ import annotations
 
 import collections
+import math
 import os
 import threading
 import time
@@ -37,14 +40,40 @@ from typing import Any, Union
 
 import msgspec
 import numpy as np
+import structlog
 import zmq
 
 from kvproc.core.hashing import PAD_TOKEN_ID
+
+log = structlog.get_logger("kvproc.kv_events")
 
 MEDIUM = "cpu"
 MEDIUM_DEVICE = "GPU"  # vLLM's MEDIUM_GPU: what routers already read for an engine's own prefix cache
 TOPIC = b"kv-events"
 END = (-1).to_bytes(8, "big", signed=True)
+DEFAULT_INTERVAL_S = 0.05
+# The longest batch interval accepted: an hour already makes the events useless to a router; past it a typo (a
+# value in microseconds, 1e10) would overflow the thread's timed wait (`threading.TIMEOUT_MAX`) and kill it.
+MAX_INTERVAL_S = 3600.0
+
+
+def check_interval(interval_s: float) -> float:
+    """`interval_s` as a float, or ValueError saying what is accepted: (0, 1 h], finite."""
+    try:
+        v = float(interval_s)
+    except (TypeError, ValueError):
+        raise ValueError(f"KV-event batch interval must be a number of seconds, got {interval_s!r}") from None
+    if not (math.isfinite(v) and 0 < v <= MAX_INTERVAL_S):
+        raise ValueError(f"KV-event batch interval must be > 0 and <= {MAX_INTERVAL_S:g} s (1 h), got {interval_s!r}"
+                         " s")
+    return v
+
+
+def interval_ms(interval_s: float) -> str:
+    """The interval as the manifest's `published` records it (milliseconds, a string: `published` maps names to
+    strings): "50", "3600000", "0.5"."""
+    ms = round(interval_s * 1000, 3)
+    return str(int(ms)) if ms == int(ms) else str(ms)
 
 
 class BlockStored(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
@@ -88,12 +117,12 @@ def endpoints(runtime_dir: str, rank: int, kind: str = "") -> tuple[str, str]:
             f"ipc://{os.path.join(runtime_dir, f'kv-events-{k}replay-{rank}')}")
 
 
-def _token_ids(tokens: Any, start: int, stop: int, page_tokens: int) -> Any:
-    """Pages `start..stop-1`'s token ids from a registration's `tokens` (`IndexListener.stored`): [] when unknown.
-    Not copied (the registering side never changes them: `IndexListener.stored`), and an int64 array stays an
-    array -- turned into a list by the publisher's thread as it encodes (`_enc_hook`), not here under the pool's
-    lock. A last page shorter than a page (a padded hand-off tail) is padded with `PAD_TOKEN_ID`, as the page
-    itself was."""
+def page_token_ids(tokens: Any, start: int, stop: int, page_tokens: int) -> Any:
+    """Pages `start..stop-1`'s token ids from a registration's `tokens` (`IndexListener.stored`; a host-tier save's
+    `ReserveSave.token_ids`): [] when unknown. Not copied (the registering side never changes them:
+    `IndexListener.stored`), and an int64 array stays an array -- turned into a list by the publisher's thread as
+    it encodes (`_enc_hook`), not here under the pool's (or the tier's) lock. A last page shorter than a page (a
+    padded hand-off tail) is padded with `PAD_TOKEN_ID`, as the page itself was."""
     if tokens is None:
         return []
     n = (stop - start) * page_tokens
@@ -108,7 +137,7 @@ def _token_ids(tokens: Any, start: int, stop: int, page_tokens: int) -> Any:
 
 
 def _enc_hook(obj: Any) -> Any:
-    if isinstance(obj, (np.ndarray, np.generic)):  # `BlockStored.token_ids` of a device registration (`_token_ids`)
+    if isinstance(obj, (np.ndarray, np.generic)):  # `BlockStored.token_ids` (`page_token_ids`)
         return obj.tolist()
     raise NotImplementedError(f"cannot encode {type(obj).__name__}")
 
@@ -133,12 +162,20 @@ class KvEventPublisher:
     save) costs its producer one list append each, and the process one wake, encode and send per interval: waking
     the thread and sending per change cost a blocking resolve +21% to +61% in `kvproc bench ipc --observe-ab
     --device-events` on 2 cores (bench/RESULTS.md). Replays are answered on another thread, from the kept batches.
-    Neither thread polls: each sleeps in a blocking wait."""
+    Neither thread polls: each sleeps in a blocking wait.
+
+    A batch that fails to encode or send is dropped, and the thread goes on with the next one: one bad batch (an
+    event the encoder cannot take, a socket error) must not end the stream of every later change, and taking the
+    pending list whole each interval keeps it bounded either way. Its seq is skipped (a batch that failed before it
+    was kept), so a subscriber sees the gap and that no replay fills it: its view of this source is then incomplete.
+    The first failure is logged with its traceback, every one counted (`kv_events.failed` batches,
+    `kv_events.dropped` events). Should the thread itself end (a failure outside a batch), `publish` stops
+    appending (counted as dropped) and `flush` answers False at once: nothing waits for a thread that is gone."""
 
     def __init__(self, runtime_dir: str, rank: int, replay_batches: int = 10_000, kind: str = "",
-                 batch_interval_s: float = 0.05, max_pending: int = 4096) -> None:
+                 batch_interval_s: float = DEFAULT_INTERVAL_S, max_pending: int = 4096) -> None:
         self.pub_endpoint, self.replay_endpoint = endpoints(runtime_dir, rank, kind)
-        self.batch_interval_s = batch_interval_s
+        self.batch_interval_s = check_interval(batch_interval_s)  # before any socket or thread: nothing to undo
         self.max_pending = max_pending
         # Events in publish order, and flush markers (set once everything before them was sent); taken whole.
         self._pending: list[KvEvent | threading.Event] = []
@@ -154,8 +191,14 @@ class KvEventPublisher:
         self.seq = 0
         self.batches = 0
         self.events = 0  # events sent (before `coalesce`)
-        self.queued = 0  # events published; `queued - events` still wait for their batch
+        self.queued = 0  # events published; `queued - events - dropped` still wait for their batch
         self.replays = 0
+        self.failed = 0  # batches dropped: encoding or sending raised
+        self.dropped = 0  # events in them, and events published after the thread ended
+        self._dead = False  # the publisher's thread ended without a stop: publishes are dropped, not kept
+        # Test-only seam: the next N batches get an object the encoder cannot encode appended, so that msgspec's
+        # own encode raises in the publisher's thread (`tests/tiers/test_kv_event_failures.py`). Never set otherwise.
+        self.test_only_poison_batches = 0
         ctx: zmq.Context[Any] = zmq.Context.instance()
         self._pub = ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
@@ -176,6 +219,10 @@ class KvEventPublisher:
         if not events:
             return
         with self._lock:
+            if self._dead:  # nobody would ever take them: count, do not keep
+                self.queued += len(events)
+                self.dropped += len(events)
+                return
             self._pending += events
             self.queued += len(events)
             wake, self._armed = not self._armed, True
@@ -186,16 +233,22 @@ class KvEventPublisher:
             self._hurry.set()
 
     def flush(self, timeout: float = 10.0) -> bool:
-        """Wait until every batch of events published before this call went out (True), or `timeout` passed."""
+        """Wait until every batch of events published before this call went out (True); False when `timeout`
+        passed, a batch failed meanwhile (`kv_events.failed`) or the thread is gone."""
         done = threading.Event()
+        failed = self.failed
         with self._lock:
+            if self._dead:
+                return False
             self._pending.append(done)
             self._armed = True
         self._wake.set()
         self._hurry.set()
-        return done.wait(timeout)
+        return done.wait(timeout) and self.failed == failed and not self._dead
 
     def _pub_main(self) -> None:
+        taken: list[KvEvent | threading.Event] = []  # the batch in hand: what a failure outside it would lose
+        stopping = False
         try:
             while True:
                 self._wake.wait()  # idle: until a publish (or a flush, or the stop)
@@ -203,26 +256,54 @@ class KvEventPublisher:
                 while True:
                     self._hurry.wait(self.batch_interval_s)  # what is published meanwhile joins this batch
                     with self._lock:
-                        items, self._pending = self._pending, []
+                        taken, self._pending = self._pending, []
                         self._hurry.clear()
                         stopping = self._stopping
-                        if not items:  # idle again: the next publish wakes the thread (it sees _armed False)
+                        if not taken:  # idle again: the next publish wakes the thread (it sees _armed False)
                             self._armed = False
                             self._wake.clear()
-                    if not items:
+                    if not taken:
                         break
-                    events = [e for e in items if not isinstance(e, threading.Event)]
+                    events = [e for e in taken if not isinstance(e, threading.Event)]
                     if events:
-                        self._send(events)
-                    for e in items:
+                        self._send_or_drop(events)
+                    for e in taken:
                         if isinstance(e, threading.Event):
                             e.set()
+                    taken = []
                     if stopping:
                         return
                 if stopping:
                     return
+        except BaseException:  # logged and counted: the thread has nobody to raise to
+            stopping = False
+            log.exception("kv_events_publisher_died", endpoint=self.pub_endpoint)
         finally:
+            if not stopping:  # ended on a failure: later publishes must not pile up for it, nor flushes wait
+                with self._lock:
+                    self._dead = True
+                    left, self._pending = taken + self._pending, []
+                    self.dropped += sum(1 for e in left if not isinstance(e, threading.Event))
+                for e in left:
+                    if isinstance(e, threading.Event):
+                        e.set()  # its flush answers False (`_dead`)
             self._pub.close()
+
+    def _send_or_drop(self, events: list[KvEvent]) -> None:
+        seq, n = self.seq, len(events)
+        try:
+            if self.test_only_poison_batches > 0:
+                self.test_only_poison_batches -= 1
+                events = events + [object()]  # type: ignore[list-item]  # msgspec's encode raises on it, for real
+            self._send(events)
+        except Exception:
+            self.failed += 1
+            self.dropped += n
+            with self._kept_lock:
+                if self.seq == seq:  # failed before the batch was kept: skip its seq, so that the gap shows
+                    self.seq += 1
+            if self.failed == 1:  # once: a failure that repeats every interval would flood the log
+                log.exception("kv_events_batch_failed", endpoint=self.pub_endpoint, seq=seq, events=n)
 
     def _send(self, events: list[KvEvent]) -> None:
         payload = self._encoder.encode(KVEventBatch(time.time(), coalesce(events)))
@@ -267,7 +348,8 @@ class KvEventPublisher:
 
     def stats(self) -> dict[str, Any]:
         return {"kv_events.batches": self.batches, "kv_events.events": self.events, "kv_events.queued": self.queued,
-                "kv_events.replays": self.replays, "kv_events.seq": self.seq}
+                "kv_events.replays": self.replays, "kv_events.seq": self.seq, "kv_events.failed": self.failed,
+                "kv_events.dropped": self.dropped}
 
 
 class DeviceIndexEvents:
@@ -304,14 +386,14 @@ class DeviceIndexEvents:
         first, last = positions[0], positions[-1]
         if last - first == len(positions) - 1:  # one run (the usual case: a prefill's new pages): no loop
             self.publisher.publish([BlockStored(list(hashes[first:last + 1]), hashes[first - 1] if first else None,
-                                                _token_ids(tokens, first, last + 1, P), P, None, MEDIUM_DEVICE)])
+                                                page_token_ids(tokens, first, last + 1, P), P, None, MEDIUM_DEVICE)])
             return
         events: list[KvEvent] = []
         start = prev = positions[0]
         for p in positions[1:] + [-1]:  # -1 closes the last run
             if p != prev + 1:
                 events.append(BlockStored(list(hashes[start:prev + 1]), hashes[start - 1] if start else None,
-                                          _token_ids(tokens, start, prev + 1, P), P, None, MEDIUM_DEVICE))
+                                          page_token_ids(tokens, start, prev + 1, P), P, None, MEDIUM_DEVICE))
                 start = p
             prev = p
         self.publisher.publish(events)

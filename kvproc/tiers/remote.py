@@ -144,11 +144,13 @@ class QueryAbandoned(RuntimeError):
 
 class RemoteTier:
     def __init__(self, client: ClientSource, layout: HostLayout, *, segment: str = "",
-                 oneway_timeout_s: float = 5.0) -> None:
+                 oneway_timeout_s: float = 5.0, wants_token_ids: bool = False) -> None:
         """`segment`: the tier's host segment; its slot table (only that window) is mapped for verified speculative
-        loads when the layout has one (`kvproc.tiers.slot_table`)."""
+        loads when the layout has one (`kvproc.tiers.slot_table`). `wants_token_ids`: the tier's `Configured`
+        asked for each save's token ids (its KV events carry them)."""
         self._client = client
         self.layout = layout
+        self.wants_token_ids = wants_token_ids
         self.oneway_timeout_s = oneway_timeout_s
         self.counters: Counter[str] = Counter()
         self._closed = False
@@ -218,8 +220,10 @@ class RemoteTier:
             return False
 
     async def reserve_save(self, req_id: str, keys: Sequence[bytes], bounded_groups: Sequence[str],
-                           save_class: SaveClass, *, timeout: float) -> SaveTicket | Shed:
-        msg = m.ReserveSave(req_id, list(keys), list(bounded_groups), save_class.value)
+                           save_class: SaveClass, *, timeout: float,
+                           token_ids: np.ndarray | None = None) -> SaveTicket | Shed:
+        tokens = token_ids.astype(np.int64, copy=False).tobytes() if token_ids is not None else None
+        msg = m.ReserveSave(req_id, list(keys), list(bounded_groups), save_class.value, tokens)
         res = await _acall(self._link, self._client(), msg, timeout)
         if isinstance(res, m.TierShed):
             return Shed(res.reason)

@@ -63,7 +63,8 @@ def test_a_subscriber_rebuilds_rank0s_device_index_from_events_alone() -> None:
         pool = store.pools[0]
         manifest = mf.read_manifest(cs.cluster.runtime_dir)
         pub_ep, replay_ep = endpoints(cs.cluster.runtime_dir, 0, "device")
-        assert manifest.published == {"kv_events_device_0": pub_ep, "kv_events_device_replay_0": replay_ep}
+        assert manifest.published == {"kv_events_device_0": pub_ep, "kv_events_device_replay_0": replay_ep,
+                                      "kv_events_device_interval_ms": "50"}
         sub = zmq.Context.instance().socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, TOPIC)

@@ -4,11 +4,19 @@ gives the same batches as the live stream, and the events have vLLM's KVEventBat
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from typing import Any
 
+import numpy as np
+import pytest
 import zmq
 
+from kvproc import RequestKv
 from kvproc.ipc import messages as m
+from kvproc.store.types import SealCursor
+from kvproc.runtime import manifest as mf
+from kvproc.store.cluster import ClusterStore
 from kvproc.tiers.kv_events import (
     TOPIC,
     AllBlocksCleared,
@@ -18,10 +26,13 @@ from kvproc.tiers.kv_events import (
     decode_batch,
     endpoints,
 )
-from tests.conftest import cluster_store, compute, replay_kv_events, wait_for
+from tests.conftest import cluster_store, compute, kvproc_up, replay_kv_events, wait_for
 
 
-def _rebuild(batches: list[KVEventBatch]) -> tuple[set[bytes], int, int]:
+def _rebuild(batches: list[KVEventBatch], page_tokens: dict[bytes, list[int]] | None = None,
+             ) -> tuple[set[bytes], int, int]:
+    """The key set the events describe, and the pages stored and removed. `page_tokens` (page hash -> its tokens):
+    each BlockStored's token ids must be its pages' tokens one page after the other; None: they must be empty."""
     keys: set[bytes] = set()
     stored = removed = 0
     for batch in batches:
@@ -32,7 +43,11 @@ def _rebuild(batches: list[KVEventBatch]) -> tuple[set[bytes], int, int]:
                 assert not keys & set(e.block_hashes), "a page stored twice without a removal between"
                 keys.update(e.block_hashes)
                 stored += len(e.block_hashes)
-                assert e.block_size == 4 and e.medium == "cpu" and e.token_ids == []
+                assert e.block_size == 4 and e.medium == "cpu"
+                if page_tokens is None:
+                    assert e.token_ids == []
+                else:
+                    assert e.token_ids == [t for h in e.block_hashes for t in page_tokens[h]]
             elif isinstance(e, BlockRemoved):
                 assert set(e.block_hashes) <= keys, "a page removed that was never stored"
                 keys.difference_update(e.block_hashes)
@@ -48,19 +63,25 @@ def _tier_has(client: Any, key: bytes) -> bool:
     return False
 
 
-def test_a_subscriber_rebuilds_the_tiers_key_set_from_events_alone() -> None:
-    with cluster_store(64 << 10, kv_events=True) as (cs, store, model):  # ~60 page slots: the workload evicts
+@pytest.mark.parametrize("tokens", [False, True], ids=["hashes", "with_token_ids"])
+def test_a_subscriber_rebuilds_the_tiers_key_set_from_events_alone(tokens: bool) -> None:
+    # ~60 page slots: the workload evicts. `kv_events_tokens`: each BlockStored carries its pages' token ids (the
+    # prompt's page slices), else none (the save path carries no tokens then: `ReserveSave.token_ids` is empty)
+    with cluster_store(64 << 10, kv_events=True, kv_events_tokens=tokens) as (cs, store, model):
         pub, replay = endpoints(cs.cluster.runtime_dir, 0)
         sub = zmq.Context.instance().socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, TOPIC)
         sub.connect(pub)
         try:
+            assert store.tier_of(0).wants_token_ids is tokens  # type: ignore[union-attr]
             universe: list[bytes] = []
+            page_tokens: dict[bytes, list[int]] = {}
             for i in range(40):  # 40 prompts of 4 pages each: 160 distinct pages through ~60 slots
                 toks = [1000 * i + j for j in range(17)]
                 kv, cur, _, _ = compute(store, model, f"r{i}", toks)
                 universe += kv.page_hashes[:4]
+                page_tokens.update((h, toks[k * 4:(k + 1) * 4]) for k, h in enumerate(kv.page_hashes[:4]))
                 store.retire(0, kv, cur)
                 store.flush_saves(0, 10)
             tier = cs.cluster.client("host_tier")
@@ -77,7 +98,7 @@ def test_a_subscriber_rebuilds_the_tiers_key_set_from_events_alone() -> None:
             assert seqs == list(range(len(seqs))), "a gap or a reordering in the batches' seq"
             batches = [decode_batch(p) for _, p in kept]
             assert isinstance(batches[0].events[0], AllBlocksCleared)
-            keys, stored, removed = _rebuild(batches)
+            keys, stored, removed = _rebuild(batches, page_tokens if tokens else None)
             assert removed > 0 and stored - removed == len(keys)
             assert len(keys) == tier.request(m.TierStats(), timeout=5).counters["entries"]
             assert keys <= set(universe)
@@ -107,7 +128,8 @@ def test_the_manifest_names_the_events_and_metrics_endpoints_and_they_answer() -
         found = mf.read_manifest(cs.cluster.runtime_dir)  # what a console or a router reads: nothing else shared
         assert found.metrics == cs.cluster.metrics.address
         (tier,) = [p for p in found.processes if p.role == "host_tier"]
-        assert tier.published == dict(zip(("kv_events", "kv_events_replay"), endpoints(cs.cluster.runtime_dir, 0)))
+        assert tier.published == {**dict(zip(("kv_events", "kv_events_replay"), endpoints(cs.cluster.runtime_dir, 0))),
+                                  "kv_events_interval_ms": "50", "kv_events_tokens": "0"}
         (worker,) = [p for p in found.processes if p.role == "copy_worker"]
         assert worker.published == {}
         replay = tier.published["kv_events_replay"]
@@ -117,3 +139,81 @@ def test_the_manifest_names_the_events_and_metrics_endpoints_and_they_answer() -
     with cluster_store() as (cs, _, _):
         found = mf.read_manifest(cs.cluster.runtime_dir)
         assert found.metrics == "" and all(p.published == {} for p in found.processes)
+
+
+def test_a_kvproc_up_tier_with_token_ids_gets_them_from_every_engine_that_attaches() -> None:
+    """Token ids per run of new pages, where a save does not start at the prompt's first page (a device hit before
+    it) and where its first pages were in the tier already (saved by a request computed side by side)."""
+    with kvproc_up("kvtok", "--kv-events", "--kv-events-tokens") as (rd, _pid):
+        (tier,) = [p for p in mf.read_manifest(rd).processes if p.role == "host_tier"]
+        with cluster_store(1 << 20, tier_runtime_dir=rd) as (cs, store, model):
+            assert store.tier_of(0).wants_token_ids  # type: ignore[union-attr]  # told by the tier's Configured
+            pool = store.pools[0]
+            t1 = list(range(500, 517))  # pages A B C D (+1 token)
+            kv1, cur, _, _ = compute(store, model, "t1", t1)
+            store.retire(0, kv1, cur)
+            store.flush_saves(0, 10)  # each save commits before the next: the events' order is then the test's
+            t2 = t1[:16] + list(range(600, 609))  # A B C D (a device hit) then E F: its save starts at page 4
+            kv2, cur, prefix, _ = compute(store, model, "t2", t2)
+            assert prefix.device_tokens == 16 and cur.pages == 4
+            store.retire(0, kv2, cur)
+            store.flush_saves(0, 10)
+            # G H computed by two requests side by side: "short" (G H) saves first, "long" (G H I J) then saves
+            # from page 0 and finds G H in the tier: its new run is I J, the save's pages 2-3
+            t3 = list(range(700, 717))
+            kvs = []
+            for rid, toks in (("short", t3[:9]), ("long", t3)):
+                held = store.resolve_prefix_sync(0, rid, toks)
+                assert held.hold.num_blocks == 0
+                kvx = RequestKv(pool, rid, toks, 4)
+                assert kvx.try_admit(0)
+                store.execute_copies(0, kvx.match_and_add_prefix(held.hold))
+                kvx.schedule(len(toks))
+                kvs.append(kvx)
+            for kvx in kvs:
+                kvx.apply()
+            for kvx in kvs:
+                store.retire(0, kvx, SealCursor.after_prefix(0))
+                store.flush_saves(0, 10)
+            client = cs._tier_client(0)
+            wait_for(lambda: (c := client.request(m.Stats(), timeout=5).counters)["kv_events.events"]
+                     == c["kv_events.queued"] >= 5, timeout=30, what="the saves' batches")
+            stored = [e for _, p in replay_kv_events(tier.published["kv_events_replay"])
+                      for e in decode_batch(p).events if isinstance(e, BlockStored)]
+            long = kvs[1].page_hashes
+            assert [(e.block_hashes, e.parent_block_hash, e.token_ids) for e in stored] == [
+                (kv1.page_hashes[:4], None, t1[:16]),
+                (kv2.page_hashes[4:6], None, t2[16:24]),  # None: the tier sees no page before a save's first
+                (long[:2], None, t3[:8]),
+                (long[2:4], long[1], t3[8:16]),
+            ]
+
+
+def test_token_ids_without_kv_events_is_refused(tmp_path: Any) -> None:
+    with pytest.raises(ValueError, match="needs kv_events=True"):
+        ClusterStore.start(1 << 20, kv_events_tokens=True, runtime_dir=str(tmp_path / "rd"))
+    r = subprocess.run([sys.executable, "-m", "kvproc", "up", "--runtime-dir", str(tmp_path / "rd"),
+                        "--kv-events-tokens"], capture_output=True, text=True, timeout=60, check=False)
+    assert r.returncode == 2 and "needs --kv-events" in r.stderr
+    assert not (tmp_path / "rd").exists()
+
+
+def test_without_token_ids_a_reserve_save_carries_one_nil_byte_more_and_an_old_tier_reads_it() -> None:
+    """The default save path's cost: `token_ids` is a trailing field (the wire's rule for new fields), None when
+    off: one msgpack nil more per ReserveSave, nothing else; a tier of the previous shape decodes it."""
+    import msgspec
+
+    class Before(msgspec.Struct, array_like=True, omit_defaults=True, tag=305):  # ReserveSave as it was
+        req_id: str
+        keys: list[bytes]
+        bounded_groups: list[str]
+        save_class: str
+
+    args = ("r1", [b"k" * 16] * 8, ["state"], "cacheable")
+    now, before = msgspec.msgpack.encode(m.ReserveSave(*args)), msgspec.msgpack.encode(Before(*args))
+    assert len(now) == len(before) + 1 and now.endswith(b"\xc0")
+    assert msgspec.msgpack.decode(now, type=Before) == Before(*args)
+    tokens = np.arange(32, dtype=np.int64)
+    sent = msgspec.msgpack.decode(msgspec.msgpack.encode(m.ReserveSave(*args, token_ids=tokens.tobytes())),
+                                  type=m.ReserveSave)
+    assert sent.token_ids is not None and np.frombuffer(sent.token_ids, np.int64).tolist() == list(range(32))

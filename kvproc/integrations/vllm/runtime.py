@@ -24,6 +24,8 @@ import structlog
 from kvproc import ArenaId, ClusterStore, KvArena, KvSpec, KvStore, RepackDirection, StoreConfig
 from kvproc.integrations.vllm.contract import VllmKvContract
 from kvproc.integrations.vllm.moves import MoveQueue
+from kvproc.runtime import manifest as mf
+from kvproc.tiers.kv_events import DEFAULT_INTERVAL_S, MAX_INTERVAL_S, check_interval
 
 if TYPE_CHECKING:
     import torch
@@ -56,10 +58,28 @@ class RuntimeOptions:
     # waits for its moves (the synchronous path, kept for A/B benchmarks).
     async_moves: bool = True
     move_wait_s: float = 60.0  # the longest anything waits for a move (a preempted request's save, a sync load)
+    # KV events of the host tier (medium "cpu", kvproc's page hashes; docs/observability.md) for KV-aware routers:
+    # the tier this engine starts publishes them; an attached shared tier (`tier_runtime_dir`) must have been
+    # started with `kvproc up --kv-events` (and `--kv-events-tokens` for `kv_events_tokens`), checked at start. vLLM's
+    # own GPU blocks are vLLM's `kv_events_config`; the staging pool publishes nothing (no cache to route on).
+    kv_events: bool = False
+    kv_events_interval_ms: float | None = None  # the batch interval (default 50); a shared tier's is its own
+    kv_events_tokens: bool = False  # BlockStored carry the pages' token ids (each save sends its tokens)
 
     def __post_init__(self) -> None:
         if self.mover not in ("local", "cma"):
             raise ValueError(f"kv_connector_extra_config: mover must be 'local' or 'cma', got {self.mover!r}")
+        if (self.kv_events_tokens or self.kv_events_interval_ms is not None) and not self.kv_events:
+            raise ValueError("kv_connector_extra_config: kv_events_tokens / kv_events_interval_ms need kv_events")
+        if self.kv_events_interval_ms is not None:
+            if self.tier_runtime_dir is not None:
+                raise ValueError("kv_connector_extra_config: kv_events_interval_ms is the shared tier's setting "
+                                 "(`kvproc up --kv-events-interval-ms`), not an attached engine's")
+            try:
+                check_interval(self.kv_events_interval_ms / 1000)
+            except (TypeError, ValueError):
+                raise ValueError(f"kv_connector_extra_config: kv_events_interval_ms must be > 0 and <= "
+                                 f"{MAX_INTERVAL_S * 1000:g}, got {self.kv_events_interval_ms!r}") from None
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> "RuntimeOptions":
@@ -141,8 +161,14 @@ def acquire(engine_id: str, contract: VllmKvContract, options: RuntimeOptions, m
             rt.users += 1
             return rt
         staging = options.staging_blocks or 2 * contract.vllm_num_blocks
+        if options.kv_events and options.tier_runtime_dir is not None:
+            check_shared_tier_events(options.tier_runtime_dir, options.kv_events_tokens)
+        own_events = options.kv_events and options.tier_runtime_dir is None
+        interval_ms = options.kv_events_interval_ms
         cs = ClusterStore.start(host_bytes=options.host_bytes, name=f"vllm{abs(hash(engine_id)) % 10**8}",
-                                log_level=options.log_level, tier_runtime_dir=options.tier_runtime_dir)
+                                log_level=options.log_level, tier_runtime_dir=options.tier_runtime_dir,
+                                kv_events=own_events, kv_events_tokens=own_events and options.kv_events_tokens,
+                                kv_events_interval_s=DEFAULT_INTERVAL_S if interval_ms is None else interval_ms / 1000)
         try:
             model = _StagingModel(contract, staging, cs.allocator)
             store = cs.attach_model(model, live_slots=max(1, max_running), config=StoreConfig())
@@ -153,8 +179,36 @@ def acquire(engine_id: str, contract: VllmKvContract, options: RuntimeOptions, m
         _runtimes[engine_id] = rt
         log.info("vllm_connector_started", engine_id=engine_id, staging_blocks=staging,
                  host_bytes=options.host_bytes, layers=len(contract.layer_names),
-                 bytes_per_block=contract.bytes_per_block, page_tokens=contract.block_tokens)
+                 bytes_per_block=contract.bytes_per_block, page_tokens=contract.block_tokens,
+                 runtime_dir=cs.cluster.runtime_dir, kv_events=kv_event_endpoints(
+                     options.tier_runtime_dir or cs.cluster.runtime_dir) if options.kv_events else {})
         return rt
+
+
+def kv_event_endpoints(runtime_dir: str) -> dict[str, dict[str, str]]:
+    """Each host tier's KV-event endpoints and settings, by "host_tier[r]", as its manifest names them: what a
+    router subscribes to (the connector logs them at start: `vllm_connector_started`)."""
+    manifest = mf.read_manifest(runtime_dir)
+    return {f"host_tier[{p.rank}]": dict(p.published) for p in manifest.processes
+            if p.role == "host_tier" and "kv_events" in p.published}
+
+
+def check_shared_tier_events(runtime_dir: str, tokens: bool) -> None:
+    """An engine that asks for KV events and attaches to a shared tier: that tier must publish them (and carry token
+    ids when asked), since only `kvproc up` can turn them on; refused with the flag to add, before anything
+    starts."""
+    manifest = mf.read_manifest(mf.find_runtime_dir(runtime_dir=runtime_dir))
+    for p in manifest.processes:
+        if p.role != "host_tier":
+            continue
+        if "kv_events" not in p.published:
+            raise ValueError(f"kv_connector_extra_config: kv_events asks for the host tier's KV events, but the shared"
+                             f" tier host_tier[{p.rank}] at {runtime_dir} publishes none: start it with "
+                             "`kvproc up --kv-events`")
+        if tokens and p.published.get("kv_events_tokens") != "1":
+            raise ValueError(f"kv_connector_extra_config: kv_events_tokens asks for token ids, but the shared tier "
+                             f"host_tier[{p.rank}] at {runtime_dir} publishes none: start it with "
+                             "`kvproc up --kv-events --kv-events-tokens`")
 
 
 def release(rt: KvprocRuntime) -> None:

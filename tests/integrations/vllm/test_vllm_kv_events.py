@@ -1,0 +1,58 @@
+"""The connector turns on its host tier's KV events (`kv_connector_extra_config`: `kv_events`, `kv_events_tokens`,
+`kv_events_interval_ms`): a real vLLM engine (CPU) serves prompts, and a subscriber reading the endpoint the
+cluster's manifest names gets a BlockStored (medium "cpu", vLLM's block size) for every full page vLLM computed,
+with the page's token ids. The staging pool publishes nothing (it is no cache a router should route on); vLLM's own
+GPU blocks are vLLM's `kv_events_config` (docs/vllm.md)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from kvproc.integrations.vllm.runtime import kv_event_endpoints
+from kvproc.runtime import manifest as mf
+from kvproc.tiers.kv_events import AllBlocksCleared, BlockStored, decode_batch
+from tests.conftest import replay_kv_events, wait_for
+from tests.integrations.vllm.conftest import (
+    BLOCK,
+    engine,
+    generate,
+    kvproc_transfer_config,
+    live_runtime,
+    random_tokens,
+)
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def test_the_connectors_host_tier_publishes_every_saved_page_with_its_tokens(tiny_llama: Path) -> None:
+    extra = {"kv_events": True, "kv_events_tokens": True, "kv_events_interval_ms": 10}
+    with engine(tiny_llama, kvproc_transfer_config(**extra)) as llm:
+        rd = live_runtime().cluster.cluster.runtime_dir
+        (tier,) = kv_event_endpoints(rd).values()  # what the connector logs at start (`vllm_connector_started`)
+        assert tier["kv_events_interval_ms"] == "10" and tier["kv_events_tokens"] == "1"
+        assert mf.read_manifest(rd).published == {}  # no device-pool (staging) stream
+        rng = random.Random(5)
+        prompts = [random_tokens(rng, 100) for _ in range(3)]
+        outs = generate(llm, prompts, max_tokens=16)
+        # the pages in vLLM's KV: a request's tokens but its last (sampled, never computed); 115 tokens: 3 pages
+        pages = {tuple(s[k * BLOCK:(k + 1) * BLOCK]) for p, o in zip(prompts, outs)
+                 for s in [p + o[:-1]] for k in range(len(s) // BLOCK)}
+        assert len(pages) == 9
+
+        def stored() -> list[BlockStored]:
+            return [e for _, b in replay_kv_events(tier["kv_events_replay"]) for e in decode_batch(b).events
+                    if isinstance(e, BlockStored)]
+
+        # saves land after the requests finish (asynchronously): wait for all nine pages' events
+        wait_for(lambda: sum(len(e.block_hashes) for e in stored()) >= 9, timeout=120, what="every page's event")
+        batches = [decode_batch(b) for _, b in replay_kv_events(tier["kv_events_replay"])]
+        assert isinstance(batches[0].events[0], AllBlocksCleared)
+        got: set[tuple[int, ...]] = set()
+        for e in stored():
+            assert e.medium == "cpu" and e.block_size == BLOCK
+            assert len(e.token_ids) == BLOCK * len(e.block_hashes)
+            got |= {tuple(e.token_ids[i:i + BLOCK]) for i in range(0, len(e.token_ids), BLOCK)}
+        assert got == pages
