@@ -7,7 +7,7 @@ msgspec msgpack, array-like, tagged), so a router that reads vLLM's stream reads
   run of consecutive new pages of one save; `parent_block_hash` is the page before the run in that save (None at the
   save's first page: the tier never sees the chain before it); `token_ids` the run's pages' tokens, one page after the
   other, when the tier was started with `kv_events_tokens` (the stores then send each save's tokens), else empty;
-  `medium` is "cpu";
+  `medium` is "CPU" (vLLM's `MEDIUM_CPU`);
 - `BlockRemoved(block_hashes, medium)`: pages evicted;
 - `AllBlocksCleared()`: the first batch of a tier incarnation (a subscriber drops what an earlier one held).
 
@@ -47,7 +47,7 @@ from kvproc.core.hashing import PAD_TOKEN_ID
 
 log = structlog.get_logger("kvproc.kv_events")
 
-MEDIUM = "cpu"
+MEDIUM = "CPU"  # vLLM's MEDIUM_CPU: a router filtering on vLLM's constant sees the host tier's pages
 MEDIUM_DEVICE = "GPU"  # vLLM's MEDIUM_GPU: what routers already read for an engine's own prefix cache
 TOPIC = b"kv-events"
 END = (-1).to_bytes(8, "big", signed=True)

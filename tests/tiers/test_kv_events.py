@@ -43,7 +43,7 @@ def _rebuild(batches: list[KVEventBatch], page_tokens: dict[bytes, list[int]] | 
                 assert not keys & set(e.block_hashes), "a page stored twice without a removal between"
                 keys.update(e.block_hashes)
                 stored += len(e.block_hashes)
-                assert e.block_size == 4 and e.medium == "cpu"
+                assert e.block_size == 4 and e.medium == "CPU"
                 if page_tokens is None:
                     assert e.token_ids == []
                 else:

@@ -1,6 +1,6 @@
 """The connector turns on its host tier's KV events (`kv_connector_extra_config`: `kv_events`, `kv_events_tokens`,
 `kv_events_interval_ms`): a real vLLM engine (CPU) serves prompts, and a subscriber reading the endpoint the
-cluster's manifest names gets a BlockStored (medium "cpu", vLLM's block size) for every full page vLLM computed,
+cluster's manifest names gets a BlockStored (medium "CPU", vLLM's block size) for every full page vLLM computed,
 with the page's token ids. The staging pool publishes nothing (it is no cache a router should route on); vLLM's own
 GPU blocks are vLLM's `kv_events_config` (docs/vllm.md)."""
 
@@ -52,7 +52,7 @@ def test_the_connectors_host_tier_publishes_every_saved_page_with_its_tokens(tin
         assert isinstance(batches[0].events[0], AllBlocksCleared)
         got: set[tuple[int, ...]] = set()
         for e in stored():
-            assert e.medium == "cpu" and e.block_size == BLOCK
+            assert e.medium == "CPU" and e.block_size == BLOCK
             assert len(e.token_ids) == BLOCK * len(e.block_hashes)
             got |= {tuple(e.token_ids[i:i + BLOCK]) for i in range(0, len(e.token_ids), BLOCK)}
         assert got == pages
