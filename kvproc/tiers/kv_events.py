@@ -51,6 +51,7 @@ MEDIUM = "CPU"  # vLLM's MEDIUM_CPU: a router filtering on vLLM's constant sees 
 MEDIUM_DEVICE = "GPU"  # vLLM's MEDIUM_GPU: what routers already read for an engine's own prefix cache
 TOPIC = b"kv-events"
 END = (-1).to_bytes(8, "big", signed=True)
+STOP_LINGER_MS = 1000  # how long a stopping publisher lets ZeroMQ write its last batches to connected subscribers
 DEFAULT_INTERVAL_S = 0.05
 # The longest batch interval accepted: an hour already makes the events useless to a router; past it a typo (a
 # value in microseconds, 1e10) would overflow the thread's timed wait (`threading.TIMEOUT_MAX`) and kill it.
@@ -193,6 +194,7 @@ class KvEventPublisher:
         self.events = 0  # events sent (before `coalesce`)
         self.queued = 0  # events published; `queued - events - dropped` still wait for their batch
         self.replays = 0
+        self.replay_failed = 0  # replay requests that raised (logged once): the thread answers the next one
         self.failed = 0  # batches dropped: encoding or sending raised
         self.dropped = 0  # events in them, and events published after the thread ended
         self._dead = False  # the publisher's thread ended without a stop: publishes are dropped, not kept
@@ -287,7 +289,10 @@ class KvEventPublisher:
                 for e in left:
                     if isinstance(e, threading.Event):
                         e.set()  # its flush answers False (`_dead`)
-            self._pub.close()
+            # A stop's last batch still reaches the connected subscribers (ZeroMQ documents that LINGER 0 discards
+            # what it has not written yet; over ipc:// it was delivered anyway in a test, so this is by the book, not
+            # measured); bounded, so a stalled subscriber cannot hold the stop.
+            self._pub.close(linger=STOP_LINGER_MS if stopping else 0)
 
     def _send_or_drop(self, events: list[KvEvent]) -> None:
         seq, n = self.seq, len(events)
@@ -325,16 +330,27 @@ class KvEventPublisher:
                     frames = self._replay.recv_multipart()
                 except zmq.Again:
                     continue
-                ident = frames[0]
-                start = int.from_bytes(frames[-1][:8], "big", signed=True) if len(frames) > 1 and frames[-1] else 0
-                with self._kept_lock:
-                    kept = [(seq, payload) for seq, payload in self._kept if seq >= start]
-                for seq, payload in kept:
-                    self._replay.send_multipart([ident, b"", seq.to_bytes(8, "big", signed=True), payload])
-                self._replay.send_multipart([ident, b"", END, b""])
-                self.replays += 1
+                try:
+                    self._answer_replay(frames)
+                except Exception:  # one bad request must not end replays for every later subscriber
+                    self.replay_failed += 1
+                    if self.replay_failed == 1:
+                        log.exception("kv_events_replay_failed", endpoint=self.replay_endpoint)
+        except BaseException:
+            log.exception("kv_events_replay_thread_died", endpoint=self.replay_endpoint)
+            raise
         finally:
             self._replay.close()
+
+    def _answer_replay(self, frames: list[bytes]) -> None:
+        ident = frames[0]
+        start = int.from_bytes(frames[-1][:8], "big", signed=True) if len(frames) > 1 and frames[-1] else 0
+        with self._kept_lock:
+            kept = [(seq, payload) for seq, payload in self._kept if seq >= start]
+        for seq, payload in kept:
+            self._replay.send_multipart([ident, b"", seq.to_bytes(8, "big", signed=True), payload])
+        self._replay.send_multipart([ident, b"", END, b""])
+        self.replays += 1
 
     def close(self) -> None:
         """Stop; what was published before goes out first."""
@@ -349,7 +365,7 @@ class KvEventPublisher:
     def stats(self) -> dict[str, Any]:
         return {"kv_events.batches": self.batches, "kv_events.events": self.events, "kv_events.queued": self.queued,
                 "kv_events.replays": self.replays, "kv_events.seq": self.seq, "kv_events.failed": self.failed,
-                "kv_events.dropped": self.dropped}
+                "kv_events.dropped": self.dropped, "kv_events.replay_failed": self.replay_failed}
 
 
 class DeviceIndexEvents:

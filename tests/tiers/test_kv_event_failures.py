@@ -154,3 +154,4 @@ def _find(obj: object, key: str) -> object:
             if (found := _find(v, key)) is not None:
                 return found
     return None
+
