@@ -2,7 +2,7 @@
 segment, and executes copy orders over them with `CopyExecutor` (coalesced slice copies, two threads for big batches).
 
 Protocol: `AttachArenas` first (the scheduler's `RemoteCopier` sends it, and sends it again to a restarted worker
-before its next order); then `Save` / `Load` / `DeviceCopy`, each answered `Copied(nbytes)` or a typed `Failed`.
+before its next order; its `mover` may ask for the torch mover on CPU arenas, the GPU path's logic); then `Save` / `Load` / `DeviceCopy`, each answered `Copied(nbytes)` or a typed `Failed`.
 A copy that started is not cancellable: the handler never checks the deadline or the token mid-copy, so the reply is
 always the real outcome (the caller keeps the destination reserved until it arrives).
 
@@ -24,7 +24,9 @@ import torch
 
 from kvproc.contract import GroupKind, GroupSpec, KvArena, KvSpec, check_repack_hook, validate_layout
 from kvproc.ipc import messages as m
+from kvproc.ipc import pinning
 from kvproc.ipc.context import CallContext
+from kvproc.ipc.cuda_ipc import CudaArenaHandle, CudaIpcError, check_geometry
 from kvproc.ipc.errors import HandlerError
 from kvproc.ipc.segment import Segment, SegmentBusyError, SegmentError
 from kvproc.ipc.service import handles
@@ -33,6 +35,7 @@ from kvproc.runtime.role import Role, RoleEnv
 from kvproc.tiers import save_fence
 from kvproc.tiers.host import layout_from_wire
 from kvproc.workers.copy_exec import CopyError, CopyExecutor, RepackError
+from kvproc.workers.movers import MoveError, Mover, mover_for
 
 log = structlog.get_logger("kvproc.copy_worker")
 _COUNTER_NAMES = {k: (f"orders_{k}", f"bytes_{k}", f"ns_{k}") for k in ("save", "load", "device", "engine")}
@@ -53,18 +56,72 @@ def import_callable(path: str) -> Callable[..., Any]:
 
 
 def device_arena_view(seg: Segment, ref: m.ArenaRef) -> torch.Tensor:
-    """The one place an arena reference becomes memory this process can copy from and to.
-
-    NEEDS-GPU-CHECK: arenas here are CPU shared-memory segments. A GPU build would receive CUDA IPC handles instead
-    (`cudaIpcGetMemHandle` in the scheduler, `cudaIpcOpenMemHandle` / torch's CUDA storage rebuild here) and copy with
-    `dst.copy_(src, non_blocking=True)` on a dedicated stream after the step's event; host segments would be pinned
-    with `kvproc.ipc.pinning.register`. None of that is written or tested yet.
-    """
+    """A CPU arena reference (segment + offset) as memory this process can copy from and to; a GPU arena's is
+    `cuda_arena_view`."""
     nbytes = (ref.num_blocks - 1) * ref.block_stride + ref.bytes_per_block
     if ref.offset < 0 or ref.offset + nbytes > seg.nbytes:
         raise HandlerError("bad_request", f"arena {ref.name}: [{ref.offset}, +{nbytes}) is outside {seg.name}"
                                           f" ({seg.nbytes} B)")
     return seg.torch(torch.uint8, ref.offset, nbytes)
+
+
+def cuda_handle(ref: m.ArenaRef) -> CudaArenaHandle:
+    """The `CudaArenaHandle` an `ArenaRef` with a CUDA IPC handle names (runs anywhere: no CUDA call)."""
+    c = ref.cuda
+    assert c is not None
+    return CudaArenaHandle(ref.name, c.device, c.storage_handle, c.storage_size_bytes, c.storage_offset_bytes,
+                           c.ref_counter_handle, c.ref_counter_offset, c.event_handle, c.event_sync_required,
+                           ref.offset, ref.num_blocks, ref.bytes_per_block, ref.block_stride)
+
+
+def cuda_arena_view(ref: m.ArenaRef, device: int) -> torch.Tensor:
+    """A GPU arena reference opened by CUDA IPC on this worker's device, no copy. NEVER RUN past the checks (no GPU
+    where it was written): the device and geometry checks (`check_geometry`) and the refusal without CUDA run on CPU
+    (tests/workers/test_worker_attach.py); `open_arena` itself has never run."""
+    h = cuda_handle(ref)
+    try:
+        check_geometry(h, device)
+    except CudaIpcError as e:
+        raise HandlerError("bad_request", str(e)) from None
+    if not torch.cuda.is_available():
+        raise HandlerError("no_cuda", f"arena {ref.name} is a CUDA IPC handle, and this copy worker has no CUDA "
+                                      "device (torch.cuda.is_available() is False)")
+    from kvproc.ipc.cuda_ipc import open_arena
+
+    try:
+        return open_arena(h, device)
+    except CudaIpcError as e:
+        raise HandlerError("bad_arena", str(e)) from None
+
+
+def arenas_on_gpu(msg: m.AttachArenas) -> bool:
+    """Whether the attach's arenas are CUDA IPC handles; all of them or none (checked before anything is opened)."""
+    on_gpu = {ref.cuda is not None for ref in msg.arenas}
+    if len(on_gpu) > 1:
+        raise HandlerError("bad_request", "AttachArenas mixes CUDA IPC arenas and shared-memory arenas")
+    return True in on_gpu
+
+
+def attach_mover(msg: m.AttachArenas, gpu: bool, device: int) -> Mover:
+    """The mover an attach asks for: the CUDA one for GPU arenas (bound to this worker's device), else `mover_for`
+    on CPU with the message's kind ("" = memmove, "torch")."""
+    try:
+        if gpu:
+            if msg.mover not in ("", "torch"):
+                raise MoveError(f"GPU arenas move with the cuda mover, not {msg.mover!r}")
+            return mover_for(f"cuda:{device}")
+        return mover_for("cpu", kind=msg.mover)
+    except MoveError as e:
+        raise HandlerError("bad_request", f"AttachArenas: {e}") from None
+
+
+def pin_host(seg: Segment) -> None:
+    """Pin the host segment for DMA (`cudaHostRegister`) before a GPU executor uses it: a failure refuses the attach,
+    never a silent pageable copy. NEVER RUN with CUDA (without it `register` is a no-op that returns False)."""
+    try:
+        pinning.register(seg)
+    except pinning.PinError as e:
+        raise HandlerError("pin_failed", str(e)) from None
 
 
 @dataclass
@@ -90,6 +147,8 @@ class CopyWorkerRole(Role):
         if nbytes := int(env.options.get("segment_bytes", 0)):
             self.create_segment(nbytes)  # scratch segment (runtime tests of segment clean-up)
         self.threads = int(env.options.get("copy_threads", 2))
+        # The GPU this worker is bound to (one copy worker per GPU): its rank's, unless the options name one.
+        self.cuda_device = int(env.options.get("cuda_device", env.rank))
         self._lock = threading.Lock()
         self._current: _Attachment | None = None
         self._retired: list[Segment] = []  # mappings of earlier attachments still viewed by a running copy
@@ -111,13 +170,19 @@ class CopyWorkerRole(Role):
                     raise HandlerError("no_segment", str(e)) from None
             return segments[name]
 
+        gpu = arenas_on_gpu(msg)
+        # a CPU mover before anything is mapped; the CUDA one once the handles passed their checks
+        cpu_mover = None if gpu else attach_mover(msg, False, self.cuda_device)
         kinds: dict[str, GroupKind] = {}
         arenas: list[tuple[str, KvArena]] = []
         for ref in msg.arenas:
             kinds[ref.group] = GroupKind(ref.kind)
-            arenas.append((ref.group, KvArena(ref.name, device_arena_view(seg(ref.segment), ref), ref.num_blocks,
+            view = cuda_arena_view(ref, self.cuda_device) if ref.cuda is not None else \
+                device_arena_view(seg(ref.segment), ref)
+            arenas.append((ref.group, KvArena(ref.name, view, ref.num_blocks,
                                               ref.bytes_per_block, ref.block_stride,
                                               ref.stored_bytes_per_block or None, ref.stored_layout or None)))
+        mover = cpu_mover if cpu_mover is not None else attach_mover(msg, True, self.cuda_device)
         spec = KvSpec(msg.page_tokens, tuple(GroupSpec(g, k) for g, k in kinds.items()))
         layout = validate_layout(spec, arenas)
         host: np.ndarray | None = None
@@ -130,6 +195,8 @@ class CopyWorkerRole(Role):
             if hseg.nbytes < host_layout.total_bytes:
                 raise HandlerError("bad_request", f"host segment {hseg.name} has {hseg.nbytes} B, layout needs"
                                                   f" {host_layout.total_bytes} B")
+            if mover.name == "cuda":
+                pin_host(hseg)
             host = hseg.numpy(np.uint8, 0, host_layout.total_bytes)
         try:
             repack = check_repack_hook(import_callable(msg.repack), msg.repack) if msg.repack else None
@@ -142,7 +209,7 @@ class CopyWorkerRole(Role):
                 raise HandlerError("bad_request", f"load fences [{msg.load_fence_offset}, +{8 * msg.load_fence_words})"
                                                   f" are outside {fseg.name} ({fseg.nbytes} B)")
             fences = fseg.numpy(np.int64, msg.load_fence_offset, msg.load_fence_words)
-        executor = CopyExecutor(layout, host, host_layout, repack, threads=self.threads)
+        executor = CopyExecutor(layout, host, host_layout, repack, threads=self.threads, mover=mover)
         del host, arenas, layout  # only the executor holds views now (so retired segments can unmap)
         new = _Attachment(executor, segments, len(msg.arenas), host_layout.total_bytes if host_layout else 0,
                           load_fences=fences)
@@ -156,7 +223,8 @@ class CopyWorkerRole(Role):
             del old
         self._retired = self._close_unused(retired)
         self.counters.inc("attaches")
-        log.info("arenas_attached", arenas=new.arenas, host_bytes=new.host_bytes, repack=msg.repack or None)
+        log.info("arenas_attached", arenas=new.arenas, host_bytes=new.host_bytes, repack=msg.repack or None,
+                 mover=mover.name)
         return m.Attached(new.arenas, new.host_bytes)
 
     @staticmethod
