@@ -7,8 +7,8 @@ Parts, each printed with what ran and what was skipped:
 2. bandwidth: saves and loads of 64 KiB / 1 MiB / 16 MiB blocks, contiguous and scattered, as a ratio to torch's
    `copy_` of the same bytes in the same run (on a GPU: `copy_(non_blocking=True)` between the device and pinned
    host memory, which is also the D2H / H2D limit that run measures; on CPU: a CPU `copy_`).
-3. the demo at a small scale with identical outputs on a GPU: SKIPPED always, the reference engine's models have no
-   `--device cuda` (their tensors are CPU tensors); see docs/gpu.md.
+3. the demo at a small scale on the GPU (`kvproc demo --device cuda`: no_cache / device_only / kvproc, with the
+   copy workers and host tier as processes), its outputs identical across the three runs. SKIPPED without CUDA.
 
 NEEDS-GPU-CHECK: every CUDA branch below (`round_trip(..., "cuda:0")`, `_cuda_bandwidth`) has never run: no GPU where
 it was written.
@@ -37,7 +37,9 @@ from kvproc.workers.copy_exec import CopyError, CopyExecutor
 from kvproc.workers.movers import mover_for
 
 SIZES = {"64KiB": 64 << 10, "1MiB": 1 << 20, "16MiB": 16 << 20}
-DEMO_SKIP = "demo on a GPU: the reference engine's models allocate CPU tensors; --device cuda is not plumbed"
+DEMO_SKIP = "demo on a GPU (kvproc demo --device cuda): no CUDA device"
+DEMO_ARGS = ["--device", "cuda", "--scale", "0.05", "--conversations", "4", "--turns", "2", "--concurrency", "2",
+             "--no-progress"]
 
 
 def _best(fn: Callable[[], object], repeats: int) -> float:
@@ -174,6 +176,27 @@ def _cuda_bandwidth(block_bytes: int, batch_bytes: int, repeats: int) -> list[di
     return out
 
 
+# ---- 3. the demo -------------------------------------------------------------------------------------------------
+
+def demo(model_name: str) -> dict[str, Any]:
+    """NEEDS-GPU-CHECK: `kvproc demo --device cuda` at a small scale; ok when every run completed every turn and the
+    outputs are identical across them."""
+    import tempfile
+
+    from kvproc.demo.single import main as demo_main
+
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "demo.json")
+        rc = demo_main(["--model", model_name, *DEMO_ARGS, "--json", path])
+        data: dict[str, Any] = {}
+        if rc == 0:
+            with open(path) as f:
+                data = json.load(f)
+    runs = data.get("runs", {})
+    ok = rc == 0 and bool(data.get("outputs_identical")) and all(r["turns_failed"] == 0 for r in runs.values())
+    return {"model": model_name, "rc": rc, "outputs_identical": data.get("outputs_identical"), "ok": ok}
+
+
 # ---- main ---------------------------------------------------------------------------------------------------------
 
 def run(quick: bool) -> dict[str, Any]:
@@ -181,7 +204,7 @@ def run(quick: bool) -> dict[str, Any]:
     blocks, batch, repeats = (4, 1 << 20, 1) if quick else (32, 64 << 20, 3)
     sizes = {"64KiB": 64 << 10} if quick else SIZES
     result: dict[str, Any] = {"cuda": cuda, "gpu": torch.cuda.get_device_name(0) if cuda else None,
-                              "round_trip": [], "bandwidth": [], "skipped": []}
+                              "round_trip": [], "bandwidth": [], "demo": [], "skipped": []}
     for name in MODEL_NAMES:
         result["round_trip"] += round_trip(name, blocks)
         if cuda:
@@ -193,7 +216,10 @@ def run(quick: bool) -> dict[str, Any]:
     if not cuda:
         result["skipped"] += ["round trip through the cuda mover: no CUDA device",
                               "bandwidth of the cuda mover against pinned copy_(non_blocking=True): no CUDA device"]
-    result["skipped"].append(DEMO_SKIP)
+    if cuda:
+        result["demo"] = [demo(name) for name in (MODEL_NAMES[:1] if quick else MODEL_NAMES)]
+    else:
+        result["skipped"].append(DEMO_SKIP)
     return result
 
 
@@ -214,10 +240,12 @@ def main(argv: list[str]) -> int:
         print(f"  {x['op']:<4} {x['block_bytes'] >> 10:>6} KiB {x['layout']:<10} {x['mover']:<8} "
               f"{x['gbps']:7.2f} GB/s  vs {x['baseline']} {x['baseline_gbps']:7.2f} GB/s  {x['ratio']:.2f}x"
               + (f"  (memcpy {x['memcpy_gbps']:.2f} GB/s, {x['ratio_vs_memcpy']:.2f}x)" if "memcpy_gbps" in x else ""))
+    for x in r["demo"]:
+        print(f"demo --device cuda: {x['model']:<7} rc={x['rc']} outputs identical: {x['outputs_identical']}")
     for s in r["skipped"]:
         print(f"SKIPPED: {s}")
     print(f"({time.perf_counter() - t0:.1f} s)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(r, f, indent=1)
-    return 0 if all(x["ok"] for x in r["round_trip"]) else 1
+    return 0 if all(x["ok"] for x in r["round_trip"] + r["demo"]) else 1
