@@ -41,6 +41,9 @@ class CudaMover(TorchRowsMover):
     def _move(self, d: torch.Tensor, di: torch.Tensor, s: torch.Tensor, si: torch.Tensor, n: int, row: int) -> Any:
         stream = self.save_stream if (s.is_cuda and not d.is_cuda) else self.load_stream
         host: torch.Tensor | None = None
+        # what this thread queued before (a repack hook's output, on its current stream) lands before the batch reads
+        # it; the engine's own writes are ordered by `after(event)` instead
+        stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             if s.is_cuda:
                 staged = s.index_select(0, si.to(self.device, non_blocking=True))  # gather on the GPU
