@@ -2,7 +2,8 @@
 segment, and executes copy orders over them with `CopyExecutor` (coalesced slice copies, two threads for big batches).
 
 Protocol: `AttachArenas` first (the scheduler's `RemoteCopier` sends it, and sends it again to a restarted worker
-before its next order; its `mover` may ask for the torch mover on CPU arenas, the GPU path's logic); then `Save` / `Load` / `DeviceCopy`, each answered `Copied(nbytes)` or a typed `Failed`.
+before its next order; how its arena references become memory and which mover it asks for: `device_attach.py`);
+then `Save` / `Load` / `DeviceCopy`, each answered `Copied(nbytes)` or a typed `Failed`.
 A copy that started is not cancellable: the handler never checks the deadline or the token mid-copy, so the reply is
 always the real outcome (the caller keeps the destination reserved until it arrives).
 
@@ -20,13 +21,10 @@ from typing import Any, Callable
 
 import numpy as np
 import structlog
-import torch
 
 from kvproc.contract import GroupKind, GroupSpec, KvArena, KvSpec, check_repack_hook, validate_layout
 from kvproc.ipc import messages as m
-from kvproc.ipc import pinning
 from kvproc.ipc.context import CallContext
-from kvproc.ipc.cuda_ipc import CudaArenaHandle, CudaIpcError, check_geometry
 from kvproc.ipc.errors import HandlerError
 from kvproc.ipc.segment import Segment, SegmentBusyError, SegmentError
 from kvproc.ipc.service import handles
@@ -35,7 +33,7 @@ from kvproc.runtime.role import Role, RoleEnv
 from kvproc.tiers import save_fence
 from kvproc.tiers.host import layout_from_wire
 from kvproc.workers.copy_exec import CopyError, CopyExecutor, RepackError
-from kvproc.workers.movers import MoveError, Mover, mover_for
+from kvproc.workers.device_attach import arenas_on_gpu, attach_mover, cuda_arena_view, device_arena_view, pin_host
 
 log = structlog.get_logger("kvproc.copy_worker")
 _COUNTER_NAMES = {k: (f"orders_{k}", f"bytes_{k}", f"ns_{k}") for k in ("save", "load", "device", "engine")}
@@ -53,75 +51,6 @@ def import_callable(path: str) -> Callable[..., Any]:
     if not callable(obj):
         raise TypeError(f"repack path {path!r} names a {type(obj).__name__}, not a callable")
     return obj
-
-
-def device_arena_view(seg: Segment, ref: m.ArenaRef) -> torch.Tensor:
-    """A CPU arena reference (segment + offset) as memory this process can copy from and to; a GPU arena's is
-    `cuda_arena_view`."""
-    nbytes = (ref.num_blocks - 1) * ref.block_stride + ref.bytes_per_block
-    if ref.offset < 0 or ref.offset + nbytes > seg.nbytes:
-        raise HandlerError("bad_request", f"arena {ref.name}: [{ref.offset}, +{nbytes}) is outside {seg.name}"
-                                          f" ({seg.nbytes} B)")
-    return seg.torch(torch.uint8, ref.offset, nbytes)
-
-
-def cuda_handle(ref: m.ArenaRef) -> CudaArenaHandle:
-    """The `CudaArenaHandle` an `ArenaRef` with a CUDA IPC handle names (runs anywhere: no CUDA call)."""
-    c = ref.cuda
-    assert c is not None
-    return CudaArenaHandle(ref.name, c.device, c.storage_handle, c.storage_size_bytes, c.storage_offset_bytes,
-                           c.ref_counter_handle, c.ref_counter_offset, c.event_handle, c.event_sync_required,
-                           ref.offset, ref.num_blocks, ref.bytes_per_block, ref.block_stride)
-
-
-def cuda_arena_view(ref: m.ArenaRef, device: int) -> torch.Tensor:
-    """A GPU arena reference opened by CUDA IPC on this worker's device, no copy. NEVER RUN past the checks (no GPU
-    where it was written): the device and geometry checks (`check_geometry`) and the refusal without CUDA run on CPU
-    (tests/workers/test_worker_attach.py); `open_arena` itself has never run."""
-    h = cuda_handle(ref)
-    try:
-        check_geometry(h, device)
-    except CudaIpcError as e:
-        raise HandlerError("bad_request", str(e)) from None
-    if not torch.cuda.is_available():
-        raise HandlerError("no_cuda", f"arena {ref.name} is a CUDA IPC handle, and this copy worker has no CUDA "
-                                      "device (torch.cuda.is_available() is False)")
-    from kvproc.ipc.cuda_ipc import open_arena
-
-    try:
-        return open_arena(h, device)
-    except CudaIpcError as e:
-        raise HandlerError("bad_arena", str(e)) from None
-
-
-def arenas_on_gpu(msg: m.AttachArenas) -> bool:
-    """Whether the attach's arenas are CUDA IPC handles; all of them or none (checked before anything is opened)."""
-    on_gpu = {ref.cuda is not None for ref in msg.arenas}
-    if len(on_gpu) > 1:
-        raise HandlerError("bad_request", "AttachArenas mixes CUDA IPC arenas and shared-memory arenas")
-    return True in on_gpu
-
-
-def attach_mover(msg: m.AttachArenas, gpu: bool, device: int) -> Mover:
-    """The mover an attach asks for: the CUDA one for GPU arenas (bound to this worker's device), else `mover_for`
-    on CPU with the message's kind ("" = memmove, "torch")."""
-    try:
-        if gpu:
-            if msg.mover not in ("", "torch"):
-                raise MoveError(f"GPU arenas move with the cuda mover, not {msg.mover!r}")
-            return mover_for(f"cuda:{device}")
-        return mover_for("cpu", kind=msg.mover)
-    except MoveError as e:
-        raise HandlerError("bad_request", f"AttachArenas: {e}") from None
-
-
-def pin_host(seg: Segment) -> None:
-    """Pin the host segment for DMA (`cudaHostRegister`) before a GPU executor uses it: a failure refuses the attach,
-    never a silent pageable copy. NEVER RUN with CUDA (without it `register` is a no-op that returns False)."""
-    try:
-        pinning.register(seg)
-    except pinning.PinError as e:
-        raise HandlerError("pin_failed", str(e)) from None
 
 
 @dataclass

@@ -11,7 +11,7 @@ from kvproc.ipc import messages as m
 from kvproc.ipc.cuda_ipc import CudaArenaHandle
 from kvproc.ipc.errors import RemoteError
 from kvproc.store.cluster import ClusterStore
-from kvproc.workers.worker import cuda_handle
+from kvproc.workers.device_attach import cuda_handle
 from tests.conftest import churn, cluster_store, compute
 
 pytestmark = pytest.mark.timeout(60)
@@ -93,7 +93,7 @@ def test_pin_host_turns_a_pin_failure_into_a_clear_attach_error_with_a_stub_regi
     from kvproc.ipc import pinning
     from kvproc.ipc.errors import HandlerError
     from kvproc.ipc.segment import Segment
-    from kvproc.workers.worker import pin_host
+    from kvproc.workers.device_attach import pin_host
 
     def failing(seg: Segment) -> bool:
         raise pinning.PinError(f"cudaHostRegister({seg.name}, {seg.nbytes} B) failed: CUDA error 1 (invalid argument)")
