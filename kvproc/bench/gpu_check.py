@@ -179,15 +179,16 @@ def _cuda_bandwidth(block_bytes: int, batch_bytes: int, repeats: int) -> list[di
 # ---- 3. the demo -------------------------------------------------------------------------------------------------
 
 def demo(model_name: str) -> dict[str, Any]:
-    """NEEDS-GPU-CHECK: `kvproc demo --device cuda` at a small scale; ok when every run completed every turn and the
-    outputs are identical across them."""
+    """NEEDS-GPU-CHECK: `kvproc demo --device cuda` at a small scale, as its own command (the CLI a user runs); ok
+    when every run completed every turn and the outputs are identical across them."""
+    import subprocess
+    import sys
     import tempfile
-
-    from kvproc.demo.single import main as demo_main
 
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "demo.json")
-        rc = demo_main(["--model", model_name, *DEMO_ARGS, "--json", path])
+        rc = subprocess.run([sys.executable, "-m", "kvproc", "demo", "--model", model_name, *DEMO_ARGS, "--json", path],
+                            check=False).returncode
         data: dict[str, Any] = {}
         if rc == 0:
             with open(path) as f:

@@ -261,7 +261,7 @@ class CopyExecutor:
     ) -> CopyExecutor:
         """A mover without host views (torch tensors, maybe on a GPU) gets `TensorCopyExecutor`, the same orders
         over torch tensors; every other mover this class, whose planned paths need numpy views."""
-        views = mover.host_views if mover is not None else _device_of(layout) == "cpu"  # cpu: memmove's views
+        views = mover.host_views if mover is not None else device_of(layout) == "cpu"  # cpu: memmove's views
         if cls is CopyExecutor and not views:
             from kvproc.workers.tensor_exec import TensorCopyExecutor  # lazy: it subclasses this one
 
@@ -277,7 +277,7 @@ class CopyExecutor:
         threads: int = 2,
         mover: Mover | None = None,
     ) -> None:
-        self.mover = mover if mover is not None else mover_for(_device_of(layout))
+        self.mover = mover if mover is not None else mover_for(device_of(layout))
         self.repack_fn = repack
         self.repack_failures = RepackFailures()
         self.fence_row = fence_row(host, host_layout)
@@ -659,7 +659,7 @@ class _RepackCopy:
         return int(self.dst_ids.size) * self.device_row
 
 
-def _device_of(layout: ArenaLayout) -> str:
+def device_of(layout: ArenaLayout) -> str:
     """The device every arena of a layout is on ("cpu", "cuda:0"); arenas on two devices are a layout error."""
     devices = {str(a.tensor.device) for _, a in layout.arenas}
     if len(devices) > 1:

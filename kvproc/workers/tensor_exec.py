@@ -35,8 +35,8 @@ from kvproc.workers.copy_exec import (
     CopyExecutor,
     RepackFailures,
     RepackFn,
-    _device_of,
     call_hook,
+    device_of,
     fence_row,
     host_region,
 )
@@ -66,7 +66,7 @@ class TensorCopyExecutor(CopyExecutor):
     def __init__(self, layout: ArenaLayout, host: np.ndarray | None = None, host_layout: HostLayout | None = None,
                  repack: RepackFn | None = None, threads: int = 2, mover: Mover | None = None) -> None:
         del threads  # one `rows` call per arena: torch's kernels (or the GPU) parallelise it
-        self.mover = mover if mover is not None else mover_for(_device_of(layout))
+        self.mover = mover if mover is not None else mover_for(device_of(layout))
         self.repack_fn = repack
         self.repack_failures = RepackFailures()
         self.fence_row = fence_row(host, host_layout)
