@@ -116,13 +116,15 @@ def descendants() -> set[int]:
 @contextlib.contextmanager
 def cluster_store(host_bytes: int = 1 << 20, *, num_blocks: int = 32, bounded: bool = False, stored: bool = False,
                   repack: str | None = None, config: StoreConfig = StoreConfig(resolve_deadline_s=3.0),
-                  live_slots: int = 2, **start: Any) -> Iterator[tuple[ClusterStore, KvStore, ShmBytesModel]]:
-    """A started ClusterStore with an attached ShmBytesModel; on exit: closed, and no process or segment left."""
+                  live_slots: int = 2, allocator: Callable[[str, int], torch.Tensor] | None = None,
+                  **start: Any) -> Iterator[tuple[ClusterStore, KvStore, ShmBytesModel]]:
+    """A started ClusterStore with an attached ShmBytesModel (arenas from `allocator`, default the cluster's shared
+    memory); on exit: closed, and no process or segment left."""
     before = descendants()
     cs = ClusterStore.start(host_bytes, **start)
     name = cs.cluster.name
     try:
-        model = ShmBytesModel(cs.allocator, num_blocks, bounded=bounded, stored=stored)
+        model = ShmBytesModel(allocator or cs.allocator, num_blocks, bounded=bounded, stored=stored)
         store = cs.attach_model(model, live_slots=live_slots, config=config, repack=repack)
         yield cs, store, model
     finally:

@@ -150,3 +150,11 @@ def test_the_stats_keys_table_matches_the_code() -> None:
         ["tier.entries: in a fresh store's stats, not in the table"]
     assert _stats_table_problems({k: v for k, v in table.items() if k != "rank<r>.parked"}, fresh) == \
         ["rank0.parked: in a fresh store's stats, not in the table"]
+
+
+def test_every_test_the_gpu_page_names_exists() -> None:
+    """docs/gpu.md says what ran on CPU by naming tests: each must exist (a renamed test would leave a false claim)."""
+    text = (ROOT / "docs" / "gpu.md").read_text()
+    refs = re.findall(r"`tests/[\w/]+\.py::\w+`", text)
+    assert len(refs) >= 5, refs
+    assert not _missing_tests(refs)

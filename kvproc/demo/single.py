@@ -35,6 +35,7 @@ from kvproc.engine.metrics import (
     ttft_by_turn,
 )
 from kvproc.engine.models import MODEL_NAMES, SeqBatchItem, TinyModel
+from kvproc.engine.models.base import DEVICES
 from kvproc.engine.models.ranked import rank_models
 from kvproc.engine.topology import (
     MODES,
@@ -86,6 +87,9 @@ def _parser() -> argparse.ArgumentParser:
                         "tier each (outputs are those of --ranks 1)")
     p.add_argument("--metrics", metavar="HOST:PORT", default=None,
                    help="serve Prometheus /metrics of each run's cluster there (port 0: a free one; printed)")
+    p.add_argument("--device", choices=DEVICES, default="cpu",
+                   help="where the models run: cpu, or cuda where a CUDA device is present (never run on a GPU yet:"
+                        " docs/gpu.md)")
     p.add_argument("--pd", action="store_true",
                    help="prefill/decode disaggregation: a prefill and a decode engine (separate processes) sharing a"
                         " `kvproc up` host tier, beside a single-engine kvproc run of the same workload")
@@ -167,7 +171,8 @@ def run_one(mode: str, args: argparse.Namespace, spec: WorkloadSpec, sizes: Pool
     config = StoreConfig(cacheable_pin_fraction=args.pin_fraction, reply_spin_s=args.reply_spin_us / 1e6)
     metrics = getattr(args, "metrics", None)
     with make_store(mode, args.model, sizes, seed=args.seed, config=config,
-                    processes=not args.in_process, ranks=args.ranks, metrics=metrics) as topo:
+                    processes=not args.in_process, ranks=args.ranks, metrics=metrics,
+                    device=getattr(args, "device", "cpu")) as topo:
         if topo.metrics_address and stream is not None:
             stream.write(f"  {mode}: metrics http://{topo.metrics_address}/metrics\n")
         _warm_up(topo, args.chunk_tokens, spec.concurrency)
@@ -245,6 +250,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.ranks < 1 or (args.pd and args.ranks != 1):
         print(f"kvproc demo: --ranks must be >= 1 (and 1 with --pd: the P/D demo runs one rank), got {args.ranks}",
               file=sys.stderr)
+        return 2
+    if args.device != "cpu" and not torch.cuda.is_available():
+        print(f"kvproc demo: --device {args.device} needs a CUDA device, and torch.cuda.is_available() is False here"
+              " (run with the default --device cpu)", file=sys.stderr)
+        return 2
+    if args.device != "cpu" and (args.pd or args.ranks != 1):
+        print(f"kvproc demo: --device {args.device} runs one rank without --pd (the P/D and multi-rank demos run on"
+              " cpu)", file=sys.stderr)
         return 2
     if args.pd:
         return _main_pd(args)

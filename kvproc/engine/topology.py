@@ -70,15 +70,17 @@ def _model(model_name: str, sizes: PoolSizes, seed: int, ranks: int, **kw: Any) 
 
 def make_store(mode: str, model_name: str, sizes: PoolSizes, *, seed: int = 0,
                config: StoreConfig | None = None, processes: bool = False, ranks: int = 1,
-               metrics: str | None = None, remote: str | None = None) -> Topology:
+               metrics: str | None = None, remote: str | None = None, device: str = "cpu") -> Topology:
     """`metrics`: serve Prometheus /metrics there (`ClusterStore.start(metrics=)`; the process topology only).
-    `remote` (with `processes`): a Mooncake Store URL for the host tier (`ClusterStore.start(remote=)`)."""
+    `remote` (with `processes`): a Mooncake Store URL for the host tier (`ClusterStore.start(remote=)`).
+    `device`: where the model runs ("cpu", or "cuda" where present: its arenas are then GPU memory, which the copy
+    workers open by CUDA IPC; NEEDS-GPU-CHECK, never run)."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose one of {MODES}")
     config = config or StoreConfig()
     if processes and mode != "no_cache":
-        return _cluster_topology(mode, model_name, sizes, seed, config, ranks, metrics, remote)
-    model = _model(model_name, sizes, seed, ranks)
+        return _cluster_topology(mode, model_name, sizes, seed, config, ranks, metrics, remote, device)
+    model = _model(model_name, sizes, seed, ranks, device=device)
     # no_cache / device_only: no tier (bounded seal/restore copies still get a device copy path).
     store = build_local_store(model, live_slots=sizes.live_slots,
                               host_bytes=sizes.host_bytes if mode == "kvproc" else None, config=config, ranks=ranks)
@@ -92,14 +94,17 @@ def make_store(mode: str, model_name: str, sizes: PoolSizes, *, seed: int = 0,
 
 
 def _cluster_topology(mode: str, model_name: str, sizes: PoolSizes, seed: int, config: StoreConfig,
-                      ranks: int, metrics: str | None = None, remote: str | None = None) -> Topology:
+                      ranks: int, metrics: str | None = None, remote: str | None = None,
+                      device: str = "cpu") -> Topology:
     from kvproc.engine.repack import REPACK_PATHS
     from kvproc.store.cluster import ClusterStore
 
     cs = ClusterStore.start(host_bytes=sizes.host_bytes if mode == "kvproc" else 0, ranks=ranks, metrics=metrics,
                             remote=remote)
     try:
-        model = _model(model_name, sizes, seed, ranks, allocator=cs.allocator)
+        # CPU arenas in the scheduler's shared memory; GPU arenas where the model allocates them (CUDA IPC at attach)
+        where: dict[str, Any] = {"allocator": cs.allocator} if device == "cpu" else {"device": device}
+        model = _model(model_name, sizes, seed, ranks, **where)
         store = cs.attach_model(model, live_slots=sizes.live_slots, config=config,
                                 repack=REPACK_PATHS.get(model_name))
     except BaseException:

@@ -394,8 +394,24 @@ class TierCounters(Payload, tag=407):
 # ---- copy worker (kvproc/workers/worker.py) ---------------------------------------------------------------------
 
 
+class CudaIpcRef(Wire):
+    """A GPU arena's memory as torch's CUDA IPC handle (`kvproc/ipc/cuda_ipc.py`: `UntypedStorage._share_cuda_`'s
+    fields, passed back unchanged to `_new_shared_cuda`). In an `ArenaRef` it replaces the segment; the ref's
+    `offset` is then the arena's first byte in the shared storage."""
+
+    device: int  # the CUDA device index; the worker opening it must be bound to the same one
+    storage_handle: bytes
+    storage_size_bytes: int
+    storage_offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+
+
 class ArenaRef(Wire):
-    """One device arena: where it lives (segment + byte offset) and its KvArena geometry."""
+    """One device arena: where it lives (segment + byte offset, or a CUDA IPC handle + offset) and its KvArena
+    geometry."""
 
     group: str
     kind: str  # GroupKind value: "paged" | "bounded"
@@ -407,6 +423,7 @@ class ArenaRef(Wire):
     block_stride: int
     stored_bytes_per_block: int = 0  # 0 = same as bytes_per_block
     stored_layout: str = ""  # "" = stored as executed (no repack); else the declared stored layout's name
+    cuda: Union[CudaIpcRef, None] = None  # a GPU arena: opened by CUDA IPC on the worker's device ("segment" is "")
 
 
 class AttachArenas(Request, tag=500):
@@ -419,6 +436,9 @@ class AttachArenas(Request, tag=500):
     load_fences: str = ""
     load_fence_offset: int = 0
     load_fence_words: int = 0
+    # Which mover the worker's executor uses (`kvproc.workers.movers.mover_for(kind=)`): "" = the arenas' device's
+    # default (memmove on CPU, cuda on a GPU); "torch" = the torch rows mover on CPU arenas (the GPU path's logic).
+    mover: str = ""
 
 
 class Save(Request, tag=501):

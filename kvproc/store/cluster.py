@@ -118,6 +118,16 @@ def _pinned(roles: list[RoleConfig], cpus: Mapping[str, Sequence[int]]) -> list[
     return out
 
 
+def _cuda_ref(a: KvArena) -> tuple[int, m.CudaIpcRef]:
+    """A GPU arena's (offset in its shared storage, CUDA IPC handle), exported once at attach (`kvproc/ipc/
+    cuda_ipc.py`); the model keeps the tensor alive while the workers have it open. NEVER RUN."""
+    from kvproc.ipc.cuda_ipc import export_arena
+
+    h = export_arena(a.name, a.byte_view(), a.num_blocks, a.bytes_per_block, a.block_stride)
+    return h.offset, m.CudaIpcRef(h.device, h.storage_handle, h.storage_size_bytes, h.storage_offset_bytes,
+                                  h.ref_counter_handle, h.ref_counter_offset, h.event_handle, h.event_sync_required)
+
+
 class ClusterStore:
     def __init__(self, cluster: Cluster, host_bytes: int, ranks: int, *, copy_timeout_s: float,
                  shutdown_deadline_s: float) -> None:
@@ -128,6 +138,7 @@ class ClusterStore:
         self.shutdown_deadline_s = shutdown_deadline_s
         self.store: KvStore | None = None
         self.device_kv_events = False  # publish device-pool events from attach_model on (`start(device_kv_events=)`)
+        self.copy_mover = ""  # the copy workers' mover kind (`start(copy_mover=)`, `AttachArenas.mover`)
         self.device_events: DevicePublishers | None = None
         self.kv_events_interval_s = DEFAULT_INTERVAL_S  # the device publishers' batch interval (`start(...)`)
         self.tiers: list[RemoteTier] = []  # one per rank
@@ -153,7 +164,7 @@ class ClusterStore:
               cpus: Mapping[str, Sequence[int]] | None = None, metrics: str | None = None,
               kv_events: bool = False, device_kv_events: bool = False,
               kv_events_interval_s: float = DEFAULT_INTERVAL_S, kv_events_tokens: bool = False,
-              remote: str | None = None) -> "ClusterStore":
+              remote: str | None = None, copy_mover: str = "") -> "ClusterStore":
         """Launch the host tier (if `host_bytes`) and one copy worker per rank; wait until all are up.
 
         `tier_runtime_dir` attaches to running shared host tiers instead (`kvproc up [--ranks N]`, found through
@@ -181,7 +192,10 @@ class ClusterStore:
 
         `remote="mooncake://HOST:PORT?metadata=..."` puts a Mooncake Store below each host tier (`kvproc/tiers/
         mooncake.py`: write-behind of committed pages, host-tier misses pulled from it; needs `kvproc[remote]`).
-        Ignored with `tier_runtime_dir` (a shared tier's remote is `kvproc up --remote`)."""
+        Ignored with `tier_runtime_dir` (a shared tier's remote is `kvproc up --remote`).
+
+        `copy_mover="torch"` makes the copy workers move CPU arenas with the torch rows mover (`kvproc/workers/
+        torch_mover.py`: the GPU path's batch logic and executor, run on CPU); "" is the default (memmove on CPU)."""
         if ranks < 1:
             raise ValueError(f"ranks must be >= 1, got {ranks}")
         kv_events_interval_s = check_interval(kv_events_interval_s)
@@ -219,6 +233,7 @@ class ClusterStore:
         cs._external_token = token
         cs.device_kv_events = device_kv_events
         cs.kv_events_interval_s = kv_events_interval_s
+        cs.copy_mover = copy_mover
         for r, client in enumerate(external):
             client.add_death_listener(functools.partial(cs._external_tier_dead, r, client))
         return cs
@@ -295,10 +310,15 @@ class ClusterStore:
     def _arena_refs(self, layout: ArenaLayout) -> list[m.ArenaRef]:
         refs = []
         for group, a in layout.arenas:
-            seg, off = self._locate(a)
+            cuda = None
+            if a.tensor.is_cuda:  # NEVER RUN (no GPU where it was written): the engine's CUDA tensor, by CUDA IPC
+                off, cuda = _cuda_ref(a)
+                seg = ""
+            else:
+                seg, off = self._locate(a)
             stored = a.stored_bytes_per_block if a.stored_bytes_per_block not in (None, a.bytes_per_block) else 0
             refs.append(m.ArenaRef(group, layout.spec.group(group).kind.value, a.name, seg, off, a.num_blocks,
-                                   a.bytes_per_block, a.block_stride, stored or 0, a.stored_layout or ""))
+                                   a.bytes_per_block, a.block_stride, stored or 0, a.stored_layout or "", cuda))
         return refs
 
     # ---- the store ----
@@ -348,7 +368,7 @@ class ClusterStore:
             segment = self.host_segments[0 if shared else r] if self.host_segments else ""
             msg = m.AttachArenas(self._arena_refs(layout), segment,
                                  wires[r], repack or "", layout.spec.page_tokens, fence_seg, fence_off,
-                                 LOAD_FENCE_WORDS)
+                                 LOAD_FENCE_WORDS, self.copy_mover)
             copier = RemoteCopier(self._copy_client(r), msg, copy_timeout_s=self.copy_timeout_s,
                                   load_fences=LoadFences(words.numpy().view(np.int64)))
             copier.attach_now(attach_timeout_s)  # fail here (bad repack path, bad arena) rather than at first copy

@@ -23,7 +23,9 @@ Where the model's stored layout differs (`repack`), an order's blocks of that ar
 Every byte moves through the executor's mover (`kvproc/workers/movers.py`, chosen there from the arenas' device):
 the `copy_rows` calls above are its `rows`, and the planned numpy paths are the `memmove` mover's own (they need its
 numpy views of this process's memory). An engine's private memory moves through the `cma` mover (`engine_move`).
-A mover without host views (`cuda`, never run) gets one batched `rows` call per arena and order (`_MoverRows`).
+A mover without host views (`torch`, and `cuda` on a GPU) gets the executor in `kvproc/workers/tensor_exec.py`
+(`CopyExecutor(...)` builds that one for such a mover): the arenas stay torch tensors and every order is one batched
+`rows` call per arena (per chunk through a repack hook), never a call per block. The paths above are untouched by it.
 """
 
 from __future__ import annotations
@@ -226,6 +228,25 @@ def _bounds(ids: Sequence[int]) -> tuple[int, int]:
     return int(a.min()), int(a.max())
 
 
+def fence_row(host: np.ndarray | None, host_layout: HostLayout | None) -> np.ndarray | None:
+    """The host tier's save-fence words (the slot table's FENCE row), where this host arena has a table."""
+    if host is None or host_layout is None or host_layout.slot_table_offset < 0:
+        return None
+    off = host_layout.slot_table_offset + FENCE * host_layout.page_slots * ROW_BYTES
+    return host[off : off + host_layout.page_slots * ROW_BYTES].view(np.int64)
+
+
+def host_region(host: np.ndarray | None, host_layout: HostLayout | None, arena: str) -> np.ndarray | None:
+    """An arena's host region as flat bytes (slot j at j * unit bytes), or None (no host tier, or no region)."""
+    if host is None or host_layout is None:
+        return None
+    try:
+        r = host_layout.region(arena)
+    except KeyError:
+        return None
+    return host[r.offset : r.offset + r.slots * r.unit_bytes]
+
+
 class CopyExecutor:
     # Move non-repacked pages with `kvproc.native._native.copy_rows` where it is built; False plans them for numpy (long runs
     # as slices, the rest in one gather): the A/B knob behind `kvproc bench copy`'s "numpy path" rows.
@@ -233,6 +254,19 @@ class CopyExecutor:
     # A repacked arena's blocks go through the hook in batches (`_repack_copies`); False: one call per run, the path
     # before (the A/B knob behind `bench/repack_copy.py`).
     batch_repack = True
+
+    def __new__(  # noqa: PYI034 - returns the subclass for a mover without host views, not Self
+        cls, layout: ArenaLayout, host: np.ndarray | None = None, host_layout: HostLayout | None = None,
+        repack: RepackFn | None = None, threads: int = 2, mover: Mover | None = None,
+    ) -> CopyExecutor:
+        """A mover without host views (torch tensors, maybe on a GPU) gets `TensorCopyExecutor`, the same orders
+        over torch tensors; every other mover this class, whose planned paths need numpy views."""
+        views = mover.host_views if mover is not None else device_of(layout) == "cpu"  # cpu: memmove's views
+        if cls is CopyExecutor and not views:
+            from kvproc.workers.tensor_exec import TensorCopyExecutor  # lazy: it subclasses this one
+
+            return super().__new__(TensorCopyExecutor)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -243,30 +277,20 @@ class CopyExecutor:
         threads: int = 2,
         mover: Mover | None = None,
     ) -> None:
-        self.mover = mover if mover is not None else mover_for(_device_of(layout))
-        if not self.mover.host_views:
-            raise CopyError(f"the {self.mover.name} mover has no host views: the copy executor's arenas on it are "
-                            f"not wired yet (docs/gpu.md)")
+        self.mover = mover if mover is not None else mover_for(device_of(layout))
         self.repack_fn = repack
         self.repack_failures = RepackFailures()
-        # The host tier's save-fence words (the slot table's FENCE row), where this host arena has a table.
-        self.fence_row: np.ndarray | None = None
-        if host is not None and host_layout is not None and host_layout.slot_table_offset >= 0:
-            off = host_layout.slot_table_offset + FENCE * host_layout.page_slots * ROW_BYTES
-            self.fence_row = host[off : off + host_layout.page_slots * ROW_BYTES].view(np.int64)
+        self.fence_row = fence_row(host, host_layout)
         arenas = []
         for group, a in layout.arenas:
             base = a.byte_view().numpy()
             rows = np.lib.stride_tricks.as_strided(base, (a.num_blocks, a.bytes_per_block), (a.block_stride, 1))
-            hview = hflat = None
-            if host is not None and host_layout is not None:
-                try:
-                    r = host_layout.region(a.name)
-                except KeyError:
-                    r = None
-                if r is not None:
-                    hflat = host[r.offset : r.offset + r.slots * r.unit_bytes]
-                    hview = hflat.reshape(r.slots, r.unit_bytes)
+            hview = None
+            hflat = host_region(host, host_layout, a.name)
+            if hflat is not None:
+                assert host_layout is not None
+                r = host_layout.region(a.name)
+                hview = hflat.reshape(r.slots, r.unit_bytes)
             kind = layout.spec.group(group).kind
             arenas.append(_Arena(a.name, group, kind is GroupKind.PAGED, rows, hview, a.repacked, base,
                                  a.block_stride, hflat, layout.arena_id(a.name)))
@@ -326,6 +350,8 @@ class CopyExecutor:
         for c in copies:
             for a in self.arenas:
                 if a.group == c.group:
+                    if not (0 <= c.src_slot < a.rows.shape[0] and 0 <= c.dst_slot < a.rows.shape[0]):
+                        raise CopyError(f"arena {a.name}: ids out of range (slots < {a.rows.shape[0]})")
                     jobs.append(_slice_copy(a.rows, c.dst_slot, a.rows, c.src_slot, 1))
         if not jobs:
             raise CopyError(f"no arena for groups {sorted({c.group for c in copies})}")
@@ -337,7 +363,7 @@ class CopyExecutor:
         engine_stride`) and block `arena_ids[i]` of `arenas[l]`, through the cross-memory mover (`mover_for`)."""
         if len(arenas) != len(engine_bases) or len(engine_ids) != len(arena_ids):
             raise CopyError("EngineMove: arenas/engine_bases or engine_ids/arena_ids differ in length")
-        by_name = {a.name: a for a in self.arenas}
+        by_name = self._engine_arenas()
         try:
             mover = mover_for(engine_pid=pid)
         except (MoveError, OSError) as e:
@@ -347,17 +373,21 @@ class CopyExecutor:
             a = by_name.get(name)
             if a is None:
                 raise CopyError(f"EngineMove: no arena {name!r} attached")
-            blocks = a.rows.shape[0]
-            if block_bytes > a.stride or any(not 0 <= b < blocks for b in arena_ids):
-                raise CopyError(f"EngineMove: arena {name!r} has {blocks} blocks of {a.stride} B")
-            here, there = a.flat.ctypes.data, RemoteMemory(pid, remote)
+            blocks, astride, here = a
+            if block_bytes > astride or any(not 0 <= b < blocks for b in arena_ids):
+                raise CopyError(f"EngineMove: arena {name!r} has {blocks} blocks of {astride} B")
+            there = RemoteMemory(pid, remote)
             stride = engine_stride or block_bytes
             try:
-                n += mover.rows(there, stride, engine_ids, here, a.stride, arena_ids, block_bytes, 0) if to_engine \
-                    else mover.rows(here, a.stride, arena_ids, there, stride, engine_ids, block_bytes, 0)
+                n += mover.rows(there, stride, engine_ids, here, astride, arena_ids, block_bytes, 0) if to_engine \
+                    else mover.rows(here, astride, arena_ids, there, stride, engine_ids, block_bytes, 0)
             except MoveError as e:
                 raise CopyError(f"EngineMove: {e}") from None
         return n
+
+    def _engine_arenas(self) -> dict[str, tuple[int, int, int]]:
+        """Arena name -> (blocks, stride, address of block 0 in this process): what a cross-memory move addresses."""
+        return {a.name: (a.rows.shape[0], a.stride, a.flat.ctypes.data) for a in self.arenas}
 
     def mover_name(self, kind: str) -> str:
         """Which mover moved an order of this kind ("save", "load", "device", "engine"): what the worker counts."""
@@ -629,7 +659,7 @@ class _RepackCopy:
         return int(self.dst_ids.size) * self.device_row
 
 
-def _device_of(layout: ArenaLayout) -> str:
+def device_of(layout: ArenaLayout) -> str:
     """The device every arena of a layout is on ("cpu", "cuda:0"); arenas on two devices are a layout error."""
     devices = {str(a.tensor.device) for _, a in layout.arenas}
     if len(devices) > 1:

@@ -8,8 +8,11 @@ batch in one call, every id checked before any byte moves; it returns the bytes 
   memmove per run), or one numpy gather/scatter where the module is not built.
 - `cma`: one side is another process's memory (`RemoteMemory`: pid + address), the other an address here:
   `process_vm_readv` / `process_vm_writev` (`kvproc/workers/cma.py`), up to 1,024 spans per system call.
-- `cuda`: 1-d uint8 torch tensors, at least one on a GPU: `kvproc/workers/cuda_mover.py`. NEVER RUN: written
-  without a GPU, imported only when `mover_for` is asked for a CUDA device.
+- `torch`: 1-d uint8 torch tensors on any device, CPU included (`kvproc/workers/torch_mover.py`): one gather, one
+  bulk copy, one scatter per batch. The CUDA mover's batch logic, run and tested on CPU (`mover_for("cpu",
+  kind="torch")`); nothing picks it on CPU unless asked (memmove is the CPU hot path).
+- `cuda`: the torch mover on its own CUDA streams with pinned staging (`kvproc/workers/cuda_mover.py`). NEVER RUN:
+  written without a GPU, imported only when `mover_for` is asked for a CUDA device.
 
 `CopyExecutor` asks `mover_for` once per attachment and names the mover in its counters (`mover.<name>`); nothing
 else in kvproc knows which one runs. `host_views` says whether the mover's buffers are numpy views of this process's
@@ -101,19 +104,31 @@ class CmaRowsMover:
 MEMMOVE = MemmoveMover()
 
 
-def mover_for(device: str = "cpu", engine_pid: int | None = None) -> Mover:
+MOVER_KINDS = ("", "memmove", "torch")  # what `kind` may ask for ("" = the device's default)
+
+
+def mover_for(device: str = "cpu", engine_pid: int | None = None, kind: str = "") -> Mover:
     """The mover for buffers on `device` ("cpu", "cuda", "cuda:N"), or, with `engine_pid`, for another process's
-    CPU memory. The only place that chooses."""
+    CPU memory. `kind="torch"` asks for the torch rows mover on CPU (the GPU path's logic without CUDA); on a CUDA
+    device the torch mover is the CUDA one. The only place that chooses."""
+    if kind not in MOVER_KINDS:
+        raise MoveError(f"no mover kind {kind!r} (one of {', '.join(repr(k) for k in MOVER_KINDS)})")
     if engine_pid is not None:
         if device != "cpu":
             raise MoveError("an engine's GPU memory is opened by CUDA IPC at attach (kvproc/ipc/cuda_ipc.py), "
                             "not moved by cross-memory attach")
         return CmaRowsMover(engine_pid)
     if device.startswith("cuda"):
+        if kind == "memmove":
+            raise MoveError("the memmove mover moves host memory only; a CUDA device's is moved by the cuda mover")
         from kvproc.workers.cuda_mover import CudaMover  # lazy: a CPU process never imports the CUDA path
 
         index = int(device.partition(":")[2] or 0)
         return CudaMover(index)
     if device != "cpu":
         raise MoveError(f"no mover for device {device!r}")
+    if kind == "torch":
+        from kvproc.workers.torch_mover import TORCH  # lazy: it imports this module (MoveError)
+
+        return TORCH
     return MEMMOVE

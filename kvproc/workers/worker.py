@@ -2,7 +2,8 @@
 segment, and executes copy orders over them with `CopyExecutor` (coalesced slice copies, two threads for big batches).
 
 Protocol: `AttachArenas` first (the scheduler's `RemoteCopier` sends it, and sends it again to a restarted worker
-before its next order); then `Save` / `Load` / `DeviceCopy`, each answered `Copied(nbytes)` or a typed `Failed`.
+before its next order; how its arena references become memory and which mover it asks for: `device_attach.py`);
+then `Save` / `Load` / `DeviceCopy`, each answered `Copied(nbytes)` or a typed `Failed`.
 A copy that started is not cancellable: the handler never checks the deadline or the token mid-copy, so the reply is
 always the real outcome (the caller keeps the destination reserved until it arrives).
 
@@ -20,7 +21,6 @@ from typing import Any, Callable
 
 import numpy as np
 import structlog
-import torch
 
 from kvproc.contract import GroupKind, GroupSpec, KvArena, KvSpec, check_repack_hook, validate_layout
 from kvproc.ipc import messages as m
@@ -33,6 +33,7 @@ from kvproc.runtime.role import Role, RoleEnv
 from kvproc.tiers import save_fence
 from kvproc.tiers.host import layout_from_wire
 from kvproc.workers.copy_exec import CopyError, CopyExecutor, RepackError
+from kvproc.workers.device_attach import arenas_on_gpu, attach_mover, cuda_arena_view, device_arena_view, pin_host
 
 log = structlog.get_logger("kvproc.copy_worker")
 _COUNTER_NAMES = {k: (f"orders_{k}", f"bytes_{k}", f"ns_{k}") for k in ("save", "load", "device", "engine")}
@@ -50,21 +51,6 @@ def import_callable(path: str) -> Callable[..., Any]:
     if not callable(obj):
         raise TypeError(f"repack path {path!r} names a {type(obj).__name__}, not a callable")
     return obj
-
-
-def device_arena_view(seg: Segment, ref: m.ArenaRef) -> torch.Tensor:
-    """The one place an arena reference becomes memory this process can copy from and to.
-
-    NEEDS-GPU-CHECK: arenas here are CPU shared-memory segments. A GPU build would receive CUDA IPC handles instead
-    (`cudaIpcGetMemHandle` in the scheduler, `cudaIpcOpenMemHandle` / torch's CUDA storage rebuild here) and copy with
-    `dst.copy_(src, non_blocking=True)` on a dedicated stream after the step's event; host segments would be pinned
-    with `kvproc.ipc.pinning.register`. None of that is written or tested yet.
-    """
-    nbytes = (ref.num_blocks - 1) * ref.block_stride + ref.bytes_per_block
-    if ref.offset < 0 or ref.offset + nbytes > seg.nbytes:
-        raise HandlerError("bad_request", f"arena {ref.name}: [{ref.offset}, +{nbytes}) is outside {seg.name}"
-                                          f" ({seg.nbytes} B)")
-    return seg.torch(torch.uint8, ref.offset, nbytes)
 
 
 @dataclass
@@ -90,6 +76,8 @@ class CopyWorkerRole(Role):
         if nbytes := int(env.options.get("segment_bytes", 0)):
             self.create_segment(nbytes)  # scratch segment (runtime tests of segment clean-up)
         self.threads = int(env.options.get("copy_threads", 2))
+        # The GPU this worker is bound to (one copy worker per GPU): its rank's, unless the options name one.
+        self.cuda_device = int(env.options.get("cuda_device", env.rank))
         self._lock = threading.Lock()
         self._current: _Attachment | None = None
         self._retired: list[Segment] = []  # mappings of earlier attachments still viewed by a running copy
@@ -111,13 +99,19 @@ class CopyWorkerRole(Role):
                     raise HandlerError("no_segment", str(e)) from None
             return segments[name]
 
+        gpu = arenas_on_gpu(msg)
+        # a CPU mover before anything is mapped; the CUDA one once the handles passed their checks
+        cpu_mover = None if gpu else attach_mover(msg, False, self.cuda_device)
         kinds: dict[str, GroupKind] = {}
         arenas: list[tuple[str, KvArena]] = []
         for ref in msg.arenas:
             kinds[ref.group] = GroupKind(ref.kind)
-            arenas.append((ref.group, KvArena(ref.name, device_arena_view(seg(ref.segment), ref), ref.num_blocks,
+            view = cuda_arena_view(ref, self.cuda_device) if ref.cuda is not None else \
+                device_arena_view(seg(ref.segment), ref)
+            arenas.append((ref.group, KvArena(ref.name, view, ref.num_blocks,
                                               ref.bytes_per_block, ref.block_stride,
                                               ref.stored_bytes_per_block or None, ref.stored_layout or None)))
+        mover = cpu_mover if cpu_mover is not None else attach_mover(msg, True, self.cuda_device)
         spec = KvSpec(msg.page_tokens, tuple(GroupSpec(g, k) for g, k in kinds.items()))
         layout = validate_layout(spec, arenas)
         host: np.ndarray | None = None
@@ -130,6 +124,8 @@ class CopyWorkerRole(Role):
             if hseg.nbytes < host_layout.total_bytes:
                 raise HandlerError("bad_request", f"host segment {hseg.name} has {hseg.nbytes} B, layout needs"
                                                   f" {host_layout.total_bytes} B")
+            if mover.name == "cuda":
+                pin_host(hseg)
             host = hseg.numpy(np.uint8, 0, host_layout.total_bytes)
         try:
             repack = check_repack_hook(import_callable(msg.repack), msg.repack) if msg.repack else None
@@ -142,7 +138,7 @@ class CopyWorkerRole(Role):
                 raise HandlerError("bad_request", f"load fences [{msg.load_fence_offset}, +{8 * msg.load_fence_words})"
                                                   f" are outside {fseg.name} ({fseg.nbytes} B)")
             fences = fseg.numpy(np.int64, msg.load_fence_offset, msg.load_fence_words)
-        executor = CopyExecutor(layout, host, host_layout, repack, threads=self.threads)
+        executor = CopyExecutor(layout, host, host_layout, repack, threads=self.threads, mover=mover)
         del host, arenas, layout  # only the executor holds views now (so retired segments can unmap)
         new = _Attachment(executor, segments, len(msg.arenas), host_layout.total_bytes if host_layout else 0,
                           load_fences=fences)
@@ -156,7 +152,8 @@ class CopyWorkerRole(Role):
             del old
         self._retired = self._close_unused(retired)
         self.counters.inc("attaches")
-        log.info("arenas_attached", arenas=new.arenas, host_bytes=new.host_bytes, repack=msg.repack or None)
+        log.info("arenas_attached", arenas=new.arenas, host_bytes=new.host_bytes, repack=msg.repack or None,
+                 mover=mover.name)
         return m.Attached(new.arenas, new.host_bytes)
 
     @staticmethod

@@ -19,8 +19,11 @@ from tests.conftest import ShmBytesModel, churn, cluster_store, compute, load_re
 pytestmark = pytest.mark.timeout(60)
 
 
-def test_round_trip_restores_every_group_bit_for_bit() -> None:
-    with cluster_store(bounded=True) as (cs, store, model):
+@pytest.mark.parametrize("mover", ["memmove", "torch"])
+def test_round_trip_restores_every_group_bit_for_bit(mover: str) -> None:
+    """Save, evict, restore and the bounded group's seal / restore copies, in a real copy worker: with its default
+    mover, and with the torch mover (`AttachArenas.mover`: the GPU path's executor over torch tensors, on CPU)."""
+    with cluster_store(bounded=True, copy_mover="" if mover == "memmove" else mover) as (cs, store, model):
         toks = list(range(1, 17))
         kv, cur, _, written = compute(store, model, "a", toks)
         (seal,) = kv.seal_by_copy()  # checkpoint the bounded state at the 16-token boundary (via the worker)
@@ -48,13 +51,17 @@ def test_round_trip_restores_every_group_bit_for_bit() -> None:
         assert st["rank0"]["active_blocks"] == 0 and st["tier"]["open_leases"] == 0
         worker = cs.cluster.client("copy_worker").request(m.Stats(), timeout=5).counters
         assert worker["orders_save"] == 1 and worker["orders_load"] == 1 and worker["orders_device"] == 2
-        # every order named its mover (kvproc/workers/movers.py): all four by memmove on this CPU machine
-        assert worker["mover_orders.memmove"] == 4 and "mover_orders.cma" not in worker
-        assert worker["mover_bytes.memmove"] == worker["bytes_save"] + worker["bytes_load"] + worker["bytes_device"]
+        # every order named its mover (kvproc/workers/movers.py): all four by the one this worker was asked for
+        assert worker[f"mover_orders.{mover}"] == 4 and "mover_orders.cma" not in worker
+        assert worker[f"mover_bytes.{mover}"] == worker["bytes_save"] + worker["bytes_load"] + worker["bytes_device"]
+        other = "torch" if mover == "memmove" else "memmove"
+        assert f"mover_orders.{other}" not in worker
 
 
-def test_a_repacking_model_round_trips_through_the_workers_repack() -> None:
-    with cluster_store(stored=True, repack="tests.conftest:xor_repack") as (cs, store, model):
+@pytest.mark.parametrize("mover", ["memmove", "torch"])
+def test_a_repacking_model_round_trips_through_the_workers_repack(mover: str) -> None:
+    with cluster_store(stored=True, repack="tests.conftest:xor_repack", copy_mover="" if mover == "memmove" else mover
+                       ) as (cs, store, model):
         toks = list(range(1, 10))
         kv, cur, _, written = compute(store, model, "a", toks)
         store.retire(0, kv, cur)
@@ -65,7 +72,10 @@ def test_a_repacking_model_round_trips_through_the_workers_repack() -> None:
         assert pre.host_tokens == 8
         for i, b in enumerate(pre.hold.block_ids):
             assert torch.equal(model.block(0, b), written[pre.hold.hashes[i]][0])
+            assert torch.equal(model.block(1, b), written[pre.hold.hashes[i]][1])
         pre.hold.release()
+        worker = cs.cluster.client("copy_worker").request(m.Stats(), timeout=5).counters
+        assert worker[f"mover_orders.{mover}"] == worker["orders_save"] + worker["orders_load"] >= 2
 
 
 def test_a_failing_load_hook_is_a_counted_miss_by_arena_never_wrong_kv() -> None:

@@ -5,12 +5,15 @@ import os
 
 import numpy as np
 import pytest
+import torch
 
-from kvproc.ipc.orders import LoadOrder, SaveOrder
+from kvproc.ipc.orders import BoundedCopy, LoadOrder, SaveOrder, SlotCopy
 from kvproc.tiers.layout import HostLayout
 from kvproc.workers import movers
 from kvproc.workers.copy_exec import CopyError, CopyExecutor
 from kvproc.workers.movers import MEMMOVE, CmaRowsMover, MoveError, RemoteMemory, mover_for
+from kvproc.workers.tensor_exec import TensorCopyExecutor
+from kvproc.workers.torch_mover import TORCH
 from tests.workers.test_copy_exec import block, layout
 
 
@@ -88,9 +91,51 @@ def test_executor_moves_pages_through_its_mover_and_names_it():
     assert CopyExecutor(lay).mover_name("load") == "memmove"
 
 
-def test_executor_refuses_a_mover_without_host_views():
-    class NoViews(CountingMover):
-        name, host_views = "noviews", False
+class CountingTorchMover(CountingMover):
+    """The same wrapper around the torch mover: an executor over it is the tensor executor (no host views)."""
 
-    with pytest.raises(CopyError, match="not wired"):
-        CopyExecutor(layout(), mover=NoViews())
+    name, host_views = "counting-torch", False
+
+    def rows(self, *args):
+        self.calls += 1
+        return TORCH.rows(*args)
+
+
+def test_a_mover_without_host_views_gets_the_tensor_executor_and_one_batch_per_arena_and_order():
+    """Scattered pages, bounded slots and a device copy: one `rows` call per arena per order, whatever the blocks
+    (no per-block call), the same bytes as the memmove executor's."""
+    lay, ref = layout(nb=32), layout(nb=32)
+    for (_, a), (_, b) in zip(lay.arenas, ref.arenas):
+        b.tensor.copy_(a.tensor)
+    hl = HostLayout.plan(lay, 1 << 16)
+    mv = CountingTorchMover()
+    ex = CopyExecutor(lay, np.zeros(hl.total_bytes, dtype=np.uint8), hl, mover=mv)
+    other = CopyExecutor(ref, np.zeros(hl.total_bytes, dtype=np.uint8), hl)
+    assert isinstance(ex, TensorCopyExecutor) and type(other) is CopyExecutor
+    ids, slots, dest = [9, 0, 31, 4, 5, 6, 7, 20], [3, 8, 1, 11, 12, 13, 14, 0], [1, 2, 3, 10, 11, 12, 13, 30]
+    for e in (ex, other):
+        e.save(SaveOrder("r", ids, slots, [BoundedCopy("st", 1, 0), BoundedCopy("st", 3, 1)]))
+        e.load(LoadOrder("r", slots, dest, [BoundedCopy("st", 0, 2), BoundedCopy("st", 1, 0)]))
+        e.device_copy([SlotCopy("st", 2, 3), SlotCopy("st", 0, 1)])
+    assert mv.calls == 3 + 3 + 1  # per order: k0, k1 and s0 (the one bounded arena)
+    for (_, a), (_, b) in zip(lay.arenas, ref.arenas):
+        assert torch.equal(a.tensor, b.tensor), a.name
+    assert ex.mover_name("save") == "counting-torch" and ex.mover_name("engine") == "cma"
+
+
+@pytest.mark.parametrize("kind", ["memmove", "torch"])
+def test_an_engine_move_reaches_either_executors_arenas_by_address(kind):
+    """`EngineMove` (this process plays the engine): blocks out to its private memory and back, through the cma
+    mover, whichever mover the executor's own orders use; a block past the arena is refused."""
+    lay = layout()
+    ex = CopyExecutor(lay, mover=mover_for("cpu", kind=kind))
+    k1 = next(a for _, a in lay.arenas if a.name == "k1")
+    before = [block(k1, i).clone() for i in range(k1.num_blocks)]
+    engine = np.zeros(k1.num_blocks * 32, dtype=np.uint8)
+    assert ex.engine_move(os.getpid(), True, ["k1"], [engine.ctypes.data], 32, 32, [0, 3], [5, 2]) == 64
+    assert np.array_equal(engine[:32], before[5].numpy()) and np.array_equal(engine[96:128], before[2].numpy())
+    k1.byte_view().zero_()
+    assert ex.engine_move(os.getpid(), False, ["k1"], [engine.ctypes.data], 32, 32, [3], [6]) == 32
+    assert torch.equal(block(k1, 6), before[2]) and not block(k1, 5).any()
+    with pytest.raises(CopyError, match="has 8 blocks"):
+        ex.engine_move(os.getpid(), False, ["k1"], [engine.ctypes.data], 32, 32, [0], [8])

@@ -14,6 +14,7 @@ from kvproc.ipc.orders import LoadOrder, SaveOrder
 from kvproc.store.handoff import fingerprint as handoff_fingerprint
 from kvproc.tiers.layout import HostLayout
 from kvproc.workers.copy_exec import CopyExecutor
+from kvproc.workers.movers import mover_for
 
 ROW = 32
 
@@ -41,13 +42,14 @@ def _reverse(calls: list[tuple[str, RepackDirection, ArenaId]]):  # type: ignore
     return repack
 
 
+@pytest.mark.parametrize("kind", ["memmove", "torch"])
 @pytest.mark.parametrize("declared", [True, False], ids=["declared", "control-undeclared"])
-def test_a_same_size_stored_layout_is_repacked_on_save_and_load(declared: bool) -> None:
+def test_a_same_size_stored_layout_is_repacked_on_save_and_load(declared: bool, kind: str) -> None:
     lay = _layout("reversed-v1" if declared else None)
     hl = HostLayout.plan(lay, 1 << 16)  # type: ignore[arg-type]
     host = np.zeros(hl.total_bytes, dtype=np.uint8)
     calls: list[tuple[str, RepackDirection, ArenaId]] = []
-    ex = CopyExecutor(lay, host, hl, repack=_reverse(calls))  # type: ignore[arg-type]
+    ex = CopyExecutor(lay, host, hl, repack=_reverse(calls), mover=mover_for("cpu", kind=kind))  # type: ignore[arg-type]
     k0 = lay.arenas[0][1]  # type: ignore[attr-defined]
     want = _rows(k0)[[1, 4, 6]].clone()
     ex.save(SaveOrder("r", [1, 4, 6], [0, 1, 2]))

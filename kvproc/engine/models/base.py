@@ -28,6 +28,23 @@ def default_allocator(name: str, nbytes: int) -> torch.Tensor:
     return torch.zeros(nbytes, dtype=torch.uint8)
 
 
+DEVICES = ("cpu", "cuda")  # what `--device` offers (a model also takes "cuda:N")
+
+
+def model_device(device: str | torch.device) -> torch.device:
+    """The device a model runs on: "cpu", or a CUDA device where one is present; anything else is a clear error."""
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"unknown device {device!r}: {e}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} needs a CUDA device, and torch.cuda.is_available() is False here; "
+                         "run on cpu")
+    if dev.type not in DEVICES:
+        raise ValueError(f"device {device!r}: the reference models run on {' or '.join(DEVICES)}")
+    return dev
+
+
 @dataclass
 class SeqBatchItem:
     token_ids: list[int] | torch.Tensor  # the NEW tokens to compute this step
@@ -56,14 +73,16 @@ class PreparedItem:
 class Rng:
     """Seeded weight factory: a fixed creation order over one generator makes two instances bit-identical."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, device: torch.device | None = None) -> None:
+        # weights are drawn on the CPU (the same bits everywhere), then moved to `device`
+        self.device = device if device is not None else torch.device("cpu")
         self.gen = torch.Generator().manual_seed(seed)
         self._digest = hashlib.blake2b(digest_size=8)  # of every weight made: the model's identity (`KvSpec.model_id`)
 
     def normal(self, *shape: int, std: float) -> torch.Tensor:
         t = torch.randn(*shape, generator=self.gen, dtype=torch.float32) * std
         self._digest.update(t.numpy().data)  # the buffer itself: no copy
-        return t
+        return t if self.device.type == "cpu" else t.to(self.device)
 
     def weights_digest(self) -> str:
         return self._digest.hexdigest()
@@ -99,6 +118,7 @@ class TinyModel(abc.ABC):
         page_tokens: int = 16,
         seed: int = 0,
         allocator: Allocator = default_allocator,
+        device: str = "cpu",
     ) -> None:
         if num_blocks <= 0 or num_slots <= 0:
             raise ValueError(f"num_blocks and num_slots must be positive, got {num_blocks}, {num_slots}")
@@ -106,9 +126,19 @@ class TinyModel(abc.ABC):
         self.num_slots = num_slots
         self.page_tokens = page_tokens
         self.seed = seed
+        # Where weights, arenas and every step's tensors live. NEEDS-GPU-CHECK: "cuda" has never run (no GPU where
+        # it was written); on the CPU nothing below changes what runs.
+        self.device = model_device(device)
         self._allocator = allocator
+        if allocator is default_allocator and self.device.type != "cpu":
+            self._allocator = self._device_allocator
         self._arenas: list[tuple[str, KvArena]] = []
-        self._rng = Rng(seed)
+        self._rng = Rng(seed, self.device)
+
+    def _device_allocator(self, name: str, nbytes: int) -> torch.Tensor:
+        """The default allocator on a GPU: zeroed uint8 arenas on the model's device."""
+        del name
+        return torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
 
     @property
     def model_id(self) -> str:
@@ -143,7 +173,10 @@ class TinyModel(abc.ABC):
         """float32 logits [len(batch), vocab] at the last new position of each item."""
         if not batch:
             raise ValueError(f"{self.name}: forward got an empty batch")
-        return self._forward(self._prepare(batch))
+        if self.device.type == "cpu":
+            return self._forward(self._prepare(batch))
+        with self.device:  # every tensor a step makes (masks, indices, outputs) on the model's device
+            return self._forward(self._prepare(batch))
 
     def reset_slot(self, group: str, slot: int) -> None:
         """Zero a live slot in every arena of a bounded group (zeros are every model's initial state)."""
@@ -191,7 +224,7 @@ class TinyModel(abc.ABC):
         used_slots: set[tuple[str, int]] = set()
         out: list[PreparedItem] = []
         for i, item in enumerate(batch):
-            tokens = as_long(item.token_ids, f"batch[{i}].token_ids")
+            tokens = as_long(item.token_ids, f"batch[{i}].token_ids").to(self.device)
             n = tokens.numel()
             if n == 0:
                 raise ValueError(f"{self.name}: batch[{i}] has no new tokens to compute")
@@ -207,7 +240,7 @@ class TinyModel(abc.ABC):
             write_rows = read_blocks = positions  # placeholders for models without paged groups
             if paged:
                 need = (start + n + pt - 1) // pt
-                blocks = as_long(item.block_ids, f"batch[{i}].block_ids")
+                blocks = as_long(item.block_ids, f"batch[{i}].block_ids").to(self.device)
                 if blocks.numel() < need:
                     raise ValueError(f"{self.name}: batch[{i}] covers {start + n} positions, needs {need} block ids,"
                                      f" got {blocks.numel()}")

@@ -106,11 +106,13 @@ class HybridModel(StackModel):
     ATTN, LINEAR = "attn", "linear"
 
     def __init__(self, num_blocks: int, num_slots: int, *, page_tokens: int = 16, seed: int = 0,
-                 allocator: Allocator = default_allocator, vocab_size: int = 4096, hidden: int = 256,
+                 allocator: Allocator = default_allocator, device: str = "cpu",
+                 vocab_size: int = 4096, hidden: int = 256,
                  layers: int = 4, full_attention_every: int = 2, heads: int = 8, kv_heads: int = 2,
                  head_dim: int = 32, linear_heads: int = 4, linear_head_dim: int = 32, conv_kernel: int = 4,
                  mlp: int = 512) -> None:
-        super().__init__(num_blocks, num_slots, page_tokens=page_tokens, seed=seed, allocator=allocator)
+        super().__init__(num_blocks, num_slots, page_tokens=page_tokens, seed=seed, allocator=allocator,
+                         device=device)
         self.vocab_size = vocab_size
         self.eos_token_id = 1
         full = [i for i in range(layers) if (i + 1) % full_attention_every == 0]

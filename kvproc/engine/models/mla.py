@@ -109,11 +109,13 @@ class MlaModel(StackModel):
     LATENT, INDEXER, MTP, DRAFTER = "latent", "indexer", "mtp", "drafter"
 
     def __init__(self, num_blocks: int, num_slots: int, *, page_tokens: int = 16, seed: int = 0,
-                 allocator: Allocator = default_allocator, vocab_size: int = 4096, hidden: int = 256,
+                 allocator: Allocator = default_allocator, device: str = "cpu",
+                 vocab_size: int = 4096, hidden: int = 256,
                  layers: int = 3, heads: int = 4, latent: int = 128, rope: int = 16, nope: int = 32,
                  v_dim: int = 64, idx_heads: int = 2, idx_dim: int = 32, mlp: int = 512, mtp: bool = False,
                  drafter: bool = False, draft_window: int = 4) -> None:
-        super().__init__(num_blocks, num_slots, page_tokens=page_tokens, seed=seed, allocator=allocator)
+        super().__init__(num_blocks, num_slots, page_tokens=page_tokens, seed=seed, allocator=allocator,
+                         device=device)
         if latent + rope != wire.EXEC_ROW_FLOATS:
             raise ValueError(f"mla: latent+rope must be {wire.EXEC_ROW_FLOATS} floats (the 576-byte execution row"
                              f" the wire layout is defined for), got {latent}+{rope}")

@@ -24,8 +24,10 @@ class RankedModel:
     def __init__(self, name: str, ranks: int, *, allocator: Allocator = default_allocator, **kwargs: Any) -> None:
         if ranks < 1:
             raise ValueError(f"ranks must be >= 1, got {ranks}")
+        # the default allocator is passed on as itself: a model on a GPU then allocates its arenas there
         self.replicas: list[TinyModel] = [
-            build_model(name, allocator=lambda arena, nbytes, r=r: allocator(f"r{r}.{arena}", nbytes), **kwargs)
+            build_model(name, allocator=allocator if allocator is default_allocator else
+                        lambda arena, nbytes, r=r: allocator(f"r{r}.{arena}", nbytes), **kwargs)
             for r in range(ranks)]
         lead = self.replicas[0]
         self.name, self.vocab_size, self.eos_token_id = lead.name, lead.vocab_size, lead.eos_token_id

@@ -50,11 +50,11 @@ def repack_latent(direction: RepackDirection, src: torch.Tensor, dst: torch.Tens
                          f" {tuple(dst.shape)}")
     n = rows.shape[0]
     if save:
-        out = torch.empty(n, WIRE_ROW_BYTES, dtype=torch.uint8)
+        out = torch.empty(n, WIRE_ROW_BYTES, dtype=torch.uint8, device=rows.device)
         out[:, :EXEC_ROW_BYTES] = rows
         scales = rows.view(torch.float32).view(n, TILES, EXEC_ROW_FLOATS // TILES).abs().amax(-1)
         out[:, EXEC_ROW_BYTES : EXEC_ROW_BYTES + TILES * 4] = scales.contiguous().view(torch.uint8)
-        meta = torch.zeros(n, 4, dtype=torch.int32)
+        meta = torch.zeros(n, 4, dtype=torch.int32, device=rows.device)
         meta[:, 0] = MAGIC
         meta[:, 1] = _checksum(rows)
         out[:, EXEC_ROW_BYTES + TILES * 4 :] = meta.view(torch.uint8)
