@@ -30,8 +30,8 @@ from kvproc.ipc import messages as m
 from kvproc.ipc.client import RpcClient
 from kvproc.ipc.errors import IpcError
 from kvproc.runtime import manifest as mf
+from kvproc.runtime.event_interval import DEFAULT_INTERVAL_S, MAX_INTERVAL_S, check_interval
 from kvproc.runtime.logs import configure_logging
-from kvproc.tiers.kv_events import DEFAULT_INTERVAL_S, MAX_INTERVAL_S, check_interval
 
 
 def up_main(argv: list[str]) -> int:

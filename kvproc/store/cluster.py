@@ -44,12 +44,12 @@ from kvproc.ipc.client import RpcClient
 from kvproc.ipc.segment import Segment, SegmentBusyError
 from kvproc.runtime import manifest as mf
 from kvproc.runtime.config import RoleConfig
+from kvproc.runtime.event_interval import DEFAULT_INTERVAL_S, check_interval
 from kvproc.runtime.launcher import Cluster, launch
 from kvproc.store.device_events import DevicePublishers
 from kvproc.store.kv_store import KvStore
 from kvproc.store.types import StoreConfig
 from kvproc.tiers.host import layout_from_wire, layout_to_wire
-from kvproc.tiers.kv_events import DEFAULT_INTERVAL_S, check_interval
 from kvproc.tiers.layout import HostLayout
 from kvproc.tiers.load_fence import LOAD_FENCE_WORDS, LoadFences
 from kvproc.tiers.remote import RemoteCopier, RemoteTier

@@ -5,8 +5,9 @@ them at `attach_model` and names them in the manifest; an in-process store (`bui
 
 from __future__ import annotations
 
+from kvproc.runtime.event_interval import DEFAULT_INTERVAL_S, interval_ms
 from kvproc.store.kv_store import KvStore
-from kvproc.tiers.kv_events import DEFAULT_INTERVAL_S, DeviceIndexEvents, KvEventPublisher, interval_ms
+from kvproc.tiers.kv_events import DeviceIndexEvents, KvEventPublisher
 
 KIND = "device"
 

@@ -43,9 +43,10 @@ from kvproc.ipc.context import CallContext, Deferred
 from kvproc.ipc.errors import HandlerError
 from kvproc.ipc.segment import Segment
 from kvproc.ipc.service import handles
+from kvproc.runtime.event_interval import DEFAULT_INTERVAL_S, interval_ms
 from kvproc.runtime.role import Role, RoleEnv
 from kvproc.tiers.host_index import Hit, HostIndex, Loading, QueryResult, SaveClass, SaveTicket
-from kvproc.tiers.kv_events import DEFAULT_INTERVAL_S, AllBlocksCleared, KvEventPublisher, interval_ms
+from kvproc.tiers.kv_events import AllBlocksCleared, KvEventPublisher
 from kvproc.tiers.layout import HostLayout, Region
 from kvproc.tiers.mooncake import MooncakeTier
 from kvproc.tiers.mooncake_client import RemoteSpec

@@ -31,7 +31,6 @@ holds, i.e. which page hashes a resolve there would match; its `BlockStored` car
 from __future__ import annotations
 
 import collections
-import math
 import os
 import threading
 import time
@@ -44,6 +43,7 @@ import structlog
 import zmq
 
 from kvproc.core.hashing import PAD_TOKEN_ID
+from kvproc.runtime.event_interval import DEFAULT_INTERVAL_S, check_interval
 
 log = structlog.get_logger("kvproc.kv_events")
 
@@ -52,31 +52,6 @@ MEDIUM_DEVICE = "GPU"  # vLLM's MEDIUM_GPU: what routers already read for an eng
 TOPIC = b"kv-events"
 END = (-1).to_bytes(8, "big", signed=True)
 STOP_LINGER_MS = 1000  # how long a stopping publisher lets ZeroMQ write its last batches to connected subscribers
-DEFAULT_INTERVAL_S = 0.05
-# The longest batch interval accepted: an hour already makes the events useless to a router; past it a typo (a
-# value in microseconds, 1e10) would overflow the thread's timed wait (`threading.TIMEOUT_MAX`) and kill it.
-MAX_INTERVAL_S = 3600.0
-
-
-def check_interval(interval_s: float) -> float:
-    """`interval_s` as a float, or ValueError saying what is accepted: (0, 1 h], finite."""
-    try:
-        v = float(interval_s)
-    except (TypeError, ValueError):
-        raise ValueError(f"KV-event batch interval must be a number of seconds, got {interval_s!r}") from None
-    if not (math.isfinite(v) and 0 < v <= MAX_INTERVAL_S):
-        raise ValueError(f"KV-event batch interval must be > 0 and <= {MAX_INTERVAL_S:g} s (1 h), got {interval_s!r}"
-                         " s")
-    return v
-
-
-def interval_ms(interval_s: float) -> str:
-    """The interval as the manifest's `published` records it (milliseconds, a string: `published` maps names to
-    strings): "50", "3600000", "0.5"."""
-    ms = round(interval_s * 1000, 3)
-    return str(int(ms)) if ms == int(ms) else str(ms)
-
-
 class BlockStored(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
     block_hashes: list[bytes]
     parent_block_hash: bytes | None

@@ -25,7 +25,7 @@ from kvproc import ArenaId, ClusterStore, KvArena, KvSpec, KvStore, RepackDirect
 from kvproc.integrations.vllm.contract import VllmKvContract
 from kvproc.integrations.vllm.moves import MoveQueue
 from kvproc.runtime import manifest as mf
-from kvproc.tiers.kv_events import DEFAULT_INTERVAL_S, MAX_INTERVAL_S, check_interval
+from kvproc.runtime.event_interval import DEFAULT_INTERVAL_S, MAX_INTERVAL_S, check_interval
 
 if TYPE_CHECKING:
     import torch

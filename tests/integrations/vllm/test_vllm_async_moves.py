@@ -24,6 +24,10 @@ from tests.integrations.vllm.conftest import (
 pytestmark = pytest.mark.timeout(600)
 
 
+def assert_idle(idle: bool) -> None:
+    assert idle, "the connector's moves did not settle within 60 s"
+
+
 class _Overlap:
     """Counts vLLM's steps (scheduler side) and the moves during which at least one step began."""
 
@@ -54,7 +58,10 @@ def test_slow_moves_overlap_vllm_steps_and_keep_tokens(tiny_llama: Path, monkeyp
                                                        reference: list[tuple[list[int], list[int]]]) -> None:
     ov = _Overlap(monkeypatch, delay_s=0.15)
     with engine(tiny_llama, kvproc_transfer_config()) as llm:
-        got = multi_turn(llm)
+        # Each turn starts once the last one's saves landed: with the slow mover a loaded machine could otherwise
+        # schedule a turn before kvproc holds the previous one's pages (a miss, no load to observe). The loads of a
+        # turn still run while vLLM steps the turn's other requests.
+        got = multi_turn(llm, before_turn=lambda t: assert_idle(live_runtime().moves.idle(60)))
         # 113-token prompts, 16 tokens out: the last step computes token 128, so each request's 4th page is saved
         # in its last step and finishes with that save in flight (the slow mover): vLLM must keep its blocks.
         rng = random.Random(5)
