@@ -43,6 +43,8 @@ DEALER/ROUTER round trip measured in the same run.
   resolves (1 and 16 blocks), alternating batches of 10 resolves (N batches each).
 - `--observe-ab N`: only the cost of /metrics and KV events, plain vs observed in N interleaved pairs of runs
   (`kvproc/bench/observe_ab.py`).
+- `--observe-toggle R`: the same cost within one run and one cluster, switched on and off every round for R rounds
+  (`kvproc/bench/observe_toggle.py`; `--toggled` picks the part, `none` is the A/A control).
 - `--ab-native N`: blocking host-hit resolves of 16/64/256 blocks with the store side's compiled helpers
   (`kvproc.native._native`: hash chain, pool book-keeping) on vs off, interleaved batches of 5 (N x 10 each).
 Medians. A page is 2 arenas x 2 KiB (4 KiB per block, 16 tokens).
@@ -467,9 +469,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--observe-toggle", type=int, default=0, metavar="R",
                     help="only the observability A/B within one run: R rounds of --n resolves, observation switched "
                          "on and off every round (kvproc/bench/observe_toggle.py)")
-    ap.add_argument("--toggled", choices=("all", "events", "metrics"), default="all",
+    ap.add_argument("--toggled", choices=("all", "events", "metrics", "none"), default="all",
                     help="with --observe-toggle: what the on arm switches on (device-pool events, /metrics scrapes, "
-                         "or both)")
+                         "both, or nothing: the A/A control)")
     ap.add_argument("--scrape-s", type=float, default=1.0, help="/metrics scrape interval when observed (s)")
     ap.add_argument("--device-events", action="store_true",
                     help="with --observe-ab: the observed arm also publishes (and reads) rank 0's device-pool events "

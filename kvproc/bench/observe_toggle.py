@@ -56,8 +56,9 @@ def median_ci(ratios: list[float], reps: int = 4000, seed: int = 2) -> tuple[flo
 
 
 def main(rounds: int, n: int, blocks: int, scrape_s: float, json_path: str | None, toggled: str = "all") -> int:
-    """`toggled`: what the on arm switches on: "all", "events" (device-pool events only: no scrape) or "metrics"
-    (the scrapes only: no device-pool listener)."""
+    """`toggled`: what the on arm switches on: "all", "events" (device-pool events only: no scrape), "metrics"
+    (the scrapes only: no device-pool listener) or "none" (the A/A control: the arms differ in nothing, so what it
+    prints is the harness's own bias and noise)."""
     from kvproc.bench.ipcbench import ARENA_BLOCK, CONCURRENCY, IpcBench, IpcBenchModel, Observer
     from kvproc.store.cluster import ClusterStore
     from kvproc.store.types import StoreConfig
@@ -92,13 +93,13 @@ def main(rounds: int, n: int, blocks: int, scrape_s: float, json_path: str | Non
                 # The arm is set before the round's (untimed) seals: the observer reads the host tier's batch of
                 # those seals during the settle, not during the timing.
                 with pool.lock:
-                    pool.paged.listener = listener if arm == "on" and toggled != "metrics" else None
+                    pool.paged.listener = listener if arm == "on" and toggled in ("all", "events") else None
                 prompts = [b.prompt(blocks) for _ in range(n)]
                 for p in prompts:
                     b.seal(p)
                 assert pub.flush(), "the device-pool publisher did not drain"
                 time.sleep(SETTLE_S)
-                scrape = arm == "on" and toggled != "events" and on_seconds >= next_scrape
+                scrape = arm == "on" and toggled in ("all", "metrics") and on_seconds >= next_scrape
                 if scrape:
                     observer.scrape_start()
                     next_scrape += scrape_s
