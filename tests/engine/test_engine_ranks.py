@@ -75,8 +75,11 @@ def test_ranks_give_the_tokens_of_one_rank_and_of_no_cache(model: str, ranks: in
         got, eng = _conversations(t, ranks)
         stats = t.store.stats()
     assert _outputs(got) == _outputs(one) == _no_cache(model)
-    assert [(r.device_hit_tokens, r.host_hit_tokens) for r in got] == \
-        [(r.device_hit_tokens, r.host_hit_tokens) for r in one]
+    # The prefix each request found is the same; where it came from (device pool or host tier) need not be: a save's
+    # source blocks enter the LRU when its copy lands, so on a loaded machine two saves landing in the other order
+    # evict another page (seen in CI: (48, 16) against (32, 32) for one request, the tokens identical).
+    assert [r.device_hit_tokens + r.host_hit_tokens for r in got] == \
+        [r.device_hit_tokens + r.host_hit_tokens for r in one]
     assert sum(r.host_hit_tokens for r in got) > 0  # the pool is small: later turns come back from the host tiers
     # Every rank saved its own shard to its own tier, and the host hits loaded from every tier.
     tiers = [stats["tier" if r == 0 else f"tier{r}"] for r in range(ranks)]

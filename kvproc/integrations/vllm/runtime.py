@@ -58,7 +58,7 @@ class RuntimeOptions:
     # waits for its moves (the synchronous path, kept for A/B benchmarks).
     async_moves: bool = True
     move_wait_s: float = 60.0  # the longest anything waits for a move (a preempted request's save, a sync load)
-    # KV events of the host tier (medium "cpu", kvproc's page hashes; docs/observability.md) for KV-aware routers:
+    # KV events of the host tier (medium "CPU", kvproc's page hashes; docs/observability.md) for KV-aware routers:
     # the tier this engine starts publishes them; an attached shared tier (`tier_runtime_dir`) must have been
     # started with `kvproc up --kv-events` (and `--kv-events-tokens` for `kv_events_tokens`), checked at start. vLLM's
     # own GPU blocks are vLLM's `kv_events_config`; the staging pool publishes nothing (no cache to route on).
