@@ -305,15 +305,29 @@ class ReleaseLease(Request, tag=304):
     consume_handoff: str = ""  # "" = none
 
 
+class SaveEvents(Wire):
+    """`ReserveSave.events` for a tier that publishes KV events: what the save's `BlockStored` need beyond its keys."""
+
+    # The prompt's page before the save's first (None: the save starts at the prompt's first page): the parent of
+    # the save's first run of new pages when that run starts at the save's first key (the tier sees no chain before).
+    parent_key: bytes | None
+    # The pages' token ids (as in bare-bytes `ReserveSave.events`), when the tier's events carry them
+    # (`Configured.token_ids`); else None.
+    token_ids: bytes | None = None
+
+
 class ReserveSave(Request, tag=305):
     req_id: str
     keys: list[bytes]
     bounded_groups: list[str]
     save_class: str  # SaveClass value: "cacheable" | "handoff"
-    # The pages' token ids (int64, native order, page i's at [i * page_tokens, (i + 1) * page_tokens)), sent only to
-    # a tier that asked for them (`Configured.token_ids`: its KV events carry them); None (off the wire: a trailing
-    # default) otherwise.
-    token_ids: bytes | None = None
+    # What the tier's KV events need that the keys do not say, in ONE trailing slot: msgspec writes an array-like
+    # struct's defaults too (a None is one msgpack nil on every ReserveSave), so a second field would cost every save
+    # a byte more. `SaveEvents` (the save's parent page, its token ids): sent only to a tier that publishes KV events
+    # (`Configured.kv_events`). Bare bytes: the token ids alone (int64, native order, page i's at [i * page_tokens,
+    # (i + 1) * page_tokens)), as a store from before parent keys sends them, and as a store sends them to a tier from
+    # before them (its `Configured` says `token_ids`, not `kv_events`). None: no events (or nothing to say).
+    events: bytes | SaveEvents | None = None
 
 
 class CommitSave(Request, tag=306):
@@ -347,6 +361,7 @@ class Configured(Payload, tag=400):
     layout: HostLayoutSpec
     fingerprint: str = ""
     token_ids: bool = False  # the tier's KV events carry token ids: send them with each `ReserveSave`
+    kv_events: bool = False  # the tier publishes KV events: send each `ReserveSave` its `SaveEvents` (parent page)
 
 
 class TierMiss(Payload, tag=401):

@@ -360,7 +360,8 @@ class ClusterStore:
                 self.host_segments.append(conf.segment)
                 self.host_layouts.append(layout_from_wire(conf.layout))  # a joined tier's layout wins over our plan
                 self.tiers.append(RemoteTier(functools.partial(self._tier_client, r), self.host_layouts[r],
-                                             segment=conf.segment, wants_token_ids=conf.token_ids))
+                                             segment=conf.segment, wants_token_ids=conf.token_ids,
+                                             wants_parent_key=conf.kv_events))
         for r, layout in enumerate(layouts):
             # The rank's load-fence words, in a segment this process owns (the worker maps it with the arenas).
             words = self.allocator(f"load_fences{r}", 8 * LOAD_FENCE_WORDS)

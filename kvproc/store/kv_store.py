@@ -284,6 +284,9 @@ class KvStore:
         # The pages' tokens, for a tier whose KV events carry them (`kv_events_tokens`): a view (sealed pages' tokens
         # never change), turned into bytes on the loop as the ReserveSave is built. Off: not even sliced.
         tokens = kv.token_array()[start * P:end * P] if tier.wants_token_ids else None
+        # The prompt's page before the save's first, for a tier that publishes KV events: the parent of the save's
+        # first run of new pages (a save after a prefix hit starts mid-prompt, and the tier sees no chain before it).
+        parent = kv.page_hashes[start - 1] if start and tier.wants_parent_key else None
         with pool.lock:
             # Each key must name the page its block holds (sealed in place under that hash): a key committed
             # over other bytes would serve them to every later reader of that prompt.
@@ -312,7 +315,8 @@ class KvStore:
         except Exception:
             self._settle_accounting(rank, len(ids), save_class, cursor, start, shed=True)
             raise
-        self._loop.call(self._start_save, rank, kv.req_id, keys, ids, staging, pin, save_class, cursor, start, tokens)
+        self._loop.call(self._start_save, rank, kv.req_id, keys, ids, staging, pin, save_class, cursor, start, tokens,
+                        parent)
 
     def drop_device_cache(self, rank: int) -> int:
         """Evict rank `rank`'s device prefix cache (what nobody holds): the next resolve of those prompts goes to the
@@ -361,15 +365,15 @@ class KvStore:
 
     def _start_save(self, rank: int, req_id: str, keys: list[bytes], ids: list[int], staging: dict[str, int],
                     pin: Any, save_class: SaveClass, cursor: SealCursor, start: int,
-                    tokens: np.ndarray | None = None) -> None:
+                    tokens: np.ndarray | None = None, parent: bytes | None = None) -> None:
         task = asyncio.get_running_loop().create_task(
-            self._save(rank, req_id, keys, ids, staging, pin, save_class, cursor, start, tokens))
+            self._save(rank, req_id, keys, ids, staging, pin, save_class, cursor, start, tokens, parent))
         self._saves[rank].add(task)
         task.add_done_callback(self._saves[rank].discard)
 
     async def _save(self, rank: int, req_id: str, keys: list[bytes], ids: list[int], staging: dict[str, int],
                     pin: Any, save_class: SaveClass, cursor: SealCursor, start: int,
-                    tokens: np.ndarray | None = None) -> None:
+                    tokens: np.ndarray | None = None, parent: bytes | None = None) -> None:
         state, reason = "failed", "unknown"
         ticket: SaveTicket | Shed | None = None
         tier = self.tier_of(rank)
@@ -390,7 +394,8 @@ class KvStore:
                 state, reason = "shed", "tier_unavailable"
                 return
             ticket = await tier.reserve_save(req_id, keys, sorted(staging), save_class,
-                                             timeout=self.config.tier_call_timeout_s, token_ids=tokens)
+                                             timeout=self.config.tier_call_timeout_s, token_ids=tokens,
+                                             parent_key=parent)
             if isinstance(ticket, Shed):
                 state, reason = "shed", "tier_full"
                 return

@@ -22,7 +22,7 @@ class LocalTier:
     def __init__(self, layout: HostLayout, required_bounded: Sequence[str], *, host: np.ndarray | None = None,
                  lease_ttl_s: float = 30.0, handoff_ttl_s: float = 300.0) -> None:
         self.layout = layout
-        self.wants_token_ids = False  # an in-process tier publishes no KV events
+        self.wants_token_ids = self.wants_parent_key = False  # an in-process tier publishes no KV events
         self.host = host if host is not None else np.zeros(layout.total_bytes, dtype=np.uint8)
         # The slot table lives in the arena, as in the host-tier process (a store reads it the same way).
         self.slot_table: np.ndarray | None = None
@@ -85,9 +85,9 @@ class LocalTier:
         self.index.touch(keys)
 
     async def reserve_save(self, req_id: str, keys: Sequence[bytes], bounded_groups: Sequence[str],
-                           save_class: SaveClass, *, timeout: float,
-                           token_ids: np.ndarray | None = None) -> SaveTicket | Shed:
-        return self.index.reserve_save(req_id, keys, bounded_groups, save_class, token_ids)
+                           save_class: SaveClass, *, timeout: float, token_ids: np.ndarray | None = None,
+                           parent_key: bytes | None = None) -> SaveTicket | Shed:
+        return self.index.reserve_save(req_id, keys, bounded_groups, save_class, token_ids, parent_key)
 
     async def commit_save(self, save_id: int, *, timeout: float) -> bool:
         return self.index.commit_save(save_id)

@@ -35,6 +35,9 @@ class Tier(Protocol):
     # The tier's KV events carry token ids: `reserve_save` wants the pages' tokens (`token_ids`); False, the store
     # does not even slice them.
     wants_token_ids: bool
+    # The tier publishes KV events: `reserve_save` wants the save's parent page (`parent_key`: the prompt's page
+    # before the save's first), which its BlockStored name as the first run's parent; False, the store sends none.
+    wants_parent_key: bool
 
     @property
     def available(self) -> bool: ...
@@ -56,8 +59,8 @@ class Tier(Protocol):
         ...
 
     async def reserve_save(self, req_id: str, keys: Sequence[bytes], bounded_groups: Sequence[str],
-                           save_class: SaveClass, *, timeout: float,
-                           token_ids: np.ndarray | None = None) -> SaveTicket | Shed: ...
+                           save_class: SaveClass, *, timeout: float, token_ids: np.ndarray | None = None,
+                           parent_key: bytes | None = None) -> SaveTicket | Shed: ...
 
     async def commit_save(self, save_id: int, *, timeout: float) -> bool:
         """Make a save's entries visible (its copy landed). False: the tier had given the save's slots back (TTL,

@@ -174,7 +174,8 @@ class HostTierRole(Role):
                                            segment_addr=seg.address(), index=index, lock=self._lock,
                                            settled=self._answer_settled, key_found=self._key_landed_remote,
                                            key_wanted=self._key_awaited, handoff_ttl_s=self.handoff_ttl_s)
-            self._configured = m.Configured(seg.name, msg.layout, msg.fingerprint, self.events_tokens)
+            self._configured = m.Configured(seg.name, msg.layout, msg.fingerprint, self.events_tokens,
+                                            self.events is not None)
             self.counters.inc("configured")
             log.info("host_tier_configured", fingerprint=msg.fingerprint, segment=seg.name,
                      bytes=layout.total_bytes, page_slots=layout.page_slots, bounded=layout.bounded_slots)
@@ -229,8 +230,12 @@ class HostTierRole(Role):
             raise HandlerError("bad_request", f"unknown save class {msg.save_class!r}") from None
         with self._lock:
             index = self._index()
-            tokens = np.frombuffer(msg.token_ids, np.int64) if msg.token_ids and self.events_tokens else None
-            t = index.reserve_save(msg.req_id, msg.keys, msg.bounded_groups, save_class, tokens)
+            # `events`: a SaveEvents (parent page, token ids) from a store that read our `kv_events`; bare bytes
+            # (token ids alone) from one before parent keys; None: nothing for our events.
+            ev = msg.events
+            raw, parent = (ev.token_ids, ev.parent_key) if isinstance(ev, m.SaveEvents) else (ev, None)
+            tokens = np.frombuffer(raw, np.int64) if raw and self.events_tokens else None
+            t = index.reserve_save(msg.req_id, msg.keys, msg.bounded_groups, save_class, tokens, parent)
             self._publish_locked(index)  # making room evicts
         if not isinstance(t, SaveTicket):
             return m.TierShed(t.reason)

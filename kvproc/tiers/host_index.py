@@ -84,9 +84,12 @@ class SaveTicket:
     # The save's fence word and token (`save_fence.py`): the copy worker claims it before writing the slots.
     fence: int = NO_FENCE
     fence_token: int = 0
-    # The pages' token ids (`ReserveSave.token_ids`), kept for the BlockStored events of its commit; None: not known
+    # The pages' token ids (`ReserveSave.events`), kept for the BlockStored events of its commit; None: not known
     # (or no events). Never on the wire back.
     token_ids: Any = None
+    # The prompt's page before keys[0] (`SaveEvents.parent_key`): the parent of the commit's first BlockStored when
+    # its run starts at keys[0]; None: the save starts at the prompt's first page, or not known (or no events).
+    parent_key: bytes | None = None
 
     @property
     def copies(self) -> int:
@@ -310,10 +313,12 @@ class HostIndex:
         bounded_groups: Sequence[str] = (),
         save_class: SaveClass = SaveClass.CACHEABLE,
         token_ids: Any = None,
+        parent_key: bytes | None = None,
     ) -> SaveTicket | Shed:
         """Reserve slots for the pages `keys` (and bounded artifacts at `keys[-1]`) not already present or pending.
-        `token_ids` (the pages' tokens, `block_size` per page) go into the commit's BlockStored events; kept only
-        while this index publishes events."""
+        `token_ids` (the pages' tokens, `block_size` per page) go into the commit's BlockStored events, and
+        `parent_key` (the prompt's page before `keys[0]`) is their first run's parent when it starts at `keys[0]`;
+        both kept only while this index publishes events."""
         if not keys:
             raise ValueError("reserve_save needs at least one page key")
         entries, pending = self.entries, self.pending
@@ -345,9 +350,10 @@ class HostIndex:
         bounded: dict[str, int | None] = {g: None for g in bounded_groups}
         for g in want_bounded:
             bounded[g] = self.free_bounded[g].pop()
+        on = self.events is not None  # what only events use is kept only for them
         ticket = SaveTicket(next(self._ids), req_id, save_class, tuple(keys), page_slots, bounded,
-                            self.clock() + self.save_ttl_s, page_gens, *fence,
-                            token_ids if self.events is not None else None)
+                            self.clock() + self.save_ttl_s, page_gens, *fence, token_ids if on else None,
+                            parent_key if on else None)
         self.saves[ticket.save_id] = ticket
         if present:
             self._save_holds[ticket.save_id] = present
@@ -458,7 +464,8 @@ class HostIndex:
         return True
 
     def _stored_events(self, t: SaveTicket) -> None:
-        """One BlockStored per run of consecutive pages this save added, parented on the save's page before it; with
+        """One BlockStored per run of consecutive pages this save added, parented on the prompt's page before it (the
+        save's, or the one the store sent before the save's first: `parent_key`, None at the prompt's first page); with
         the run's token ids where the save brought them (`token_ids`: sliced here, listed by the publisher's
         thread as it encodes), else empty."""
         assert self.events is not None
@@ -469,7 +476,7 @@ class HostIndex:
         for i, (k, slot) in enumerate(zip(t.keys, t.page_slots)):
             if slot is not None:
                 if not run:
-                    parent, first = (t.keys[i - 1] if i else None), i
+                    parent, first = (t.keys[i - 1] if i else t.parent_key), i
                 run.append(k)
             elif run:
                 self.events.append(BlockStored(run, parent, page_token_ids(tokens, first, i, P), P))

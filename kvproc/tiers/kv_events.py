@@ -4,10 +4,11 @@ The events have the shape of vLLM's own (`KVEventBatch` of `BlockStored` / `Bloc
 msgspec msgpack, array-like, tagged), so a router that reads vLLM's stream reads this one:
 
 - `BlockStored(block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium)`: pages committed, one event per
-  run of consecutive new pages of one save; `parent_block_hash` is the page before the run in that save (None at the
-  save's first page: the tier never sees the chain before it); `token_ids` the run's pages' tokens, one page after the
-  other, when the tier was started with `kv_events_tokens` (the stores then send each save's tokens), else empty;
-  `medium` is "CPU" (vLLM's `MEDIUM_CPU`);
+  run of consecutive new pages of one save; `parent_block_hash` is the prompt's page before the run, None only at the
+  prompt's first page (at a save's first page it is the one the store sends with the save, `SaveEvents.parent_key`;
+  pages a tier pulls from a Mooncake Store below it have none before the query's first page); `token_ids` the run's
+  pages' tokens, one page after the other, when the tier was started with `kv_events_tokens` (the stores then send
+  each save's tokens), else empty; `medium` is "CPU" (vLLM's `MEDIUM_CPU`);
 - `BlockRemoved(block_hashes, medium)`: pages evicted;
 - `AllBlocksCleared()`: the first batch of a tier incarnation (a subscriber drops what an earlier one held).
 
@@ -95,7 +96,7 @@ def endpoints(runtime_dir: str, rank: int, kind: str = "") -> tuple[str, str]:
 
 def page_token_ids(tokens: Any, start: int, stop: int, page_tokens: int) -> Any:
     """Pages `start..stop-1`'s token ids from a registration's `tokens` (`IndexListener.stored`; a host-tier save's
-    `ReserveSave.token_ids`): [] when unknown. Not copied (the registering side never changes them:
+    `ReserveSave.events`): [] when unknown. Not copied (the registering side never changes them:
     `IndexListener.stored`), and an int64 array stays an array -- turned into a list by the publisher's thread as
     it encodes (`_enc_hook`), not here under the pool's (or the tier's) lock. A last page shorter than a page (a
     padded hand-off tail) is padded with `PAD_TOKEN_ID`, as the page itself was."""

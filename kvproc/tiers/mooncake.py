@@ -247,6 +247,9 @@ class MooncakeTier:
         n = self.index.committed_run(keys)
         if n == len(keys) or keys[n] in self.index.pending:
             return None
+        # No parent key: `keys` are a query's hashes, which start after the asking store's device hit, and a Query
+        # carries no page before them (every query would pay for it). A pulled run that starts at the query's first
+        # page is therefore a root in the KV events unless the query started at the prompt's first page.
         t = self.index.reserve_save(PULLER + req_id, keys, list(self.index.required), SaveClass.CACHEABLE)
         if isinstance(t, Shed):
             self.counters["pulls_shed"] += 1

@@ -142,15 +142,26 @@ class QueryAbandoned(RuntimeError):
     """A blocking query the resolve stopped waiting for (its deadline, or its cancel token)."""
 
 
+def save_events(token_ids: np.ndarray | None, parent_key: bytes | None) -> bytes | m.SaveEvents | None:
+    """`ReserveSave.events`: a SaveEvents only with a parent page (which the caller gives only to a tier whose
+    `Configured` said kv_events: one from before parent keys cannot read a SaveEvents); else the token ids alone as
+    bytes (what every tier reads), or None."""
+    tokens = token_ids.astype(np.int64, copy=False).tobytes() if token_ids is not None else None
+    return m.SaveEvents(parent_key, tokens) if parent_key is not None else tokens
+
+
 class RemoteTier:
     def __init__(self, client: ClientSource, layout: HostLayout, *, segment: str = "",
-                 oneway_timeout_s: float = 5.0, wants_token_ids: bool = False) -> None:
+                 oneway_timeout_s: float = 5.0, wants_token_ids: bool = False,
+                 wants_parent_key: bool = False) -> None:
         """`segment`: the tier's host segment; its slot table (only that window) is mapped for verified speculative
         loads when the layout has one (`kvproc.tiers.slot_table`). `wants_token_ids`: the tier's `Configured`
-        asked for each save's token ids (its KV events carry them)."""
+        asked for each save's token ids (its KV events carry them). `wants_parent_key`: it publishes KV events
+        (`Configured.kv_events`), so each save's parent page goes with it."""
         self._client = client
         self.layout = layout
         self.wants_token_ids = wants_token_ids
+        self.wants_parent_key = wants_parent_key
         self.oneway_timeout_s = oneway_timeout_s
         self.counters: Counter[str] = Counter()
         self._closed = False
@@ -220,10 +231,10 @@ class RemoteTier:
             return False
 
     async def reserve_save(self, req_id: str, keys: Sequence[bytes], bounded_groups: Sequence[str],
-                           save_class: SaveClass, *, timeout: float,
-                           token_ids: np.ndarray | None = None) -> SaveTicket | Shed:
-        tokens = token_ids.astype(np.int64, copy=False).tobytes() if token_ids is not None else None
-        msg = m.ReserveSave(req_id, list(keys), list(bounded_groups), save_class.value, tokens)
+                           save_class: SaveClass, *, timeout: float, token_ids: np.ndarray | None = None,
+                           parent_key: bytes | None = None) -> SaveTicket | Shed:
+        events = save_events(token_ids, parent_key if self.wants_parent_key else None)
+        msg = m.ReserveSave(req_id, list(keys), list(bounded_groups), save_class.value, events)
         res = await _acall(self._link, self._client(), msg, timeout)
         if isinstance(res, m.TierShed):
             return Shed(res.reason)

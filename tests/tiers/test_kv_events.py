@@ -29,10 +29,12 @@ from kvproc.tiers.kv_events import (
 from tests.conftest import cluster_store, compute, kvproc_up, replay_kv_events, wait_for
 
 
-def _rebuild(batches: list[KVEventBatch], page_tokens: dict[bytes, list[int]] | None = None,
-             ) -> tuple[set[bytes], int, int]:
-    """The key set the events describe, and the pages stored and removed. `page_tokens` (page hash -> its tokens):
-    each BlockStored's token ids must be its pages' tokens one page after the other; None: they must be empty."""
+def _rebuild(batches: list[KVEventBatch], parents: dict[bytes, bytes | None],
+             page_tokens: dict[bytes, list[int]] | None = None) -> tuple[set[bytes], int, int]:
+    """The key set the events describe, and the pages stored and removed. `parents` (page hash -> the prompt's page
+    before it, None at the prompt's first): each BlockStored's parent must be its first page's. `page_tokens` (page
+    hash -> its tokens): each BlockStored's token ids must be its pages' tokens one page after the other; None: they
+    must be empty."""
     keys: set[bytes] = set()
     stored = removed = 0
     for batch in batches:
@@ -44,6 +46,8 @@ def _rebuild(batches: list[KVEventBatch], page_tokens: dict[bytes, list[int]] | 
                 keys.update(e.block_hashes)
                 stored += len(e.block_hashes)
                 assert e.block_size == 4 and e.medium == "CPU"
+                # a router places the run under its parent: the prompt's page before it, wherever the save started
+                assert e.parent_block_hash == parents[e.block_hashes[0]]
                 if page_tokens is None:
                     assert e.token_ids == []
                 else:
@@ -66,7 +70,9 @@ def _tier_has(client: Any, key: bytes) -> bool:
 @pytest.mark.parametrize("tokens", [False, True], ids=["hashes", "with_token_ids"])
 def test_a_subscriber_rebuilds_the_tiers_key_set_from_events_alone(tokens: bool) -> None:
     # ~60 page slots: the workload evicts. `kv_events_tokens`: each BlockStored carries its pages' token ids (the
-    # prompt's page slices), else none (the save path carries no tokens then: `ReserveSave.token_ids` is empty)
+    # prompt's page slices), else none (the save path carries no tokens then). Every other prompt is the one before's
+    # next turn (its 4 pages, then 2 new ones): its save starts at page 4 after a prefix hit (device or host), so its
+    # first run's parent is a page before the save, which only the store knows (`SaveEvents.parent_key`).
     with cluster_store(64 << 10, kv_events=True, kv_events_tokens=tokens) as (cs, store, model):
         pub, replay = endpoints(cs.cluster.runtime_dir, 0)
         sub = zmq.Context.instance().socket(zmq.SUB)
@@ -74,16 +80,25 @@ def test_a_subscriber_rebuilds_the_tiers_key_set_from_events_alone(tokens: bool)
         sub.setsockopt(zmq.SUBSCRIBE, TOPIC)
         sub.connect(pub)
         try:
-            assert store.tier_of(0).wants_token_ids is tokens  # type: ignore[union-attr]
+            tier0 = store.tier_of(0)
+            assert tier0 is not None and tier0.wants_token_ids is tokens and tier0.wants_parent_key
             universe: list[bytes] = []
             page_tokens: dict[bytes, list[int]] = {}
-            for i in range(40):  # 40 prompts of 4 pages each: 160 distinct pages through ~60 slots
-                toks = [1000 * i + j for j in range(17)]
+            parents: dict[bytes, bytes | None] = {}
+            mid_prompt = 0
+            toks: list[int] = []
+            for i in range(40):  # 20 prompts of 4 pages, 20 next turns of 2 more: 120 distinct pages, ~60 slots
+                first_turn = [1000 * i + j for j in range(17)]
+                toks = first_turn if i % 2 == 0 else toks[:16] + first_turn[:9]
                 kv, cur, _, _ = compute(store, model, f"r{i}", toks)
-                universe += kv.page_hashes[:4]
-                page_tokens.update((h, toks[k * 4:(k + 1) * 4]) for k, h in enumerate(kv.page_hashes[:4]))
+                n = len(toks) // 4
+                mid_prompt += cur.pages > 0
+                universe += kv.page_hashes[:n]
+                page_tokens.update((h, toks[k * 4:(k + 1) * 4]) for k, h in enumerate(kv.page_hashes[:n]))
+                parents.update((h, kv.page_hashes[k - 1] if k else None) for k, h in enumerate(kv.page_hashes[:n]))
                 store.retire(0, kv, cur)
                 store.flush_saves(0, 10)
+            assert mid_prompt >= 10  # next turns hit their first turn's pages: their saves start mid-prompt
             tier = cs.cluster.client("host_tier")
             counters = tier.request(m.Stats(), timeout=5).counters
             assert counters["index.evictions"] > 0  # the workload really churned the tier
@@ -98,7 +113,7 @@ def test_a_subscriber_rebuilds_the_tiers_key_set_from_events_alone(tokens: bool)
             assert seqs == list(range(len(seqs))), "a gap or a reordering in the batches' seq"
             batches = [decode_batch(p) for _, p in kept]
             assert isinstance(batches[0].events[0], AllBlocksCleared)
-            keys, stored, removed = _rebuild(batches, page_tokens if tokens else None)
+            keys, stored, removed = _rebuild(batches, parents, page_tokens if tokens else None)
             assert removed > 0 and stored - removed == len(keys)
             assert len(keys) == tier.request(m.TierStats(), timeout=5).counters["entries"]
             assert keys <= set(universe)
@@ -119,6 +134,8 @@ def test_a_tier_without_kv_events_publishes_nothing() -> None:
     with cluster_store() as (cs, store, model):
         counters = cs.cluster.client("host_tier").request(m.Stats(), timeout=5).counters
         assert not any(k.startswith("kv_events.") for k in counters)
+        tier = store.tier_of(0)
+        assert tier is not None and not tier.wants_parent_key and not tier.wants_token_ids  # the saves carry nothing
 
 
 def test_the_manifest_names_the_events_and_metrics_endpoints_and_they_answer() -> None:
@@ -183,8 +200,8 @@ def test_a_kvproc_up_tier_with_token_ids_gets_them_from_every_engine_that_attach
             long = kvs[1].page_hashes
             assert [(e.block_hashes, e.parent_block_hash, e.token_ids) for e in stored] == [
                 (kv1.page_hashes[:4], None, t1[:16]),
-                (kv2.page_hashes[4:6], None, t2[16:24]),  # None: the tier sees no page before a save's first
-                (long[:2], None, t3[:8]),
+                (kv2.page_hashes[4:6], kv2.page_hashes[3], t2[16:24]),  # the page before the save: from the store
+                (long[:2], None, t3[:8]),  # the prompt's first page: no parent
                 (long[2:4], long[1], t3[8:16]),
             ]
 
@@ -198,22 +215,45 @@ def test_token_ids_without_kv_events_is_refused(tmp_path: Any) -> None:
     assert not (tmp_path / "rd").exists()
 
 
-def test_without_token_ids_a_reserve_save_carries_one_nil_byte_more_and_an_old_tier_reads_it() -> None:
-    """The default save path's cost: `token_ids` is a trailing field (the wire's rule for new fields), None when
-    off: one msgpack nil more per ReserveSave, nothing else; a tier of the previous shape decodes it."""
+def test_without_kv_events_a_reserve_save_carries_one_nil_byte_more_and_older_peers_read_each_other() -> None:
+    """The default save path's cost: one trailing slot (the wire's rule for new fields) carries all the tier's
+    events need (parent page, token ids), None when off: one msgpack nil more per ReserveSave than before KV events,
+    nothing else (msgspec writes an array-like struct's defaults: a second slot would be a second byte). Tiers and
+    stores of the earlier shapes read what the others send."""
     import msgspec
 
-    class Before(msgspec.Struct, array_like=True, omit_defaults=True, tag=305):  # ReserveSave as it was
+    class Before(msgspec.Struct, array_like=True, omit_defaults=True, tag=305):  # ReserveSave before KV events
         req_id: str
         keys: list[bytes]
         bounded_groups: list[str]
         save_class: str
 
+    class TokensOnly(Before, tag=305):  # ... and with token ids only (no parent keys)
+        token_ids: bytes | None = None
+
     args = ("r1", [b"k" * 16] * 8, ["state"], "cacheable")
     now, before = msgspec.msgpack.encode(m.ReserveSave(*args)), msgspec.msgpack.encode(Before(*args))
     assert len(now) == len(before) + 1 and now.endswith(b"\xc0")
     assert msgspec.msgpack.decode(now, type=Before) == Before(*args)
-    tokens = np.arange(32, dtype=np.int64)
-    sent = msgspec.msgpack.decode(msgspec.msgpack.encode(m.ReserveSave(*args, token_ids=tokens.tobytes())),
-                                  type=m.ReserveSave)
-    assert sent.token_ids is not None and np.frombuffer(sent.token_ids, np.int64).tolist() == list(range(32))
+    tokens = np.arange(32, dtype=np.int64).tobytes()
+    # a tier with events: the parent page (and the tokens when asked) in one SaveEvents
+    with_parent = m.ReserveSave(*args, events=m.SaveEvents(b"p" * 16, tokens))
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(with_parent), type=m.ReserveSave) == with_parent
+    # a store from before parent keys sends bare token ids, and a store sends them so to a tier from before them
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(TokensOnly(*args, tokens)), type=m.ReserveSave).events \
+        == tokens
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(m.ReserveSave(*args, events=tokens)),
+                                  type=TokensOnly).token_ids == tokens
+
+
+def test_a_store_sends_a_parent_page_only_with_one_and_only_to_a_tier_that_publishes_events() -> None:
+    """What `RemoteTier.reserve_save` puts in `ReserveSave.events` (`save_events`, given the parent only where the
+    tier's Configured said kv_events: a tier from before parent keys could not read a SaveEvents): a SaveEvents with
+    a parent page; else the token ids alone, or None."""
+    from kvproc.tiers.remote import save_events
+
+    tokens = np.arange(8, dtype=np.int64)
+    assert save_events(None, b"p" * 16) == m.SaveEvents(b"p" * 16)
+    assert save_events(tokens, b"p" * 16) == m.SaveEvents(b"p" * 16, tokens.tobytes())
+    assert save_events(tokens, None) == tokens.tobytes()  # the prompt's first page (or an older tier): tokens alone
+    assert save_events(None, None) is None
