@@ -308,11 +308,12 @@ class ReleaseLease(Request, tag=304):
 class SaveEvents(Wire):
     """`ReserveSave.events` for a tier that publishes KV events: what the save's `BlockStored` need beyond its keys."""
 
-    # The prompt's page before the save's first (None: the save starts at the prompt's first page): the parent of
-    # the save's first run of new pages when that run starts at the save's first key (the tier sees no chain before).
-    parent_key: bytes | None
-    # The pages' token ids (as in bare-bytes `ReserveSave.events`), when the tier's events carry them
-    # (`Configured.token_ids`); else None.
+    # The prompt's page before the save's first (None: the save starts at the prompt's first page, or the tier's
+    # events do not want it): the parent of the save's first run of new pages when that run starts at the save's
+    # first key (the tier sees no chain before it).
+    parent_key: bytes | None = None
+    # The pages' token ids (int64, native order, page i's at [i * page_tokens, (i + 1) * page_tokens)), when the
+    # tier's events carry them (`Configured.token_ids`); else None.
     token_ids: bytes | None = None
 
 
@@ -322,12 +323,9 @@ class ReserveSave(Request, tag=305):
     bounded_groups: list[str]
     save_class: str  # SaveClass value: "cacheable" | "handoff"
     # What the tier's KV events need that the keys do not say, in ONE trailing slot: msgspec writes an array-like
-    # struct's defaults too (a None is one msgpack nil on every ReserveSave), so a second field would cost every save
-    # a byte more. `SaveEvents` (the save's parent page, its token ids): sent only to a tier that publishes KV events
-    # (`Configured.kv_events`). Bare bytes: the token ids alone (int64, native order, page i's at [i * page_tokens,
-    # (i + 1) * page_tokens)), as a store from before parent keys sends them, and as a store sends them to a tier from
-    # before them (its `Configured` says `token_ids`, not `kv_events`). None: no events (or nothing to say).
-    events: bytes | SaveEvents | None = None
+    # struct's defaults too (a None is one msgpack nil on every ReserveSave), so a field per item would cost every
+    # save a byte each. Sent only to a tier that publishes KV events (`Configured.kv_events`); None otherwise.
+    events: SaveEvents | None = None
 
 
 class CommitSave(Request, tag=306):

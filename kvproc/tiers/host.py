@@ -230,10 +230,10 @@ class HostTierRole(Role):
             raise HandlerError("bad_request", f"unknown save class {msg.save_class!r}") from None
         with self._lock:
             index = self._index()
-            # `events`: a SaveEvents (parent page, token ids) from a store that read our `kv_events`; bare bytes
-            # (token ids alone) from one before parent keys; None: nothing for our events.
+            # `events`: the parent page and token ids for our KV events (a store sends them once our `Configured`
+            # said kv_events / token_ids); None: nothing for them.
             ev = msg.events
-            raw, parent = (ev.token_ids, ev.parent_key) if isinstance(ev, m.SaveEvents) else (ev, None)
+            raw, parent = (ev.token_ids, ev.parent_key) if ev is not None else (None, None)
             tokens = np.frombuffer(raw, np.int64) if raw and self.events_tokens else None
             t = index.reserve_save(msg.req_id, msg.keys, msg.bounded_groups, save_class, tokens, parent)
             self._publish_locked(index)  # making room evicts

@@ -142,12 +142,12 @@ class QueryAbandoned(RuntimeError):
     """A blocking query the resolve stopped waiting for (its deadline, or its cancel token)."""
 
 
-def save_events(token_ids: np.ndarray | None, parent_key: bytes | None) -> bytes | m.SaveEvents | None:
-    """`ReserveSave.events`: a SaveEvents only with a parent page (which the caller gives only to a tier whose
-    `Configured` said kv_events: one from before parent keys cannot read a SaveEvents); else the token ids alone as
-    bytes (what every tier reads), or None."""
-    tokens = token_ids.astype(np.int64, copy=False).tobytes() if token_ids is not None else None
-    return m.SaveEvents(parent_key, tokens) if parent_key is not None else tokens
+def save_events(token_ids: np.ndarray | None, parent_key: bytes | None) -> m.SaveEvents | None:
+    """`ReserveSave.events`: the save's parent page and token ids (each given only where the tier's `Configured`
+    asked for it), or None when there is neither."""
+    if token_ids is None and parent_key is None:
+        return None
+    return m.SaveEvents(parent_key, token_ids.astype(np.int64, copy=False).tobytes() if token_ids is not None else None)
 
 
 class RemoteTier:

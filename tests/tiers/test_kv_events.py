@@ -215,11 +215,11 @@ def test_token_ids_without_kv_events_is_refused(tmp_path: Any) -> None:
     assert not (tmp_path / "rd").exists()
 
 
-def test_without_kv_events_a_reserve_save_carries_one_nil_byte_more_and_older_peers_read_each_other() -> None:
+def test_without_kv_events_a_reserve_save_carries_one_nil_byte_more() -> None:
     """The default save path's cost: one trailing slot (the wire's rule for new fields) carries all the tier's
     events need (parent page, token ids), None when off: one msgpack nil more per ReserveSave than before KV events,
-    nothing else (msgspec writes an array-like struct's defaults: a second slot would be a second byte). Tiers and
-    stores of the earlier shapes read what the others send."""
+    nothing else (msgspec writes an array-like struct's defaults: a second slot would be a second byte); a tier from
+    before KV events reads it."""
     import msgspec
 
     class Before(msgspec.Struct, array_like=True, omit_defaults=True, tag=305):  # ReserveSave before KV events
@@ -228,32 +228,23 @@ def test_without_kv_events_a_reserve_save_carries_one_nil_byte_more_and_older_pe
         bounded_groups: list[str]
         save_class: str
 
-    class TokensOnly(Before, tag=305):  # ... and with token ids only (no parent keys)
-        token_ids: bytes | None = None
-
     args = ("r1", [b"k" * 16] * 8, ["state"], "cacheable")
     now, before = msgspec.msgpack.encode(m.ReserveSave(*args)), msgspec.msgpack.encode(Before(*args))
     assert len(now) == len(before) + 1 and now.endswith(b"\xc0")
     assert msgspec.msgpack.decode(now, type=Before) == Before(*args)
     tokens = np.arange(32, dtype=np.int64).tobytes()
-    # a tier with events: the parent page (and the tokens when asked) in one SaveEvents
-    with_parent = m.ReserveSave(*args, events=m.SaveEvents(b"p" * 16, tokens))
-    assert msgspec.msgpack.decode(msgspec.msgpack.encode(with_parent), type=m.ReserveSave) == with_parent
-    # a store from before parent keys sends bare token ids, and a store sends them so to a tier from before them
-    assert msgspec.msgpack.decode(msgspec.msgpack.encode(TokensOnly(*args, tokens)), type=m.ReserveSave).events \
-        == tokens
-    assert msgspec.msgpack.decode(msgspec.msgpack.encode(m.ReserveSave(*args, events=tokens)),
-                                  type=TokensOnly).token_ids == tokens
+    with_events = m.ReserveSave(*args, events=m.SaveEvents(b"p" * 16, tokens))
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(with_events), type=m.ReserveSave) == with_events
 
 
 def test_a_store_sends_a_parent_page_only_with_one_and_only_to_a_tier_that_publishes_events() -> None:
     """What `RemoteTier.reserve_save` puts in `ReserveSave.events` (`save_events`, given the parent only where the
-    tier's Configured said kv_events: a tier from before parent keys could not read a SaveEvents): a SaveEvents with
-    a parent page; else the token ids alone, or None."""
+    tier's Configured said kv_events and the tokens only where it said token_ids): a SaveEvents with what there is,
+    or None."""
     from kvproc.tiers.remote import save_events
 
     tokens = np.arange(8, dtype=np.int64)
     assert save_events(None, b"p" * 16) == m.SaveEvents(b"p" * 16)
     assert save_events(tokens, b"p" * 16) == m.SaveEvents(b"p" * 16, tokens.tobytes())
-    assert save_events(tokens, None) == tokens.tobytes()  # the prompt's first page (or an older tier): tokens alone
+    assert save_events(tokens, None) == m.SaveEvents(None, tokens.tobytes())  # the prompt's first page
     assert save_events(None, None) is None
