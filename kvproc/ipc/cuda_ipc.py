@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvproc.ipc.messages import CudaIpcRef
+
 if TYPE_CHECKING:
     import torch
 
@@ -24,18 +26,16 @@ class CudaIpcError(RuntimeError):
 @dataclass(frozen=True)
 class CudaArenaHandle:
     name: str
-    device: int  # the CUDA device index the arena lives on; the worker opening it must be bound to the same one
-    storage_handle: bytes  # torch's `_share_cuda_` fields, passed back unchanged to `_new_shared_cuda`
-    storage_size_bytes: int
-    storage_offset_bytes: int
-    ref_counter_handle: bytes
-    ref_counter_offset: int
-    event_handle: bytes
-    event_sync_required: bool
+    ipc: CudaIpcRef  # torch's `_share_cuda_` fields (the wire form), passed back unchanged to `_new_shared_cuda`
     offset: int  # the arena's first byte, counted from the shared storage's start
     num_blocks: int
     bytes_per_block: int
     block_stride: int
+
+    @property
+    def device(self) -> int:
+        """The CUDA device index the arena lives on; the worker opening it must be bound to the same one."""
+        return self.ipc.device
 
     @property
     def nbytes(self) -> int:
@@ -49,9 +49,9 @@ def check_geometry(h: CudaArenaHandle, device: int) -> None:
     if h.num_blocks <= 0 or h.bytes_per_block <= 0 or h.block_stride < h.bytes_per_block:
         raise CudaIpcError(f"arena {h.name}: bad geometry ({h.num_blocks} blocks of {h.bytes_per_block} B, stride "
                            f"{h.block_stride})")
-    if h.offset < 0 or h.offset + h.nbytes > h.storage_size_bytes:
+    if h.offset < 0 or h.offset + h.nbytes > h.ipc.storage_size_bytes:
         raise CudaIpcError(f"arena {h.name}: [{h.offset}, +{h.nbytes}) is outside the shared storage "
-                           f"({h.storage_size_bytes} B)")
+                           f"({h.ipc.storage_size_bytes} B)")
 
 
 def export_arena(name: str, tensor: torch.Tensor, num_blocks: int, bytes_per_block: int,
@@ -61,9 +61,10 @@ def export_arena(name: str, tensor: torch.Tensor, num_blocks: int, bytes_per_blo
         raise CudaIpcError(f"arena {name}: a {tensor.device} tensor has no CUDA IPC handle")
     storage = tensor.untyped_storage()
     dev, handle, size, off, rc_handle, rc_off, ev_handle, ev_sync = storage._share_cuda_()
-    h = CudaArenaHandle(name, int(dev), bytes(handle), int(size), int(off), bytes(rc_handle), int(rc_off),
-                        bytes(ev_handle), bool(ev_sync), int(tensor.storage_offset()) * tensor.element_size(),
-                        num_blocks, bytes_per_block, block_stride)
+    ipc = CudaIpcRef(int(dev), bytes(handle), int(size), int(off), bytes(rc_handle), int(rc_off), bytes(ev_handle),
+                     bool(ev_sync))
+    h = CudaArenaHandle(name, ipc, int(tensor.storage_offset()) * tensor.element_size(), num_blocks,
+                        bytes_per_block, block_stride)
     check_geometry(h, int(dev))
     return h
 
@@ -76,9 +77,10 @@ def open_arena(h: CudaArenaHandle, device: int) -> torch.Tensor:
 
     torch.cuda._lazy_init()
     try:
+        c = h.ipc
         storage = torch.UntypedStorage._new_shared_cuda(
-            h.device, h.storage_handle, h.storage_size_bytes, h.storage_offset_bytes, h.ref_counter_handle,
-            h.ref_counter_offset, h.event_handle, h.event_sync_required)
+            c.device, c.storage_handle, c.storage_size_bytes, c.storage_offset_bytes, c.ref_counter_handle,
+            c.ref_counter_offset, c.event_handle, c.event_sync_required)
     except RuntimeError as e:
         raise CudaIpcError(f"arena {h.name}: cannot open its CUDA IPC handle on cuda:{device}: {e}") from None
     t = torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", device))

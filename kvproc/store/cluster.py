@@ -124,8 +124,7 @@ def _cuda_ref(a: KvArena) -> tuple[int, m.CudaIpcRef]:
     from kvproc.ipc.cuda_ipc import export_arena
 
     h = export_arena(a.name, a.byte_view(), a.num_blocks, a.bytes_per_block, a.block_stride)
-    return h.offset, m.CudaIpcRef(h.device, h.storage_handle, h.storage_size_bytes, h.storage_offset_bytes,
-                                  h.ref_counter_handle, h.ref_counter_offset, h.event_handle, h.event_sync_required)
+    return h.offset, h.ipc
 
 
 class ClusterStore:

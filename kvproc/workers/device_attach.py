@@ -32,11 +32,8 @@ def device_arena_view(seg: Segment, ref: m.ArenaRef) -> torch.Tensor:
 
 def cuda_handle(ref: m.ArenaRef) -> CudaArenaHandle:
     """The `CudaArenaHandle` an `ArenaRef` with a CUDA IPC handle names (runs anywhere: no CUDA call)."""
-    c = ref.cuda
-    assert c is not None
-    return CudaArenaHandle(ref.name, c.device, c.storage_handle, c.storage_size_bytes, c.storage_offset_bytes,
-                           c.ref_counter_handle, c.ref_counter_offset, c.event_handle, c.event_sync_required,
-                           ref.offset, ref.num_blocks, ref.bytes_per_block, ref.block_stride)
+    assert ref.cuda is not None
+    return CudaArenaHandle(ref.name, ref.cuda, ref.offset, ref.num_blocks, ref.bytes_per_block, ref.block_stride)
 
 
 def cuda_arena_view(ref: m.ArenaRef, device: int) -> torch.Tensor:

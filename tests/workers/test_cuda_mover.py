@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 
+from kvproc.ipc import messages as m
 from kvproc.ipc import pinning
 from kvproc.ipc.cuda_ipc import CudaArenaHandle, CudaIpcError, check_geometry
 from kvproc.ipc.segment import Segment
@@ -16,9 +17,8 @@ needs_cuda = pytest.mark.skipif(not CUDA, reason="no CUDA device (torch.cuda.is_
 
 
 def _handle(**kw):
-    base = {"name": "k0", "device": 0, "storage_handle": b"", "storage_size_bytes": 1000, "storage_offset_bytes": 0,
-            "ref_counter_handle": b"", "ref_counter_offset": 0, "event_handle": b"", "event_sync_required": False,
-            "offset": 100, "num_blocks": 4, "bytes_per_block": 200, "block_stride": 220}
+    base = {"name": "k0", "ipc": m.CudaIpcRef(0, b"", 1000, 0, b"", 0, b"", False), "offset": 100, "num_blocks": 4,
+            "bytes_per_block": 200, "block_stride": 220}
     base.update(kw)
     return CudaArenaHandle(**base)
 

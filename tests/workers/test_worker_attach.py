@@ -31,7 +31,7 @@ def test_a_cuda_arena_reference_crosses_the_wire_and_names_its_handle() -> None:
     got = m.server_decoder().decode(m.encode(m.Call(1, 0, msg)))
     assert got.body == msg and got.body.arenas[0].cuda.storage_handle == b"\x01handle"
     assert cuda_handle(got.body.arenas[0]) == CudaArenaHandle(
-        "k0", 0, b"\x01handle", 1000, 0, b"\x02rc", 8, b"\x03ev", True, 100, 4, 200, 220)
+        "k0", m.CudaIpcRef(0, b"\x01handle", 1000, 0, b"\x02rc", 8, b"\x03ev", True), 100, 4, 200, 220)
     # an old peer's ArenaRef (no cuda field) still decodes: the field is last and defaults to None
     plain = m.AttachArenas([m.ArenaRef("kv", "paged", "k0", "seg", 0, 4, 200, 200)], "")
     assert m.server_decoder().decode(m.encode(m.Call(2, 0, plain))).body.arenas[0].cuda is None
