@@ -32,7 +32,6 @@ import statistics
 import sys
 import time
 
-
 # The observer stands in for a Prometheus server and a router, which run on other machines: at nice 19 it takes only
 # the CPU kvproc's processes leave on this 2-vCPU box, so its own reading and parsing is not charged to kvproc (what
 # kvproc does for it -- answering the scrape, encoding and sending the batches -- is in the on arm).
