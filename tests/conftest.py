@@ -136,17 +136,27 @@ def cluster_store(host_bytes: int = 1 << 20, *, num_blocks: int = 32, bounded: b
     assert not list_segments(name), f"segments left behind: {list_segments(name)}"
 
 
+def admit(store: KvStore, rid: str, tokens: list[int], max_out: int = 4,
+          hit_blocks: int | None = None) -> tuple[RequestKv, Any]:
+    """Resolve on rank 0, admit with the prefix found, restore it, schedule the rest of the prompt (not applied:
+    requests admitted one after the other compute side by side); returns kv and the resolved prefix (its hold is
+    consumed: `hit_blocks` asserts its size before)."""
+    prefix = store.resolve_prefix_sync(0, rid, tokens)
+    if hit_blocks is not None:
+        assert prefix.hold.num_blocks == hit_blocks
+    kv = RequestKv(store.pools[0], rid, tokens, max_out)
+    assert kv.try_admit(prefix.hold.num_blocks)
+    store.execute_copies(0, kv.match_and_add_prefix(prefix.hold))
+    kv.schedule(len(tokens) - kv.num_computed)
+    return kv, prefix
+
+
 def compute(store: KvStore, model: ShmBytesModel, rid: str, tokens: list[int], max_out: int = 4,
             ) -> tuple[RequestKv, SealCursor, Any, dict[bytes, tuple[torch.Tensor, torch.Tensor]]]:
     """Admit with the resolved prefix, compute the rest, write random bytes into the new blocks; returns kv, cursor,
     prefix and {page hash: (bytes of arena 0, bytes of arena 1)} of every full page."""
-    pool = store.pools[0]
-    prefix = store.resolve_prefix_sync(0, rid, tokens)
-    kv = RequestKv(pool, rid, tokens, max_out)
-    assert kv.try_admit(prefix.hold.num_blocks)
-    store.execute_copies(0, kv.match_and_add_prefix(prefix.hold))
+    kv, prefix = admit(store, rid, tokens, max_out)
     start = kv.num_computed // PAGE
-    kv.schedule(len(tokens) - kv.num_computed)
     for b in kv.block_ids[start:]:
         for a in range(2):
             model.block(a, b)[:] = torch.randint(0, 256, (BLOCK_BYTES,), dtype=torch.uint8)

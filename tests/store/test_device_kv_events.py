@@ -22,7 +22,7 @@ from kvproc.tiers.kv_events import (
     decode_batch,
     endpoints,
 )
-from tests.conftest import PAGE, cluster_store, compute, replay_kv_events
+from tests.conftest import PAGE, admit, cluster_store, compute, replay_kv_events
 
 
 def _rebuild(batches: list[KVEventBatch], drop: type | None = None,
@@ -94,12 +94,7 @@ def test_a_subscriber_rebuilds_rank0s_device_index_from_events_alone() -> None:
             toks = [777_000 + j for j in range(17)]
             kvs = []
             for rid in ("dupA", "dupB"):
-                prefix = store.resolve_prefix_sync(0, rid, toks)
-                assert prefix.hold.num_blocks == 0
-                kvx = RequestKv(pool, rid, toks, 4)
-                assert kvx.try_admit(0)
-                store.execute_copies(0, kvx.match_and_add_prefix(prefix.hold))
-                kvx.schedule(len(toks))
+                kvx, _ = admit(store, rid, toks, hit_blocks=0)
                 kvs.append(kvx)
             for kvx in kvs:
                 kvx.apply()

@@ -12,11 +12,10 @@ import numpy as np
 import pytest
 import zmq
 
-from kvproc import RequestKv
 from kvproc.ipc import messages as m
-from kvproc.store.types import SealCursor
 from kvproc.runtime import manifest as mf
 from kvproc.store.cluster import ClusterStore
+from kvproc.store.types import SealCursor
 from kvproc.tiers.kv_events import (
     TOPIC,
     AllBlocksCleared,
@@ -26,7 +25,7 @@ from kvproc.tiers.kv_events import (
     decode_batch,
     endpoints,
 )
-from tests.conftest import cluster_store, compute, kvproc_up, replay_kv_events, wait_for
+from tests.conftest import admit, cluster_store, compute, kvproc_up, replay_kv_events, wait_for
 
 
 def _rebuild(batches: list[KVEventBatch], parents: dict[bytes, bytes | None],
@@ -165,7 +164,6 @@ def test_a_kvproc_up_tier_with_token_ids_gets_them_from_every_engine_that_attach
         (tier,) = [p for p in mf.read_manifest(rd).processes if p.role == "host_tier"]
         with cluster_store(1 << 20, tier_runtime_dir=rd) as (cs, store, model):
             assert store.tier_of(0).wants_token_ids  # type: ignore[union-attr]  # told by the tier's Configured
-            pool = store.pools[0]
             t1 = list(range(500, 517))  # pages A B C D (+1 token)
             kv1, cur, _, _ = compute(store, model, "t1", t1)
             store.retire(0, kv1, cur)
@@ -180,12 +178,7 @@ def test_a_kvproc_up_tier_with_token_ids_gets_them_from_every_engine_that_attach
             t3 = list(range(700, 717))
             kvs = []
             for rid, toks in (("short", t3[:9]), ("long", t3)):
-                held = store.resolve_prefix_sync(0, rid, toks)
-                assert held.hold.num_blocks == 0
-                kvx = RequestKv(pool, rid, toks, 4)
-                assert kvx.try_admit(0)
-                store.execute_copies(0, kvx.match_and_add_prefix(held.hold))
-                kvx.schedule(len(toks))
+                kvx, _ = admit(store, rid, toks, hit_blocks=0)
                 kvs.append(kvx)
             for kvx in kvs:
                 kvx.apply()
