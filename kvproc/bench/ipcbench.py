@@ -472,6 +472,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--toggled", choices=("all", "events", "metrics", "none"), default="all",
                     help="with --observe-toggle: what the on arm switches on (device-pool events, /metrics scrapes, "
                          "both, or nothing: the A/A control)")
+    ap.add_argument("--alternate", choices=("round", "resolve"), default="round",
+                    help="with --observe-toggle: switch every round (default) or every resolve within each round "
+                         "(tighter; device-pool events only: --toggled events or none)")
     ap.add_argument("--scrape-s", type=float, default=1.0, help="/metrics scrape interval when observed (s)")
     ap.add_argument("--device-events", action="store_true",
                     help="with --observe-ab: the observed arm also publishes (and reads) rank 0's device-pool events "
@@ -481,7 +484,8 @@ def main(argv: list[str]) -> int:
     if args.observe_toggle:
         from kvproc.bench import observe_toggle
 
-        return observe_toggle.main(args.observe_toggle, n, 16, args.scrape_s, args.json, args.toggled)
+        return observe_toggle.main(args.observe_toggle, n, 16, args.scrape_s, args.json, args.toggled,
+                                   args.alternate)
     if args.observe_ab:
         from kvproc.bench import observe_ab
 

@@ -31,6 +31,7 @@ import random
 import statistics
 import sys
 import time
+from typing import Any
 
 # The observer stands in for a Prometheus server and a router, which run on other machines: at nice 19 it takes only
 # the CPU kvproc's processes leave on this 2-vCPU box, so its own reading and parsing is not charged to kvproc (what
@@ -54,10 +55,22 @@ def median_ci(ratios: list[float], reps: int = 4000, seed: int = 2) -> tuple[flo
     return statistics.median(ratios), boot[int(0.025 * reps)], boot[int(0.975 * reps) - 1]
 
 
-def main(rounds: int, n: int, blocks: int, scrape_s: float, json_path: str | None, toggled: str = "all") -> int:
+def main(rounds: int, n: int, blocks: int, scrape_s: float, json_path: str | None, toggled: str = "all",
+         alternate: str = "round") -> int:
     """`toggled`: what the on arm switches on: "all", "events" (device-pool events only: no scrape), "metrics"
     (the scrapes only: no device-pool listener) or "none" (the A/A control: the arms differ in nothing, so what it
-    prints is the harness's own bias and noise)."""
+    prints is the harness's own bias and noise).
+
+    `alternate` "resolve": the arms alternate every resolve within each round (ABBA over the round's resolves, its
+    phase turned by one each round), and each round is one pair: its on resolves' median over its off resolves'.
+    A pair's two arms then ran interleaved within the same ~10 ms, so the machine's moments cancel even where two
+    rounds 150 ms apart differ by several percent (an A/A at round level read +-5% on a noisy day). It toggles the
+    device-pool events only (`toggled` "events" or "none"): a scrape cannot be given to one resolve. The publisher's
+    thread then builds, encodes and sends at its ticks whichever arm is running: its CPU time (`busy_s`) is printed
+    per on-resolve beside the A/B, the part of the cost that the interleaving spreads over both arms."""
+    per_resolve = alternate == "resolve"
+    if per_resolve and toggled not in ("events", "none"):
+        raise ValueError("alternating every resolve toggles the device-pool events only: --toggled events or none")
     from kvproc.bench.ipcbench import ARENA_BLOCK, CONCURRENCY, IpcBench, IpcBenchModel, Observer
     from kvproc.store.cluster import ClusterStore
     from kvproc.store.types import StoreConfig
@@ -71,6 +84,7 @@ def main(rounds: int, n: int, blocks: int, scrape_s: float, json_path: str | Non
     per_round_med: dict[str, list[float]] = {"on": [], "off": []}  # each round's median resolve
     samples: dict[str, list[float]] = {"on": [], "off": []}
     on_seconds = 0.0
+    warm_events = 0
     try:
         model = IpcBenchModel(cs.allocator, 2048)
         store = cs.attach_model(model, live_slots=CONCURRENCY, config=StoreConfig(cacheable_pin_fraction=1.0))
@@ -84,10 +98,16 @@ def main(rounds: int, n: int, blocks: int, scrape_s: float, json_path: str | Non
             for p in [b.prompt(blocks) for _ in range(10)]:  # warm: the first resolves of a cluster are slower
                 b.seal(p)
                 b.resolve(p, blocks)
+            assert pub.flush(), "the device-pool publisher did not drain"
+            warm_events = pub.events  # the rounds' events are the ones after these
             order = ("on", "off", "off", "on")  # ABBA: a drift within a block of four rounds falls on both arms
             for r in range(rounds):
                 if r % 10 == 0 and sys.stderr.isatty():
                     print(f"\r  observe toggle: round {r}/{rounds}", end="", file=sys.stderr, flush=True)
+                if per_resolve:
+                    _round_per_resolve(b, pool, listener if toggled == "events" else None, blocks, n, r, order,
+                                       per_round, per_round_med, samples)
+                    continue
                 arm = order[r % 4]
                 # The arm is set before the round's (untimed) seals: the observer reads the host tier's batch of
                 # those seals during the settle, not during the timing.
@@ -140,14 +160,44 @@ def main(rounds: int, n: int, blocks: int, scrape_s: float, json_path: str | Non
           f"{med_on * 1e6:.0f} us, off {med_off * 1e6:.0f} us ({100 * (med_on / med_off - 1):+.2f}%)")
     print(f"observer: {scrapes} scrapes in {on_seconds:.1f} s of 'on' rounds, {seen.get('kv_event_batches_read', 0)} "
           f"event batches read; device publisher: {pub.batches} batches, {pub.events} events")
+    on_resolves = len(samples["on"])
+    if pub.events and on_resolves:
+        busy_us = pub.busy_s * 1e6 / on_resolves
+        print(f"device publisher's thread: {pub.busy_s * 1e3:.0f} ms of CPU building, encoding and sending, "
+              f"{busy_us:.2f} us per 'on' resolve ({100 * busy_us / (med_on * 1e6):.2f}% of its median): "
+              f"not timed by a resolve unless it held the GIL or a core one needed")
     if json_path:
         with open(json_path, "w") as f:
             json.dump({"rounds": rounds, "n": n, "blocks": blocks, "scrape_s": scrape_s,
                        "median_ratio": [med_ratio, med_lo, med_hi], "median_pair": list(pmed), "mean_ratio": [mean_ratio, mean_lo, mean_hi],
                        "pair_ratios": pair_ratios, "per_round_mean": per_round, "per_round_median": per_round_med, "median_on_us": med_on * 1e6, "median_off_us": med_off * 1e6,
                        "observer": seen, "on_seconds": on_seconds, "scrapes": scrapes,
-                       "device_batches": pub.batches}, f, indent=2)
+                       "device_batches": pub.batches, "alternate": alternate, "toggled": toggled,
+                       "publisher_busy_s": pub.busy_s, "device_events": pub.events - warm_events}, f, indent=2)
     return 0
+
+
+def _round_per_resolve(b: Any, pool: Any, listener: Any, blocks: int, n: int, r: int, order: tuple[str, ...],
+                       per_round: dict[str, list[float]], per_round_med: dict[str, list[float]],
+                       samples: dict[str, list[float]]) -> None:
+    """One round of `alternate` "resolve": seal `n` prompts (untimed), then time their resolves with the device
+    pool's listener set (`listener`; None for the A/A) or not, in ABBA order from phase `r`."""
+    with pool.lock:  # the seals make no device event: the publisher's thread has only the on resolves' to send
+        pool.paged.listener = None
+    prompts = [b.prompt(blocks) for _ in range(n)]
+    for p in prompts:
+        b.seal(p)
+    time.sleep(SETTLE_S)
+    times: dict[str, list[float]] = {"on": [], "off": []}
+    for i, p in enumerate(prompts):
+        arm = order[(i + r) % 4]
+        with pool.lock:
+            pool.paged.listener = listener if arm == "on" else None
+        times[arm].append(b.resolve(p, blocks))
+    for arm in ("on", "off"):
+        samples[arm] += times[arm]
+        per_round[arm].append(statistics.fmean(times[arm]))
+        per_round_med[arm].append(statistics.median(times[arm]))
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ import collections
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Union
 
 import msgspec
@@ -52,6 +52,9 @@ MEDIUM = "CPU"  # vLLM's MEDIUM_CPU: a router filtering on vLLM's constant sees 
 MEDIUM_DEVICE = "GPU"  # vLLM's MEDIUM_GPU: what routers already read for an engine's own prefix cache
 TOPIC = b"kv-events"
 END = (-1).to_bytes(8, "big", signed=True)
+# How often the publisher's thread looks at what gathered (at most: an interval shorter than this is its tick): a
+# `max_pending` reached by `put`, the hot path, is seen within one tick.
+TICK_S = 0.05
 STOP_LINGER_MS = 1000  # how long a stopping publisher lets ZeroMQ write its last batches to connected subscribers
 class BlockStored(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
     block_hashes: list[bytes]
@@ -132,34 +135,39 @@ def coalesce(events: list[KvEvent]) -> list[KvEvent]:
 
 class KvEventPublisher:
     """Publishes on a thread of its own (a ZeroMQ socket belongs to one thread), in batches gathered over
-    `batch_interval_s`: `publish` only appends to a list under a lock -- no queue, no thread wake per call. The
-    thread sleeps until a publish finds it idle (one wake), then sends what gathered at the end of each interval
-    (sooner when a `flush`, the stop or `max_pending` events ask), one batch each, until an interval brings nothing
-    and it is idle again. So a stream of small changes (a device pool's registration per resolve, a host tier's
-    save) costs its producer one list append each, and the process one wake, encode and send per interval: waking
-    the thread and sending per change cost a blocking resolve +21% to +61% in `kvproc bench ipc --observe-ab
-    --device-events` on 2 cores (bench/RESULTS.md). Replays are answered on another thread, from the kept batches.
-    Neither thread polls: each sleeps in a blocking wait.
+    `batch_interval_s`. A change costs its producer one `deque.append` (`put`: an event, or a tuple the thread turns
+    into one, `DeviceIndexEvents.stored`), or one `extend` (`publish`): no lock, no counter, no thread wake per call.
+    Both are atomic under the GIL, so the deque holds the changes in the order they happened. The thread looks at the
+    deque every `min(batch_interval_s, TICK_S)` and sends what gathered as one batch once an interval has passed since
+    the last (sooner when a `flush`, the stop or `max_pending` events ask). Why a tick and not a wake by the first
+    change of an interval: the wake's lock, flag and counter cost a device pool's resolve ~1 us more
+    (bench/RESULTS.md, "Observability overhead"), the tick 20 wakes a second of an otherwise idle thread. Waking the
+    thread and sending per change cost a blocking resolve +21% to +61% (`kvproc bench ipc --observe-ab
+    --device-events`, 2 cores). Replays are answered on another thread, from the kept batches.
 
     A batch that fails to encode or send is dropped, and the thread goes on with the next one: one bad batch (an
     event the encoder cannot take, a socket error) must not end the stream of every later change, and taking the
-    pending list whole each interval keeps it bounded either way. Its seq is skipped (a batch that failed before it
-    was kept), so a subscriber sees the gap and that no replay fills it: its view of this source is then incomplete.
-    The first failure is logged with its traceback, every one counted (`kv_events.failed` batches,
-    `kv_events.dropped` events). Should the thread itself end (a failure outside a batch), `publish` stops
-    appending (counted as dropped) and `flush` answers False at once: nothing waits for a thread that is gone."""
+    deque whole each interval keeps it bounded either way. Its seq is skipped (a batch that failed before it was
+    kept), so a subscriber sees the gap and that no replay fills it: its view of this source is then incomplete. The
+    first failure is logged with its traceback, every one counted (`kv_events.failed` batches, `kv_events.dropped`
+    events). Should the thread itself end (a failure outside a batch), `put` and `publish` stop keeping what they
+    are given (counted as dropped) and `flush` answers False at once: nothing waits for a thread that is gone."""
 
     def __init__(self, runtime_dir: str, rank: int, replay_batches: int = 10_000, kind: str = "",
                  batch_interval_s: float = DEFAULT_INTERVAL_S, max_pending: int = 4096) -> None:
         self.pub_endpoint, self.replay_endpoint = endpoints(runtime_dir, rank, kind)
         self.batch_interval_s = check_interval(batch_interval_s)  # before any socket or thread: nothing to undo
         self.max_pending = max_pending
-        # Events in publish order, and flush markers (set once everything before them was sent); taken whole.
-        self._pending: list[KvEvent | threading.Event] = []
-        self._lock = threading.Lock()
-        self._armed = False  # the thread was woken for what is pending: later publishes join without a wake
+        # Events (or tuples that build one) in publish order, and flush markers (set once everything before them
+        # was sent). Producers append, the thread pops: both atomic, so neither needs a lock.
+        self._pending: collections.deque[Any] = collections.deque()
+        # The hot path (`DeviceIndexEvents`): one event or `(build, *args)` tuple; rebound to a dropping one if the
+        # thread ends, so that nothing piles up for it.
+        self.put: Callable[[Any], None] = self._pending.append
+        self._extend: Callable[[list[Any]], None] = self._pending.extend
+        self._markers = 0  # flush markers in `_pending` (not events: `stats` leaves them out of `queued`)
+        self._markers_lock = threading.Lock()
         self._stopping = False
-        self._wake = threading.Event()  # something is pending
         self._hurry = threading.Event()  # send it now: a flush, the stop, or `max_pending` reached
         self._kept: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=replay_batches)
         self._kept_lock = threading.Lock()
@@ -168,9 +176,11 @@ class KvEventPublisher:
         self.seq = 0
         self.batches = 0
         self.events = 0  # events sent (before `coalesce`)
-        self.queued = 0  # events published; `queued - events - dropped` still wait for their batch
+        self._taken = 0  # events the thread took from `_pending` (sent, or dropped with a failed batch)
+        self._late = 0  # events published after the thread ended (dropped at once)
         self.replays = 0
         self.replay_failed = 0  # replay requests that raised (logged once): the thread answers the next one
+        self.busy_s = 0.0  # the thread's CPU time building, encoding and sending batches (`kv_events.busy_ns`)
         self.failed = 0  # batches dropped: encoding or sending raised
         self.dropped = 0  # events in them, and events published after the thread ended
         self._dead = False  # the publisher's thread ended without a stop: publishes are dropped, not kept
@@ -192,65 +202,76 @@ class KvEventPublisher:
             t.start()
 
     def publish(self, events: list[KvEvent]) -> None:
-        """Queue `events` (in this order, after everything published before) for the next batch; never blocks on
-        the sending (safe under a caller's lock: the pool's, the tier's)."""
+        """Queue `events` (in this order, after everything published before) for the next batch; never blocks (safe
+        under a caller's lock: the pool's, the tier's)."""
         if not events:
             return
-        with self._lock:
-            if self._dead:  # nobody would ever take them: count, do not keep
-                self.queued += len(events)
-                self.dropped += len(events)
-                return
-            self._pending += events
-            self.queued += len(events)
-            wake, self._armed = not self._armed, True
-            hurry = len(self._pending) >= self.max_pending
-        if wake:
-            self._wake.set()
-        if hurry:
+        self._extend(events)
+        if len(self._pending) >= self.max_pending:
             self._hurry.set()
+
+    def _drop(self, item: Any) -> None:
+        """`put` once the thread has ended: count, do not keep."""
+        self._late += 1
+        self.dropped += 1
+
+    def _drop_many(self, events: list[Any]) -> None:
+        self._late += len(events)
+        self.dropped += len(events)
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until every batch of events published before this call went out (True); False when `timeout`
         passed, a batch failed meanwhile (`kv_events.failed`) or the thread is gone."""
         done = threading.Event()
         failed = self.failed
-        with self._lock:
-            if self._dead:
-                return False
-            self._pending.append(done)
-            self._armed = True
-        self._wake.set()
+        if self._dead:
+            return False
+        with self._markers_lock:
+            self._markers += 1
+        self._pending.append(done)
         self._hurry.set()
+        if self._dead:  # the thread ended as the marker went in: it may never be taken
+            return False
         return done.wait(timeout) and self.failed == failed and not self._dead
 
+    def _take(self) -> tuple[list[Any], list[threading.Event]]:
+        """(events, flush markers): everything in `_pending` now; later appends wait for the next batch."""
+        q = self._pending
+        events: list[Any] = []
+        markers: list[threading.Event] = []
+        for _ in range(len(q)):
+            item = q.popleft()
+            (markers if isinstance(item, threading.Event) else events).append(item)
+        return events, markers
+
     def _pub_main(self) -> None:
-        taken: list[KvEvent | threading.Event] = []  # the batch in hand: what a failure outside it would lose
+        unsent = 0  # events taken and not yet sent: what a failure outside a batch would lose
+        markers: list[threading.Event] = []
         stopping = False
+        tick = min(self.batch_interval_s, TICK_S)
+        last = time.monotonic()
         try:
             while True:
-                self._wake.wait()  # idle: until a publish (or a flush, or the stop)
-                # Busy: a batch per interval, one wake each (the interval's end), until an interval brings nothing.
-                while True:
-                    self._hurry.wait(self.batch_interval_s)  # what is published meanwhile joins this batch
-                    with self._lock:
-                        taken, self._pending = self._pending, []
-                        self._hurry.clear()
-                        stopping = self._stopping
-                        if not taken:  # idle again: the next publish wakes the thread (it sees _armed False)
-                            self._armed = False
-                            self._wake.clear()
-                    if not taken:
-                        break
-                    events = [e for e in taken if not isinstance(e, threading.Event)]
-                    if events:
-                        self._send_or_drop(events)
-                    for e in taken:
-                        if isinstance(e, threading.Event):
-                            e.set()
-                    taken = []
-                    if stopping:
-                        return
+                if self._hurry.wait(tick):  # what is published meanwhile joins this batch
+                    # Cleared before the take: a hurry set after this is for what the take may not see, and its
+                    # marker (appended before the set) is either taken now or wakes the next wait at once.
+                    self._hurry.clear()
+                elif not (self._stopping or len(self._pending) >= self.max_pending
+                          or time.monotonic() - last >= self.batch_interval_s):
+                    continue  # a tick within the interval: nothing asked
+                stopping = self._stopping
+                last = time.monotonic()
+                events, markers = self._take()
+                self._taken += len(events)
+                unsent = len(events)
+                if events:
+                    self._send_or_drop(events)
+                unsent = 0
+                with self._markers_lock:
+                    self._markers -= len(markers)
+                for m in markers:
+                    m.set()
+                markers = []
                 if stopping:
                     return
         except BaseException:  # logged and counted: the thread has nobody to raise to
@@ -258,24 +279,25 @@ class KvEventPublisher:
             log.exception("kv_events_publisher_died", endpoint=self.pub_endpoint)
         finally:
             if not stopping:  # ended on a failure: later publishes must not pile up for it, nor flushes wait
-                with self._lock:
-                    self._dead = True
-                    left, self._pending = taken + self._pending, []
-                    self.dropped += sum(1 for e in left if not isinstance(e, threading.Event))
-                for e in left:
-                    if isinstance(e, threading.Event):
-                        e.set()  # its flush answers False (`_dead`)
+                self._dead = True
+                self.put, self._extend = self._drop, self._drop_many
+                rest, rest_markers = self._take()
+                self._late += len(rest)
+                self.dropped += unsent + len(rest)
+                for m in markers + rest_markers:
+                    m.set()  # its flush answers False (`_dead`)
             # A stop's last batch still reaches the connected subscribers (ZeroMQ documents that LINGER 0 discards
             # what it has not written yet; over ipc:// it was delivered anyway in a test, so this is by the book, not
             # measured); bounded, so a stalled subscriber cannot hold the stop.
             self._pub.close(linger=STOP_LINGER_MS if stopping else 0)
 
-    def _send_or_drop(self, events: list[KvEvent]) -> None:
+    def _send_or_drop(self, events: list[Any]) -> None:
         seq, n = self.seq, len(events)
+        t0 = time.thread_time()
         try:
             if self.test_only_poison_batches > 0:
                 self.test_only_poison_batches -= 1
-                events = events + [object()]  # type: ignore[list-item]  # msgspec's encode raises on it, for real
+                events = events + [object()]  # msgspec's encode raises on it, for real
             self._send(events)
         except Exception:
             self.failed += 1
@@ -285,9 +307,14 @@ class KvEventPublisher:
                     self.seq += 1
             if self.failed == 1:  # once: a failure that repeats every interval would flood the log
                 log.exception("kv_events_batch_failed", endpoint=self.pub_endpoint, seq=seq, events=n)
+        finally:
+            self.busy_s += time.thread_time() - t0
 
-    def _send(self, events: list[KvEvent]) -> None:
-        payload = self._encoder.encode(KVEventBatch(time.time(), coalesce(events)))
+    def _send(self, events: list[Any]) -> None:
+        # `(build, *args)` tuples (`put`) become their event here: off the producer's path, and inside the batch's
+        # guard (a build that raises fails its batch, as an encode would)
+        built = [e[0](*e[1:]) if type(e) is tuple else e for e in events]
+        payload = self._encoder.encode(KVEventBatch(time.time(), coalesce(built)))
         seq = self.seq
         with self._kept_lock:
             self._kept.append((seq, payload))
@@ -331,17 +358,19 @@ class KvEventPublisher:
     def close(self) -> None:
         """Stop; what was published before goes out first."""
         self._stop.set()
-        with self._lock:
-            self._stopping = True
-        self._wake.set()
+        self._stopping = True
         self._hurry.set()
         for t in self._threads:
             t.join(5)
 
     def stats(self) -> dict[str, Any]:
-        return {"kv_events.batches": self.batches, "kv_events.events": self.events, "kv_events.queued": self.queued,
+        # events in the deque: waiting for their batch; once the thread ended, a racing `put`'s (lost)
+        waiting = max(0, len(self._pending) - self._markers)
+        return {"kv_events.batches": self.batches, "kv_events.events": self.events,
+                "kv_events.queued": self._taken + self._late + waiting,
                 "kv_events.replays": self.replays, "kv_events.seq": self.seq, "kv_events.failed": self.failed,
-                "kv_events.dropped": self.dropped, "kv_events.replay_failed": self.replay_failed}
+                "kv_events.dropped": self.dropped + (waiting if self._dead else 0), "kv_events.replay_failed": self.replay_failed,
+                "kv_events.busy_ns": int(self.busy_s * 1e9)}  # counters are ints
 
 
 class DeviceIndexEvents:
@@ -374,12 +403,14 @@ class DeviceIndexEvents:
             pool.paged.listener = None
 
     def stored(self, hashes: Sequence[bytes], positions: list[int], tokens: Any = None) -> None:
-        P = self.block_size
         first, last = positions[0], positions[-1]
         if last - first == len(positions) - 1:  # one run (the usual case: a prefill's new pages): no loop
-            self.publisher.publish([BlockStored(list(hashes[first:last + 1]), hashes[first - 1] if first else None,
-                                                page_token_ids(tokens, first, last + 1, P), P, None, MEDIUM_DEVICE)])
+            # The event is built by the publisher's thread (`_device_stored`): here, under the pool's lock on a
+            # resolve's path, only the keys are copied (the caller may reuse its list; `tokens` never change).
+            self.publisher.put((self._device_stored, hashes[first:last + 1], hashes[first - 1] if first else None,
+                                tokens, first, last + 1))
             return
+        P = self.block_size
         events: list[KvEvent] = []
         start = prev = positions[0]
         for p in positions[1:] + [-1]:  # -1 closes the last run
@@ -390,5 +421,10 @@ class DeviceIndexEvents:
             prev = p
         self.publisher.publish(events)
 
+    def _device_stored(self, hashes: list[bytes], parent: bytes | None, tokens: Any, start: int,
+                       stop: int) -> BlockStored:
+        return BlockStored(list(hashes), parent, page_token_ids(tokens, start, stop, self.block_size),
+                           self.block_size, None, MEDIUM_DEVICE)
+
     def removed(self, hashes: list[bytes]) -> None:
-        self.publisher.publish([BlockRemoved(hashes, MEDIUM_DEVICE)])
+        self.publisher.put(BlockRemoved(hashes, MEDIUM_DEVICE))  # `hashes`: a list `_unhash` made for this call

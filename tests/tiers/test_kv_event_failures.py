@@ -62,7 +62,7 @@ def test_a_batch_that_fails_to_encode_is_logged_once_counted_and_skipped_and_the
         assert [e.block_hashes for _, p in kept for e in decode_batch(p).events] == [  # type: ignore[union-attr]
             [(0).to_bytes(4, "big")], [(3).to_bytes(4, "big")]]
         # nothing waits in the pending list for a batch that will never be sent
-        assert pub._pending == []
+        assert not pub._pending
     finally:
         pub.close()
 
@@ -85,7 +85,7 @@ def test_a_publisher_whose_thread_ended_drops_publishes_and_answers_flush_at_onc
         for i in range(1, 1001):
             pub.publish([_removed(i)])
         stats = pub.stats()  # none kept for a thread that is gone; all counted: queued = events + dropped
-        assert pub._pending == [] and stats["kv_events.dropped"] == stats["kv_events.queued"] == 1001
+        assert not pub._pending and stats["kv_events.dropped"] == stats["kv_events.queued"] == 1001
         assert not pub.flush(timeout=30)  # answered at once, not after the timeout: nothing to wait for
     finally:
         pub.close()
