@@ -55,10 +55,12 @@ log = structlog.get_logger(__name__)
 
 def _kill_leftovers(
     children: dict[tuple[str, int], ChildHandle], runtime_dir: str, owner: mf.ProcessIdentity | None,
-    janitor: list[Janitor],
+    janitor: list[Janitor], torn_down: threading.Event,
 ) -> None:
     # weakref.finalize backstop: holds only the child table, a path, an identity and the janitor's pipe, never the
-    # Cluster itself.
+    # Cluster itself. `torn_down` first: the supervisor (a daemon thread, still running at interpreter exit) then
+    # reports the kills as exits, not as crashes to restart into a removed runtime dir.
+    torn_down.set()
     for j in janitor:
         j.stop()
     for child in list(children.values()):
@@ -106,10 +108,15 @@ class Cluster:
         # The janitor (`janitor.py`) sweeps what this cluster leaves if its launcher is killed; a list so that the
         # finalizer can see one started after it was made.
         self._janitor: list[Janitor] = []
+        self._torn_down = threading.Event()  # set by the backstop: the children are being killed, the dir removed
         self._finalizer = weakref.finalize(self, _kill_leftovers, self._children, runtime_dir, self.identity,
-                                           self._janitor)
+                                           self._janitor, self._torn_down)
 
     # ---- public API ----
+
+    def _halted(self) -> bool:
+        """Shutting down, or torn down by the backstop: no restart, no manifest rewrite."""
+        return self._stopping or self._torn_down.is_set()
 
     def client(self, role: str, rank: int = 0) -> RpcClient:
         """The current incarnation's client. After a crash it is dead (calls fail with PeerDead at once) until a
@@ -310,7 +317,7 @@ class Cluster:
 
     def _restart(self, key: tuple[str, int], timeout: float, explicit: bool) -> RpcClient:
         with self._restart_lock:
-            if self._stopping:
+            if self._halted():
                 raise ClusterStartError(f"{key[0]}[{key[1]}]: cluster is shutting down")
             old = self._children[key]
             if explicit and not old.exited.is_set():
@@ -350,7 +357,7 @@ class Cluster:
         if child.client is not None:
             child.client.mark_dead(reason)  # every pending call fails with PeerDead now
         removed = sweep_dead_segments(pids=[child.pid])
-        if self._stopping or key in self._replacing or self._children.get(key) is not child:
+        if self._halted() or key in self._replacing or self._children.get(key) is not child:
             log.info("child_exited", child=child.label, status=describe_exit(child.exitcode))
             return
         if self._state.get(key) == "unavailable":
@@ -377,19 +384,19 @@ class Cluster:
         """The child's client was declared dead. An exit is the supervisor's (restart or unavailable); a live child
         declared dead -- it stopped answering heartbeats for a while: stopped, starved, swapping -- is reconnected
         once it answers again, on a thread of its own (this runs on the client's I/O thread)."""
-        if self._stopping or child.exited.is_set():
+        if self._halted() or child.exited.is_set():
             return
         threading.Thread(target=self._reconnect, args=(child, reason), name="kvproc-reconnect", daemon=True).start()
 
     def _reconnect(self, child: ChildHandle, reason: str) -> None:
         key = (child.role, child.rank)
         # Let an exit that caused the death (the sentinel may be a moment behind the socket) be seen first.
-        if child.exited.wait(0.2) or self._stopping or key in self._replacing or self._children.get(key) is not child:
+        if child.exited.wait(0.2) or self._halted() or key in self._replacing or self._children.get(key) is not child:
             return
         log.warning("child_unresponsive", child=child.label, reason=reason)
         self._record(key, child.pid, "unresponsive", reason)
         self._set_state(key, "unresponsive")
-        while not (self._stopping or child.exited.is_set() or key in self._replacing
+        while not (self._halted() or child.exited.is_set() or key in self._replacing
                    or self._children.get(key) is not child):
             client = RpcClient(child.endpoints[0], token=self.token, name=f"launcher-{os.getpid()}", peer=child.label)
             try:
@@ -399,7 +406,7 @@ class Cluster:
                 time.sleep(0.5)
                 continue
             with self._restart_lock:  # a restart must not interleave with the swap
-                if self._stopping or child.exited.is_set() or self._children.get(key) is not child:
+                if self._halted() or child.exited.is_set() or self._children.get(key) is not child:
                     client.close()
                     return
                 old, child.client = child.client, client
@@ -426,7 +433,7 @@ class Cluster:
         """Name endpoints this process serves (e.g. device-pool KV events) in the manifest (`Manifest.published`)."""
         with self._cond:  # the lock every manifest rewrite takes: a concurrent state change keeps them
             self.published.update(endpoints)
-            if not self._stopping:
+            if not self._halted():
                 self.write_manifest()
 
     def _set_state(self, key: tuple[str, int], state: str) -> None:
@@ -434,7 +441,7 @@ class Cluster:
         # it in the manifest.
         with self._cond:
             self._state[key] = state
-            if not self._stopping:
+            if not self._halted():
                 self.write_manifest()
             self._cond.notify_all()
 

@@ -245,3 +245,24 @@ def test_a_stalled_child_is_reconnected_when_it_answers_again_not_left_dead() ->
             ["unresponsive", "reconnected"]
         states = {(p.role, p.rank): p.state for p in mf.read_manifest(cluster.runtime_dir).processes}
         assert states[("copy_worker", 0)] == "up"
+
+
+def test_the_gc_backstop_of_an_unclosed_cluster_kills_its_children_without_an_exit_handler_failing() -> None:
+    """An owner that never shut its cluster down (an exception, a forgotten close): the `weakref.finalize` backstop
+    kills the children and removes the runtime dir; the supervisor then reports each exit. Before, each report tried
+    to rewrite the manifest in the removed dir and logged `exit_handler_failed` with a traceback, once per child, and
+    a restartable one (a copy worker) was restarted: a new process for a cluster nobody owns."""
+    import structlog
+
+    from tests.conftest import wait_for
+
+    cluster = launch(_roles(), cluster_name=LT, runtime_dir=f"/tmp/kvlt-{os.getpid()}-gc")
+    pids = {c.pid for c in cluster._children.values()}
+    with structlog.testing.capture_logs() as logs:
+        cluster._finalizer()  # what the garbage collector (or the interpreter's exit) runs for an unclosed cluster
+        wait_for(lambda: sum(e["event"] in ("child_exited", "child_died") for e in logs) >= 3, timeout=60,
+                 what="the supervisor's report of every child's exit")
+    assert not os.path.exists(cluster.runtime_dir)
+    assert [e["event"] for e in logs if e["log_level"] == "error"] == []  # no exit_handler_failed, no child_died
+    assert {c.pid for c in cluster._children.values()} == pids  # nothing restarted
+    cluster.shutdown()  # the supervisor and the janitor stop; nothing left (the autouse fixture checks)
