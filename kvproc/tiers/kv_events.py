@@ -284,6 +284,8 @@ class KvEventPublisher:
                 rest, rest_markers = self._take()
                 self._late += len(rest)
                 self.dropped += unsent + len(rest)
+                with self._markers_lock:
+                    self._markers -= len(markers) + len(rest_markers)
                 for m in markers + rest_markers:
                     m.set()  # its flush answers False (`_dead`)
             # A stop's last batch still reaches the connected subscribers (ZeroMQ documents that LINGER 0 discards
