@@ -102,10 +102,12 @@ def _cupy_pointer() -> list[dict[str, Any]]:
     buf = host_buffer(1 << 16)
     with Registered(buf, "a 64 KiB numpy buffer"):
         ptr = buf.ctypes.data
-        dptr = int(cupy.cuda.runtime.hostGetDevicePointer(ptr, 0))
+        at = cupy.cuda.runtime.pointerGetAttributes(ptr)  # cupy has no hostGetDevicePointer; this carries it
+        dptr, kind, device = int(at.devicePointer), int(at.type), int(at.device)
     attr = int(cupy.cuda.runtime.deviceGetAttribute(91, 0))  # cudaDevAttrCanUseHostPointerForRegisteredMem
-    return [{"check": "device pointer of registered memory (cupy)", "ok": dptr == ptr, "cupy": cupy.__version__,
-             "host_pointer": hex(ptr), "device_pointer": hex(dptr), "can_use_host_pointer_for_registered_mem": attr}]
+    return [{"check": "device pointer of registered memory (cupy)", "ok": dptr == ptr and kind == 1,
+             "cupy": cupy.__version__, "host_pointer": hex(ptr), "device_pointer": hex(dptr),
+             "memory_type": kind, "device": device, "can_use_host_pointer_for_registered_mem": attr}]
 
 
 def _mapped_access() -> list[dict[str, Any]]:

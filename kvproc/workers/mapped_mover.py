@@ -12,12 +12,12 @@ stream with one side in host memory, so every byte crosses the bus once, moved b
 How the host side becomes a CUDA tensor: under unified virtual addressing a registered host buffer's device address
 is its host address wherever the device reports cudaDevAttrCanUseHostPointerForRegisteredMem (every x86-64 Linux
 GPU of this era); the view is an object with `__cuda_array_interface__` (that address, the rows' shape and byte
-strides) passed to `torch.as_tensor(..., device=)`. Chosen over cupy's `runtime.hostGetDevicePointer`: kvproc does
-not import cupy (an optional extra a copy worker's image may lack), and torch checks the address itself: building a
-CUDA tensor from a pointer asks cudaPointerGetAttributes, which refuses host memory no CUDA device registered (and
-`mapped` asks `is_pinned` first), so an unpinned segment is a clear `MoveError`, never a kernel touching an unmapped
-address. `kvproc bench gpu`'s
-sanity part checks the equal-address assumption with cupy where cupy imports. A view that torch would copy (a
+strides) passed to `torch.as_tensor(..., device=)`. Chosen over asking cupy for the device pointer
+(`runtime.pointerGetAttributes(...).devicePointer`; cupy has no `hostGetDevicePointer`): kvproc does not import cupy
+(an optional extra a copy worker's image may lack). Before the view is built, `mapped` asks torch's `is_pinned`
+(cudaPointerGetAttributes: memory type host), so an unregistered segment is a clear `MoveError`, never a kernel
+touching an unmapped address (torch itself does not check when the device index is given). `kvproc bench gpu`'s
+sanity group checks the equal-address assumption with cupy where cupy imports. A view that torch would copy (a
 device other than the registering one) is refused too (its data pointer is compared).
 
 Rows are moved as the widest of 8 / 4 / 2 / 1-byte integers that divides the row, both strides and both start
