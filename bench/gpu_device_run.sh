@@ -54,7 +54,7 @@ record build_ext $rc
 step "machine"
 {
   nvidia-smi || echo "nvidia-smi: not available"
-  nvidia-smi -q -d CLOCK,PCIE 2>/dev/null | grep -iE "link|gen|width|bar1" | head -20
+  nvidia-smi -q 2>/dev/null | grep -A 14 "GPU Link Info" | head -16  # PCIe generation and width, max and current
   echo; uname -a; nproc; free -g; df -h /dev/shm /tmp
   "$PY" - <<'EOF'
 import sys
@@ -90,6 +90,7 @@ record pytest $rc
 step "summary"
 {
   printf '%s\n' "${SUMMARY[@]}"
+  grep -E "GB/s" "$OUT/gpu.log" | grep -E " cuda" | head -30  # the movers against pinned copy_, side by side
   grep -E "^\[FAILED\]|parts passed|SKIPPED" "$OUT/gpu.log" | head -40
   grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest.log" | tail -15
   echo "total $(( $(date +%s) - T0 )) s; results in $OUT"

@@ -272,6 +272,14 @@ def show(section: str, x: dict[str, Any]) -> str:
     return json.dumps({k: v for k, v in x.items() if k != "traceback"}, default=str)
 
 
+def gpu_name() -> str:
+    """The device's name, or why it could not be read (a broken environment must not stop the run here)."""
+    try:
+        return str(torch.cuda.get_device_name(0))
+    except Exception as e:  # noqa: BLE001 - the sanity group reports it properly
+        return f"unreadable ({type(e).__name__}: {e})"
+
+
 def run(quick: bool, json_path: str | None = None, only: list[str] | None = None, in_process: bool = False,
         budget_s: float = BUDGET_S) -> dict[str, Any]:
     """Every group (or those `only` names, in this process: how a child runs its group). On a GPU, unless
@@ -279,7 +287,7 @@ def run(quick: bool, json_path: str | None = None, only: list[str] | None = None
     cuda = torch.cuda.is_available()
     deadline = time.monotonic() + budget_s
     result = new_result()
-    result.update(cuda=cuda, gpu=torch.cuda.get_device_name(0) if cuda else None,
+    result.update(cuda=cuda, gpu=gpu_name() if cuda else None,
                   env={"python": sys.version.split()[0], "torch": torch.__version__, "cuda_runtime": torch.version.cuda,
                        "native": native_status()})
     rec = Recorder(result, json_path)
@@ -315,7 +323,7 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     t0 = time.perf_counter()
     if not args.group:
-        print(f"kvproc bench gpu: cuda={'yes, ' + torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no'}"
+        print(f"kvproc bench gpu: cuda={'yes, ' + gpu_name() if torch.cuda.is_available() else 'no'}"
               f", torch {torch.__version__}, CUDA runtime {torch.version.cuda}, native: {native_status()}", flush=True)
     r = run(args.quick, args.json, args.group, args.in_process, args.budget)
     if args.group:
