@@ -100,6 +100,46 @@ def test_the_cuda_array_interface_describes_exactly_the_host_rows(width):
     assert not view[16:48].any() and not flat.numpy()[:64].any()  # the padding and what lies before: untouched
 
 
+class _CudartStub:
+    """One side of the contract: records what `pinning` asks of the CUDA runtime, answers `status`."""
+
+    def __init__(self, status=0):
+        self.calls, self.status = [], status
+
+    def cudaHostRegister(self, address, nbytes, flags):  # the runtime's names
+        self.calls.append(("register", address, nbytes, flags))
+        return self.status
+
+    def cudaHostUnregister(self, address):
+        self.calls.append(("unregister", address))
+        return self.status
+
+    def cudaGetErrorString(self, err):
+        return "invalid argument"
+
+
+def test_a_segment_is_registered_portable_and_mapped_with_a_stub_cudart(monkeypatch):
+    """What the mapped mover needs of the pin: cudaHostRegister(address, size, portable | mapped = 3), and
+    cudaHostUnregister before unmap; a failure is a PinError naming the segment. The real runtime never ran here."""
+    from kvproc.ipc.segment import Segment
+
+    stub = _CudartStub()
+    monkeypatch.setattr(pinning, "_cuda_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: stub)
+    with Segment.create("pinstub", "copy_worker", 1 << 16) as seg:
+        assert pinning.register(seg) is True and seg.pinned
+        address = seg.address()
+        seg.close()
+        assert not seg.pinned
+    assert stub.calls == [("register", address, 1 << 16, 3), ("unregister", address)]
+    stub.status = 1
+    with Segment.create("pinstub", "copy_worker", 1 << 12) as seg:
+        with pytest.raises(pinning.PinError, match=r"cudaHostRegister\(.*pinstub.*4096 B\) failed: CUDA error 1 "
+                                                   r"\(invalid argument\)"):
+            pinning.register(seg)
+        assert not seg.pinned
+
+
 def _registered(nbytes):
     buf = np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8)
     pinning.register_address(buf.ctypes.data, buf.nbytes, "a test buffer")
