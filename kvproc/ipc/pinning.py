@@ -3,7 +3,8 @@
 Without CUDA this is a no-op (returns False: every copy is a CPU one and nothing needs pinning). With CUDA a failed
 registration raises `PinError` at attach: never a silent pageable copy. Register after attaching, unregister before
 unmapping (`Segment.close()` does the latter). PyTorch's pinned allocator would round sizes up to powers of two;
-registering the existing mapping does not. NEEDS-GPU-CHECK: the CUDA branch has never run (no GPU where it was
+registering the existing mapping does not. Registered portable and mapped (`REGISTER_FLAGS`): every mover (`cuda`'s
+DMA, `cuda_mapped`'s kernels) can use it. NEEDS-GPU-CHECK: the CUDA branch has never run (no GPU where it was
 written); `torch.cuda.cudart()` is torch's binding of the CUDA runtime (no cupy needed).
 """
 
@@ -14,6 +15,11 @@ import sys
 from kvproc.ipc.segment import Segment
 
 _CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context in the process
+_CUDA_HOST_REGISTER_MAPPED = 2  # cudaHostRegisterMapped: mapped into the device address space (the cuda_mapped mover)
+# Portable alone does not promise a mapping (only cudaHostRegisterDefault does, "on a system with unified virtual
+# addressing"); the cuda_mapped mover's kernels read and write the segment through its device mapping, so ask for it.
+# Under UVA the device address is the host address where cudaDevAttrCanUseHostPointerForRegisteredMem is 1.
+REGISTER_FLAGS = _CUDA_HOST_REGISTER_PORTABLE | _CUDA_HOST_REGISTER_MAPPED
 
 
 class PinError(RuntimeError):
@@ -32,17 +38,32 @@ def _error(cudart: object, err: object) -> str:
         return str(err)
 
 
+def register_address(address: int, nbytes: int, what: str) -> None:
+    """cudaHostRegister(address, nbytes, portable | mapped); `PinError` naming `what` on failure. Needs CUDA."""
+    import torch
+
+    cudart = torch.cuda.cudart()
+    err = cudart.cudaHostRegister(address, nbytes, REGISTER_FLAGS)
+    if int(err) != 0:
+        raise PinError(f"cudaHostRegister({what}, {nbytes} B) failed: CUDA error {_error(cudart, err)}; refusing "
+                       "pageable copies")
+
+
+def unregister_address(address: int, what: str) -> None:
+    """cudaHostUnregister(address); `PinError` naming `what` on failure. Needs CUDA."""
+    import torch
+
+    cudart = torch.cuda.cudart()
+    err = cudart.cudaHostUnregister(address)
+    if int(err) != 0:
+        raise PinError(f"cudaHostUnregister({what}) failed: CUDA error {_error(cudart, err)}")
+
+
 def register(segment: Segment) -> bool:
     """Pin the segment's mapping; returns True if it is now pinned, False on a CPU-only process."""
     if segment.pinned or not _cuda_available():
         return segment.pinned
-    import torch
-
-    cudart = torch.cuda.cudart()
-    err = cudart.cudaHostRegister(segment.address(), segment.nbytes, _CUDA_HOST_REGISTER_PORTABLE)
-    if int(err) != 0:
-        raise PinError(f"cudaHostRegister({segment.name}, {segment.nbytes} B) failed: CUDA error "
-                       f"{_error(cudart, err)}; refusing pageable copies")
+    register_address(segment.address(), segment.nbytes, segment.name)
     segment.pinned = True
     return True
 
@@ -51,10 +72,5 @@ def unregister(segment: Segment) -> None:
     """Unpin; must run before the mapping is unmapped (`Segment.close` calls it first)."""
     if not segment.pinned:
         return
-    import torch
-
-    cudart = torch.cuda.cudart()
-    err = cudart.cudaHostUnregister(segment.address())
     segment.pinned = False
-    if int(err) != 0:
-        raise PinError(f"cudaHostUnregister({segment.name}) failed: CUDA error {_error(cudart, err)}")
+    unregister_address(segment.address(), segment.name)

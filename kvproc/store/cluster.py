@@ -194,7 +194,9 @@ class ClusterStore:
         Ignored with `tier_runtime_dir` (a shared tier's remote is `kvproc up --remote`).
 
         `copy_mover="torch"` makes the copy workers move CPU arenas with the torch rows mover (`kvproc/workers/
-        torch_mover.py`: the GPU path's batch logic and executor, run on CPU); "" is the default (memmove on CPU)."""
+        torch_mover.py`: the GPU path's batch logic and executor, run on CPU); "" is the default (memmove on CPU, the
+        staged cuda mover on GPU arenas); "cuda_mapped" moves GPU arenas with the mapped CUDA mover
+        (`kvproc/workers/mapped_mover.py`, never run; refused for CPU arenas)."""
         if ranks < 1:
             raise ValueError(f"ranks must be >= 1, got {ranks}")
         kv_events_interval_s = check_interval(kv_events_interval_s)

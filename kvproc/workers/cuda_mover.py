@@ -29,7 +29,7 @@ class CudaMover(TorchRowsMover):
 
     def __init__(self, device: int = 0) -> None:
         if not torch.cuda.is_available():
-            raise MoveError("the CUDA mover needs a CUDA device; torch.cuda.is_available() is False")
+            raise MoveError(f"the {self.name} mover needs a CUDA device; torch.cuda.is_available() is False")
         self.device = torch.device("cuda", device)
         self.save_stream = torch.cuda.Stream(self.device)
         self.load_stream = torch.cuda.Stream(self.device)

@@ -17,7 +17,7 @@ from kvproc.ipc import pinning
 from kvproc.ipc.cuda_ipc import CudaArenaHandle, CudaIpcError, check_geometry
 from kvproc.ipc.errors import HandlerError
 from kvproc.ipc.segment import Segment
-from kvproc.workers.movers import MoveError, Mover, mover_for
+from kvproc.workers.movers import CUDA_MOVERS, MoveError, Mover, mover_for
 
 
 def device_arena_view(seg: Segment, ref: m.ArenaRef) -> torch.Tensor:
@@ -64,14 +64,21 @@ def arenas_on_gpu(msg: m.AttachArenas) -> bool:
     return True in on_gpu
 
 
+def gpu_mover_kind(msg: m.AttachArenas) -> str:
+    """The `mover_for` kind for GPU arenas ("", "torch", "cuda": the staged cuda mover; "cuda_mapped": the mapped
+    one); any other is refused (checked before anything is opened)."""
+    if msg.mover not in ("", "torch", *CUDA_MOVERS):
+        raise HandlerError("bad_request", f"AttachArenas: GPU arenas move with the cuda or cuda_mapped mover, not "
+                                          f"{msg.mover!r}")
+    return "cuda_mapped" if msg.mover == "cuda_mapped" else ""
+
+
 def attach_mover(msg: m.AttachArenas, gpu: bool, device: int) -> Mover:
-    """The mover an attach asks for: the CUDA one for GPU arenas (bound to this worker's device), else `mover_for`
-    on CPU with the message's kind ("" = memmove, "torch")."""
+    """The mover an attach asks for: for GPU arenas a CUDA one bound to this worker's device (`gpu_mover_kind`),
+    else `mover_for` on CPU with the message's kind ("" = memmove, "torch"; a CUDA kind is refused)."""
     try:
         if gpu:
-            if msg.mover not in ("", "torch"):
-                raise MoveError(f"GPU arenas move with the cuda mover, not {msg.mover!r}")
-            return mover_for(f"cuda:{device}")
+            return mover_for(f"cuda:{device}", kind=gpu_mover_kind(msg))
         return mover_for("cpu", kind=msg.mover)
     except MoveError as e:
         raise HandlerError("bad_request", f"AttachArenas: {e}") from None

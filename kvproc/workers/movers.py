@@ -13,6 +13,9 @@ batch in one call, every id checked before any byte moves; it returns the bytes 
   kind="torch")`); nothing picks it on CPU unless asked (memmove is the CPU hot path).
 - `cuda`: the torch mover on its own CUDA streams with pinned staging (`kvproc/workers/cuda_mover.py`). NEVER RUN:
   written without a GPU, imported only when `mover_for` is asked for a CUDA device.
+- `cuda_mapped`: the cuda mover with the pinned host segment mapped into the device, so that the GPU's gather and
+  scatter kernels read and write host rows directly, no staging (`kvproc/workers/mapped_mover.py`). NEVER RUN;
+  only when asked (`kind="cuda_mapped"`).
 
 `CopyExecutor` asks `mover_for` once per attachment and names the mover in its counters (`mover.<name>`); nothing
 else in kvproc knows which one runs. `host_views` says whether the mover's buffers are numpy views of this process's
@@ -104,13 +107,15 @@ class CmaRowsMover:
 MEMMOVE = MemmoveMover()
 
 
-MOVER_KINDS = ("", "memmove", "torch")  # what `kind` may ask for ("" = the device's default)
+MOVER_KINDS = ("", "memmove", "torch", "cuda", "cuda_mapped")  # what `kind` may ask for ("" = the device's default)
+CUDA_MOVERS = ("cuda", "cuda_mapped")  # the movers whose host side must be pinned (`kvproc.ipc.pinning`)
 
 
 def mover_for(device: str = "cpu", engine_pid: int | None = None, kind: str = "") -> Mover:
     """The mover for buffers on `device` ("cpu", "cuda", "cuda:N"), or, with `engine_pid`, for another process's
     CPU memory. `kind="torch"` asks for the torch rows mover on CPU (the GPU path's logic without CUDA); on a CUDA
-    device the torch mover is the CUDA one. The only place that chooses."""
+    device the torch mover is the CUDA one ("", "torch" and "cuda" all name it), and `kind="cuda_mapped"` the mapped
+    one. The only place that chooses."""
     if kind not in MOVER_KINDS:
         raise MoveError(f"no mover kind {kind!r} (one of {', '.join(repr(k) for k in MOVER_KINDS)})")
     if engine_pid is not None:
@@ -121,12 +126,19 @@ def mover_for(device: str = "cpu", engine_pid: int | None = None, kind: str = ""
     if device.startswith("cuda"):
         if kind == "memmove":
             raise MoveError("the memmove mover moves host memory only; a CUDA device's is moved by the cuda mover")
-        from kvproc.workers.cuda_mover import CudaMover  # lazy: a CPU process never imports the CUDA path
-
         index = int(device.partition(":")[2] or 0)
+        if kind == "cuda_mapped":
+            from kvproc.workers.mapped_mover import MappedMover  # lazy: a CPU process never imports the CUDA path
+
+            return MappedMover(index)
+        from kvproc.workers.cuda_mover import CudaMover
+
         return CudaMover(index)
     if device != "cpu":
         raise MoveError(f"no mover for device {device!r}")
+    if kind in CUDA_MOVERS:
+        raise MoveError(f"the {kind} mover moves between a CUDA device and pinned host memory; device {device!r} "
+                        "is not a CUDA device")
     if kind == "torch":
         from kvproc.workers.torch_mover import TORCH  # lazy: it imports this module (MoveError)
 

@@ -33,7 +33,15 @@ from kvproc.runtime.role import Role, RoleEnv
 from kvproc.tiers import save_fence
 from kvproc.tiers.host import layout_from_wire
 from kvproc.workers.copy_exec import CopyError, CopyExecutor, RepackError
-from kvproc.workers.device_attach import arenas_on_gpu, attach_mover, cuda_arena_view, device_arena_view, pin_host
+from kvproc.workers.device_attach import (
+    arenas_on_gpu,
+    attach_mover,
+    cuda_arena_view,
+    device_arena_view,
+    gpu_mover_kind,
+    pin_host,
+)
+from kvproc.workers.movers import CUDA_MOVERS
 
 log = structlog.get_logger("kvproc.copy_worker")
 _COUNTER_NAMES = {k: (f"orders_{k}", f"bytes_{k}", f"ns_{k}") for k in ("save", "load", "device", "engine")}
@@ -102,6 +110,8 @@ class CopyWorkerRole(Role):
         gpu = arenas_on_gpu(msg)
         # a CPU mover before anything is mapped; the CUDA one once the handles passed their checks
         cpu_mover = None if gpu else attach_mover(msg, False, self.cuda_device)
+        if gpu:
+            gpu_mover_kind(msg)  # a bad kind is refused before any handle is opened
         kinds: dict[str, GroupKind] = {}
         arenas: list[tuple[str, KvArena]] = []
         for ref in msg.arenas:
@@ -124,7 +134,7 @@ class CopyWorkerRole(Role):
             if hseg.nbytes < host_layout.total_bytes:
                 raise HandlerError("bad_request", f"host segment {hseg.name} has {hseg.nbytes} B, layout needs"
                                                   f" {host_layout.total_bytes} B")
-            if mover.name == "cuda":
+            if mover.name in CUDA_MOVERS:  # both CUDA movers read the segment by DMA or through its device mapping
                 pin_host(hseg)
             host = hseg.numpy(np.uint8, 0, host_layout.total_bytes)
         try:

@@ -45,7 +45,8 @@ def _attach(cs: ClusterStore, msg: m.AttachArenas) -> None:
 def test_a_copy_worker_checks_a_cuda_arena_on_cpu_and_refuses_it_clearly() -> None:
     """In a real copy worker (rank 0, so bound to cuda:0): the device and geometry are checked before anything is
     opened; a handle that passes them is refused because this worker has no CUDA device; mixing CUDA and
-    shared-memory arenas, and an unknown mover kind, are refused at attach."""
+    shared-memory arenas, an unknown mover kind, a CUDA mover for shared-memory arenas and a CPU one for CUDA arenas
+    are refused at attach."""
     with ClusterStore.start(0) as cs:
         with pytest.raises(RemoteError, match=r"bad_request.*bound to cuda:0"):
             _attach(cs, m.AttachArenas([_cuda_ref(cuda=m.CudaIpcRef(1, b"h", 1000, 0, b"", 0, b"", False))], ""))
@@ -58,19 +59,25 @@ def test_a_copy_worker_checks_a_cuda_arena_on_cpu_and_refuses_it_clearly() -> No
             _attach(cs, m.AttachArenas([_cuda_ref(), shm], ""))
         with pytest.raises(RemoteError, match=r"bad_request.*no mover kind 'bogus'"):
             _attach(cs, m.AttachArenas([shm], "", mover="bogus"))
+        with pytest.raises(RemoteError, match=r"bad_request.*cuda_mapped mover moves between a CUDA device"):
+            _attach(cs, m.AttachArenas([shm], "", mover="cuda_mapped"))  # shared-memory arenas: not a CUDA mover's
+        with pytest.raises(RemoteError, match=r"bad_request.*GPU arenas move with the cuda or cuda_mapped mover"):
+            _attach(cs, m.AttachArenas([_cuda_ref()], "", mover="memmove"))
         stats = cs.cluster.client("copy_worker").request(m.Stats(), timeout=5).counters
         assert "attaches" not in stats  # none of them attached anything
 
 
 @pytest.mark.skipif(not CUDA, reason="no CUDA device (torch.cuda.is_available() is False): the GPU attach has "
                                      "never run")
-def test_gpu_arenas_round_trip_through_cuda_ipc_and_the_cuda_mover() -> None:
+@pytest.mark.parametrize("copy_mover", ["", "cuda_mapped"])
+def test_gpu_arenas_round_trip_through_cuda_ipc_and_the_cuda_mover(copy_mover: str) -> None:
     """NEVER RUN. The model's arenas are CUDA tensors: the store exports them by CUDA IPC, the worker opens them on
-    its device, pins the host segment and moves with the cuda mover; save, evict, restore are bit-exact."""
+    its device, pins the host segment and moves with the cuda mover (or, asked, the cuda_mapped one); save, evict,
+    restore are bit-exact."""
     def gpu(name: str, n: int) -> torch.Tensor:
         return torch.zeros(n, dtype=torch.uint8, device="cuda:0")
 
-    with cluster_store(bounded=True, allocator=gpu) as (cs, store, model):
+    with cluster_store(bounded=True, allocator=gpu, copy_mover=copy_mover) as (cs, store, model):
         toks = list(range(1, 17))
         kv, cur, _, written = compute(store, model, "a", toks)
         store.retire(0, kv, cur)
@@ -84,7 +91,8 @@ def test_gpu_arenas_round_trip_through_cuda_ipc_and_the_cuda_mover() -> None:
             assert torch.equal(model.block(0, b), exp[0]) and torch.equal(model.block(1, b), exp[1])
         pre.hold.release()
         worker = cs.cluster.client("copy_worker").request(m.Stats(), timeout=5).counters
-        assert worker["mover_orders.cuda"] == worker["orders_save"] + worker["orders_load"] >= 2
+        name = copy_mover or "cuda"
+        assert worker[f"mover_orders.{name}"] == worker["orders_save"] + worker["orders_load"] >= 2
 
 
 def test_pin_host_turns_a_pin_failure_into_a_clear_attach_error_with_a_stub_register(monkeypatch) -> None:
