@@ -116,7 +116,7 @@ def test_a_fenced_save_is_refused_on_a_cpu_attach_with_its_reason_and_a_later_un
 
 
 def test_a_fence_that_is_not_bytes_is_refused_at_the_seal_before_anything_is_pinned() -> None:
-    with cluster_store(step_fence=lambda rank: "not a handle") as (cs, store, model):  # type: ignore[arg-type,return-value]
+    with cluster_store(step_fence=lambda rank: "not a handle") as (_, store, model):  # type: ignore[arg-type,return-value]
         kv, cur, _, _ = compute(store, model, "a", list(range(1, 10)))
         with pytest.raises(TypeError, match=r"step_fence\(0\) returned a str"):
             store.seal(0, kv, cur)
@@ -173,7 +173,7 @@ def test_on_a_gpu_a_save_issued_right_after_an_unfinished_step_copies_what_the_s
         return torch.zeros(n, dtype=torch.uint8, device="cuda:0")
 
     events = StepEvents(torch.device("cuda", 0))
-    with cluster_store(allocator=gpu, step_fence=lambda rank: events.latest) as (cs, store, model):
+    with cluster_store(allocator=gpu, step_fence=lambda rank: events.latest) as (_, store, model):
         toks = list(range(1, 9))
         from tests.conftest import admit
 

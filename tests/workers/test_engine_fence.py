@@ -41,7 +41,7 @@ def _arena_bytes(lay) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
 
 @KINDS
 def test_a_save_carrying_an_engine_event_is_refused_whole_before_its_fence_is_claimed(kind: str) -> None:
-    lay, host, ex = _executor(kind)
+    _, host, ex = _executor(kind)
     assert ex.fence_row is not None
     ex.fence_row[0] = 0  # the tier took this fence back: a claim would fail with FenceRevoked
     before = host.copy()
@@ -95,7 +95,7 @@ class _FencingMoverStub(TorchRowsMover):
 
 
 def test_on_a_mover_that_waits_every_batch_of_the_order_runs_after_the_engine_event() -> None:
-    lay, _, ex = _executor("fencing")
+    _, _, ex = _executor("fencing")
     mover = ex.mover
     assert ex.save(SaveOrder("a", [0, 1, 5], [2, 3, 4], [BoundedCopy("st", 1, 0)], after_event=HANDLE)) > 0
     assert mover.waits == [(HANDLE, True)] and mover.inside and all(mover.inside)  # the save stream
@@ -113,13 +113,13 @@ def test_a_repacked_saves_device_side_gather_waits_too() -> None:
         dst.zero_()
         dst[:, : src.shape[1]] = src if src.shape[1] <= dst.shape[1] else src[:, : dst.shape[1]]
 
-    lay, _, ex = _executor("fencing", stored=40, repack=wide)
+    _, _, ex = _executor("fencing", stored=40, repack=wide)
     ex.save(SaveOrder("a", [0, 1], [2, 3], after_event=HANDLE))
     assert ex.mover.waits == [(HANDLE, True)] and len(ex.mover.inside) >= 3 and all(ex.mover.inside)
 
 
 def test_a_handle_the_mover_cannot_open_refuses_the_order_as_bad_event() -> None:
-    lay, host, ex = _executor("fencing")
+    _, host, ex = _executor("fencing")
     ex.mover.fail = True
     before = host.copy()
     with pytest.raises(EngineEventError, match="invalid resource handle") as e:
