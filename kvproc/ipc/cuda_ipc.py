@@ -104,7 +104,8 @@ def open_event(handle: bytes, device: int) -> Any:
     import torch
 
     try:
-        return torch.cuda.Event.from_ipc_handle(device, handle)
+        # a torch.device, as torch's own event pickling rebuilds one (`torch.multiprocessing.reductions`)
+        return torch.cuda.Event.from_ipc_handle(torch.device("cuda", device), handle)
     except RuntimeError as e:
         raise CudaIpcError(f"cannot open the engine's CUDA IPC event handle on cuda:{device}: {e}") from None
 

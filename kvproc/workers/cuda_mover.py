@@ -53,7 +53,9 @@ class CudaMover(TorchRowsMover):
     def fenced(self, handle: bytes, saves: bool) -> Iterator[None]:
         """Every batch this thread moves inside waits on the GPU for the engine's event `handle` (a CUDA IPC event
         handle): the save stream (`saves`) or the load stream (device copies) waits on it, and the order's batches
-        all run on that stream. The CPU never waits for the engine."""
+        all run on that stream. The wait is the stream's (`cudaStreamWaitEvent`), not a CPU wait on the engine's
+        event and never a wait on the engine's side; the worker's thread then waits for its own batch, as for any
+        batch (`rows` synchronises its own event), which now ends after the engine's step."""
         try:
             event = self.events.get(handle)
         except CudaIpcError as e:
@@ -67,8 +69,9 @@ class CudaMover(TorchRowsMover):
             self._order.stream = None
 
     def _move(self, d: torch.Tensor, di: torch.Tensor, s: torch.Tensor, si: torch.Tensor, n: int, row: int) -> Any:
-        stream = getattr(self._order, "stream", None) or \
-            (self.save_stream if (s.is_cuda and not d.is_cuda) else self.load_stream)
+        stream = getattr(self._order, "stream", None)  # a fenced order's stream, else by direction
+        if stream is None:
+            stream = self.save_stream if (s.is_cuda and not d.is_cuda) else self.load_stream
         host: torch.Tensor | None = None
         # what this thread queued before (a repack hook's output, on its current stream) lands before the batch reads
         # it; the engine's own writes are ordered by `after(event)` instead
