@@ -23,7 +23,7 @@ from kvproc.ipc.segment import list_segments
 from kvproc.runtime import manifest as mf
 from kvproc.store.cluster import ClusterStore
 from kvproc.store.kv_store import KvStore
-from kvproc.store.types import SealCursor, StoreConfig
+from kvproc.store.types import SealCursor, StepFence, StoreConfig
 from kvproc.tiers.kv_events import END
 from kvproc.tiers.mooncake_local import LocalMooncake, unavailable_reason
 
@@ -117,15 +117,16 @@ def descendants() -> set[int]:
 def cluster_store(host_bytes: int = 1 << 20, *, num_blocks: int = 32, bounded: bool = False, stored: bool = False,
                   repack: str | None = None, config: StoreConfig = StoreConfig(resolve_deadline_s=3.0),
                   live_slots: int = 2, allocator: Callable[[str, int], torch.Tensor] | None = None,
+                  step_fence: StepFence | None = None,
                   **start: Any) -> Iterator[tuple[ClusterStore, KvStore, ShmBytesModel]]:
     """A started ClusterStore with an attached ShmBytesModel (arenas from `allocator`, default the cluster's shared
-    memory); on exit: closed, and no process or segment left."""
+    memory; `step_fence` given to `attach_model`); on exit: closed, and no process or segment left."""
     before = descendants()
     cs = ClusterStore.start(host_bytes, **start)
     name = cs.cluster.name
     try:
         model = ShmBytesModel(allocator or cs.allocator, num_blocks, bounded=bounded, stored=stored)
-        store = cs.attach_model(model, live_slots=live_slots, config=config, repack=repack)
+        store = cs.attach_model(model, live_slots=live_slots, config=config, repack=repack, step_fence=step_fence)
         yield cs, store, model
     finally:
         cs.close()

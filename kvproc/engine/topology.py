@@ -23,7 +23,8 @@ from typing import Any, Self
 
 from kvproc.contract import GroupKind
 from kvproc.engine.models import TinyModel, build_model
-from kvproc.engine.models.ranked import RankedModel
+from kvproc.engine.models.ranked import RankedModel, rank_models
+from kvproc.engine.step_events import step_fence_of
 from kvproc.store.build import build_local_store
 from kvproc.store.kv_store import KvStore
 from kvproc.store.types import StoreConfig
@@ -105,8 +106,10 @@ def _cluster_topology(mode: str, model_name: str, sizes: PoolSizes, seed: int, c
         # CPU arenas in the scheduler's shared memory; GPU arenas where the model allocates them (CUDA IPC at attach)
         where: dict[str, Any] = {"allocator": cs.allocator} if device == "cpu" else {"device": device}
         model = _model(model_name, sizes, seed, ranks, **where)
+        # on a GPU the model records an event after each step, which every save and device copy waits on (on CPU:
+        # None, no fence)
         store = cs.attach_model(model, live_slots=sizes.live_slots, config=config,
-                                repack=REPACK_PATHS.get(model_name))
+                                repack=REPACK_PATHS.get(model_name), step_fence=step_fence_of(rank_models(model)))
     except BaseException:
         cs.close()
         raise

@@ -6,12 +6,20 @@ The handle is torch's own CUDA storage sharing (`UntypedStorage._share_cuda_` / 
 base, so an arena inside a bigger allocation opens at the right address (a bare `cudaIpcGetMemHandle` of the
 tensor's pointer would name the whole allocation). The producer must keep the tensor alive while a worker has it open.
 Like `ArenaRef`, the handle carries the geometry, and `open_arena` checks it (and the device) before any copy.
+
+Events: an engine's step event crosses as its CUDA IPC event handle (`torch.cuda.Event(interprocess=True)
+.ipc_handle()`, 64 bytes); the worker opens it with `open_event` and keeps what it opened in an `EventCache` (an
+engine reuses a small ring of events, so the same few handles come back). NEVER RUN: `open_event`; the cache's
+bookkeeping runs on CPU with a stub opener (tests/ipc/test_event_cache.py).
 """
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvproc.ipc.messages import CudaIpcRef
 
@@ -85,3 +93,52 @@ def open_arena(h: CudaArenaHandle, device: int) -> torch.Tensor:
         raise CudaIpcError(f"arena {h.name}: cannot open its CUDA IPC handle on cuda:{device}: {e}") from None
     t = torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", device))
     return t.set_(storage, h.offset, (h.nbytes,), (1,))
+
+
+EVENT_HANDLE_BYTES = 64  # sizeof(cudaIpcEventHandle_t)
+
+
+def open_event(handle: bytes, device: int) -> Any:
+    """In the copy worker bound to `device`: the engine's interprocess event named by `handle`, as a
+    `torch.cuda.Event` this process can make a stream wait on. NEEDS-GPU-CHECK (never run)."""
+    import torch
+
+    try:
+        # a torch.device, as torch's own event pickling rebuilds one (`torch.multiprocessing.reductions`)
+        return torch.cuda.Event.from_ipc_handle(torch.device("cuda", device), handle)
+    except RuntimeError as e:
+        raise CudaIpcError(f"cannot open the engine's CUDA IPC event handle on cuda:{device}: {e}") from None
+
+
+class EventCache:
+    """Opened engine events by handle bytes, the `capacity` most recently used (an engine records into a small ring
+    of interprocess events, so a few handles come back over and over: each is opened once, not per order). A handle
+    of the wrong size is refused before anything is opened. Thread-safe (saves run on the worker's handler pool)."""
+
+    def __init__(self, device: int, capacity: int = 32,
+                 opener: Callable[[bytes, int], Any] = open_event) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.device, self.capacity, self._opener = device, capacity, opener
+        self._events: OrderedDict[bytes, Any] = OrderedDict()
+        self._lock = threading.Lock()
+        self.opened = 0  # handles opened (a miss each): what the tests and counters read
+
+    def get(self, handle: bytes) -> Any:
+        if len(handle) != EVENT_HANDLE_BYTES:
+            raise CudaIpcError(f"an engine event handle is {EVENT_HANDLE_BYTES} bytes (cudaIpcEventHandle_t), "
+                               f"got {len(handle)}")
+        with self._lock:
+            ev = self._events.get(handle)
+            if ev is not None:
+                self._events.move_to_end(handle)
+                return ev
+            ev = self._opener(handle, self.device)  # under the lock: two orders never open one handle twice
+            self.opened += 1
+            self._events[handle] = ev
+            if len(self._events) > self.capacity:
+                self._events.popitem(last=False)  # the least recently used: dropping it destroys our opened copy
+            return ev
+
+    def __len__(self) -> int:
+        return len(self._events)

@@ -469,6 +469,9 @@ class DeviceCopy(Request, tag=503):
     # slots it fenced as failed) writes nothing when a stalled worker runs it late. -1: no fence.
     fence: int = -1
     fence_token: int = 0
+    # The engine's step event (a CUDA IPC handle), as `SaveOrder.after_event`: a seal-by-copy reads live state the
+    # engine's step wrote, a restore copy writes live slots its earlier steps used; the worker's stream waits on it.
+    after_event: bytes | None = None
 
 
 class EngineMove(Request, tag=504):

@@ -24,6 +24,11 @@ class SaveOrder(msgspec.Struct, array_like=True, frozen=True, gc=False):
     # tier has given back are never written by this order. -1: no fence (a layout without a shared slot table).
     fence: int = -1
     fence_token: int = 0
+    # The CUDA IPC handle of the event the engine recorded after the step that wrote these pages (its `step_fence`,
+    # `KvStore`): the copy worker's save stream waits on it on the GPU before the batch (`kvproc/workers/
+    # cuda_mover.py`). None: no fence (an engine on the CPU, or one that synchronises before it seals). Last, with a
+    # default: an older peer's order decodes with None, and an older worker ignores the trailing item.
+    after_event: bytes | None = None
 
 
 class LoadOrder(msgspec.Struct, array_like=True, frozen=True, gc=False):

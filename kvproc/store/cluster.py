@@ -48,7 +48,7 @@ from kvproc.runtime.event_interval import DEFAULT_INTERVAL_S, check_interval
 from kvproc.runtime.launcher import Cluster, launch
 from kvproc.store.device_events import DevicePublishers
 from kvproc.store.kv_store import KvStore
-from kvproc.store.types import StoreConfig
+from kvproc.store.types import StepFence, StoreConfig
 from kvproc.tiers.host import layout_from_wire, layout_to_wire
 from kvproc.tiers.layout import HostLayout
 from kvproc.tiers.load_fence import LOAD_FENCE_WORDS, LoadFences
@@ -326,11 +326,15 @@ class ClusterStore:
 
     def attach_model(self, model: KvModel, *, live_slots: int, config: StoreConfig = StoreConfig(),
                      repack: str | None = None, bounded_fraction: float = 0.25,
-                     attach_timeout_s: float = 10.0) -> KvStore:
+                     attach_timeout_s: float = 10.0, step_fence: StepFence | None = None) -> KvStore:
         """Configure the host tier for the model, attach every rank's copy worker, and return the `KvStore`.
 
         `repack` is the "module:function" import path of a `(group, direction, src, dst)` callable the copy workers
-        run where the model's stored layout differs from its execution layout (required then)."""
+        run where the model's stored layout differs from its execution layout (required then).
+
+        `step_fence` (an engine on a GPU whose steps run asynchronously): `step_fence(rank)` -> the CUDA IPC handle of
+        the event recorded after its latest step on that rank, or None; every save and device copy the store issues
+        then waits for it on the copy worker's stream (`KvStore`, docs/gpu.md). None: no fence."""
         if self.store is not None:
             raise RuntimeError("attach_model was already called: one store per ClusterStore")
         layouts = [validate_layout(model.spec(), model.arenas(r)) for r in range(self.ranks)]
@@ -376,7 +380,8 @@ class ClusterStore:
             copier.attach_now(attach_timeout_s)  # fail here (bad repack path, bad arena) rather than at first copy
             self.copiers.append(copier)
         tiers = self.tiers * self.ranks if shared else self.tiers
-        self.store = KvStore(layouts, live_slots=live_slots, tiers=tiers or None, copiers=self.copiers, config=config)
+        self.store = KvStore(layouts, live_slots=live_slots, tiers=tiers or None, copiers=self.copiers, config=config,
+                             step_fence=step_fence)
         self.cluster.counter_providers.append(self.store.counters_flat)  # `kvproc console status` shows them
         if self.device_kv_events:
             self.device_events = DevicePublishers.start(self.store, self.cluster.runtime_dir,

@@ -44,6 +44,7 @@ from kvproc.store.types import (
     ResolvePolicy,
     SaveClass,
     SealCursor,
+    StepFence,
     StoreConfig,
 )
 from kvproc.tiers.api import Copier, Tier
@@ -71,10 +72,18 @@ class KvStore:
         config: StoreConfig = StoreConfig(),
         pools: Sequence[BlockPool] | None = None,
         tiers: Sequence[Tier] | None = None,
+        step_fence: StepFence | None = None,
     ) -> None:
         """`tier`: the host tier of a one-rank store, or the one tier of a REPLICATED model's ranks; `tiers`: one per
         rank (a tier's index has no rank in its keys, so the ranks of a PER_RANK model never share one: each rank's
         shard lives in its own tier).
+
+        `step_fence`: how an engine whose steps run asynchronously on a GPU orders kvproc's copies after them:
+        `step_fence(rank)` returns the CUDA IPC handle (`torch.cuda.Event(interprocess=True).ipc_handle()`) of the
+        event it recorded after its latest step on that rank's device, or None. The store calls it once per `seal`
+        that issues a save (and `retire`'s final seal) and once per `execute_copies`, on the calling (engine) thread,
+        and puts the handle into those orders (`SaveOrder.after_event`, `DeviceCopy.after_event`): the copy worker's
+        stream waits on that event on the GPU before it reads the pages. None (the default): no call, no handle.
 
         A REPLICATED model (`KvSpec.replicated`: every rank holds the same KV) is stored once: its ranks share one
         tier, rank `REPLICATED_SAVER_RANK` saves into it, every rank's resolve loads from it."""
@@ -97,6 +106,7 @@ class KvStore:
         if tiers and (copiers is None or len(copiers) != len(layouts)):
             raise ValueError("a store with a tier needs one copier per rank")
         self.config = config
+        self.step_fence = step_fence
         self.layouts = tuple(layouts)
         self.pools = tuple(pools) if pools is not None else tuple(
             BlockPool.from_layout(lay, live_slots=live_slots, rank=r) for r, lay in enumerate(layouts)
@@ -297,6 +307,9 @@ class KvStore:
                                         "sealed under its page hashes (released, or blocks taken over): not saved")
             staging = {g.name: s for g in self.spec.restorable_bounded_groups
                        if (s := pool.checkpoints.get(keys[-1], g.name)) is not None}
+        # Read now, on the engine's thread right after the step that wrote these pages (not when the order is built on
+        # the loop, steps later), and before anything is pinned or counted: a fence that raises leaves nothing behind.
+        event = self._step_event(rank)
         with self._acct:
             if save_class is SaveClass.CACHEABLE:
                 budget = int(pool.paged.num_blocks * self.config.cacheable_pin_fraction)
@@ -316,7 +329,17 @@ class KvStore:
             self._settle_accounting(rank, len(ids), save_class, cursor, start, shed=True)
             raise
         self._loop.call(self._start_save, rank, kv.req_id, keys, ids, staging, pin, save_class, cursor, start, tokens,
-                        parent)
+                        parent, event)
+
+    def _step_event(self, rank: int) -> bytes | None:
+        """The engine's step fence for `rank` (None without one): a CUDA IPC event handle, as bytes."""
+        if self.step_fence is None:
+            return None
+        event = self.step_fence(rank)
+        if event is not None and not isinstance(event, bytes):
+            raise TypeError(f"step_fence({rank}) returned a {type(event).__name__}: it must return the event's CUDA "
+                            "IPC handle as bytes (torch.cuda.Event.ipc_handle()) or None")
+        return event
 
     def drop_device_cache(self, rank: int) -> int:
         """Evict rank `rank`'s device prefix cache (what nobody holds): the next resolve of those prompts goes to the
@@ -365,15 +388,15 @@ class KvStore:
 
     def _start_save(self, rank: int, req_id: str, keys: list[bytes], ids: list[int], staging: dict[str, int],
                     pin: Any, save_class: SaveClass, cursor: SealCursor, start: int,
-                    tokens: np.ndarray | None = None, parent: bytes | None = None) -> None:
+                    tokens: np.ndarray | None = None, parent: bytes | None = None, event: bytes | None = None) -> None:
         task = asyncio.get_running_loop().create_task(
-            self._save(rank, req_id, keys, ids, staging, pin, save_class, cursor, start, tokens, parent))
+            self._save(rank, req_id, keys, ids, staging, pin, save_class, cursor, start, tokens, parent, event))
         self._saves[rank].add(task)
         task.add_done_callback(self._saves[rank].discard)
 
     async def _save(self, rank: int, req_id: str, keys: list[bytes], ids: list[int], staging: dict[str, int],
                     pin: Any, save_class: SaveClass, cursor: SealCursor, start: int,
-                    tokens: np.ndarray | None = None, parent: bytes | None = None) -> None:
+                    tokens: np.ndarray | None = None, parent: bytes | None = None, event: bytes | None = None) -> None:
         state, reason = "failed", "unknown"
         ticket: SaveTicket | Shed | None = None
         tier = self.tier_of(rank)
@@ -403,7 +426,7 @@ class KvStore:
             bounded = [BoundedCopy(g, staging[g], s) for g, s in ticket.bounded_slots.items() if s is not None]
             if pairs or bounded:
                 order = SaveOrder(req_id, [b for b, _ in pairs], [s for _, s in pairs], bounded, ticket.fence,
-                                  ticket.fence_token)
+                                  ticket.fence_token, event)
                 await self.copiers[rank].save(order)
             unpin()  # the bytes are copied: the source blocks need not wait for the commit's answer
             # The bytes are in the slots now: hints for speculative loads (see `tiers/slot_cache.py` for why
@@ -420,6 +443,8 @@ class KvStore:
                 tier.abort_save(ticket.save_id, getattr(e, "writer_dead", False))
         finally:
             unpin()
+            if reason in ("event_unsupported", "bad_event"):  # the engine's fence and the attach disagree: loud
+                log.error("save refused: its engine event cannot be waited on", req_id=req_id, reason=reason)
             if state != "ok" and save_class is SaveClass.HANDOFF:  # undelivered: the consumer will see a short hit
                 self.count("handoff_save_failed")
                 log.error("handoff save failed", req_id=req_id, reason=reason, pages=len(keys))
@@ -500,7 +525,8 @@ class KvStore:
                                "even without a tier)")
         pool = self.pools[rank]
         copies = [SlotCopy(o.group, o.src_slot, o.dst_slot) for o in orders]
-        fut = self._loop.submit(self.copiers[rank].device_copy(copies))
+        # a seal-by-copy reads live state the engine's last step wrote; a restore writes live slots its steps used
+        fut = self._loop.submit(self.copiers[rank].device_copy(copies, self._step_event(rank)))
         ok = True
         try:
             fut.result()

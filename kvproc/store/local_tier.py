@@ -117,8 +117,8 @@ class LocalCopier:
     async def load(self, order: LoadOrder) -> int:
         return await asyncio.to_thread(self.executor.load, order)
 
-    async def device_copy(self, copies: Sequence[SlotCopy]) -> int:
-        return await asyncio.to_thread(self.executor.device_copy, copies)
+    async def device_copy(self, copies: Sequence[SlotCopy], after_event: bytes | None = None) -> int:
+        return await asyncio.to_thread(self.executor.device_copy, copies, after_event)
 
     def close(self) -> None:
         self.executor.close()

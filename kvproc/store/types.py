@@ -7,6 +7,7 @@ import itertools
 import math
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Deque, NamedTuple
 
@@ -15,6 +16,11 @@ from kvproc.core.holds import PrefixHold, ReusePolicy
 from kvproc.tiers.host_index import SaveClass
 
 __all__ = ["InvalidSealCursor", "KvPrefix", "Outcomes", "ResolvePolicy", "SaveClass", "SealCursor", "StoreConfig"]
+
+
+# The engine's step fence (`KvStore(step_fence=)`, `ClusterStore.attach_model(step_fence=)`): rank -> the CUDA IPC
+# handle of the event the engine recorded after its latest step on that rank's device (None: nothing to wait for).
+StepFence = Callable[[int], bytes | None]
 
 
 @dataclass(frozen=True)

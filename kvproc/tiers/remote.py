@@ -455,10 +455,10 @@ class RemoteCopier:
         self._loaded(res)
         return int(res.nbytes)
 
-    async def device_copy(self, copies: Sequence[SlotCopy]) -> int:
+    async def device_copy(self, copies: Sequence[SlotCopy], after_event: bytes | None = None) -> int:
         """Fenced like a load: the destination slots are written by this order only until the store settles it."""
         word = self._word()
-        msg = m.DeviceCopy(list(copies), *(word if word is not None else (-1, 0)))
+        msg = m.DeviceCopy(list(copies), *(word if word is not None else (-1, 0)), after_event)
         pid = 0
         try:
             client = await self.ensure_attached()

@@ -47,6 +47,7 @@ from kvproc.native import NATIVE
 from kvproc.tiers import save_fence
 from kvproc.tiers.layout import HostLayout
 from kvproc.tiers.slot_table import FENCE, ROW_BYTES
+from kvproc.workers.engine_fence import engine_fence
 from kvproc.workers.movers import MoveError, Mover, RemoteMemory, mover_for
 
 RepackFn = Callable[[str, RepackDirection, torch.Tensor, torch.Tensor, ArenaId], None]
@@ -327,7 +328,15 @@ class CopyExecutor:
     # -- orders ---------------------------------------------------------------------------------------------------
     def save(self, order: SaveOrder) -> int:
         """Copy a save's pages and bounded slots into the host tier, holding the save's fence for the whole write:
-        a save the tier has given back (`FenceRevoked`) writes nothing (`kvproc/tiers/save_fence.py`)."""
+        a save the tier has given back (`FenceRevoked`) writes nothing (`kvproc/tiers/save_fence.py`). With an engine
+        event (`after_event`), the whole order runs after it on the GPU (the cuda mover), or is refused before anything
+        is claimed where the mover moves host memory (`kvproc/workers/engine_fence.py`)."""
+        if order.after_event is None:  # no fence: not even the context manager
+            return self._save(order)
+        with engine_fence(self.mover, order.after_event, True, f"save order of request {order.req_id!r}"):
+            return self._save(order)
+
+    def _save(self, order: SaveOrder) -> int:
         save_fence.claim(self.fence_row, order.fence, order.fence_token)
         try:
             if not order.bounded and (n := self._direct(order.device_blocks, order.host_slots, True)) is not None:
@@ -345,7 +354,14 @@ class CopyExecutor:
                                                                    for b in order.bounded], to_host=False)
         return self._run(jobs)
 
-    def device_copy(self, copies: Sequence[SlotCopy]) -> int:
+    def device_copy(self, copies: Sequence[SlotCopy], after_event: bytes | None = None) -> int:
+        """Bounded slot copies (seal-by-copy, restore) within the device arenas; `after_event` as a save's."""
+        if after_event is None:
+            return self._device_copy(copies)
+        with engine_fence(self.mover, after_event, False, f"device copy of {len(copies)} slot(s)"):
+            return self._device_copy(copies)
+
+    def _device_copy(self, copies: Sequence[SlotCopy]) -> int:
         jobs: list[Callable[[], int]] = []
         for c in copies:
             for a in self.arenas:

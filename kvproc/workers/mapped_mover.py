@@ -95,9 +95,9 @@ class MappedMover(CudaMover):
         d, s = widen(d, width), widen(s, width)
         dd = d if d.is_cuda else mapped(d, self.device)
         ss = s if s.is_cuda else mapped(s, self.device)
-        stream = self.save_stream if (s.is_cuda and not d.is_cuda) else self.load_stream
+        stream = self._stream(d, s)  # a fenced order's stream (the engine's step event waited on), else by direction
         # what this thread queued before (a repack hook's output) lands before the batch reads it; the engine's own
-        # writes are ordered by `after(event)`
+        # writes are ordered by `fenced` / `after(event)`
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             staged = ss.index_select(0, si.to(self.device, non_blocking=True))  # gather: reads host rows if ss is

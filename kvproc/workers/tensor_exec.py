@@ -87,8 +87,9 @@ class TensorCopyExecutor(CopyExecutor):
         self.tensor_arenas = tuple(arenas)
 
     # -- orders ---------------------------------------------------------------------------------------------------
-    def save(self, order: SaveOrder) -> int:
-        """As `CopyExecutor.save`: the save's fence held for the whole write."""
+    def _save(self, order: SaveOrder) -> int:
+        """As `CopyExecutor.save` (which runs this inside the order's engine fence, `engine_fence`: on the cuda
+        mover every batch below then waits on the engine's event): the save's fence held for the whole write."""
         save_fence.claim(self.fence_row, order.fence, order.fence_token)
         try:
             return self._run(self._plan_tensors(order.device_blocks, order.host_slots, order.bounded, True))
@@ -98,7 +99,7 @@ class TensorCopyExecutor(CopyExecutor):
     def load(self, order: LoadOrder) -> int:
         return self._run(self._plan_tensors(order.device_blocks, order.host_slots, order.bounded, False))
 
-    def device_copy(self, copies: Sequence[SlotCopy]) -> int:
+    def _device_copy(self, copies: Sequence[SlotCopy]) -> int:
         jobs: list[Job] = []
         for a in self.tensor_arenas:
             mine = [c for c in copies if c.group == a.group]

@@ -3,7 +3,9 @@ segment, and executes copy orders over them with `CopyExecutor` (coalesced slice
 
 Protocol: `AttachArenas` first (the scheduler's `RemoteCopier` sends it, and sends it again to a restarted worker
 before its next order; how its arena references become memory and which mover it asks for: `device_attach.py`);
-then `Save` / `Load` / `DeviceCopy`, each answered `Copied(nbytes)` or a typed `Failed`.
+then `Save` / `Load` / `DeviceCopy`, each answered `Copied(nbytes)` or a typed `Failed`. A save or device copy that
+carries the engine's step event (`after_event`) runs after it on a CUDA attach, and is refused as
+`event_unsupported` on a CPU one (`kvproc/workers/engine_fence.py`).
 A copy that started is not cancellable: the handler never checks the deadline or the token mid-copy, so the reply is
 always the real outcome (the caller keeps the destination reserved until it arrives).
 
@@ -42,6 +44,7 @@ from kvproc.workers.device_attach import (
     pin_host,
 )
 from kvproc.workers.movers import CUDA_MOVERS
+from kvproc.workers.engine_fence import EngineEventError
 
 log = structlog.get_logger("kvproc.copy_worker")
 _COUNTER_NAMES = {k: (f"orders_{k}", f"bytes_{k}", f"ns_{k}") for k in ("save", "load", "device", "engine")}
@@ -190,6 +193,9 @@ class CopyWorkerRole(Role):
         t0 = time.perf_counter_ns()
         try:
             n = fn(att.executor)  # not cancellable: no ctx.check() from here to the reply
+        except EngineEventError as e:  # refused whole, before a byte moved: the order's own fault, not a copy's
+            self.counters.inc_many((("copy_errors", 1), (f"{kind}s_{e.code}", 1)))
+            raise HandlerError(e.code, str(e)) from None
         except RepackError as e:  # logged once per cause by the executor, with the hook's traceback
             self.counters.inc_many((("copy_errors", 1), (f"repack_failed.{e.arena.name}", 1)))
             raise HandlerError("repack_failed", str(e)) from None
@@ -230,7 +236,7 @@ class CopyWorkerRole(Role):
 
     @handles(m.DeviceCopy)
     def device_copy(self, msg: m.DeviceCopy, ctx: CallContext) -> m.Copied:
-        return self._fenced("device", msg.fence, msg.fence_token, lambda ex: ex.device_copy(msg.copies))
+        return self._fenced("device", msg.fence, msg.fence_token, lambda ex: ex.device_copy(msg.copies, msg.after_event))
 
     @handles(m.EngineMove)
     def engine_move(self, msg: m.EngineMove, ctx: CallContext) -> m.Copied:

@@ -36,11 +36,11 @@ class FailingRestoreCopier:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    async def device_copy(self, copies: Sequence[SlotCopy]) -> int:
+    async def device_copy(self, copies: Sequence[SlotCopy], after_event: bytes | None = None) -> int:
         if any(c.group in self.live_slots and c.dst_slot < self.live_slots[c.group] for c in copies):
             self.failed_restores += 1
             raise RuntimeError("injected fault: the copy worker died during a restore")
-        return await self.inner.device_copy(copies)
+        return await self.inner.device_copy(copies, after_event)
 
 
 def _inject(store: KvStore) -> FailingRestoreCopier:

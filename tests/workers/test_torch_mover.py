@@ -24,7 +24,11 @@ def test_the_cuda_mover_shares_every_check_and_replaces_only_the_move():
     """What makes the CPU tests cover the GPU path: `rows` (ids, lengths, ranges) is the torch mover's own."""
     assert issubclass(CudaMover, TorchRowsMover)
     assert CudaMover.rows is TorchRowsMover.rows
-    assert {k for k in vars(CudaMover) if not k.startswith("__")} == {"name", "host_views", "after", "_move"}
+    # besides `_move`, only the waits on an engine's event (`after`, and `fenced`, which the executor calls around an
+    # order that carries one: `kvproc/workers/engine_fence.py`, exercised on CPU through a stub fencing mover) and
+    # `_stream`, the stream a batch runs on (a fenced order's, else by direction; shared with the mapped mover)
+    assert {k for k in vars(CudaMover) if not k.startswith("__")} == {"name", "host_views", "after", "fenced",
+                                                                       "_stream", "_move"}
 
 
 @settings(max_examples=80, deadline=None)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvproc.contract import ArenaId, GroupKind, KvArena, KvSpec, RepackDirection
+from kvproc.engine.step_events import StepEvents
 
 # Reserved pad id kvproc may put in a page's token list (P/D hand-off padding); outside every model's vocabulary.
 PAD_TOKEN_ID = 2**31 - 1
@@ -134,6 +135,8 @@ class TinyModel(abc.ABC):
             self._allocator = self._device_allocator
         self._arenas: list[tuple[str, KvArena]] = []
         self._rng = Rng(seed, self.device)
+        # On a GPU: the event recorded after each step, which the store's saves wait on (`step_fence_of`). NEVER RUN.
+        self.step_events = StepEvents(self.device) if self.device.type == "cuda" else None
 
     def _device_allocator(self, name: str, nbytes: int) -> torch.Tensor:
         """The default allocator on a GPU: zeroed uint8 arenas on the model's device."""
@@ -176,7 +179,10 @@ class TinyModel(abc.ABC):
         if self.device.type == "cpu":
             return self._forward(self._prepare(batch))
         with self.device:  # every tensor a step makes (masks, indices, outputs) on the model's device
-            return self._forward(self._prepare(batch))
+            logits = self._forward(self._prepare(batch))
+        if self.step_events is not None:  # after the step's kernels, on its stream: what a save of its pages waits on
+            self.step_events.record()
+        return logits
 
     def reset_slot(self, group: str, slot: int) -> None:
         """Zero a live slot in every arena of a bounded group (zeros are every model's initial state)."""
