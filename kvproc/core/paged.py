@@ -40,11 +40,14 @@ class IndexListener(Protocol):
     """Told of every change to the prefix index's key set (KV events: `kvproc/tiers/kv_events.py`'s
     `DeviceIndexEvents`), under the pool's lock, so in the order the changes happened."""
 
-    def stored(self, hashes: Sequence[bytes], positions: list[int], tokens: TokenIds | None = None) -> None:
+    def stored(self, hashes: Sequence[bytes], positions: list[int], tokens: TokenIds | None = None,
+               first_page: int = 0, parent: bytes | None = None) -> None:
         """`hashes[i]` for each i in `positions` (ascending) became a key of the index, in one `register` call;
         `tokens`, when the caller knew them, holds the token ids of the registered pages, page i's at
-        `tokens[i * page_tokens:(i + 1) * page_tokens]`, which the caller never changes afterwards (a request's
-        sealed pages' tokens never change; a restore passes a copy), so a listener may keep it uncopied."""
+        `tokens[(first_page + i) * page_tokens:(first_page + i + 1) * page_tokens]`, which the caller never changes
+        afterwards (a request's sealed pages' tokens never change; a restore passes the prompt its engine resolved,
+        which the engine does not change: `KvStore.resolve_prefix`), so a listener may keep it uncopied and
+        unsliced. `parent`: the chain's page before `hashes[0]` (None: `hashes[0]` is its first page)."""
 
     def removed(self, hashes: list[bytes]) -> None:
         """These keys left the index (their block was evicted while it owned the entry)."""
@@ -181,9 +184,11 @@ class PagedBlocks:
         return zero.tolist()
 
     # -- the prefix index -----------------------------------------------------------------------------------------
-    def register(self, ids: Sequence[int] | np.ndarray, hashes: Sequence[bytes], tokens: TokenIds | None = None) -> None:
-        """Make sealed blocks matchable under their page hashes. `tokens` (the pages' token ids, optional) only goes
-        to the listener (KV events' `token_ids`).
+    def register(self, ids: Sequence[int] | np.ndarray, hashes: Sequence[bytes], tokens: TokenIds | None = None,
+                 first_page: int = 0, parent: bytes | None = None) -> None:
+        """Make sealed blocks matchable under their page hashes. `tokens` (token ids holding the pages', from page
+        `first_page` of `tokens` on) and `parent` (the chain's page before `hashes[0]`), both optional, only go to
+        the listener (KV events' `token_ids` and `parent_block_hash`).
 
         If a hash is already indexed (the same prefix was computed twice, or restored while computed) the newest
         block takes the index entry: both hold identical KV, and the displaced block keeps its hash but is no longer
@@ -197,7 +202,7 @@ class PagedBlocks:
             added: list[int] = []
             NATIVE.paged_register(self.hashed, self.block_hash, self.index, ids, hashes, added)
             if added:
-                listener.stored(hashes, added, tokens)
+                listener.stored(hashes, added, tokens, first_page, parent)
             return
         idx = np.asarray(ids, dtype=np.int64)
         all_hashes = hashes
@@ -223,7 +228,8 @@ class PagedBlocks:
             block_hash[bid] = h
         self.hashed[idx] = True
         if new:
-            listener.stored(all_hashes, new, tokens)  # type: ignore[union-attr]  # new is non-empty only with a listener
+            # new is non-empty only with a listener
+            listener.stored(all_hashes, new, tokens, first_page, parent)  # type: ignore[union-attr]
 
     def match(self, hashes: Sequence[bytes]) -> list[int]:
         """Block ids of the longest indexed prefix of `hashes` (one dict probe per page, in C)."""

@@ -340,13 +340,14 @@ class BlockPool:
             )
         with self.lock:
             self.paged.check(res.ids, res.gens)
-            toks = hold.prompt_tokens
-            if toks is not None and self.paged.listener is not None:  # KV events' token ids: the restored pages'
-                P = self.page_tokens  # (they follow the hold's pages); a copy (the caller owns its prompt), in C
-                toks = toks[len(hs.ids) * P : (len(hs.ids) + len(hashes)) * P]
-                if isinstance(toks, np.ndarray):
-                    toks = toks.copy()
-            self.paged.register(res.ids, hashes, toks if self.paged.listener is not None else None)
+            # KV events' token ids: the restored pages' are the prompt's from the hold's end on. The prompt itself,
+            # neither sliced nor copied here (a resolve's path): the engine does not change a prompt it resolved
+            # (`KvStore.resolve_prefix`), and the publisher's thread slices it as it builds the event.
+            if self.paged.listener is None:
+                self.paged.register(res.ids, hashes)
+            else:  # the restored pages follow the hold's: their parent is its last page
+                self.paged.register(res.ids, hashes, hold.prompt_tokens, len(hs.ids),
+                                    hs.hashes[-1] if hs.hashes else None)
             final = res.ids
             hs.ids.extend(final)
             # just checked: the reservation's generations are current (and its own array: the reservation is spent)

@@ -406,8 +406,12 @@ class RequestKv:
                 paged = self.pool.paged
                 # the pages' token ids only for KV events (a listener): a view, no per-token work here (the buffer only
                 # grows: a sealed page's tokens never change, so the view may outlive this call)
-                toks = None if paged.listener is None else self._tokens.view()[self._registered * P : full * P]
-                paged.register(self._s.block_ids[self._registered : full], self._hashes[self._registered : full], toks)
+                r = self._registered
+                if paged.listener is None:
+                    paged.register(self._s.block_ids[r:full], self._hashes[r:full])
+                else:  # the pages' tokens, and the chain's page before them (a prefix hit's, an earlier seal's)
+                    paged.register(self._s.block_ids[r:full], self._hashes[r:full],
+                                   self._tokens.view()[r * P : full * P], 0, self._hashes[r - 1] if r else None)
             self._registered = full
 
     # -- bounded checkpoints --------------------------------------------------------------------------------------

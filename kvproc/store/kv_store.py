@@ -188,7 +188,11 @@ class KvStore:
         policy: ResolvePolicy = ResolvePolicy(),
         cancel: CancelToken | None = None,
     ) -> KvPrefix:
-        """Awaitable from any event loop (the work runs on the store's loop)."""
+        """Awaitable from any event loop (the work runs on the store's loop).
+
+        `tokens` is the prompt, read and not copied: the engine does not change it in place afterwards (a list or
+        array it owns for the request; appending output after it is fine). The device pool's KV events read the
+        restored pages' token ids from it on their publisher's thread, up to one batch interval later."""
         self._check_rank(rank)
         return await asyncio.wrap_future(self.submit_resolve(rank, req_id, tokens, scope, policy, cancel))
 
@@ -201,7 +205,8 @@ class KvStore:
         policy: ResolvePolicy = ResolvePolicy(),
         cancel: CancelToken | None = None,
     ) -> concurrent.futures.Future[KvPrefix]:
-        """Thread form of `resolve_prefix`: a future with the `KvPrefix` (never an exception for a degrade).
+        """Thread form of `resolve_prefix` (its `tokens` rule too): a future with the `KvPrefix` (never an exception
+        for a degrade).
 
         Runs on the store's resolve threads where the tier and copiers have blocking forms (`StoreConfig.
         resolve_threads`): the blocking path, whose host hit costs its round trips and no hop through the loop per

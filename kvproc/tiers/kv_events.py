@@ -371,16 +371,17 @@ class KvEventPublisher:
         return {"kv_events.batches": self.batches, "kv_events.events": self.events,
                 "kv_events.queued": self._taken + self._late + waiting,
                 "kv_events.replays": self.replays, "kv_events.seq": self.seq, "kv_events.failed": self.failed,
-                "kv_events.dropped": self.dropped + (waiting if self._dead else 0), "kv_events.replay_failed": self.replay_failed,
-                "kv_events.busy_ns": int(self.busy_s * 1e9)}  # counters are ints
+                "kv_events.dropped": self.dropped + (waiting if self._dead else 0),
+                "kv_events.replay_failed": self.replay_failed, "kv_events.busy_ns": int(self.busy_s * 1e9)}  # counters are ints
 
 
 class DeviceIndexEvents:
     """A device pool's prefix index as KV events (`core.paged.IndexListener`): told of each change under the pool's
     lock, so the batches follow the index's own order. `BlockStored` is one event per run of consecutive new keys of
-    one registration (parent: the registration's page before the run, None at its first page); a key already indexed
-    (a re-registered page, a duplicate computed twice) is no event, and neither is the eviction of a block that no
-    longer owns its key (a displaced duplicate). `token_ids` are the pages' tokens where the registration knew them
+    one registration (parent: the prompt's page before the run, None only at the prompt's first page: a registration
+    that starts mid-prompt, a restore after a device hit or pages computed after a prefix, names the page before
+    it); a key already indexed (a re-registered page, a duplicate computed twice) is no event, and neither is the
+    eviction of a block that no longer owns its key (a displaced duplicate). `token_ids` are the pages' tokens where the registration knew them
     (a computed page: its request's; a page restored by the store's resolve: the prompt's), else empty (`attach`'s
     first event, a bare `PagedBlocks.register`). `attach` starts the stream with `AllBlocksCleared` and the keys the
     index holds already, so a subscriber's set is the index's from the first batch on."""
@@ -404,21 +405,24 @@ class DeviceIndexEvents:
         with pool.lock:
             pool.paged.listener = None
 
-    def stored(self, hashes: Sequence[bytes], positions: list[int], tokens: Any = None) -> None:
+    def stored(self, hashes: Sequence[bytes], positions: list[int], tokens: Any = None, first_page: int = 0,
+               parent: bytes | None = None) -> None:
         first, last = positions[0], positions[-1]
         if last - first == len(positions) - 1:  # one run (the usual case: a prefill's new pages): no loop
             # The event is built by the publisher's thread (`_device_stored`): here, under the pool's lock on a
-            # resolve's path, only the keys are copied (the caller may reuse its list; `tokens` never change).
-            self.publisher.put((self._device_stored, hashes[first:last + 1], hashes[first - 1] if first else None,
-                                tokens, first, last + 1))
+            # resolve's path, only the keys are copied (the caller may reuse its list); `tokens` never change, so
+            # their pages are sliced there too.
+            self.publisher.put((self._device_stored, hashes[first:last + 1], hashes[first - 1] if first else parent,
+                                tokens, first_page + first, first_page + last + 1))
             return
         P = self.block_size
         events: list[KvEvent] = []
         start = prev = positions[0]
         for p in positions[1:] + [-1]:  # -1 closes the last run
             if p != prev + 1:
-                events.append(BlockStored(list(hashes[start:prev + 1]), hashes[start - 1] if start else None,
-                                          page_token_ids(tokens, start, prev + 1, P), P, None, MEDIUM_DEVICE))
+                events.append(BlockStored(list(hashes[start:prev + 1]), hashes[start - 1] if start else parent,
+                                          page_token_ids(tokens, first_page + start, first_page + prev + 1, P), P,
+                                          None, MEDIUM_DEVICE))
                 start = p
             prev = p
         self.publisher.publish(events)

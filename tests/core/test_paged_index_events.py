@@ -22,7 +22,8 @@ class Recorder:
     def __init__(self) -> None:
         self.log: list[tuple[str, list[bytes]]] = []
 
-    def stored(self, hashes: Sequence[bytes], positions: list[int], tokens: object = None) -> None:
+    def stored(self, hashes: Sequence[bytes], positions: list[int], tokens: object = None, first_page: int = 0,
+               parent: bytes | None = None) -> None:
         assert positions == sorted(set(positions))
         self.log.append(("stored", [hashes[p] for p in positions]))
 

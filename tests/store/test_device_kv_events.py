@@ -223,3 +223,43 @@ def test_a_registration_with_gaps_is_one_stored_event_per_run_with_its_parent() 
     finally:
         pub.close()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_pages_restored_after_a_device_hit_carry_their_own_token_ids_and_parent() -> None:
+    """A resolve that finds the head of a prompt on the device and the rest in the host tier registers only the rest:
+    its `BlockStored` starts at the prompt's third page, so its token ids are the prompt's from there on (the pool
+    passes the whole prompt and where the restored pages start; the publisher's thread slices it), and its parent is
+    the prompt's second page, not None. Likewise pages computed after a prefix hit."""
+    with cluster_store(1 << 20, device_kv_events=True) as (cs, store, model):
+        pool = store.pools[0]
+        toks = [5000 + j for j in range(4 * PAGE + 1)]
+        kv, cur, _, _ = compute(store, model, "first", toks)
+        hashes = list(kv.page_hashes[:4])
+        store.retire(0, kv, cur)
+        store.flush_saves(0, 10)
+        with pool.lock:  # evict two cached blocks: a chain's tail goes first, so pages 2 and 3 leave the device
+            taken = pool.paged.allocate(len(pool.paged.free) + 2)
+            pool.paged.release(taken)
+            assert set(hashes[:2]) <= set(pool.paged.index) and not set(hashes[2:]) & set(pool.paged.index)
+        prefix = store.resolve_prefix_sync(0, "second", toks)
+        try:
+            assert (prefix.device_tokens, prefix.host_tokens) == (2 * PAGE, 2 * PAGE), store.stats()
+            pub = cs.device_events.publishers[0]  # type: ignore[union-attr]
+            assert pub.flush()
+            stored = [e for _, p in replay_kv_events(pub.replay_endpoint) for e in decode_batch(p).events
+                      if isinstance(e, BlockStored) and e.block_hashes == hashes[2:]]
+            assert len(stored) == 1
+            assert stored[0].token_ids == toks[2 * PAGE:4 * PAGE] and stored[0].parent_block_hash == hashes[1]
+        finally:
+            prefix.hold.release()
+        # pages computed after a prefix hit (the four pages above, now all on the device): their parent is the
+        # prefix's last page, their tokens their own
+        longer = toks[:4 * PAGE] + [9000 + j for j in range(2 * PAGE + 1)]
+        kv, cur, prefix, _ = compute(store, model, "third", longer)
+        assert prefix.device_tokens == 4 * PAGE
+        assert pub.flush()
+        stored = [e for _, p in replay_kv_events(pub.replay_endpoint) for e in decode_batch(p).events
+                  if isinstance(e, BlockStored) and e.block_hashes == list(kv.page_hashes[4:6])]
+        assert len(stored) == 1
+        assert stored[0].token_ids == longer[4 * PAGE:6 * PAGE] and stored[0].parent_block_hash == hashes[3]
+        store.retire(0, kv, cur)
