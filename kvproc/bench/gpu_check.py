@@ -164,28 +164,29 @@ def bandwidth(block_bytes: int, batch_bytes: int, repeats: int) -> list[dict[str
 
 # ---- 4. the demo -------------------------------------------------------------------------------------------------
 
-def demo(model_name: str, timeout_s: float = 120.0) -> dict[str, Any]:
+def demo(model_name: str, timeout_s: float = 120.0, copy_mover: str = "auto") -> dict[str, Any]:
     """NEEDS-GPU-CHECK: `kvproc demo --device cuda` at a small scale, as its own command (the CLI a user runs); ok
     when every run completed every turn and the outputs are identical across them. Past `timeout_s` its whole
     process group (the store's processes too) is killed and the part fails."""
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "demo.json")
-        proc = subprocess.Popen([sys.executable, "-m", "kvproc", "demo", "--model", model_name, *DEMO_ARGS, "--json",
-                                 path], start_new_session=True)
+        proc = subprocess.Popen([sys.executable, "-m", "kvproc", "demo", "--model", model_name, *DEMO_ARGS,
+                                 "--copy-mover", copy_mover, "--json", path], start_new_session=True)
         try:
             rc = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-            return {"model": model_name, "rc": None, "outputs_identical": None, "ok": False,
-                    "error": f"kvproc demo ran past {timeout_s:.0f} s"}
+            return {"model": model_name, "copy_mover": copy_mover, "rc": None, "outputs_identical": None,
+                    "ok": False, "error": f"kvproc demo ran past {timeout_s:.0f} s"}
         data: dict[str, Any] = {}
         if rc == 0:
             with open(path) as f:
                 data = json.load(f)
     runs = data.get("runs", {})
     ok = rc == 0 and bool(data.get("outputs_identical")) and all(r["turns_failed"] == 0 for r in runs.values())
-    return {"model": model_name, "rc": rc, "outputs_identical": data.get("outputs_identical"), "ok": ok,
+    return {"model": model_name, "copy_mover": copy_mover, "rc": rc, "outputs_identical": data.get("outputs_identical"),
+            "copy_movers": data.get("stats", {}).get("kvproc", {}).get("copy_movers"), "ok": ok,
             **({} if ok else {"error": f"kvproc demo: exit status {rc}, outputs identical: "
                                         f"{data.get('outputs_identical')}"})}
 
@@ -227,13 +228,16 @@ def cuda_bandwidth_parts(z: Sizes, kind: str) -> list[Part]:
 
 
 def demo_parts(z: Sizes, deadline: float) -> list[Part]:
-    def one(name: str) -> list[dict[str, Any]]:
+    """Each model's demo with the default (staged) cuda mover, then the first model's again with `cuda_mapped`."""
+    def one(name: str, mover: str) -> list[dict[str, Any]]:
         left = deadline - time.monotonic()
         if left < 15:  # not started at all: a demo killed at once says nothing
-            return [{"model": name, "rc": None, "outputs_identical": None, "ok": False,
+            return [{"model": name, "copy_mover": mover, "rc": None, "outputs_identical": None, "ok": False,
                      "error": "not run: the check's time budget was spent"}]
-        return [demo(name, min(DEMO_TIMEOUT_S, left))]
-    return [Part("demo", f"{name} --device cuda", partial(one, name)) for name in z.models]
+        return [demo(name, min(DEMO_TIMEOUT_S, left), mover)]
+    runs = [(name, "auto") for name in z.models] + [(z.models[0], "cuda_mapped")] if z.models else []
+    return [Part("demo", f"{name} --device cuda --copy-mover {mover}", partial(one, name, mover))
+            for name, mover in runs]
 
 
 def groups(z: Sizes, deadline: float) -> list[Group]:
@@ -268,7 +272,8 @@ def show(section: str, x: dict[str, Any]) -> str:
                 + (f"  (memcpy {x['memcpy_gbps']:.2f} GB/s, {x['ratio_vs_memcpy']:.2f}x)" if "memcpy_gbps" in x
                    else "") + ("" if x.get("ok", True) else f"  FAILED: {x.get('error')}"))
     if section == "demo":
-        return f"demo --device cuda: {x['model']:<7} rc={x['rc']} outputs identical: {x['outputs_identical']}"
+        return (f"demo --device cuda --copy-mover {x.get('copy_mover', 'auto')}: {x['model']:<7} rc={x['rc']} "
+                f"outputs identical: {x['outputs_identical']} (copies by mover: {x.get('copy_movers')})")
     return json.dumps({k: v for k, v in x.items() if k != "traceback"}, default=str)
 
 

@@ -46,6 +46,7 @@ from kvproc.engine.topology import (
 )
 from kvproc.engine.workload import TurnRecord, WorkloadSpec, drive
 from kvproc.store.types import StoreConfig
+from kvproc.workers.movers import CUDA_MOVERS
 
 PAGE_TOKENS = 16
 DEFAULT_SCALE = 0.5  # `make demo` (three runs, store processes included) takes ~80 s on a 2-core machine
@@ -90,10 +91,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=DEVICES, default="cpu",
                    help="where the models run: cpu, or cuda where a CUDA device is present (never run on a GPU yet:"
                         " docs/gpu.md)")
+    p.add_argument("--copy-mover", choices=COPY_MOVERS, default="auto",
+                   help="what the copy workers move bytes with: auto (memmove on cpu, the staged cuda mover on a "
+                        "GPU), torch (the GPU path's batch logic on CPU tensors), cuda, or cuda_mapped (the GPU "
+                        "reads and writes the pinned host rows itself; --device cuda); docs/gpu.md")
     p.add_argument("--pd", action="store_true",
                    help="prefill/decode disaggregation: a prefill and a decode engine (separate processes) sharing a"
                         " `kvproc up` host tier, beside a single-engine kvproc run of the same workload")
     return p
+
+
+COPY_MOVERS = ("auto", "torch", *CUDA_MOVERS)  # `--copy-mover` ("auto": the device's default)
 
 
 def pool_sizes(spec: WorkloadSpec, model_name: str, device_factor: float, every_pages: int) -> PoolSizes:
@@ -172,7 +180,8 @@ def run_one(mode: str, args: argparse.Namespace, spec: WorkloadSpec, sizes: Pool
     metrics = getattr(args, "metrics", None)
     with make_store(mode, args.model, sizes, seed=args.seed, config=config,
                     processes=not args.in_process, ranks=args.ranks, metrics=metrics,
-                    device=getattr(args, "device", "cpu")) as topo:
+                    device=getattr(args, "device", "cpu"),
+                    copy_mover="" if getattr(args, "copy_mover", "auto") == "auto" else args.copy_mover) as topo:
         if topo.metrics_address and stream is not None:
             stream.write(f"  {mode}: metrics http://{topo.metrics_address}/metrics\n")
         _warm_up(topo, args.chunk_tokens, spec.concurrency)
@@ -187,6 +196,8 @@ def run_one(mode: str, args: argparse.Namespace, spec: WorkloadSpec, sizes: Pool
         if after is not None:
             after(topo)
         stats = {"engine": engine.stats(), "store": topo.store.stats()}
+        if topo.copy_movers is not None:  # which mover moved the copies (`--copy-mover`)
+            stats["copy_movers"] = topo.copy_movers()
     return summarize(records, wall), records, stats
 
 
@@ -255,6 +266,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kvproc demo: --device {args.device} needs a CUDA device, and torch.cuda.is_available() is False here"
               " (run with the default --device cpu)", file=sys.stderr)
         return 2
+    if args.copy_mover != "auto" and (args.in_process or args.pd):
+        print(f"kvproc demo: --copy-mover {args.copy_mover} picks the copy workers' mover: it needs them (not "
+              "--in-process) and one engine (not --pd)", file=sys.stderr)
+        return 2
+    if args.copy_mover in CUDA_MOVERS and args.device == "cpu":
+        print(f"kvproc demo: --copy-mover {args.copy_mover} moves GPU arenas: it needs --device cuda",
+              file=sys.stderr)
+        return 2
     if args.device != "cpu" and (args.pd or args.ranks != 1):
         print(f"kvproc demo: --device {args.device} runs one rank without --pd (the P/D and multi-rank demos run on"
               " cpu)", file=sys.stderr)
@@ -295,6 +314,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         out = {"runs": {m: s.as_dict() for m, s in summaries.items()}, "outputs_identical": identical,
                "first_difference": diff, "model": args.model, "workload": asdict(spec), "scale": args.scale,
                "sizes": asdict(sizes), "ttft_p50_ms_by_turn": by_turn, "ranks": args.ranks,
+               "device": args.device, "copy_mover": args.copy_mover,
                "outputs_digest": {m: outputs_digest(records[m]) for m in modes},
                "stats": json.loads(json.dumps(stats, default=str))}
         with open(args.json, "w") as f:

@@ -17,6 +17,7 @@ tier each), driven by `Engine(..., ranks=N)`.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Self
@@ -48,6 +49,8 @@ class Topology:
     store: KvStore
     prefix_cache: bool
     metrics_address: str = ""  # HOST:PORT of /metrics when served
+    # the copy workers' orders by mover (`mover_orders.<name>` summed over ranks), where the copies run in them
+    copy_movers: Callable[[], dict[str, int]] | None = None
     _closers: list[Callable[[], None]] = field(default_factory=list)
 
     def close(self) -> None:
@@ -71,16 +74,18 @@ def _model(model_name: str, sizes: PoolSizes, seed: int, ranks: int, **kw: Any) 
 
 def make_store(mode: str, model_name: str, sizes: PoolSizes, *, seed: int = 0,
                config: StoreConfig | None = None, processes: bool = False, ranks: int = 1,
-               metrics: str | None = None, remote: str | None = None, device: str = "cpu") -> Topology:
+               metrics: str | None = None, remote: str | None = None, device: str = "cpu",
+               copy_mover: str = "") -> Topology:
     """`metrics`: serve Prometheus /metrics there (`ClusterStore.start(metrics=)`; the process topology only).
     `remote` (with `processes`): a Mooncake Store URL for the host tier (`ClusterStore.start(remote=)`).
     `device`: where the model runs ("cpu", or "cuda" where present: its arenas are then GPU memory, which the copy
-    workers open by CUDA IPC; NEEDS-GPU-CHECK, never run)."""
+    workers open by CUDA IPC; NEEDS-GPU-CHECK, never run). `copy_mover` (with `processes`): the copy workers' mover
+    kind (`ClusterStore.start(copy_mover=)`; "" the device's default)."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose one of {MODES}")
     config = config or StoreConfig()
     if processes and mode != "no_cache":
-        return _cluster_topology(mode, model_name, sizes, seed, config, ranks, metrics, remote, device)
+        return _cluster_topology(mode, model_name, sizes, seed, config, ranks, metrics, remote, device, copy_mover)
     model = _model(model_name, sizes, seed, ranks, device=device)
     # no_cache / device_only: no tier (bounded seal/restore copies still get a device copy path).
     store = build_local_store(model, live_slots=sizes.live_slots,
@@ -96,12 +101,12 @@ def make_store(mode: str, model_name: str, sizes: PoolSizes, *, seed: int = 0,
 
 def _cluster_topology(mode: str, model_name: str, sizes: PoolSizes, seed: int, config: StoreConfig,
                       ranks: int, metrics: str | None = None, remote: str | None = None,
-                      device: str = "cpu") -> Topology:
+                      device: str = "cpu", copy_mover: str = "") -> Topology:
     from kvproc.engine.repack import REPACK_PATHS
     from kvproc.store.cluster import ClusterStore
 
     cs = ClusterStore.start(host_bytes=sizes.host_bytes if mode == "kvproc" else 0, ranks=ranks, metrics=metrics,
-                            remote=remote)
+                            remote=remote, copy_mover=copy_mover)
     try:
         # CPU arenas in the scheduler's shared memory; GPU arenas where the model allocates them (CUDA IPC at attach)
         where: dict[str, Any] = {"allocator": cs.allocator} if device == "cpu" else {"device": device}
@@ -114,9 +119,22 @@ def _cluster_topology(mode: str, model_name: str, sizes: PoolSizes, seed: int, c
         cs.close()
         raise
     topo = Topology(mode, model, store, prefix_cache=True,
-                    metrics_address=cs.cluster.metrics.address if cs.cluster.metrics is not None else "")
+                    metrics_address=cs.cluster.metrics.address if cs.cluster.metrics is not None else "",
+                    copy_movers=functools.partial(_copy_movers, cs, ranks))
     topo._closers.append(cs.close)
     return topo
+
+
+def _copy_movers(cs: Any, ranks: int) -> dict[str, int]:
+    """Every copy worker's orders by the mover that moved them (`kvproc/workers/movers.py`), summed over ranks."""
+    from kvproc.ipc.messages import Stats
+
+    out: dict[str, int] = {}
+    for r in range(ranks):
+        for k, v in cs.cluster.client("copy_worker", r).request(Stats(), timeout=10).counters.items():
+            if k.startswith("mover_orders."):
+                out[k.removeprefix("mover_orders.")] = out.get(k.removeprefix("mover_orders."), 0) + v
+    return out
 
 
 def per_page_bytes(model: TinyModel) -> tuple[int, int]:

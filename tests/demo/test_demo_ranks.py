@@ -34,3 +34,24 @@ def test_demo_refuses_ranks_with_pd_and_below_one(capsys) -> None:  # type: igno
     assert main([*ARGS, "--ranks", "0"]) == 2
     assert main([*ARGS, "--ranks", "2", "--pd"]) == 2
     assert "--ranks must be >= 1" in capsys.readouterr().err
+
+
+def test_demo_copy_mover_torch_runs_the_gpu_paths_batch_logic_with_the_same_outputs(tmp_path: Path) -> None:
+    """`--copy-mover torch`: the copy workers move the CPU arenas with the torch rows mover (the GPU path's batch
+    logic and executor); every run's tokens are the memmove run's, and the workers' counters name the mover."""
+    base, torch_run = tmp_path / "memmove.json", tmp_path / "torch.json"
+    assert main([*ARGS, "--runs", "kvproc", "--json", str(base)]) == 0
+    assert main([*ARGS, "--copy-mover", "torch", "--json", str(torch_run)]) == 0
+    b, t = json.loads(base.read_text()), json.loads(torch_run.read_text())
+    assert t["copy_mover"] == "torch" and t["outputs_identical"] is True
+    assert t["outputs_digest"]["kvproc"] == b["outputs_digest"]["kvproc"]
+    # every copy the workers ran went through the asked mover (saves and device copies: seals and checkpoints)
+    assert set(t["stats"]["kvproc"]["copy_movers"]) == {"torch"} and t["stats"]["kvproc"]["copy_movers"]["torch"] > 0
+    assert set(b["stats"]["kvproc"]["copy_movers"]) == {"memmove"}  # the default on CPU
+
+
+def test_demo_refuses_a_copy_mover_it_cannot_use(capsys) -> None:  # type: ignore[no-untyped-def]
+    assert main([*ARGS, "--copy-mover", "cuda_mapped"]) == 2  # GPU arenas only
+    assert main([*ARGS, "--copy-mover", "torch", "--in-process"]) == 2  # no copy workers to give it to
+    err = capsys.readouterr().err
+    assert "needs --device cuda" in err and "not --in-process" in err
