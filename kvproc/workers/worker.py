@@ -43,8 +43,8 @@ from kvproc.workers.device_attach import (
     gpu_mover_kind,
     pin_host,
 )
-from kvproc.workers.movers import CUDA_MOVERS
 from kvproc.workers.engine_fence import EngineEventError
+from kvproc.workers.movers import CUDA_MOVERS
 
 log = structlog.get_logger("kvproc.copy_worker")
 _COUNTER_NAMES = {k: (f"orders_{k}", f"bytes_{k}", f"ns_{k}") for k in ("save", "load", "device", "engine")}
@@ -236,7 +236,8 @@ class CopyWorkerRole(Role):
 
     @handles(m.DeviceCopy)
     def device_copy(self, msg: m.DeviceCopy, ctx: CallContext) -> m.Copied:
-        return self._fenced("device", msg.fence, msg.fence_token, lambda ex: ex.device_copy(msg.copies, msg.after_event))
+        return self._fenced("device", msg.fence, msg.fence_token,
+                            lambda ex: ex.device_copy(msg.copies, msg.after_event))
 
     @handles(m.EngineMove)
     def engine_move(self, msg: m.EngineMove, ctx: CallContext) -> m.Copied:
