@@ -16,6 +16,7 @@ tier each), driven by `Engine(..., ranks=N)`.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 from collections.abc import Callable
@@ -129,12 +130,11 @@ def _copy_movers(cs: Any, ranks: int) -> dict[str, int]:
     """Every copy worker's orders by the mover that moved them (`kvproc/workers/movers.py`), summed over ranks."""
     from kvproc.ipc.messages import Stats
 
-    out: dict[str, int] = {}
+    out: collections.Counter[str] = collections.Counter()
     for r in range(ranks):
-        for k, v in cs.cluster.client("copy_worker", r).request(Stats(), timeout=10).counters.items():
-            if k.startswith("mover_orders."):
-                out[k.removeprefix("mover_orders.")] = out.get(k.removeprefix("mover_orders."), 0) + v
-    return out
+        counters = cs.cluster.client("copy_worker", r).request(Stats(), timeout=10).counters
+        out.update({k.removeprefix("mover_orders."): v for k, v in counters.items() if k.startswith("mover_orders.")})
+    return dict(out)
 
 
 def per_page_bytes(model: TinyModel) -> tuple[int, int]:

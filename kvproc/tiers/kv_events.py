@@ -427,9 +427,10 @@ class DeviceIndexEvents:
             prev = p
         self.publisher.publish(events)
 
-    def _device_stored(self, hashes: list[bytes], parent: bytes | None, tokens: Any, start: int,
+    def _device_stored(self, hashes: Sequence[bytes], parent: bytes | None, tokens: Any, start: int,
                        stop: int) -> BlockStored:
-        return BlockStored(list(hashes), parent, page_token_ids(tokens, start, stop, self.block_size),
+        # `hashes` is `stored`'s slice: already a copy (a list when the registration's keys were one)
+        return BlockStored(hashes if type(hashes) is list else list(hashes), parent, page_token_ids(tokens, start, stop, self.block_size),
                            self.block_size, None, MEDIUM_DEVICE)
 
     def removed(self, hashes: list[bytes]) -> None:
