@@ -372,7 +372,8 @@ class KvEventPublisher:
                 "kv_events.queued": self._taken + self._late + waiting,
                 "kv_events.replays": self.replays, "kv_events.seq": self.seq, "kv_events.failed": self.failed,
                 "kv_events.dropped": self.dropped + (waiting if self._dead else 0),
-                "kv_events.replay_failed": self.replay_failed, "kv_events.busy_ns": int(self.busy_s * 1e9)}  # counters are ints
+                "kv_events.replay_failed": self.replay_failed,
+                "kv_events.busy_ns": int(self.busy_s * 1e9)}  # counters are ints: a float breaks the typed Report
 
 
 class DeviceIndexEvents:
@@ -381,10 +382,11 @@ class DeviceIndexEvents:
     one registration (parent: the prompt's page before the run, None only at the prompt's first page: a registration
     that starts mid-prompt, a restore after a device hit or pages computed after a prefix, names the page before
     it); a key already indexed (a re-registered page, a duplicate computed twice) is no event, and neither is the
-    eviction of a block that no longer owns its key (a displaced duplicate). `token_ids` are the pages' tokens where the registration knew them
-    (a computed page: its request's; a page restored by the store's resolve: the prompt's), else empty (`attach`'s
-    first event, a bare `PagedBlocks.register`). `attach` starts the stream with `AllBlocksCleared` and the keys the
-    index holds already, so a subscriber's set is the index's from the first batch on."""
+    eviction of a block that no longer owns its key (a displaced duplicate). `token_ids` are the pages' tokens where
+    the registration knew them (a computed page: its request's; a page restored by the store's resolve: the
+    prompt's), else empty (`attach`'s first event, a bare `PagedBlocks.register`). `attach` starts the stream with
+    `AllBlocksCleared` and the keys the index holds already, so a subscriber's set is the index's from the first
+    batch on."""
 
     def __init__(self, publisher: KvEventPublisher, block_size: int) -> None:
         self.publisher = publisher
@@ -430,8 +432,9 @@ class DeviceIndexEvents:
     def _device_stored(self, hashes: Sequence[bytes], parent: bytes | None, tokens: Any, start: int,
                        stop: int) -> BlockStored:
         # `hashes` is `stored`'s slice: already a copy (a list when the registration's keys were one)
-        return BlockStored(hashes if type(hashes) is list else list(hashes), parent, page_token_ids(tokens, start, stop, self.block_size),
-                           self.block_size, None, MEDIUM_DEVICE)
+        keys = hashes if type(hashes) is list else list(hashes)
+        return BlockStored(keys, parent, page_token_ids(tokens, start, stop, self.block_size), self.block_size, None,
+                           MEDIUM_DEVICE)
 
     def removed(self, hashes: list[bytes]) -> None:
         self.publisher.put(BlockRemoved(hashes, MEDIUM_DEVICE))  # `hashes`: a list `_unhash` made for this call
