@@ -46,6 +46,7 @@ from kvproc.ipc.cancel import CancelToken
 from kvproc.ipc.client import RpcClient
 from kvproc.ipc.errors import HandshakeRefused, PeerDeadError
 from kvproc.ipc.sockets import EVENTS, GOODBYE_LINGER_MS, NOBLOCK, POLLIN, configure_socket, new_session
+from kvproc.ipc.undecodable import failed_for
 
 log = structlog.get_logger(__name__)
 _encode = m.encode
@@ -328,6 +329,9 @@ class AsyncRpcClient:
                 self.frame_errors += 1
                 self.last_frame_error = str(e)[:200]
                 log.warning("bad_frame_from_server", peer=self.peer, detail=self.last_frame_error)
+                failed = failed_for(data, e, self.peer)
+                if failed is not None:
+                    self._complete(failed.call_id, failed)
                 continue
             kind = type(msg)
             if kind in _TERMINAL:

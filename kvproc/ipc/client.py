@@ -33,6 +33,7 @@ from kvproc.ipc.cancel import CancelToken
 from kvproc.ipc.direct import LATE, DirectCalls
 from kvproc.ipc.errors import CallCancelled, DeadlineExceeded, HandshakeRefused, PeerDeadError
 from kvproc.ipc.sockets import GOODBYE_LINGER_MS, NOBLOCK, POLLIN, configure_socket, new_session
+from kvproc.ipc.undecodable import failed_for
 from kvproc.ipc.wake import Waker
 
 log = structlog.get_logger(__name__)
@@ -412,6 +413,9 @@ class RpcClient:
                 self.frame_errors += 1
                 self.last_frame_error = str(e)[:200]
                 log.warning("bad_frame_from_server", peer=self.peer, detail=self.last_frame_error)
+                failed = failed_for(data, e, self.peer)
+                if failed is not None:
+                    self._complete(failed.call_id, failed)
                 continue
             kind = type(msg)
             if kind in _TERMINAL:

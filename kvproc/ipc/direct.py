@@ -54,6 +54,7 @@ import zmq
 from kvproc.ipc import messages as m
 from kvproc.ipc.errors import HandshakeRefused, PeerDeadError
 from kvproc.ipc.sockets import EVENTS, GOODBYE_LINGER_MS, NOBLOCK, POLLIN, configure_socket, new_session
+from kvproc.ipc.undecodable import failed_for
 from kvproc.native import NATIVE
 
 if TYPE_CHECKING:
@@ -284,9 +285,11 @@ class DirectCalls:
         """`_read` of a frame already received."""
         try:
             msg = self._decoder.decode(data)
-        except (msgspec.DecodeError, msgspec.ValidationError):
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
             self._client.frame_errors += 1
-            return None
+            msg = failed_for(data, e, self._client.peer)  # its call (or oneway) ends now, typed
+            if msg is None:  # not even its call id could be read
+                return None
         kind = type(msg)
         if kind is m.Goodbye:
             if not closing:

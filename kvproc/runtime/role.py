@@ -73,6 +73,13 @@ class Role(Service):
     @handles(m.Stats)
     def stats(self, msg: m.Stats, ctx: CallContext) -> m.StatsReport:
         t = self.server.transport_stats() if self.server is not None else {}
+        counters = {**self.counters.snapshot(), **{f"ipc.{k}": v for k, v in t.items()}}
+        # The wire says int: a float or a bool would make the whole report undecodable for the caller. Refused here
+        # with the counters' names, so that the bug shows where it is (a role's code set it), not as a stuck console.
+        bad = sorted(k for k, v in counters.items() if type(v) is not int)
+        if bad:
+            raise HandlerError("bad_counter", f"{self.env.role}[{self.env.rank}]: counters are ints, these are not: "
+                               + ", ".join(f"{k}={counters[k]!r}" for k in bad[:8]))
         return m.StatsReport(
             role=self.env.role,
             rank=self.env.rank,
@@ -86,7 +93,7 @@ class Role(Service):
             msgs_in=t.get("msgs_in", 0),
             msgs_out=t.get("msgs_out", 0),
             errors=t.get("errors", 0),
-            counters={**self.counters.snapshot(), **{f"ipc.{k}": v for k, v in t.items()}},
+            counters=counters,
             segments=[s.name for s in self.segments],
         )
 
