@@ -290,6 +290,10 @@ class Configure(Request, tag=300):
 class Query(Request, tag=301):
     req_id: str
     hashes: list[bytes]
+    # The prompt's page before `hashes[0]` (a query starts after the asking store's device hit), sent only to a tier
+    # that publishes KV events (`RemoteTier.wants_parent_key`): the parent of the pages it pulls from a Mooncake Store
+    # for this query. None at the prompt's first page, or when off (one msgpack nil on the wire, as ReserveSave's).
+    parent: bytes | None = None
 
 
 class WaitSettled(Request, tag=302):

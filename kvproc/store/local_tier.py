@@ -64,7 +64,8 @@ class LocalTier:
                 if not waiters:
                     del table[key]
 
-    async def query(self, req_id: str, hashes: Sequence[bytes], *, timeout: float) -> QueryResult:
+    async def query(self, req_id: str, hashes: Sequence[bytes], *, timeout: float,
+                    parent: bytes | None = None) -> QueryResult:
         self.index.reap()
         return self.index.query(req_id, hashes)
 

@@ -287,7 +287,8 @@ class Resolver:
             try:
                 # The message's own deadline runs a grace past the resolve's: an answer that comes just late is still
                 # read (a late Hit's lease goes back at once) rather than answered "deadline exceeded" by the tier.
-                res = await self._wait(tier.query(req_id, want, timeout=remaining + LATE_REPLY_GRACE_S), deadline,
+                res = await self._wait(tier.query(req_id, want, timeout=remaining + LATE_REPLY_GRACE_S,
+                                                  parent=hashes[dev - 1] if dev else None), deadline,
                                        cancel, "query")
             except Degrade:
                 raise

@@ -136,7 +136,8 @@ class BlockingResolver:
         try:
             try:
                 answer: Any = tier.query_blocking(req_id, want, deadline=st.deadline, cancel=cancel,
-                                                  overlap=reserve_early, spin_s=store.config.reply_spin_s)
+                                                  overlap=reserve_early, spin_s=store.config.reply_spin_s,
+                                                  parent=st.hashes[st.dev - 1] if st.dev else None)
             except Exception as e:  # noqa: BLE001 - PeerDead / RemoteError / abandoned: the prefix stays as it is
                 answer = e
             res = self._hit_or_raise(answer, st, tier, scope, policy, cancel, len(want))
@@ -215,7 +216,8 @@ class BlockingResolver:
         def ask() -> None:  # runs once the Load is on its way
             try:
                 answer.append(tier.query_blocking(req_id, want, deadline=st.deadline, cancel=cancel,
-                                                  spin_s=store.config.reply_spin_s))
+                                                  spin_s=store.config.reply_spin_s,
+                                                  parent=st.hashes[st.dev - 1] if st.dev else None))
             except Exception as e:  # noqa: BLE001 - judged after the load, like the plain path's
                 answer.append(e)
 

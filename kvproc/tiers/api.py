@@ -42,7 +42,11 @@ class Tier(Protocol):
     @property
     def available(self) -> bool: ...
 
-    async def query(self, req_id: str, hashes: Sequence[bytes], *, timeout: float) -> QueryResult: ...
+    async def query(self, req_id: str, hashes: Sequence[bytes], *, timeout: float,
+                    parent: bytes | None = None) -> QueryResult:
+        """`parent`: the prompt's page before `hashes[0]` (None at its first page); a tier that publishes KV events
+        parents the pages it pulls for this query on it."""
+        ...
 
     async def wait_settled(self, save_id: int, *, timeout: float) -> bool:
         """Wait until a pending save commits or aborts (the tier notifies; no polling). False on timeout."""
@@ -97,8 +101,8 @@ class BlockingTier(Protocol):
 
     def query_blocking(self, req_id: str, hashes: Sequence[bytes], *, deadline: float,
                        cancel: CancelToken | None = None, overlap: Callable[[], None] | None = None,
-                       spin_s: float = 0.0) -> QueryResult:
-        """Raises on failure, and once `deadline` passes or `cancel` fires (a late Hit's lease is then released by
+                       spin_s: float = 0.0, parent: bytes | None = None) -> QueryResult:
+        """`parent` as `query`'s. Raises on failure, and once `deadline` passes or `cancel` fires (a late Hit's lease is then released by
         the tier side's client). `overlap` (must not raise) runs once the query is on its way. `spin_s`: how long the
         thread may poll for the answer before it sleeps (`StoreConfig.reply_spin_s`)."""
         ...

@@ -196,7 +196,8 @@ class HostTierRole(Role):
             if start < 0:
                 res = self._index().query(msg.req_id, msg.hashes)
         if remote is not None and start >= 0:  # pages this tier lacks: ask Mooncake, answer once it has answered
-            remote.probe(msg.req_id, msg.hashes, start, ctx.remaining(), lambda r: ctx.ok(_query_answer(r)))
+            remote.probe(msg.req_id, msg.hashes, start, ctx.remaining(), lambda r: ctx.ok(_query_answer(r)),
+                         msg.parent)
             return ctx.defer()
         return _query_answer(res)
 
@@ -338,6 +339,10 @@ class HostTierRole(Role):
 
     def _answer_settled(self) -> None:
         with self._lock:
+            # A pull from Mooncake reserves (evicting) and commits on Mooncake's threads, not in a handler: its
+            # events go out now, not whenever the next save's handler would have published them.
+            if self.index is not None:
+                self._publish_locked(self.index)
             settled, self._settled = self._settled, []
             answers: list[tuple[_Waiter, bool]] = []
             for ticket, ok in settled:

@@ -6,7 +6,8 @@ msgspec msgpack, array-like, tagged), so a router that reads vLLM's stream reads
 - `BlockStored(block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium)`: pages committed, one event per
   run of consecutive new pages of one save; `parent_block_hash` is the prompt's page before the run, None only at the
   prompt's first page (at a save's first page it is the one the store sends with the save, `SaveEvents.parent_key`;
-  pages a tier pulls from a Mooncake Store below it have none before the query's first page); `token_ids` the run's
+  at the first page of a run a tier pulls from a Mooncake Store below it, the one the store sends with the query,
+  `Query.parent`; such pages are published once the pull commits); `token_ids` the run's
   pages' tokens, one page after the other, when the tier was started with `kv_events_tokens` (the stores then send
   each save's tokens), else empty; `medium` is "CPU" (vLLM's `MEDIUM_CPU`);
 - `BlockRemoved(block_hashes, medium)`: pages evicted;

@@ -159,10 +159,11 @@ class MooncakeTier:
         return n
 
     def probe(self, req_id: str, hashes: Sequence[bytes], start: int, timeout: float,
-              answer: Callable[[QueryResult], bool]) -> None:
+              answer: Callable[[QueryResult], bool], parent: bytes | None = None) -> None:
         """Ask Mooncake for `hashes[start:]` (one batched existence check), reserve and pull the longest present run,
         then `answer` the query from the index (Loading while the pull runs). `answer` returns False if the query's
-        caller is gone (a Hit's lease is then given back). Without the host's lock; `answer` is called exactly once."""
+        caller is gone (a Hit's lease is then given back). Without the host's lock; `answer` is called exactly once.
+        `parent`: the prompt's page before `hashes[0]` (`Query.parent`), the pulled pages' parent in the KV events."""
         hashes = list(hashes)
         want = hashes[start:start + self.max_pull_pages]
         groups = list(self.index.required)
@@ -184,7 +185,7 @@ class MooncakeTier:
             ticket: SaveTicket | None = None
             with self.lock:
                 if run:
-                    ticket = self._reserve_pull(req_id, hashes[:start + run])
+                    ticket = self._reserve_pull(req_id, hashes[:start + run], parent)
                 res = self.index.query(req_id, hashes)
             if not answer(res) and hasattr(res, "lease_id"):
                 with self.lock:
@@ -241,16 +242,15 @@ class MooncakeTier:
             self.counters["probes_missed"] += 1
         return run
 
-    def _reserve_pull(self, req_id: str, keys: list[bytes]) -> SaveTicket | None:
+    def _reserve_pull(self, req_id: str, keys: list[bytes], parent: bytes | None = None) -> SaveTicket | None:
         """Under the host's lock: host slots for the pages of `keys` the host tier lacks (again: it may have changed
-        while Mooncake answered). None: nothing to pull, or no room (counted)."""
+        while Mooncake answered). None: nothing to pull, or no room (counted). `parent`: the prompt's page before
+        `keys[0]` (a query's first page: the asking store sends it when this tier publishes KV events)."""
         n = self.index.committed_run(keys)
         if n == len(keys) or keys[n] in self.index.pending:
             return None
-        # No parent key: `keys` are a query's hashes, which start after the asking store's device hit, and a Query
-        # carries no page before them (every query would pay for it). A pulled run that starts at the query's first
-        # page is therefore a root in the KV events unless the query started at the prompt's first page.
-        t = self.index.reserve_save(PULLER + req_id, keys, list(self.index.required), SaveClass.CACHEABLE)
+        t = self.index.reserve_save(PULLER + req_id, keys, list(self.index.required), SaveClass.CACHEABLE,
+                                    parent_key=parent)
         if isinstance(t, Shed):
             self.counters["pulls_shed"] += 1
             return None

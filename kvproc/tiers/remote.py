@@ -181,10 +181,11 @@ class RemoteTier:
 
     # ---- awaited calls ----
 
-    async def query(self, req_id: str, hashes: Sequence[bytes], *, timeout: float) -> QueryResult:
+    async def query(self, req_id: str, hashes: Sequence[bytes], *, timeout: float,
+                    parent: bytes | None = None) -> QueryResult:
         """Awaited on the store's loop. If the awaiting resolve gives up (its deadline, its cancel token) and the answer
         still comes, a late Hit's lease is released, not left to the TTL."""
-        msg = m.Query(req_id, list(hashes))
+        msg = m.Query(req_id, list(hashes), parent if self.wants_parent_key else None)
         sync = self._client()
         ac = self._link.get(sync)
         if ac is None:
@@ -193,11 +194,12 @@ class RemoteTier:
 
     def query_blocking(self, req_id: str, hashes: Sequence[bytes], *, deadline: float,
                        cancel: CancelToken | None = None, overlap: Callable[[], None] | None = None,
-                       spin_s: float = 0.0) -> QueryResult:
+                       spin_s: float = 0.0, parent: bytes | None = None) -> QueryResult:
         """`query` on the calling thread's own socket; raises what the call raises (the resolver degrades), and
         `QueryAbandoned` when `deadline` passes or `cancel` fires first. An answer that comes after that is still
         read: a late Hit's lease is released, never left to the TTL. `overlap` runs while the query is in flight."""
-        res = self._client().request(m.Query(req_id, list(hashes)), deadline=deadline + LATE_REPLY_GRACE_S,
+        msg = m.Query(req_id, list(hashes), parent if self.wants_parent_key else None)
+        res = self._client().request(msg, deadline=deadline + LATE_REPLY_GRACE_S,
                                      wait_until=deadline, on_late=self._late_answer, cancel_token=cancel,
                                      overlap=overlap, spin_s=spin_s)
         if res is LATE:

@@ -86,9 +86,9 @@ class GatedTier(LocalTier):
         self.save_gate = Gate()
         self.released: list[int] = []
 
-    async def query(self, req_id: str, hashes: Sequence[bytes], *, timeout: float) -> Any:
+    async def query(self, req_id: str, hashes: Sequence[bytes], *, timeout: float, parent: bytes | None = None) -> Any:
         await self.query_gate.passage()
-        return await super().query(req_id, hashes, timeout=timeout)
+        return await super().query(req_id, hashes, timeout=timeout, parent=parent)
 
     async def reserve_save(self, *a: Any, **k: Any) -> Any:
         await self.save_gate.passage()

@@ -15,8 +15,10 @@ import time
 import pytest
 
 from kvproc.runtime.console import collect
+from kvproc.core.request_kv import RequestKv
 from kvproc.store.kv_store import KvStore
 from kvproc.store.types import SaveClass, StoreConfig
+from kvproc.tiers.kv_events import BlockStored, decode_batch, endpoints
 from kvproc.tiers.mooncake_local import LocalMooncake
 from tests.conftest import (
     ShmBytesModel,
@@ -27,6 +29,8 @@ from tests.conftest import (
     kvproc_up,
     nothing_left,
     remote_stats,
+    replay_kv_events,
+    resolve_on,
     restores,
     saved,
     wait_for,
@@ -98,6 +102,38 @@ def test_a_model_with_another_fingerprint_never_sees_the_first_models_keys(moonc
         prefix.hold.release()
         st = remote_stats(c)
         assert st["probes"] >= 1 and st.get("probe_hit_pages", 0) == 0 and st.get("pulled_pages", 0) == 0
+
+
+@pytest.mark.parametrize("path", ["blocking", "loop"])
+def test_pages_pulled_for_a_query_after_a_device_hit_are_parented_on_the_page_before_it(
+        mooncake: LocalMooncake, path: str) -> None:
+    """Node B holds the prompt's first page on its device (another prompt with the same first page), so its query
+    for the prompt starts at page 1; the pages its tier pulls from Mooncake for that query are one BlockStored whose
+    parent is page 0 (`Query.parent`), not a root: a router places them under the prompt's first page. And they are
+    published once the pull commits (on Mooncake's thread), not when the next save's handler runs (none comes here)."""
+    with cluster_store(remote=mooncake.url) as (_, a, model_a), \
+            cluster_store(remote=mooncake.url, kv_events=True) as (cs_b, b, model_b):
+        saved(a, model_a, "a", TOKS)
+        written_behind(a, 4)
+        kv, cur, _, _ = compute(b, model_b, "other", TOKS[:4] + [900 + i for i in range(13)])  # page 0 shared
+        b.retire(0, kv, cur)
+        b.flush_saves(0, 10)
+        wait_for(lambda: b.stats()["tier"]["open_saves"] == 0, what="the other prompt's save committed")
+        prefix = resolve_on(b, path, "b", TOKS)
+        assert prefix.device_tokens == 4 and prefix.host_tokens == 12  # page 0 on the device, 1-3 pulled
+        hashes = RequestKv(b.pools[0], "x", TOKS, 0).page_hashes
+        prefix.hold.release()
+        assert remote_stats(b)["pulled_pages"] == 4  # page 0 for the other prompt's own resolve, then 1-3
+        _, replay = endpoints(cs_b.cluster.runtime_dir, 0)
+
+        def pulled() -> list[BlockStored]:
+            return [e for _, p in replay_kv_events(replay) for e in decode_batch(p).events
+                    if isinstance(e, BlockStored) and e.block_hashes[0] == hashes[1]]
+
+        wait_for(lambda: bool(pulled()), what="the pulled pages' BlockStored")
+        (event,) = pulled()
+        assert event.block_hashes == hashes[1:4]
+        assert event.parent_block_hash == hashes[0]
 
 
 FAST = "&timeout=1"  # each Mooncake call's deadline: 1 s

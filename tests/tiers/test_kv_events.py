@@ -230,6 +230,21 @@ def test_without_kv_events_a_reserve_save_carries_one_nil_byte_more() -> None:
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(with_events), type=m.ReserveSave) == with_events
 
 
+def test_without_kv_events_a_query_carries_one_nil_byte_more() -> None:
+    """`Query.parent` (the page before the query's first, for the pages a tier pulls from Mooncake) costs a query
+    one msgpack nil when the tier publishes no events, and a tier from before it reads the query."""
+    import msgspec
+
+    class Before(msgspec.Struct, array_like=True, omit_defaults=True, tag=301):  # Query before `parent`
+        req_id: str
+        hashes: list[bytes]
+
+    args = ("r1", [b"k" * 16] * 8)
+    now, before = msgspec.msgpack.encode(m.Query(*args)), msgspec.msgpack.encode(Before(*args))
+    assert len(now) == len(before) + 1 and now.endswith(b"\xc0")
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(m.Query(*args, b"p" * 16)), type=Before) == Before(*args)
+
+
 def test_a_store_sends_a_parent_page_only_with_one_and_only_to_a_tier_that_publishes_events() -> None:
     """What `RemoteTier.reserve_save` puts in `ReserveSave.events` (`save_events`, given the parent only where the
     tier's Configured said kv_events and the tokens only where it said token_ids): a SaveEvents with what there is,
