@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from kvproc.runtime.console import collect
 from kvproc.core.request_kv import RequestKv
+from kvproc.runtime.console import collect
 from kvproc.store.kv_store import KvStore
 from kvproc.store.types import SaveClass, StoreConfig
 from kvproc.tiers.kv_events import BlockStored, decode_batch, endpoints
