@@ -21,7 +21,8 @@ at most (vLLM's own publisher sends once per engine step, tens of ms). The inter
 Transport (vLLM's convention): a ZeroMQ PUB socket sends `[topic, seq (8 bytes, big-endian), payload]` per batch;
 `seq` grows by one per batch, so a gap is visible. A ROUTER socket beside it answers a replay request (the 8-byte
 start seq) with every kept batch from there, `[seq, payload]` each, then `[-1, b""]`. The last `replay_batches`
-batches are kept. Endpoints: `ipc://<runtime dir>/kv-events-<rank>` and `.../kv-events-replay-<rank>`
+batches are kept, at most `replay_bytes` of them (the newest always): a device pool's batches with token ids run to
+~130 KB each on a busy engine, and 10,000 of them would be over 1 GB of the engine's memory. Endpoints: `ipc://<runtime dir>/kv-events-<rank>` and `.../kv-events-replay-<rank>`
 (`endpoints()`). Off unless the tier is started with `kv_events` (`ClusterStore.start(kv_events=True)`, `kvproc up
 --kv-events`).
 
@@ -56,6 +57,8 @@ END = (-1).to_bytes(8, "big", signed=True)
 # How often the publisher's thread looks at what gathered (at most: an interval shorter than this is its tick): a
 # `max_pending` reached by `put`, the hot path, is seen within one tick.
 TICK_S = 0.05
+REPLAY_BATCHES = 10_000  # batches kept for replay: at most this many,
+REPLAY_BYTES = 64 << 20  # and at most this many bytes of them (the newest batch always)
 STOP_LINGER_MS = 1000  # how long a stopping publisher lets ZeroMQ write its last batches to connected subscribers
 class BlockStored(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
     block_hashes: list[bytes]
@@ -154,8 +157,9 @@ class KvEventPublisher:
     events). Should the thread itself end (a failure outside a batch), `put` and `publish` stop keeping what they
     are given (counted as dropped) and `flush` answers False at once: nothing waits for a thread that is gone."""
 
-    def __init__(self, runtime_dir: str, rank: int, replay_batches: int = 10_000, kind: str = "",
-                 batch_interval_s: float = DEFAULT_INTERVAL_S, max_pending: int = 4096) -> None:
+    def __init__(self, runtime_dir: str, rank: int, replay_batches: int = REPLAY_BATCHES, kind: str = "",
+                 batch_interval_s: float = DEFAULT_INTERVAL_S, max_pending: int = 4096,
+                 replay_bytes: int = REPLAY_BYTES) -> None:
         self.pub_endpoint, self.replay_endpoint = endpoints(runtime_dir, rank, kind)
         self.batch_interval_s = check_interval(batch_interval_s)  # before any socket or thread: nothing to undo
         self.max_pending = max_pending
@@ -170,7 +174,9 @@ class KvEventPublisher:
         self._markers_lock = threading.Lock()
         self._stopping = False
         self._hurry = threading.Event()  # send it now: a flush, the stop, or `max_pending` reached
-        self._kept: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=replay_batches)
+        self._kept: collections.deque[tuple[int, bytes]] = collections.deque()
+        self._kept_bytes = 0  # the kept payloads' bytes
+        self.replay_batches, self.replay_bytes = replay_batches, replay_bytes
         self._kept_lock = threading.Lock()
         self._encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
         self._stop = threading.Event()
@@ -320,7 +326,11 @@ class KvEventPublisher:
         payload = self._encoder.encode(KVEventBatch(time.time(), coalesce(built)))
         seq = self.seq
         with self._kept_lock:
-            self._kept.append((seq, payload))
+            kept = self._kept
+            kept.append((seq, payload))
+            self._kept_bytes += len(payload)
+            while len(kept) > 1 and (len(kept) > self.replay_batches or self._kept_bytes > self.replay_bytes):
+                self._kept_bytes -= len(kept.popleft()[1])  # the oldest go first; the newest stays whatever its size
             self.seq += 1
         pub = self._pub  # three sends: a third of send_multipart's cost for frames this small (pyzmq's checks)
         pub.send(TOPIC, zmq.SNDMORE)
@@ -374,7 +384,8 @@ class KvEventPublisher:
                 "kv_events.replays": self.replays, "kv_events.seq": self.seq, "kv_events.failed": self.failed,
                 "kv_events.dropped": self.dropped + (waiting if self._dead else 0),
                 "kv_events.replay_failed": self.replay_failed,
-                "kv_events.busy_ns": int(self.busy_s * 1e9)}  # counters are ints: a float breaks the typed Report
+                "kv_events.busy_ns": int(self.busy_s * 1e9),  # counters are ints: a float breaks the typed Report
+                "kv_events.replay_kept": len(self._kept), "kv_events.replay_kept_bytes": self._kept_bytes}
 
 
 class DeviceIndexEvents:

@@ -81,3 +81,23 @@ def test_the_stop_sends_what_is_pending(tmp: str) -> None:
     pub.publish([_removed(1)])
     pub.close()
     assert pub.seq == 1 and pub.stats()["kv_events.events"] == 1
+
+
+def test_the_replay_keeps_the_newest_batches_within_its_byte_bound_and_always_the_last(tmp: str) -> None:
+    # batches of one removal of 4 KiB-long hashes (~4.1 KB each); a bound of 10 KB keeps the newest two
+    pub = KvEventPublisher(tmp, 0, batch_interval_s=HOUR, replay_bytes=10_000)
+    big = [bytes([i]) * 4096 for i in range(6)]
+    try:
+        for h in big:
+            pub.publish([BlockRemoved([h])])
+            assert pub.flush()
+        kept = replay_kv_events(pub.replay_endpoint)
+        assert [s for s, _ in kept] == [4, 5]  # the oldest went first; a replay from 0 starts at 4 (the gap shows)
+        assert [decode_batch(p).events[0].block_hashes for _, p in kept] == [[big[4]], [big[5]]]  # type: ignore[union-attr]
+        st = pub.stats()
+        assert st["kv_events.replay_kept"] == 2 and st["kv_events.replay_kept_bytes"] == sum(len(p) for _, p in kept)
+        pub.publish([BlockRemoved([b"x" * 20_000])])  # one batch over the bound on its own: still kept, alone
+        assert pub.flush()
+        assert [s for s, _ in replay_kv_events(pub.replay_endpoint)] == [6]
+    finally:
+        pub.close()
