@@ -102,9 +102,9 @@ class BlockingTier(Protocol):
     def query_blocking(self, req_id: str, hashes: Sequence[bytes], *, deadline: float,
                        cancel: CancelToken | None = None, overlap: Callable[[], None] | None = None,
                        spin_s: float = 0.0, parent: bytes | None = None) -> QueryResult:
-        """`parent` as `query`'s. Raises on failure, and once `deadline` passes or `cancel` fires (a late Hit's lease is then released by
-        the tier side's client). `overlap` (must not raise) runs once the query is on its way. `spin_s`: how long the
-        thread may poll for the answer before it sleeps (`StoreConfig.reply_spin_s`)."""
+        """`parent` as `query`'s. Raises on failure, and once `deadline` passes or `cancel` fires (a late Hit's
+        lease is then released by the tier side's client). `overlap` (must not raise) runs once the query is on its
+        way. `spin_s`: how long the thread may poll for the answer before it sleeps (`StoreConfig.reply_spin_s`)."""
         ...
 
 
