@@ -23,8 +23,8 @@ Transport (vLLM's convention): a ZeroMQ PUB socket sends `[topic, seq (8 bytes, 
 start seq) with every kept batch from there, `[seq, payload]` each, then `[-1, b""]`. The last `replay_batches`
 batches are kept, at most `replay_bytes` of them (the newest always): a device pool's batches with token ids run to
 ~130 KB each on a busy engine, and 10,000 of them would be over 1 GB of the engine's memory. Endpoints:
-`ipc://<runtime dir>/kv-events-<rank>` and `.../kv-events-replay-<rank>` (`endpoints()`). Off unless the tier is started with `kv_events` (`ClusterStore.start(kv_events=True)`, `kvproc up
---kv-events`).
+`ipc://<runtime dir>/kv-events-<rank>` and `.../kv-events-replay-<rank>` (`endpoints()`). Off unless the tier is
+started with `kv_events` (`ClusterStore.start(kv_events=True)`, `kvproc up --kv-events`).
 
 Each rank's device pool publishes the same way (`DeviceIndexEvents`, medium "GPU" as vLLM names its own, endpoints
 `kv-events-device-<rank>` / `kv-events-device-replay-<rank>`), from the engine's process: what its prefix index
