@@ -6,6 +6,7 @@ compute/churn helpers of the store contract tests.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import signal
 import subprocess
@@ -306,15 +307,48 @@ def kvproc_up(cluster: str, *extra: str) -> Iterator[tuple[str, int]]:
     assert not list_segments(cluster) and not os.path.exists(rd)
 
 
-@pytest.fixture
-def mooncake() -> Iterator[LocalMooncake]:
-    """A real Mooncake Store on loopback (a master and one 64 MiB storage node on free ports) for one test; both
-    processes killed at teardown. Skipped, with the reason, where the `remote` extra or libibverbs is missing."""
+def _start_mooncake() -> Iterator[LocalMooncake]:
     why = unavailable_reason()
     if why:
         pytest.skip(why)
     with LocalMooncake.start(segment_mb=64) as mc:
         yield mc
+
+
+@pytest.fixture
+def own_mooncake() -> Iterator[LocalMooncake]:
+    """A real Mooncake Store on loopback (a master and one 64 MiB storage node on free ports) for one test, which may
+    kill and restart it; both processes killed at teardown. Skipped, with the reason, where the `remote` extra or
+    libibverbs is missing."""
+    yield from _start_mooncake()
+
+
+@pytest.fixture(scope="module")
+def _module_mooncake() -> Iterator[LocalMooncake]:
+    yield from _start_mooncake()
+
+
+class MooncakeNamespace:
+    """One test's view of a module's Mooncake Store: its `url` carries a namespace of this test's own (`&ns=`: every
+    key is prefixed with it, `kvproc/tiers/mooncake_client.py`), so no test sees a page another one wrote. No kill or
+    restart here: a test that stops Mooncake takes `own_mooncake`."""
+
+    def __init__(self, mc: LocalMooncake, ns: str) -> None:
+        self._mc, self.ns = mc, ns
+
+    @property
+    def url(self) -> str:
+        return f"{self._mc.url}&ns={self.ns}"
+
+
+_mooncake_tests = itertools.count()
+
+
+@pytest.fixture
+def mooncake(_module_mooncake: LocalMooncake) -> MooncakeNamespace:
+    """A real Mooncake Store on loopback, started once per test module (~1.2 s a start) and shared by its tests,
+    each in a namespace of its own (an empty store as far as the test can tell)."""
+    return MooncakeNamespace(_module_mooncake, f"t{os.getpid()}x{next(_mooncake_tests)}")
 
 
 def remote_stats(store: KvStore) -> dict[str, int]:

@@ -41,6 +41,7 @@ from kvproc import (
     ReusePolicy,
     StaleBlockError,
 )
+from tests.hypothesis_budget import examples
 
 T = TypeVar("T")
 P = 4  # page tokens
@@ -55,7 +56,7 @@ PAGED_SPEC = KvSpec(P, (GroupSpec("kv", GroupKind.PAGED),))
 HYBRID_SPEC = KvSpec(P, (GroupSpec("kv", GroupKind.PAGED), GroupSpec(STATE, GroupKind.BOUNDED)))
 
 MACHINE_SETTINGS = settings(
-    max_examples=60,
+    max_examples=examples(60),
     stateful_step_count=60,
     deadline=None,
     derandomize=True,

@@ -17,7 +17,7 @@ from kvproc.engine.workload import drive
 from kvproc.store.cluster import ClusterStore
 from kvproc.store.types import StoreConfig
 from kvproc.tiers.mooncake_local import LocalMooncake
-from tests.conftest import kvproc_up, remote_stats, wait_for, written_behind
+from tests.conftest import MooncakeNamespace, kvproc_up, remote_stats, wait_for, written_behind
 from tests.engine.test_engine_pd import SPEC, engine_on, single_engine_outputs
 
 pytestmark = pytest.mark.timeout(120)
@@ -46,7 +46,7 @@ def _turn(t: Topology, rid: str, prompt: np.ndarray) -> Request:
 
 # hybrid: paged pages and bounded checkpoint artifacts both travel (dense adds nothing the store tests do not cover)
 @pytest.mark.parametrize("model", ["hybrid"])
-def test_a_conversation_continued_on_another_node_is_served_from_mooncake(mooncake: LocalMooncake,
+def test_a_conversation_continued_on_another_node_is_served_from_mooncake(mooncake: MooncakeNamespace,
                                                                           model: str) -> None:
     rng = np.random.default_rng(11)
     first = rng.integers(2, 200, FIRST)
@@ -66,7 +66,7 @@ def test_a_conversation_continued_on_another_node_is_served_from_mooncake(moonca
 
 
 @pytest.mark.parametrize("barrier", [True, False], ids=["barrier", "no_barrier"])
-def test_pd_across_nodes_through_mooncake_equals_a_single_engine(mooncake: LocalMooncake, barrier: bool) -> None:
+def test_pd_across_nodes_through_mooncake_equals_a_single_engine(mooncake: MooncakeNamespace, barrier: bool) -> None:
     """Prefill on node A, decode on node B (each its own host tier): A's hand-off saves are written through to
     Mooncake, B's full-hit resolve pulls them through its own host tier. With the KV-ready barrier an envelope is
     emitted once its saves are in Mooncake; without it B may ask first, and its full-hit wait is answered when the
@@ -94,18 +94,18 @@ def test_pd_across_nodes_through_mooncake_equals_a_single_engine(mooncake: Local
 
 @pytest.mark.parametrize("victim", ["storage", "master"])
 def test_handoffs_committed_while_mooncake_is_down_are_answered_counted_and_served_on_their_node(
-        mooncake: LocalMooncake, victim: str) -> None:
+        own_mooncake: LocalMooncake, victim: str) -> None:
     """Mooncake dies before the prefill node's hand-offs commit, and nobody has noticed yet (the breaker is closed:
     the first write-through really goes out and fails). Every commit is answered within its deadline, the failures
     are counted, each hand-off stays pinned in the node's own host tier, and P/D on that node (prefill and decode
     sharing its tier, with the KV-ready barrier) keeps serving: tokens equal one engine's, nothing left pinned."""
     want = single_engine_outputs("dense")
-    with kvproc_up("mcdown", "--host-mib", "64", "--remote", mooncake.url + "&timeout=1") as (rd, _), \
+    with kvproc_up("mcdown", "--host-mib", "64", "--remote", own_mooncake.url + "&timeout=1") as (rd, _), \
             ClusterStore.start(16 << 20, tier_runtime_dir=rd) as p, ClusterStore.start(16 << 20, tier_runtime_dir=rd) as d:
         prefill, decode = engine_on(p, "dense", handoff_barrier=True), engine_on(d, "dense")
         assert p.store is not None
         wait_for(lambda: remote_stats(p.store).get("connected") == 1, 10, "the tier connected to Mooncake")
-        (mooncake.kill_master if victim == "master" else mooncake.kill_storage)()
+        (own_mooncake.kill_master if victim == "master" else own_mooncake.kill_storage)()
         router = PdRouter(prefill, decode)
         recs = drive(router, SPEC, prefill.model.vocab_size)
         assert all(r.failed is None for r in recs), [r.failed for r in recs]

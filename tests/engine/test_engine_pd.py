@@ -36,11 +36,9 @@ SPEC = WorkloadSpec(conversations=2, turns=2, first_input=45, new_per_turn=20, o
 BLOCKS, LIVE, STAGING, PAGE = 48, 2, 8, 16
 
 
-@pytest.fixture()
-def shared_tier() -> Iterator[str]:
-    """A fresh `kvproc up` per test: a host tier serves one model shape (its first Configure fixes the layout)."""
-    rd = f"/tmp/kvup-pd{os.getpid()}"
-    up = subprocess.Popen([sys.executable, "-m", "kvproc", "up", "--cluster", PDENG_CLUSTER, "--runtime-dir", rd,
+def _kvproc_up(cluster: str) -> Iterator[str]:
+    rd = f"/tmp/kvup-{cluster}"
+    up = subprocess.Popen([sys.executable, "-m", "kvproc", "up", "--cluster", cluster, "--runtime-dir", rd,
                            "--host-mib", "64"], stdout=subprocess.PIPE, text=True)
     try:
         assert up.stdout is not None and "up; manifest" in up.stdout.readline()
@@ -49,7 +47,21 @@ def shared_tier() -> Iterator[str]:
         subprocess.run([sys.executable, "-m", "kvproc", "down", "--runtime-dir", rd, "--timeout", "10"],
                        check=False, capture_output=True)
         up.wait(10)
-    assert not list_segments(PDENG_CLUSTER)
+    assert not list_segments(cluster)
+
+
+@pytest.fixture()
+def shared_tier() -> Iterator[str]:
+    """A fresh `kvproc up` per test: a host tier serves one model shape (its first Configure fixes the layout)."""
+    yield from _kvproc_up(PDENG_CLUSTER)
+
+
+@pytest.fixture(scope="module")
+def dense_tier() -> Iterator[str]:
+    """One `kvproc up` for the module's single-request dense tests (a tier per model shape; ~1.3 s a start and
+    stop): each uses request ids of its own, and what it asserts about the tier is counted from before it ran or
+    is about its own engine."""
+    yield from _kvproc_up(f"{PDENG_CLUSTER}d")
 
 
 def engine_on(cs: ClusterStore, name: str, **kw: object) -> Engine:
@@ -87,8 +99,8 @@ def test_a_pd_run_equals_a_single_engine_run(shared_tier: str, name: str) -> Non
         assert tier["open_handoffs"] == 0 and tier["open_leases"] == 0
 
 
-def test_a_fingerprint_mismatch_is_rejected_at_intake_with_both_strings(shared_tier: str) -> None:
-    with ClusterStore.start(16 << 20, tier_runtime_dir=shared_tier) as D:
+def test_a_fingerprint_mismatch_is_rejected_at_intake_with_both_strings(dense_tier: str) -> None:
+    with ClusterStore.start(16 << 20, tier_runtime_dir=dense_tier) as D:
         decode = engine_on(D, "dense")
         env = HandoffEnvelope("p1", "kvproc-handoff/v1 model=other", committed_len=20, anchor_token_id=5)
         req = Request.make("d1", np.arange(2, 22), 4, handoff_in=env)
@@ -97,8 +109,8 @@ def test_a_fingerprint_mismatch_is_rejected_at_intake_with_both_strings(shared_t
         assert env.fingerprint in str(e.value) and decode.fingerprint in str(e.value)
 
 
-def test_a_missing_page_rejects_before_a_slot_is_taken(shared_tier: str) -> None:
-    with ClusterStore.start(16 << 20, tier_runtime_dir=shared_tier) as D:
+def test_a_missing_page_rejects_before_a_slot_is_taken(dense_tier: str) -> None:
+    with ClusterStore.start(16 << 20, tier_runtime_dir=dense_tier) as D:
         decode = engine_on(D, "dense", handoff_deadline_s=0.3)
         env = HandoffEnvelope("never-prefilled", decode.fingerprint, committed_len=40, anchor_token_id=5)
         req = Request.make("d2", np.arange(2, 42), 4, handoff_in=env)
@@ -111,8 +123,8 @@ def test_a_missing_page_rejects_before_a_slot_is_taken(shared_tier: str) -> None
         assert decode.store.pools[0].stats()["admitted_requests"] == 0
 
 
-def test_a_cancelled_requests_handoff_entry_is_revoked(shared_tier: str) -> None:
-    with ClusterStore.start(16 << 20, tier_runtime_dir=shared_tier) as P:
+def test_a_cancelled_requests_handoff_entry_is_revoked(dense_tier: str) -> None:
+    with ClusterStore.start(16 << 20, tier_runtime_dir=dense_tier) as P:
         prefill = engine_on(P, "dense")
         req = Request.make("p3", np.arange(2, 50), 1, handoff_out=True)
         prefill.run([req])

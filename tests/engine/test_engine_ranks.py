@@ -66,10 +66,17 @@ def _no_cache(model: str) -> list[list[int]]:
         return _outputs(_conversations(t, 1)[0])
 
 
+@functools.cache
+def _one_rank(model: str) -> list[Request]:
+    """A one-rank kvproc run (computed once per model for the module: dense-2 and dense-4 compare with the same run;
+    the requests are only read)."""
+    with _topo("kvproc", model, 1) as t:
+        return _conversations(t, 1)[0]
+
+
 @pytest.mark.parametrize(("model", "ranks"), [("dense", 2), ("dense", 4), ("mla", 2), ("swa", 2)])
 def test_ranks_give_the_tokens_of_one_rank_and_of_no_cache(model: str, ranks: int) -> None:
-    with _topo("kvproc", model, 1) as t:
-        one, _ = _conversations(t, 1)
+    one = _one_rank(model)
     with _topo("kvproc", model, ranks) as t:
         assert len(t.store.pools) == len(t.store.tiers) == ranks and len(set(map(id, t.store.tiers))) == ranks
         got, eng = _conversations(t, ranks)

@@ -21,6 +21,7 @@ from kvproc.store.types import SaveClass, StoreConfig
 from kvproc.tiers.kv_events import BlockStored, decode_batch, endpoints
 from kvproc.tiers.mooncake_local import LocalMooncake
 from tests.conftest import (
+    MooncakeNamespace,
     ShmBytesModel,
     check_bytes,
     churn,
@@ -43,7 +44,7 @@ TOKS = list(range(1, 18))  # 4 full pages of 4 tokens
 HOST_6_PAGES = 3 * 4096 + 6 * (512 + 16)  # two 4 KiB-aligned regions and the slot table, 6 page slots
 
 
-def test_a_prompt_saved_on_node_a_is_restored_on_node_b_from_mooncake(mooncake: LocalMooncake) -> None:
+def test_a_prompt_saved_on_node_a_is_restored_on_node_b_from_mooncake(mooncake: MooncakeNamespace) -> None:
     with cluster_store(remote=mooncake.url) as (_, a, model_a), cluster_store(remote=mooncake.url) as (_, b, model_b):
         written = saved(a, model_a, "a", TOKS)
         st = written_behind(a, 4)
@@ -63,7 +64,7 @@ def test_a_prompt_saved_on_node_a_is_restored_on_node_b_from_mooncake(mooncake: 
         assert remote_stats(b).get("writes_ok", 0) == 0
 
 
-def test_without_remote_node_b_misses(mooncake: LocalMooncake) -> None:
+def test_without_remote_node_b_misses(mooncake: MooncakeNamespace) -> None:
     """The control for the test above: the same two nodes, B without the remote tier, restore nothing."""
     with cluster_store(remote=mooncake.url) as (_, a, model_a), cluster_store() as (_, b, _):
         saved(a, model_a, "a", TOKS)
@@ -74,7 +75,7 @@ def test_without_remote_node_b_misses(mooncake: LocalMooncake) -> None:
         assert remote_stats(b) == {}
 
 
-def test_host_tier_eviction_on_a_is_served_back_from_mooncake(mooncake: LocalMooncake) -> None:
+def test_host_tier_eviction_on_a_is_served_back_from_mooncake(mooncake: MooncakeNamespace) -> None:
     # 6 page slots on the host: the second and third prompts (4 pages each) evict the first one's pages.
     with cluster_store(host_bytes=HOST_6_PAGES, remote=mooncake.url) as (_, a, model):
         # Each save written behind before the next: write-behind leases a save's pages until Mooncake has them, so
@@ -92,7 +93,7 @@ def test_host_tier_eviction_on_a_is_served_back_from_mooncake(mooncake: LocalMoo
         nothing_left(a)
 
 
-def test_a_model_with_another_fingerprint_never_sees_the_first_models_keys(mooncake: LocalMooncake) -> None:
+def test_a_model_with_another_fingerprint_never_sees_the_first_models_keys(mooncake: MooncakeNamespace) -> None:
     with cluster_store(remote=mooncake.url) as (_, a, model_a), \
             cluster_store(remote=mooncake.url, stored=True, repack="tests.conftest:xor_repack") as (_, c, _):
         saved(a, model_a, "a", TOKS)
@@ -141,14 +142,14 @@ FAST = "&timeout=1"  # each Mooncake call's deadline: 1 s
 
 @pytest.mark.parametrize("victim", ["master", "storage"])
 def test_a_dead_mooncake_degrades_within_the_deadline_sheds_saves_and_reconnects(
-        mooncake: LocalMooncake, victim: str) -> None:
+        own_mooncake: LocalMooncake, victim: str) -> None:
     config = StoreConfig(resolve_deadline_s=3.0)
-    with cluster_store(remote=mooncake.url + FAST, config=config) as (_, a, model_a), \
-            cluster_store(remote=mooncake.url + FAST, config=config) as (_, b, model_b):
+    with cluster_store(remote=own_mooncake.url + FAST, config=config) as (_, a, model_a), \
+            cluster_store(remote=own_mooncake.url + FAST, config=config) as (_, b, model_b):
         saved(a, model_a, "before", TOKS)
         written_behind(a, 4)
         wait_for(lambda: remote_stats(b)["connected"] == 1, 10, "B connected to Mooncake")
-        (mooncake.kill_master if victim == "master" else mooncake.kill_storage)()
+        (own_mooncake.kill_master if victim == "master" else own_mooncake.kill_storage)()
         # B's resolve needs Mooncake: it degrades to a miss, within its deadline.
         t0 = time.monotonic()
         prefix = b.resolve_prefix_sync(0, "b", TOKS)
@@ -176,7 +177,7 @@ def test_a_dead_mooncake_degrades_within_the_deadline_sheds_saves_and_reconnects
         a.revoke_handoff("handoff")
         wait_for(lambda: a.stats()["tier"]["open_handoffs"] == 0, what="the hand-off revoked")
         # Mooncake back (a fresh master loses its keys: both processes restart): the tiers reconnect by themselves.
-        mooncake.restart()
+        own_mooncake.restart()
         toks = reconnected_prompt(a, model_a)
         model_b.zero()
         wait_for(lambda: host_tokens(b, toks) == 16, 30, "B pulling from Mooncake again")
@@ -205,7 +206,7 @@ def reconnected_prompt(store: KvStore, model: ShmBytesModel, timeout: float = 30
     raise AssertionError("unreachable")
 
 
-def test_kvproc_up_remote_writes_behind_and_a_plain_node_pulls_it(mooncake: LocalMooncake) -> None:
+def test_kvproc_up_remote_writes_behind_and_a_plain_node_pulls_it(mooncake: MooncakeNamespace) -> None:
     """The two ways to configure it: a shared tier (`kvproc up --remote`) on node A, `ClusterStore.start(remote=)`
     on node B."""
     with kvproc_up("mcup", "--remote", mooncake.url) as (rd, _), \

@@ -16,6 +16,7 @@ from kvproc.store.kv_store import KvStore
 from kvproc.store.types import SaveClass
 from kvproc.tiers.mooncake_local import LocalMooncake, unavailable_reason
 from tests.conftest import (
+    MooncakeNamespace,
     ShmBytesModel,
     Written,
     check_bytes,
@@ -68,7 +69,7 @@ class Consumer(threading.Thread):
         return self.prefix
 
 
-def test_a_consumer_that_asks_first_is_served_once_the_producer_writes_through(mooncake: LocalMooncake) -> None:
+def test_a_consumer_that_asks_first_is_served_once_the_producer_writes_through(mooncake: MooncakeNamespace) -> None:
     """No KV-ready barrier: node B's full-hit resolve is parked before node A has even computed the prompt. B's host
     tier re-probes Mooncake for the awaited key, answers the wait when A's write-through lands, and the resolve pulls
     the pages through B's own host tier: the producer's bytes, the hand-off consumed, nothing left on either node."""
@@ -92,7 +93,7 @@ def test_a_consumer_that_asks_first_is_served_once_the_producer_writes_through(m
             assert tier["open_handoffs"] == 0 and tier["open_leases"] == 0 and tier["waiters"] == 0, tier
 
 
-def test_a_full_hit_wait_for_a_handoff_nobody_produces_ends_at_its_deadline(mooncake: LocalMooncake) -> None:
+def test_a_full_hit_wait_for_a_handoff_nobody_produces_ends_at_its_deadline(mooncake: MooncakeNamespace) -> None:
     """The watch is bounded by the wait's deadline: the resolve misses, the key is dropped (counted), no waiter
     or lease is left."""
     with cluster_store(remote=mooncake.url) as (_, b, _):

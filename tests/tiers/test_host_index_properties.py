@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvproc.tiers.host_index import Hit, HostIndex, Loading, Miss, SaveClass, SaveTicket, Shed
+from tests.hypothesis_budget import examples
 
 SLOTS = 12
 KEYS = [bytes([i]) * 16 for i in range(24)]
@@ -122,4 +123,4 @@ class HostIndexMachine(RuleBasedStateMachine):
 
 
 TestHostIndexMachine = HostIndexMachine.TestCase
-TestHostIndexMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestHostIndexMachine.settings = settings(max_examples=examples(150), stateful_step_count=40, deadline=None)

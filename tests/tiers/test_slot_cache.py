@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from kvproc.native import NATIVE
 from kvproc.tiers.slot_cache import SlotCache
+from tests.hypothesis_budget import examples
 
 
 def k(i: int) -> bytes:
@@ -33,7 +34,7 @@ def test_pages_without_a_slot_or_generation_are_not_learned() -> None:
     assert len(c) == 1 and c.run([k(1)]) == ([4], [2])
 
 
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=examples(50), deadline=None)
 @given(st.lists(st.integers(0, 40), max_size=200), st.integers(1, 16))
 def test_bounded_and_the_newest_learned_win(keys, capacity) -> None:  # type: ignore[no-untyped-def]
     c = SlotCache(capacity)
@@ -107,7 +108,7 @@ _op = st.one_of(
 )
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(st.integers(1, 20), st.lists(_op, max_size=60), st.booleans())
 def test_each_op_agrees_with_the_plain_dict_semantics(capacity: int, ops: list,  # type: ignore[type-arg]
                                                       crafted: bool) -> None:

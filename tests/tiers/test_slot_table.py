@@ -21,6 +21,7 @@ from kvproc.tiers.host_index import Hit, HostIndex, Shed
 from kvproc.tiers.layout import ALIGN, HostLayout
 from kvproc.tiers.slot_table import GEN, TAG, key_tags, verified_run
 from kvproc.tiers.touch_batch import TouchBatch
+from tests.hypothesis_budget import examples
 
 
 def test_key_tags_are_the_first_eight_bytes_little_endian() -> None:
@@ -32,7 +33,7 @@ def test_key_tags_are_the_first_eight_bytes_little_endian() -> None:
 
 
 @pytest.mark.skipif(NATIVE is None, reason="the compiled helpers are not built")
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(data=st.data(), n=st.integers(0, 40), size=st.integers(4, 64))
 def test_the_compiled_check_agrees_with_the_numpy_one(data: st.DataObject, n: int, size: int) -> None:
     table = np.zeros((2, size), dtype=np.int64)
@@ -50,7 +51,7 @@ def test_the_compiled_check_agrees_with_the_numpy_one(data: st.DataObject, n: in
                              if not (0 <= s < size and table[GEN, s] == g and table[TAG, s] == tag[k] != 0)), n)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(data=st.data(), n=st.integers(0, 30), size=st.integers(4, 40))
 def test_the_cache_lookup_and_check_in_one_pass_agrees_with_the_two_steps(data: st.DataObject, n: int,
                                                                           size: int) -> None:
@@ -75,7 +76,7 @@ def test_the_cache_lookup_and_check_in_one_pass_agrees_with_the_two_steps(data: 
 
 
 
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=examples(50), deadline=None)
 @given(host_bytes=st.integers(8 * 4096, 1 << 22), units=st.lists(st.sampled_from([64, 256, 2048, 5000]), min_size=1,
                                                                       max_size=3))
 def test_the_layout_keeps_the_table_inside_the_budget_and_apart_from_the_regions(host_bytes: int,
@@ -265,4 +266,4 @@ class SeqlockMachine(RuleBasedStateMachine):
 
 
 TestSeqlockMachine = SeqlockMachine.TestCase
-TestSeqlockMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestSeqlockMachine.settings = settings(max_examples=examples(150), stateful_step_count=40, deadline=None)

@@ -14,6 +14,7 @@ from kvproc.ipc.orders import BoundedCopy, LoadOrder, SaveOrder, SlotCopy
 from kvproc.tiers.layout import HostLayout
 from kvproc.workers.copy_exec import CopyError, CopyExecutor, _runs_numpy, runs
 from kvproc.workers.movers import mover_for
+from tests.hypothesis_budget import examples
 
 KINDS = pytest.mark.parametrize("kind", ["memmove", "torch"])
 
@@ -28,7 +29,7 @@ def test_runs_coalesce_only_where_both_sides_advance_together():
     assert runs(src, dst) == [(3, 0, 2), (5, 7, 1), (9, 8, 2), (2, 3, 1)]
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40)), max_size=80))
 def test_runs_small_list_path_and_numpy_path_agree_and_cover_every_pair(pairs):
     """Up to SMALL_ORDER pairs `runs` loops in Python, above it numpy: both must give the same maximal runs."""
@@ -75,7 +76,7 @@ def test_save_then_load_into_other_ids_is_bit_exact_for_every_arena(kind):
 
 
 @KINDS
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(data=st.data())
 def test_any_mix_of_runs_and_scattered_ids_moves_exactly_the_right_bytes(data, kind):
     """Long runs go as slice copies, the rest as one gather per arena (`split_runs`): for any id pattern, small
