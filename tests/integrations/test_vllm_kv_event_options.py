@@ -14,6 +14,7 @@ from tests.conftest import kvproc_up
 @pytest.mark.parametrize("extra, why", [
     ({"kv_events_tokens": True}, "need kv_events"),
     ({"kv_events_interval_ms": 10}, "need kv_events"),
+    ({"kv_events_into_vllm": True}, "need kv_events"),
     ({"kv_events": True, "kv_events_interval_ms": 0}, "kv_events_interval_ms must be > 0"),
     ({"kv_events": True, "kv_events_interval_ms": 1e12}, "kv_events_interval_ms must be > 0"),
     ({"kv_events": True, "kv_events_interval_ms": "fast"}, "kv_events_interval_ms must be > 0"),
@@ -26,8 +27,10 @@ def test_bad_kv_event_settings_are_refused_with_the_key_named(extra: dict, why: 
 
 
 def test_good_settings_pass() -> None:
-    o = RuntimeOptions.from_extra({"kv_events": True, "kv_events_interval_ms": 10, "kv_events_tokens": True})
-    assert o.kv_events and o.kv_events_interval_ms == 10 and o.kv_events_tokens
+    o = RuntimeOptions.from_extra({"kv_events": True, "kv_events_interval_ms": 10, "kv_events_tokens": True,
+                                   "kv_events_into_vllm": True})
+    assert o.kv_events and o.kv_events_interval_ms == 10 and o.kv_events_tokens and o.kv_events_into_vllm
+    assert not RuntimeOptions.from_extra({"kv_events": True}).kv_events_into_vllm  # opt-in
 
 
 def test_a_shared_tier_without_events_is_refused_and_one_with_them_is_named() -> None:

@@ -72,6 +72,7 @@ from kvproc import (
 from kvproc.core.holds import PrefixHold
 from kvproc.integrations.vllm import runtime as rt_mod
 from kvproc.integrations.vllm.contract import VllmKvContract, contract_from_vllm, model_identity
+from kvproc.integrations.vllm.event_forward import TierEventForwarder
 from kvproc.integrations.vllm.moves import CopyJob, MoveQueue
 from kvproc.tiers.remote import RemoteCopier
 from kvproc.workers.movers import MEMMOVE
@@ -193,6 +194,13 @@ class KvprocConnector(KVConnectorBase_V1):
         self._load_errors: set[int] = set()
         self._receiving: set[str] = set()  # requests whose asynchronous load was submitted, not yet reported
         self._sending: set[str] = set()  # finished requests whose delayed free waits for their saves
+        self._events: TierEventForwarder | None = None  # the host tier's KV events into vLLM's stream
+        kec = vllm_config.kv_events_config
+        if (role == KVConnectorRole.SCHEDULER and self.options.kv_events and self.options.kv_events_into_vllm
+                and kec is not None and kec.enable_kv_cache_events):
+            tiers = rt_mod.kv_event_endpoints(self.options.tier_runtime_dir or self.rt.cluster.cluster.runtime_dir)
+            tier = tiers["host_tier[0]"]
+            self._events = TierEventForwarder(tier["kv_events"], tier["kv_events_replay"])
         log.info("kvproc_connector", role=role.name, engine_id=engine_id, page_tokens=self.page,
                  layers=len(self.contract.layer_names))
 
@@ -753,10 +761,18 @@ class KvprocConnector(KVConnectorBase_V1):
 
     # ============================ both ============================
 
+    def take_events(self) -> list[Any]:
+        """The host tier's KV events since the last call, as vLLM's (`event_forward.py`); vLLM's scheduler publishes
+        them with its own at each step. Nothing unless `kv_events` and vLLM's own KV events are both on."""
+        return self._events.take() if self._events is not None else []
+
     def shutdown(self) -> None:
         if self._closed:
             return
         self._closed = True
+        if self._events is not None:
+            log.info("kv_event_forward_closed", **self._events.stats())
+            self._events.close()
         moves = self.rt.moves
         if self._reqs and moves is not None:  # the scheduler side: the last saves land and are sealed first
             if not moves.idle(self.options.move_wait_s):

@@ -65,12 +65,18 @@ class RuntimeOptions:
     kv_events: bool = False
     kv_events_interval_ms: float | None = None  # the batch interval (default 50); a shared tier's is its own
     kv_events_tokens: bool = False  # BlockStored carry the pages' token ids (each save sends its tokens)
+    # The host tier's events also go out in vLLM's own stream (`event_forward.py`), when vLLM's KV events are on
+    # (`--kv-events-config`: enable_kv_cache_events): a router reading vLLM's endpoint then sees both tiers. Opt-in:
+    # they carry kvproc's page hashes, not vLLM's (a router that matches prompts by token ids wants kv_events_tokens).
+    kv_events_into_vllm: bool = False
 
     def __post_init__(self) -> None:
         if self.mover not in ("local", "cma"):
             raise ValueError(f"kv_connector_extra_config: mover must be 'local' or 'cma', got {self.mover!r}")
-        if (self.kv_events_tokens or self.kv_events_interval_ms is not None) and not self.kv_events:
-            raise ValueError("kv_connector_extra_config: kv_events_tokens / kv_events_interval_ms need kv_events")
+        if (self.kv_events_tokens or self.kv_events_interval_ms is not None or self.kv_events_into_vllm) and \
+                not self.kv_events:
+            raise ValueError("kv_connector_extra_config: kv_events_tokens / kv_events_interval_ms / kv_events_into_vllm "
+                             "need kv_events")
         if self.kv_events_interval_ms is not None:
             if self.tier_runtime_dir is not None:
                 raise ValueError("kv_connector_extra_config: kv_events_interval_ms is the shared tier's setting "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -27,9 +28,35 @@ from tests.integrations.vllm.conftest import (
 pytestmark = pytest.mark.timeout(600)
 
 
-def test_the_connectors_host_tier_publishes_every_saved_page_with_its_tokens(tiny_llama: Path) -> None:
-    extra = {"kv_events": True, "kv_events_tokens": True, "kv_events_interval_ms": 10}
-    with engine(tiny_llama, kvproc_transfer_config(**extra)) as llm:
+def _vllm_stream(replay_endpoint: str) -> list[Any]:
+    """Every event vLLM's own publisher still holds (its replay endpoint), decoded as vLLM decodes them."""
+    import msgspec
+    import zmq
+    from vllm.distributed.kv_events import KVEventBatch as VllmBatch
+
+    dec = msgspec.msgpack.Decoder(VllmBatch)
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(replay_endpoint)
+    try:
+        s.send_multipart([b"", (0).to_bytes(8, "big")])
+        out: list[Any] = []
+        while True:
+            assert s.poll(10_000), "vLLM's replay did not answer"
+            _, _, seq, payload = s.recv_multipart()
+            if seq == (-1).to_bytes(8, "big", signed=True):
+                return out
+            out += dec.decode(payload).events
+    finally:
+        s.close()
+
+
+def test_the_connectors_host_tier_publishes_every_saved_page_with_its_tokens(tiny_llama: Path, tmp_path: Path) -> None:
+    # vLLM's own KV events on too, and the tier's forwarded into vLLM's stream (`kv_events_into_vllm`)
+    extra = {"kv_events": True, "kv_events_tokens": True, "kv_events_interval_ms": 10, "kv_events_into_vllm": True}
+    kec = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"ipc://{tmp_path}/vllm-events",
+           "replay_endpoint": f"ipc://{tmp_path}/vllm-events-replay"}
+    with engine(tiny_llama, kvproc_transfer_config(**extra), kv_events_config=kec) as llm:
         rd = live_runtime().cluster.cluster.runtime_dir
         (tier,) = kv_event_endpoints(rd).values()  # what the connector logs at start (`vllm_connector_started`)
         assert tier["kv_events_interval_ms"] == "10" and tier["kv_events_tokens"] == "1"
@@ -56,3 +83,19 @@ def test_the_connectors_host_tier_publishes_every_saved_page_with_its_tokens(tin
             assert len(e.token_ids) == BLOCK * len(e.block_hashes)
             got |= {tuple(e.token_ids[i:i + BLOCK]) for i in range(0, len(e.token_ids), BLOCK)}
         assert got == pages
+        # The same pages in vLLM's own stream, beside its GPU blocks: forwarded at the scheduler's next step (an
+        # idle engine has none), so one more request makes one; not the tier's AllBlocksCleared (it would clear the
+        # GPU blocks too, for a router)
+        generate(llm, [random_tokens(rng, 8)], max_tokens=1)
+
+        def forwarded() -> list[Any]:
+            return [e for e in _vllm_stream(kec["replay_endpoint"]) if getattr(e, "medium", None) == "CPU"]
+
+        wait_for(lambda: sum(len(e.block_hashes) for e in forwarded() if type(e).__name__ == "BlockStored") >= 9,
+                 timeout=60, what="the tier's pages in vLLM's stream")
+        everything = _vllm_stream(kec["replay_endpoint"])
+        assert not any(type(e).__name__ == "AllBlocksCleared" for e in everything)
+        assert any(getattr(e, "medium", None) == "GPU" for e in everything)  # vLLM's own blocks, same stream
+        fwd = [e for e in forwarded() if type(e).__name__ == "BlockStored"]
+        assert {tuple(e.token_ids[i:i + BLOCK]) for e in fwd for i in range(0, len(e.token_ids), BLOCK)} == pages
+        assert [e.block_hashes for e in fwd] == [e.block_hashes for e in stored()]  # the tier's order, once each
