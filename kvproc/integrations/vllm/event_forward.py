@@ -31,7 +31,9 @@ log = structlog.get_logger(__name__)
 
 RCVHWM = 100_000  # batches the socket keeps between two takes (~80 min of 50 ms batches)
 REPLAY_TIMEOUT_MS = 2000  # the start-up replay's per-frame wait: a tier that does not answer does not hold vLLM
-MAX_BATCHES_PER_TAKE = 10_000  # one take's bound: a step never reads more than this (the rest waits for the next)
+# One take's bound, so that a step after a long idle does not decode the whole backlog at once (the rest waits for
+# the next steps; the tier sends one batch per 50 ms, a step comes every few ms to tens of ms).
+MAX_BATCHES_PER_TAKE = 64
 
 
 class TierEventForwarder:
