@@ -2,7 +2,8 @@
 `kv_events_interval_ms`): a real vLLM engine (CPU) serves prompts, and a subscriber reading the endpoint the
 cluster's manifest names gets a BlockStored (medium "CPU", vLLM's block size) for every full page vLLM computed,
 with the page's token ids. The staging pool publishes nothing (it is no cache a router should route on); vLLM's own
-GPU blocks are vLLM's `kv_events_config` (docs/vllm.md)."""
+GPU blocks are vLLM's `kv_events_config` (docs/vllm.md). With `kv_events_into_vllm` the tier's events are in vLLM's
+own stream too, beside its GPU blocks, once each and in the tier's order (`event_forward.py`)."""
 
 from __future__ import annotations
 
