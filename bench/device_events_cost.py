@@ -31,7 +31,8 @@ import numpy as np
 
 from kvproc import native
 from kvproc.core import paged
-from kvproc.tiers.kv_events import DeviceIndexEvents, KvEventPublisher
+from kvproc.tiers.device_index_events import DeviceIndexEvents
+from kvproc.tiers.kv_events import KvEventPublisher
 
 
 def build_base(rev: str, tmp: str) -> tuple[types.ModuleType, types.ModuleType]:

@@ -56,7 +56,7 @@ def median_ci(ratios: list[float], reps: int = 4000, seed: int = 2) -> tuple[flo
 
 
 def main(rounds: int, n: int, blocks: int, scrape_s: float, json_path: str | None, toggled: str = "all",
-         alternate: str = "round") -> int:
+         alternate: str = "round", events_encoder: str = "native") -> int:
     """`toggled`: what the on arm switches on: "all", "events" (device-pool events only: no scrape), "metrics"
     (the scrapes only: no device-pool listener) or "none" (the A/A control: the arms differ in nothing, so what it
     prints is the harness's own bias and noise).
@@ -67,13 +67,17 @@ def main(rounds: int, n: int, blocks: int, scrape_s: float, json_path: str | Non
     rounds 150 ms apart differ by several percent (an A/A at round level read +-5% on a noisy day). It toggles the
     device-pool events only (`toggled` "events" or "none"): a scrape cannot be given to one resolve. The publisher's
     thread then builds, encodes and sends at its ticks whichever arm is running: its CPU time (`busy_s`) is printed
-    per on-resolve beside the A/B, the part of the cost that the interleaving spreads over both arms."""
+    per on-resolve beside the A/B, the part of the cost that the interleaving spreads over both arms.
+
+    `events_encoder` "python": the device publisher encodes its batches with the pure-Python form
+    (`DeviceBatchEncoder.python`), the compiled form's baseline; "native" (the default): as shipped."""
     per_resolve = alternate == "resolve"
     if per_resolve and toggled not in ("events", "none"):
         raise ValueError("alternating every resolve toggles the device-pool events only: --toggled events or none")
     from kvproc.bench.ipcbench import ARENA_BLOCK, CONCURRENCY, IpcBench, IpcBenchModel, Observer
     from kvproc.store.cluster import ClusterStore
     from kvproc.store.types import StoreConfig
+    from kvproc.tiers.device_index_events import DeviceBatchEncoder
 
     # The host tier holds a few rounds' prompts: a round resolves only what it sealed, older pages may be evicted.
     host_bytes = (4 * n + 64) * blocks * 2 * ARENA_BLOCK + (4 << 20)
@@ -90,6 +94,9 @@ def main(rounds: int, n: int, blocks: int, scrape_s: float, json_path: str | Non
         store = cs.attach_model(model, live_slots=CONCURRENCY, config=StoreConfig(cacheable_pin_fraction=1.0))
         assert cs.device_events is not None
         pub = cs.device_events.publishers[0]
+        if events_encoder == "python":
+            assert isinstance(pub.encode_batch, DeviceBatchEncoder)
+            pub.encode_batch = pub.encode_batch.python
         pool = store.pools[0]
         listener = pool.paged.listener
         observer = Observer(cs, 0, device=True, nice=OBSERVER_NICE)  # 0: scrapes when asked
@@ -163,7 +170,8 @@ def main(rounds: int, n: int, blocks: int, scrape_s: float, json_path: str | Non
     on_resolves = len(samples["on"])
     if pub.events and on_resolves:
         busy_us = pub.busy_s * 1e6 / on_resolves
-        print(f"device publisher's thread: {pub.busy_s * 1e3:.0f} ms of CPU building, encoding and sending, "
+        print(f"device publisher's thread ({events_encoder} encoder): {pub.busy_s * 1e3:.0f} ms of CPU building, "
+              f"encoding and sending, "
               f"{busy_us:.2f} us per 'on' resolve ({100 * busy_us / (med_on * 1e6):.2f}% of its median): "
               f"not timed by a resolve unless it held the GIL or a core one needed")
     if json_path:
@@ -173,6 +181,7 @@ def main(rounds: int, n: int, blocks: int, scrape_s: float, json_path: str | Non
                        "pair_ratios": pair_ratios, "per_round_mean": per_round, "per_round_median": per_round_med, "median_on_us": med_on * 1e6, "median_off_us": med_off * 1e6,
                        "observer": seen, "on_seconds": on_seconds, "scrapes": scrapes,
                        "device_batches": pub.batches, "alternate": alternate, "toggled": toggled,
+                       "events_encoder": events_encoder,
                        "publisher_busy_s": pub.busy_s, "device_events": pub.events - warm_events}, f, indent=2)
     return 0
 

@@ -11,13 +11,13 @@ per handle on the hot path, `__del__` nothing until it runs.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Generic, TypeVar
 
 import numpy as np
 
 if TYPE_CHECKING:
+    from kvproc.core.paged import TokenIds
     from kvproc.core.pool import BlockPool
 
 
@@ -120,9 +120,10 @@ class PrefixHold(_Handle[HoldState]):
         self.reason = reason
         self.matched_pages = matched_pages  # paged-index match before caps and checkpoint alignment
         self.page_tokens = page_tokens
-        # The prompt probed for (the store's resolve sets it): pages restored into this hold take their token ids
-        # from it for KV events (`BlockPool.commit_loaded_blocks`). A reference, never copied or read otherwise.
-        self.prompt_tokens: Sequence[int] | np.ndarray | None = None
+        # The prompt probed for, as its hash packed it (the store's resolve sets it: `PageHashes.data`, a `TokenIds`):
+        # pages restored into this hold take their token ids from it for KV events (`BlockPool.commit_loaded_blocks`).
+        # A reference, never copied or read otherwise.
+        self.prompt_tokens: TokenIds | None = None
 
     @property
     def num_blocks(self) -> int:

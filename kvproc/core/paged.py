@@ -25,7 +25,9 @@ from kvproc.core.lru import RunLru
 from kvproc.native import NATIVE
 
 _NOT_NONE = partial(is_not, None)
-TokenIds = Sequence[int] | np.ndarray  # a registration's token ids (`IndexListener.stored`)
+# A registration's token ids (`IndexListener.stored`): a sequence of ints, an int array, or bytes -- a prompt's ids
+# packed as little-endian uint32 (`PageHashes.data`, what a restore registers), never one id per byte
+TokenIds = Sequence[int] | np.ndarray | bytes
 
 
 class PoolExhaustedError(RuntimeError):
@@ -37,7 +39,7 @@ class StaleBlockError(RuntimeError):
 
 
 class IndexListener(Protocol):
-    """Told of every change to the prefix index's key set (KV events: `kvproc/tiers/kv_events.py`'s
+    """Told of every change to the prefix index's key set (KV events: `kvproc/tiers/device_index_events.py`
     `DeviceIndexEvents`), under the pool's lock, so in the order the changes happened."""
 
     def stored(self, hashes: Sequence[bytes], positions: list[int], tokens: TokenIds | None = None,

@@ -10,6 +10,7 @@
  * - slot_verify: the seqlock check of a speculative load against the host tier's slot table (`slot_table.py`).
  * - SlotMap (`_slotmap.c`): the store's slot cache as one open-addressing table, its lookups and the check before
  *   the copy in one pass (`slot_cache.py`).
+ * - kv_device_batch (`_kv_events.c`): a device pool's KV-event batch written as msgpack from the queued records.
  * - spin_readable: a bounded poll of a few fds without sleeping and without the GIL (a resolving thread waiting for
  *   a reply: `kvproc/ipc/direct.py`).
  * - copy_plan: the run split of a copy order (`kvproc.workers.copy_exec.split_runs` + `_bounds`) in one pass over
@@ -919,6 +920,6 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "kvproc.native._nativ
 
 PyMODINIT_FUNC PyInit__native(void) {
     PyObject *mod = PyModule_Create(&module);
-    if (mod && kvproc_add_slotmap(mod) < 0) Py_CLEAR(mod);
+    if (mod && (kvproc_add_slotmap(mod) < 0 || kvproc_add_kv_events(mod) < 0)) Py_CLEAR(mod);
     return mod;
 }

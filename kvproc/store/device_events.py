@@ -1,5 +1,5 @@
 """Each rank's device-pool KV events (issue 21): a publisher per rank in the store's process, fed by the pool's prefix
-index (`core.paged.IndexListener` -> `tiers.kv_events.DeviceIndexEvents`). `ClusterStore.start(device_kv_events=True)` starts
+index (`core.paged.IndexListener` -> `tiers.device_index_events.DeviceIndexEvents`). `ClusterStore.start(device_kv_events=True)` starts
 them at `attach_model` and names them in the manifest; an in-process store (`build_local_store`) gets them from
 `DevicePublishers.start(store, some_dir)`."""
 
@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from kvproc.runtime.event_interval import DEFAULT_INTERVAL_S, interval_ms
 from kvproc.store.kv_store import KvStore
-from kvproc.tiers.kv_events import DeviceIndexEvents, KvEventPublisher
+from kvproc.tiers.device_index_events import DeviceIndexEvents
+from kvproc.tiers.kv_events import KvEventPublisher
 
 KIND = "device"
 

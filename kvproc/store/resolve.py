@@ -133,7 +133,10 @@ class Resolver:
                                          or policy.consume_handoff_of is not None)
         n_tokens = len(tokens)
         hold = pool.probe(hashes, n_tokens, policy.reuse)
-        hold.prompt_tokens = tokens  # a restore's pages' token ids, for the device pool's KV events (a reference)
+        # A restore's pages' token ids, for the device pool's KV events: the prompt as the hash just packed it (a
+        # reference), which the publisher's thread reads as one buffer, where the engine's list would cost it a
+        # cold Python int per id (bench/RESULTS.md, "Eighth session")
+        hold.prompt_tokens = hashes.data
         P = pool.page_tokens
         cap = min(len(hashes), n_tokens // P) if policy.reuse is ReusePolicy.FULL_PAGES else (n_tokens - 1) // P
         dev_pages = hold.num_blocks

@@ -26,9 +26,9 @@ batches are kept, at most `replay_bytes` of them (the newest always): a device p
 `ipc://<runtime dir>/kv-events-<rank>` and `.../kv-events-replay-<rank>` (`endpoints()`). Off unless the tier is
 started with `kv_events` (`ClusterStore.start(kv_events=True)`, `kvproc up --kv-events`).
 
-Each rank's device pool publishes the same way (`DeviceIndexEvents`, medium "GPU" as vLLM names its own, endpoints
-`kv-events-device-<rank>` / `kv-events-device-replay-<rank>`), from the engine's process: what its prefix index
-holds, i.e. which page hashes a resolve there would match; its `BlockStored` carry the pages' token ids.
+Each rank's device pool publishes the same way (`tiers/device_index_events.py`, medium "GPU" as vLLM names its own,
+endpoints `kv-events-device-<rank>` / `kv-events-device-replay-<rank>`), from the engine's process: what its prefix
+index holds, i.e. which page hashes a resolve there would match; its `BlockStored` carry the pages' token ids.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import collections
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, Union
 
 import msgspec
@@ -109,6 +109,8 @@ def page_token_ids(tokens: Any, start: int, stop: int, page_tokens: int) -> Any:
     padded hand-off tail) is padded with `PAD_TOKEN_ID`, as the page itself was."""
     if tokens is None:
         return []
+    if type(tokens) is bytes:  # a prompt's packed ids (`PageHashes.data`, what a restore registers)
+        tokens = np.frombuffer(tokens, dtype="<u4")
     n = (stop - start) * page_tokens
     if start == 0 and len(tokens) == n:  # the whole registration (a prefill's new pages): as it is
         return tokens
@@ -139,8 +141,8 @@ def coalesce(events: list[KvEvent]) -> list[KvEvent]:
 
 class KvEventPublisher:
     """Publishes on a thread of its own (a ZeroMQ socket belongs to one thread), in batches gathered over
-    `batch_interval_s`. A change costs its producer one `deque.append` (`put`: an event, or a tuple the thread turns
-    into one, `DeviceIndexEvents.stored`), or one `extend` (`publish`): no lock, no counter, no thread wake per call.
+    `batch_interval_s`. A change costs its producer one `deque.append` (`put`: an event, or a record `encode_batch`
+    takes, `DeviceIndexEvents`), or one `extend` (`publish`): no lock, no counter, no thread wake per call.
     Both are atomic under the GIL, so the deque holds the changes in the order they happened. The thread looks at the
     deque every `min(batch_interval_s, TICK_S)` and sends what gathered as one batch once an interval has passed since
     the last (sooner when a `flush`, the stop or `max_pending` events ask). Why a tick and not a wake by the first
@@ -166,8 +168,8 @@ class KvEventPublisher:
         # Events (or tuples that build one) in publish order, and flush markers (set once everything before them
         # was sent). Producers append, the thread pops: both atomic, so neither needs a lock.
         self._pending: collections.deque[Any] = collections.deque()
-        # The hot path (`DeviceIndexEvents`): one event or `(build, *args)` tuple; rebound to a dropping one if the
-        # thread ends, so that nothing piles up for it.
+        # The hot path (`DeviceIndexEvents`): one event or record; rebound to a dropping one if the thread ends, so
+        # that nothing piles up for it.
         self.put: Callable[[Any], None] = self._pending.append
         self._extend: Callable[[list[Any]], None] = self._pending.extend
         self._markers = 0  # flush markers in `_pending` (not events: `stats` leaves them out of `queued`)
@@ -179,6 +181,9 @@ class KvEventPublisher:
         self.replay_batches, self.replay_bytes = replay_batches, replay_bytes
         self._kept_lock = threading.Lock()
         self._encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+        # (ts, what was taken) -> the batch's payload, on the publisher's thread. Events by default; a device pool's
+        # listener puts records and sets its own (`tiers/device_index_events.py`), before its first put.
+        self.encode_batch: Callable[[float, list[Any]], bytes] = self.encode_events
         self._stop = threading.Event()
         self.seq = 0
         self.batches = 0
@@ -208,9 +213,9 @@ class KvEventPublisher:
         for t in self._threads:
             t.start()
 
-    def publish(self, events: list[KvEvent]) -> None:
-        """Queue `events` (in this order, after everything published before) for the next batch; never blocks (safe
-        under a caller's lock: the pool's, the tier's)."""
+    def publish(self, events: list[Any]) -> None:
+        """Queue `events` (in this order, after everything published before; events, or records `encode_batch` takes)
+        for the next batch; never blocks (safe under a caller's lock: the pool's, the tier's)."""
         if not events:
             return
         self._extend(events)
@@ -319,11 +324,13 @@ class KvEventPublisher:
         finally:
             self.busy_s += time.thread_time() - t0
 
+    def encode_events(self, ts: float, events: list[Any]) -> bytes:
+        """The default `encode_batch`: `events` as one `KVEventBatch`, neighbouring removals coalesced."""
+        return self._encoder.encode(KVEventBatch(ts, coalesce(events)))
+
     def _send(self, events: list[Any]) -> None:
-        # `(build, *args)` tuples (`put`) become their event here: off the producer's path, and inside the batch's
-        # guard (a build that raises fails its batch, as an encode would)
-        built = [e[0](*e[1:]) if type(e) is tuple else e for e in events]
-        payload = self._encoder.encode(KVEventBatch(time.time(), coalesce(built)))
+        # Inside the batch's guard: an encode that raises (a record it cannot take) fails its batch
+        payload = self.encode_batch(time.time(), events)
         seq = self.seq
         with self._kept_lock:
             kept = self._kept
@@ -386,67 +393,3 @@ class KvEventPublisher:
                 "kv_events.replay_failed": self.replay_failed,
                 "kv_events.busy_ns": int(self.busy_s * 1e9),  # counters are ints: a float breaks the typed Report
                 "kv_events.replay_kept": len(self._kept), "kv_events.replay_kept_bytes": self._kept_bytes}
-
-
-class DeviceIndexEvents:
-    """A device pool's prefix index as KV events (`core.paged.IndexListener`): told of each change under the pool's
-    lock, so the batches follow the index's own order. `BlockStored` is one event per run of consecutive new keys of
-    one registration (parent: the prompt's page before the run, None only at the prompt's first page: a registration
-    that starts mid-prompt, a restore after a device hit or pages computed after a prefix, names the page before
-    it); a key already indexed (a re-registered page, a duplicate computed twice) is no event, and neither is the
-    eviction of a block that no longer owns its key (a displaced duplicate). `token_ids` are the pages' tokens where
-    the registration knew them (a computed page: its request's; a page restored by the store's resolve: the
-    prompt's), else empty (`attach`'s first event, a bare `PagedBlocks.register`). `attach` starts the stream with
-    `AllBlocksCleared` and the keys the index holds already, so a subscriber's set is the index's from the first
-    batch on."""
-
-    def __init__(self, publisher: KvEventPublisher, block_size: int) -> None:
-        self.publisher = publisher
-        self.block_size = block_size
-
-    def attach(self, pool: Any) -> None:
-        """Start publishing `pool`'s (a `core.pool.BlockPool`) index changes."""
-        with pool.lock:
-            keys = list(pool.paged.index)
-            events: list[KvEvent] = [AllBlocksCleared()]
-            if keys:
-                events.append(BlockStored(keys, None, [], self.block_size, None, MEDIUM_DEVICE))
-            self.publisher.publish(events)
-            pool.paged.listener = self
-
-    @staticmethod
-    def detach(pool: Any) -> None:
-        with pool.lock:
-            pool.paged.listener = None
-
-    def stored(self, hashes: Sequence[bytes], positions: list[int], tokens: Any = None, first_page: int = 0,
-               parent: bytes | None = None) -> None:
-        first, last = positions[0], positions[-1]
-        if last - first == len(positions) - 1:  # one run (the usual case: a prefill's new pages): no loop
-            # The event is built by the publisher's thread (`_device_stored`): here, under the pool's lock on a
-            # resolve's path, only the keys are copied (the caller may reuse its list); `tokens` never change, so
-            # their pages are sliced there too.
-            self.publisher.put((self._device_stored, hashes[first:last + 1], hashes[first - 1] if first else parent,
-                                tokens, first_page + first, first_page + last + 1))
-            return
-        P = self.block_size
-        events: list[KvEvent] = []
-        start = prev = positions[0]
-        for p in positions[1:] + [-1]:  # -1 closes the last run
-            if p != prev + 1:
-                events.append(BlockStored(list(hashes[start:prev + 1]), hashes[start - 1] if start else parent,
-                                          page_token_ids(tokens, first_page + start, first_page + prev + 1, P), P,
-                                          None, MEDIUM_DEVICE))
-                start = p
-            prev = p
-        self.publisher.publish(events)
-
-    def _device_stored(self, hashes: Sequence[bytes], parent: bytes | None, tokens: Any, start: int,
-                       stop: int) -> BlockStored:
-        # `hashes` is `stored`'s slice: already a copy (a list when the registration's keys were one)
-        keys = hashes if type(hashes) is list else list(hashes)
-        return BlockStored(keys, parent, page_token_ids(tokens, start, stop, self.block_size), self.block_size, None,
-                           MEDIUM_DEVICE)
-
-    def removed(self, hashes: list[bytes]) -> None:
-        self.publisher.put(BlockRemoved(hashes, MEDIUM_DEVICE))  # `hashes`: a list `_unhash` made for this call

@@ -200,7 +200,8 @@ def test_a_registration_with_gaps_is_one_stored_event_per_run_with_its_parent() 
     import shutil
     import tempfile
 
-    from kvproc.tiers.kv_events import DeviceIndexEvents, KvEventPublisher
+    from kvproc.tiers.device_index_events import DeviceIndexEvents
+    from kvproc.tiers.kv_events import KvEventPublisher
 
     tmp = tempfile.mkdtemp(prefix="kvd")
     pub = KvEventPublisher(tmp, 0, kind="device")

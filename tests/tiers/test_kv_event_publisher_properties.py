@@ -1,7 +1,7 @@
 """Property (hypothesis): `KvEventPublisher`'s producers append without a lock (`put` / `publish`: `deque.append` /
 `extend`), so what several threads publish at once, with flushes and `max_pending` hurries between, must still go
-out exactly once each, every producer's events in its own order, lazy `(build, *args)` items built, and the counters
-conserved (`queued == events`, nothing dropped, one seq per batch). Real sockets, a real publisher thread; the
+out exactly once each, every producer's events in its own order, records (`(REMOVED, keys)`, as a device pool queues
+them) encoded with the events around them, and the counters conserved (`queued == events`, nothing dropped, one seq per batch). Real sockets, a real publisher thread; the
 batches are read back through the replay endpoint."""
 
 from __future__ import annotations
@@ -13,16 +13,13 @@ import threading
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvproc.tiers.device_index_events import REMOVED, DeviceBatchEncoder
 from kvproc.tiers.kv_events import BlockRemoved, KvEventPublisher, decode_batch
 from tests.conftest import replay_kv_events
 
 
 def _key(producer: int, i: int) -> bytes:
     return producer.to_bytes(2, "big") + i.to_bytes(4, "big")
-
-
-def _lazy_removed(key: bytes) -> BlockRemoved:  # what the publisher's thread calls for a `(build, *args)` item
-    return BlockRemoved([key])
 
 
 @settings(max_examples=12, deadline=None)
@@ -37,15 +34,16 @@ def test_concurrent_producers_each_event_goes_out_once_in_each_producers_order(
         per_producer: list[int], chunk: int, interval_ms: int, max_pending: int, flushes: int) -> None:
     tmp = tempfile.mkdtemp(prefix="kvpp")
     pub = KvEventPublisher(tmp, 0, batch_interval_s=interval_ms / 1000, max_pending=max_pending)
+    pub.encode_batch = DeviceBatchEncoder(pub, 16)  # records and events both
     try:
         start = threading.Barrier(len(per_producer) + 1)
 
         def produce(p: int, n: int) -> None:
             start.wait()
             i = 0
-            while i < n:  # alternate the three ways in: a lazy item, an event, a list of events
+            while i < n:  # alternate the three ways in: a record, an event, a list of events
                 if i % 3 == 0:
-                    pub.put((_lazy_removed, _key(p, i)))
+                    pub.put((REMOVED, [_key(p, i)]))
                     i += 1
                 elif i % 3 == 1:
                     pub.put(BlockRemoved([_key(p, i)]))

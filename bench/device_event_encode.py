@@ -1,0 +1,74 @@
+"""The device pool's KV-event batch encoder: the compiled form (`kvproc/native/_kv_events.c`) against the pure-Python
+one (`DeviceBatchEncoder.python`, msgspec), in the same run, on the records a busy pool queues.
+
+A batch here is what `kvproc bench ipc`'s resolves make: per resolve one `BlockStored` of 16 pages of 16 tokens
+(its 16 keys, the parent, the prompt's tokens) and 16 one-key removals (the churn). The prompts cycle through
+`--prompts` distinct ones so that their tokens and keys are as cold as in place (the publisher's thread reads them
+up to an interval after the resolve made them). Three forms of the tokens: the prompt as its hash packed it (what a
+restore registers since the eighth session), an int64 array (a computed page's, from its request), and the engine's
+list of Python ints (what a restore registered before).
+
+    .venv/bin/python bench/device_event_encode.py [--resolves 15] [--batches 400]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import tempfile
+import time
+
+import numpy as np
+
+from kvproc.native import NATIVE
+from kvproc.tiers.device_index_events import REMOVED, STORED, DeviceBatchEncoder
+from kvproc.tiers.kv_events import KvEventPublisher
+
+PAGES, PAGE = 16, 16
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--resolves", type=int, default=15, help="resolves per batch (15: the per-resolve A/B's)")
+    ap.add_argument("--batches", type=int, default=400)
+    ap.add_argument("--prompts", type=int, default=4000, help="distinct prompts cycled through (cold caches)")
+    a = ap.parse_args()
+    if NATIVE is None:
+        raise SystemExit("kvproc.native._native is not built (or KVPROC_PURE_PYTHON=1): nothing to compare")
+    rng = np.random.default_rng(0)
+    lists = [rng.integers(0, 150_000, PAGES * PAGE + 1).tolist() for _ in range(a.prompts)]
+    forms = {"packed (a restore's)": [np.array(t, "<u4").tobytes() for t in lists],
+             "int64 array (a computed page's)": [np.array(t, np.int64) for t in lists],
+             "list of ints (a restore's, before)": lists}
+    keys = [[rng.bytes(16) for _ in range(PAGES)] for _ in range(a.prompts)]
+    churn = [[rng.bytes(16)] for _ in range(a.prompts * PAGES)]
+    tmp = tempfile.mkdtemp(prefix="kvenc")
+    pub = KvEventPublisher(tmp, 0, kind="device")
+    enc = DeviceBatchEncoder(pub, PAGE)
+    try:
+        print(f"# {a.batches} batches of {a.resolves} resolves' events ({a.resolves} BlockStored of {PAGES} pages "
+              f"x {PAGE} tokens, {a.resolves * PAGES} one-key removals), {a.prompts} prompts cycled; median us per batch")
+        for form, tokens in forms.items():
+            times: dict[str, list[float]] = {"python": [], "native": []}
+            for b in range(a.batches):
+                items = []
+                for r in range(a.resolves):
+                    i = (b * a.resolves + r) % a.prompts
+                    items.append((STORED, keys[i], keys[i - 1][-1], tokens[i], 0, PAGES))
+                    items += [(REMOVED, churn[(i * PAGES + k) % len(churn)]) for k in range(PAGES)]
+                for name, f in (("python", enc.python), ("native", enc)) if b % 2 else (("native", enc),
+                                                                                      ("python", enc.python)):
+                    t = time.thread_time()
+                    f(1.0, items)
+                    times[name].append(time.thread_time() - t)
+            py, nat = statistics.median(times["python"]), statistics.median(times["native"])
+            print(f"{form:36s} python {py * 1e6:7.1f}  native {nat * 1e6:7.1f}  ratio {py / nat:5.1f}x")
+    finally:
+        pub.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

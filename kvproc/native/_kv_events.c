@@ -1,0 +1,352 @@
+/* kv_device_batch: a device pool's KV-event batch (`kvproc/tiers/kv_event_encode.py`) encoded to msgpack in one call.
+ *
+ * Why in C: the publisher's thread runs in the engine's process, and each microsecond it holds the GIL or a core is
+ * taken from a resolve somewhere (bench/RESULTS.md, "Seventh session": ~25 us of thread CPU per resolve, most of it
+ * turning each page's token ids into Python ints, then into msgpack). Here the queued records are read as they were
+ * queued -- the key lists, the prompt's token array through the buffer protocol -- and written straight into the
+ * payload, with no Python object made per event or per token.
+ *
+ * The bytes are exactly what msgspec writes for `KVEventBatch(ts, coalesce(events))` (`kvproc/tiers/kv_events.py`:
+ * array-like structs, tagged, every field written, defaults too), so the pure-Python form and this one are
+ * interchangeable; the tests compare the two on random batches. The records (the `items`):
+ *
+ * - `(0, hashes, parent, tokens, start, stop)`: `BlockStored(list(hashes), parent, token_ids, block_size, None,
+ *   medium)` with token_ids pages start..stop-1 of `tokens` (`block_size` ids a page; past the end of `tokens`,
+ *   `pad`: a padded hand-off tail), [] when `tokens` is None. `tokens`: an int array (read through the buffer
+ *   protocol), bytes (a prompt's ids packed as little-endian uint32: `PageHashes.data`), or a sequence of ints --
+ *   the slowest: each id is a Python int read from wherever it lies in memory (~60 ns each in place, cold);
+ * - `(1, hashes)`: `BlockRemoved(list(hashes), medium)`; neighbouring ones become one event, as `coalesce` does;
+ * - anything else: `fallback(item)` must return that one event's msgpack bytes, written as they are.
+ */
+#include "_native.h"
+
+#include <string.h>
+
+typedef struct {
+    uint8_t *p;
+} Out;
+
+static inline void put1(Out *o, uint8_t b) { *o->p++ = b; }
+
+static inline void put_be(Out *o, uint64_t v, int n) {
+    for (int i = n - 1; i >= 0; i--) *o->p++ = (uint8_t)(v >> (8 * i));
+}
+
+static inline void put_array_header(Out *o, Py_ssize_t n) {
+    if (n < 16) put1(o, (uint8_t)(0x90 | n));
+    else if (n <= 0xffff) { put1(o, 0xdc); put_be(o, (uint64_t)n, 2); }
+    else { put1(o, 0xdd); put_be(o, (uint64_t)n, 4); }
+}
+
+static inline void put_str(Out *o, const char *s, Py_ssize_t n) {
+    if (n < 32) put1(o, (uint8_t)(0xa0 | n));
+    else if (n <= 0xff) { put1(o, 0xd9); put1(o, (uint8_t)n); }
+    else if (n <= 0xffff) { put1(o, 0xda); put_be(o, (uint64_t)n, 2); }
+    else { put1(o, 0xdb); put_be(o, (uint64_t)n, 4); }
+    memcpy(o->p, s, (size_t)n);
+    o->p += n;
+}
+
+static inline void put_bin(Out *o, const char *s, Py_ssize_t n) {
+    if (n <= 0xff) { put1(o, 0xc4); put1(o, (uint8_t)n); }
+    else if (n <= 0xffff) { put1(o, 0xc5); put_be(o, (uint64_t)n, 2); }
+    else { put1(o, 0xc6); put_be(o, (uint64_t)n, 4); }
+    memcpy(o->p, s, (size_t)n);
+    o->p += n;
+}
+
+/* msgpack's smallest form of an int, as msgspec picks it: unsigned forms for n >= 0. At most 9 bytes. */
+static inline void put_int(Out *o, int64_t v) {
+    if (v >= 0) {
+        if (v < 128) put1(o, (uint8_t)v);
+        else if (v <= 0xff) { put1(o, 0xcc); put1(o, (uint8_t)v); }
+        else if (v <= 0xffff) { put1(o, 0xcd); put_be(o, (uint64_t)v, 2); }
+        else if (v <= 0xffffffffLL) { put1(o, 0xce); put_be(o, (uint64_t)v, 4); }
+        else { put1(o, 0xcf); put_be(o, (uint64_t)v, 8); }
+    } else {
+        if (v >= -32) put1(o, (uint8_t)(int8_t)v);
+        else if (v >= -128) { put1(o, 0xd0); put1(o, (uint8_t)(int8_t)v); }
+        else if (v >= -32768) { put1(o, 0xd1); put_be(o, (uint64_t)(uint16_t)(int16_t)v, 2); }
+        else if (v >= -2147483648LL) { put1(o, 0xd2); put_be(o, (uint64_t)(uint32_t)(int32_t)v, 4); }
+        else { put1(o, 0xd3); put_be(o, (uint64_t)v, 8); }
+    }
+}
+
+static inline void put_uint64(Out *o, uint64_t v) {
+    if (v <= (uint64_t)INT64_MAX) put_int(o, (int64_t)v);
+    else { put1(o, 0xcf); put_be(o, v, 8); }
+}
+
+#define HDR_MAX 5 /* the longest array / str / bin header */
+
+/* Bytes the keys of `seq` (a PySequence_Fast) take at most, or -1 with TypeError when one is not bytes. */
+static Py_ssize_t keys_bound(PyObject *seq) {
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), total = HDR_MAX;
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (!PyBytes_CheckExact(items[i])) {
+            PyErr_Format(PyExc_TypeError, "a block hash must be bytes, got %.100s", Py_TYPE(items[i])->tp_name);
+            return -1;
+        }
+        total += HDR_MAX + PyBytes_GET_SIZE(items[i]);
+    }
+    return total;
+}
+
+static void put_keys(Out *o, PyObject *seq) {
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < n; i++) put_bin(o, PyBytes_AS_STRING(items[i]), PyBytes_GET_SIZE(items[i]));
+}
+
+/* One int of a token buffer of item size `size` and signedness `sign`. */
+static inline int64_t buf_at(const uint8_t *b, Py_ssize_t size, int sign, Py_ssize_t i, uint64_t *u) {
+    *u = 0;
+    switch (size) {
+    case 8: { int64_t v; memcpy(&v, b + 8 * i, 8); if (!sign) *u = (uint64_t)v; return v; }
+    case 4: { if (sign) { int32_t v; memcpy(&v, b + 4 * i, 4); return v; } uint32_t v; memcpy(&v, b + 4 * i, 4); return v; }
+    case 2: { if (sign) { int16_t v; memcpy(&v, b + 2 * i, 2); return v; } uint16_t v; memcpy(&v, b + 2 * i, 2); return v; }
+    default: return sign ? (int64_t)((const int8_t *)b)[i] : (int64_t)b[i];
+    }
+}
+
+/* Whether `view` is a C-contiguous 1-d buffer of native-order ints; its item size and signedness then. */
+static int int_buffer(const Py_buffer *view, int *sign) {
+    const char *f = view->format ? view->format : "B";
+    if (*f == '@' || *f == '=' || (*f == '<' && PY_LITTLE_ENDIAN) || (*f == '>' && PY_BIG_ENDIAN)) f++;
+    if (f[0] == '\0' || f[1] != '\0' || view->ndim != 1) return 0;
+    if (!strchr("bBhHiIlLqQ", f[0])) return 0;
+    *sign = f[0] >= 'a';
+    return view->itemsize == 1 || view->itemsize == 2 || view->itemsize == 4 || view->itemsize == 8;
+}
+
+/* The token ids of pages start..stop-1 (`page` ids each) of `tokens`, padded with `pad` past its end; 0 or -1. */
+static int put_tokens(Out *o, PyObject *tokens, Py_ssize_t start, Py_ssize_t stop, Py_ssize_t page, int64_t pad) {
+    Py_ssize_t lo = start * page, n = (stop - start) * page;
+    put_array_header(o, n);
+    if (n == 0) return 0;
+    if (PyBytes_CheckExact(tokens)) { /* a prompt's packed ids (`PageHashes.data`): little-endian uint32 */
+        const uint8_t *b = (const uint8_t *)PyBytes_AS_STRING(tokens);
+        Py_ssize_t len = PyBytes_GET_SIZE(tokens) / 4;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            const uint8_t *q = b + 4 * (lo + i);
+            put_int(o, lo + i < len ? (int64_t)((uint32_t)q[0] | (uint32_t)q[1] << 8 | (uint32_t)q[2] << 16
+                                                | (uint32_t)q[3] << 24)
+                                    : pad);
+        }
+        return 0;
+    }
+    Py_buffer view;
+    int sign = 1;
+    if (PyObject_CheckBuffer(tokens) && PyObject_GetBuffer(tokens, &view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) == 0) {
+        if (int_buffer(&view, &sign)) {
+            Py_ssize_t len = view.len / view.itemsize;
+            if (sign && view.itemsize == 8 && lo + n <= len) { /* the usual case: a prompt's int64 ids, no tail */
+                const uint8_t *t = (const uint8_t *)view.buf + 8 * lo;
+                for (Py_ssize_t i = 0; i < n; i++) {
+                    int64_t v;
+                    memcpy(&v, t + 8 * i, 8); /* a buffer need not be aligned */
+                    put_int(o, v);
+                }
+                PyBuffer_Release(&view);
+                return 0;
+            }
+            for (Py_ssize_t i = 0; i < n; i++) {
+                uint64_t u;
+                if (lo + i >= len) { put_int(o, pad); continue; }
+                int64_t v = buf_at((const uint8_t *)view.buf, view.itemsize, sign, lo + i, &u);
+                if (!sign && view.itemsize == 8) put_uint64(o, u);
+                else put_int(o, v);
+            }
+            PyBuffer_Release(&view);
+            return 0;
+        }
+        PyBuffer_Release(&view);
+    }
+    PyErr_Clear();
+    PyObject *seq = PySequence_Fast(tokens, "token ids must be a sequence of ints");
+    if (!seq) return -1;
+    Py_ssize_t len = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (lo + i >= len) { put_int(o, pad); continue; }
+        PyObject *x = items[lo + i];
+        if (PyBool_Check(x) || !PyIndex_Check(x)) {
+            PyErr_Format(PyExc_TypeError, "a token id must be an int, got %.100s", Py_TYPE(x)->tp_name);
+            Py_DECREF(seq);
+            return -1;
+        }
+        int overflow = 0;
+        PyObject *ix = PyNumber_Index(x);
+        if (!ix) { Py_DECREF(seq); return -1; }
+        long long v = PyLong_AsLongLongAndOverflow(ix, &overflow);
+        if (overflow > 0) {
+            unsigned long long u = PyLong_AsUnsignedLongLong(ix);
+            Py_DECREF(ix);
+            if (PyErr_Occurred()) { Py_DECREF(seq); return -1; }
+            put_uint64(o, u);
+            continue;
+        }
+        Py_DECREF(ix);
+        if (overflow < 0 || (v == -1 && PyErr_Occurred())) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_OverflowError, "a token id is out of msgpack's int range");
+            Py_DECREF(seq);
+            return -1;
+        }
+        put_int(o, v);
+    }
+    Py_DECREF(seq);
+    return 0;
+}
+
+enum { K_STORED = 0, K_REMOVED = 1, K_OTHER = 2 };
+
+typedef struct {
+    int kind;
+    PyObject *keys;     /* PySequence_Fast of the hashes (owned) */
+    PyObject *parent;   /* borrowed: None or bytes */
+    PyObject *tokens;   /* borrowed */
+    Py_ssize_t start, stop;
+    PyObject *encoded;  /* K_OTHER: fallback's bytes (owned) */
+    Py_ssize_t run;     /* K_REMOVED that starts a run: the run's key count; -1 when it continues one */
+} Rec;
+
+static void recs_free(Rec *recs, Py_ssize_t n) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_XDECREF(recs[i].keys);
+        Py_XDECREF(recs[i].encoded);
+    }
+    PyMem_Free(recs);
+}
+
+static PyObject *kv_device_batch(PyObject *self, PyObject *args) {
+    double ts;
+    PyObject *items, *medium_obj, *fallback;
+    Py_ssize_t page;
+    long long pad;
+    if (!PyArg_ParseTuple(args, "dO!nULO:kv_device_batch", &ts, &PyList_Type, &items, &page, &medium_obj, &pad,
+                          &fallback))
+        return NULL;
+    if (page <= 0) return PyErr_Format(PyExc_ValueError, "block_size must be positive, got %zd", page);
+    Py_ssize_t medium_len;
+    const char *medium = PyUnicode_AsUTF8AndSize(medium_obj, &medium_len);
+    if (!medium) return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(items);
+    Rec *recs = PyMem_Calloc(n ? (size_t)n : 1, sizeof(Rec));
+    if (!recs) return PyErr_NoMemory();
+    Py_ssize_t bound = 2 * HDR_MAX + 9, events = 0, run_at = -1;
+    /* Pass 1: check every record, count the events (a run of removals is one), bound the payload's size. */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Rec *r = &recs[i];
+        PyObject *it = PyList_GET_ITEM(items, i);
+        r->run = 0;
+        Py_ssize_t arity = PyTuple_CheckExact(it) ? PyTuple_GET_SIZE(it) : 0;
+        long kind = arity ? PyLong_AsLong(PyTuple_GET_ITEM(it, 0)) : -2;
+        if (kind == -1 && PyErr_Occurred()) PyErr_Clear();
+        if (kind == K_STORED && arity == 6) {
+            r->kind = K_STORED;
+            r->parent = PyTuple_GET_ITEM(it, 2);
+            r->tokens = PyTuple_GET_ITEM(it, 3);
+            r->start = PyLong_AsSsize_t(PyTuple_GET_ITEM(it, 4));
+            r->stop = PyLong_AsSsize_t(PyTuple_GET_ITEM(it, 5));
+            if (PyErr_Occurred()) goto fail;
+            if (r->parent != Py_None && !PyBytes_CheckExact(r->parent)) {
+                PyErr_Format(PyExc_TypeError, "a parent hash must be bytes or None, got %.100s",
+                             Py_TYPE(r->parent)->tp_name);
+                goto fail;
+            }
+            if (r->start < 0 || r->stop < r->start || r->stop > PY_SSIZE_T_MAX / 9 / page) {
+                PyErr_Format(PyExc_ValueError, "bad page range %zd..%zd", r->start, r->stop);
+                goto fail;
+            }
+        } else if (kind == K_REMOVED && arity == 2) {
+            r->kind = K_REMOVED;
+        } else {
+            r->kind = K_OTHER;
+            r->encoded = PyObject_CallOneArg(fallback, it);
+            if (!r->encoded) goto fail;
+            if (!PyBytes_CheckExact(r->encoded)) {
+                PyErr_SetString(PyExc_TypeError, "kv_device_batch: fallback must return bytes");
+                goto fail;
+            }
+            bound += PyBytes_GET_SIZE(r->encoded);
+            events++;
+            run_at = -1;
+            continue;
+        }
+        r->keys = PySequence_Fast(PyTuple_GET_ITEM(it, 1), "block hashes must be a sequence of bytes");
+        if (!r->keys) goto fail;
+        Py_ssize_t kb = keys_bound(r->keys);
+        if (kb < 0) goto fail;
+        bound += kb;
+        if (r->kind == K_STORED) {
+            bound += 32 + medium_len + HDR_MAX + (r->parent == Py_None ? 1 : HDR_MAX + PyBytes_GET_SIZE(r->parent))
+                     + HDR_MAX + 9 * (r->tokens == Py_None ? 0 : (r->stop - r->start) * page);
+            events++;
+            run_at = -1;
+        } else if (run_at >= 0) {
+            recs[run_at].run += PySequence_Fast_GET_SIZE(r->keys);
+            r->run = -1;
+        } else {
+            bound += 32 + medium_len;
+            r->run = PySequence_Fast_GET_SIZE(r->keys);
+            run_at = i;
+            events++;
+        }
+    }
+    PyObject *payload = PyBytes_FromStringAndSize(NULL, bound);
+    if (!payload) goto fail;
+    Out o = {(uint8_t *)PyBytes_AS_STRING(payload)};
+    /* Pass 2: write. KVEventBatch(ts, events, data_parallel_rank None) */
+    put1(&o, 0x93);
+    put1(&o, 0xcb);
+    uint64_t tsbits;
+    memcpy(&tsbits, &ts, 8);
+    put_be(&o, tsbits, 8);
+    put_array_header(&o, events);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Rec *r = &recs[i];
+        if (r->kind == K_OTHER) {
+            memcpy(o.p, PyBytes_AS_STRING(r->encoded), (size_t)PyBytes_GET_SIZE(r->encoded));
+            o.p += PyBytes_GET_SIZE(r->encoded);
+        } else if (r->kind == K_REMOVED) {
+            if (r->run >= 0) { /* a run's first: [tag, keys of the whole run, medium] */
+                put1(&o, 0x93);
+                put_str(&o, "BlockRemoved", 12);
+                put_array_header(&o, r->run);
+            }
+            put_keys(&o, r->keys);
+            if (i + 1 == n || recs[i + 1].kind != K_REMOVED) put_str(&o, medium, medium_len);
+        } else { /* [tag, keys, parent, token_ids, block_size, lora_id None, medium] */
+            put1(&o, 0x97);
+            put_str(&o, "BlockStored", 11);
+            put_array_header(&o, PySequence_Fast_GET_SIZE(r->keys));
+            put_keys(&o, r->keys);
+            if (r->parent == Py_None) put1(&o, 0xc0);
+            else put_bin(&o, PyBytes_AS_STRING(r->parent), PyBytes_GET_SIZE(r->parent));
+            if (r->tokens == Py_None) put_array_header(&o, 0);
+            else if (put_tokens(&o, r->tokens, r->start, r->stop, page, pad) < 0) {
+                Py_DECREF(payload);
+                goto fail;
+            }
+            put_int(&o, page);
+            put1(&o, 0xc0);
+            put_str(&o, medium, medium_len);
+        }
+    }
+    put1(&o, 0xc0);
+    recs_free(recs, n);
+    if (_PyBytes_Resize(&payload, (Py_ssize_t)(o.p - (uint8_t *)PyBytes_AS_STRING(payload))) < 0) return NULL;
+    return payload;
+fail:
+    recs_free(recs, n);
+    return NULL;
+}
+
+static PyMethodDef kv_event_methods[] = {
+    {"kv_device_batch", kv_device_batch, METH_VARARGS,
+     "kv_device_batch(ts, items, block_size, medium, pad, fallback) -> msgpack bytes of the KVEventBatch"},
+    {NULL, NULL, 0, NULL},
+};
+
+int kvproc_add_kv_events(PyObject *module) { return PyModule_AddFunctions(module, kv_event_methods); }

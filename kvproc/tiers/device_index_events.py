@@ -1,0 +1,122 @@
+"""A device pool's prefix index as KV events: the listener the pool calls under its lock (`DeviceIndexEvents`), the
+records it queues there, and the encoder the publisher's thread turns them into a batch with (`DeviceBatchEncoder`).
+
+Why records and not events: the listener runs on a resolve's path, so it only queues what it was told -- a slice of
+the keys, the registration's token array as it is -- and the publisher's thread does the rest. And why an encoder of
+its own: with token ids, building each `BlockStored` and encoding it through Python ints cost that thread ~25 us of
+CPU per resolve in the engine's process (bench/RESULTS.md, "Seventh session"), where the compiled form
+(`kvproc/native/_kv_events.c`) writes the payload straight from the records. Both forms give the same bytes (tests).
+
+The records, as `put` queues them:
+
+- `(STORED, hashes, parent, tokens, start, stop)`: `BlockStored(list(hashes), parent, page_token_ids(tokens, start,
+  stop, block_size), block_size, None, "GPU")`;
+- `(REMOVED, hashes)`: `BlockRemoved(list(hashes), "GPU")`; neighbouring ones become one event;
+- an event (`attach`'s first ones): encoded as it is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from kvproc.core.hashing import PAD_TOKEN_ID
+from kvproc.native import NATIVE
+from kvproc.tiers.kv_events import (
+    MEDIUM_DEVICE,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KvEvent,
+    KVEventBatch,
+    KvEventPublisher,
+    coalesce,
+    page_token_ids,
+)
+
+STORED, REMOVED = 0, 1
+
+
+class DeviceBatchEncoder:
+    """`KvEventPublisher.encode_batch` for a device pool's records: the compiled form where it is built, else
+    `python` (the same bytes)."""
+
+    def __init__(self, publisher: KvEventPublisher, block_size: int, medium: str = MEDIUM_DEVICE) -> None:
+        self.encode_event = publisher._encoder.encode  # one event's bytes (the compiled form's fallback)
+        self.block_size = block_size
+        self.medium = medium
+
+    def __call__(self, ts: float, items: list[Any]) -> bytes:
+        if NATIVE is None:
+            return self.python(ts, items)
+        return NATIVE.kv_device_batch(ts, items, self.block_size, self.medium, PAD_TOKEN_ID, self.encode_event)
+
+    def python(self, ts: float, items: list[Any]) -> bytes:
+        """The pure-Python form: each record built into its event, then msgspec."""
+        return self.encode_event(KVEventBatch(ts, coalesce([self.build(e) for e in items])))
+
+    def build(self, item: Any) -> KvEvent:
+        if type(item) is not tuple:
+            return item
+        P = self.block_size
+        if item[0] == STORED:
+            _, hashes, parent, tokens, start, stop = item
+            return BlockStored(list(hashes), parent, page_token_ids(tokens, start, stop, P), P, None, self.medium)
+        if item[0] == REMOVED and len(item) == 2:
+            return BlockRemoved(list(item[1]), self.medium)
+        raise TypeError(f"not a device-event record: {item!r:.100}")
+
+
+class DeviceIndexEvents:
+    """A device pool's prefix index as KV events (`core.paged.IndexListener`): told of each change under the pool's
+    lock, so the batches follow the index's own order. `BlockStored` is one event per run of consecutive new keys of
+    one registration (parent: the prompt's page before the run, None only at the prompt's first page: a registration
+    that starts mid-prompt, a restore after a device hit or pages computed after a prefix, names the page before
+    it); a key already indexed (a re-registered page, a duplicate computed twice) is no event, and neither is the
+    eviction of a block that no longer owns its key (a displaced duplicate). `token_ids` are the pages' tokens where
+    the registration knew them (a computed page: its request's; a page restored by the store's resolve: the
+    prompt's), else empty (`attach`'s first event, a bare `PagedBlocks.register`). `attach` starts the stream with
+    `AllBlocksCleared` and the keys the index holds already, so a subscriber's set is the index's from the first
+    batch on. Sets `publisher.encode_batch`: the publisher is this listener's alone."""
+
+    def __init__(self, publisher: KvEventPublisher, block_size: int) -> None:
+        self.publisher = publisher
+        self.block_size = block_size
+        publisher.encode_batch = DeviceBatchEncoder(publisher, block_size)
+
+    def attach(self, pool: Any) -> None:
+        """Start publishing `pool`'s (a `core.pool.BlockPool`) index changes."""
+        with pool.lock:
+            keys = list(pool.paged.index)
+            events: list[KvEvent] = [AllBlocksCleared()]
+            if keys:
+                events.append(BlockStored(keys, None, [], self.block_size, None, MEDIUM_DEVICE))
+            self.publisher.publish(events)
+            pool.paged.listener = self
+
+    @staticmethod
+    def detach(pool: Any) -> None:
+        with pool.lock:
+            pool.paged.listener = None
+
+    def stored(self, hashes: Sequence[bytes], positions: list[int], tokens: Any = None, first_page: int = 0,
+               parent: bytes | None = None) -> None:
+        # Under the pool's lock on a resolve's path: only the keys are copied (the caller may reuse its list);
+        # `tokens` never change (`IndexListener.stored`), so their pages are read by the publisher's thread.
+        first, last = positions[0], positions[-1]
+        if last - first == len(positions) - 1:  # one run (the usual case: a prefill's new pages): no loop
+            self.publisher.put((STORED, hashes[first:last + 1], hashes[first - 1] if first else parent, tokens,
+                                first_page + first, first_page + last + 1))
+            return
+        records: list[Any] = []
+        start = prev = positions[0]
+        for p in positions[1:] + [-1]:  # -1 closes the last run
+            if p != prev + 1:
+                records.append((STORED, hashes[start:prev + 1], hashes[start - 1] if start else parent, tokens,
+                                first_page + start, first_page + prev + 1))
+                start = p
+            prev = p
+        self.publisher.publish(records)
+
+    def removed(self, hashes: list[bytes]) -> None:
+        self.publisher.put((REMOVED, hashes))  # `hashes`: a list `_unhash` made for this call
