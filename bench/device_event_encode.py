@@ -6,7 +6,9 @@ A batch here is what `kvproc bench ipc`'s resolves make: per resolve one `BlockS
 `--prompts` distinct ones so that their tokens and keys are as cold as in place (the publisher's thread reads them
 up to an interval after the resolve made them). Three forms of the tokens: the prompt as its hash packed it (what a
 restore registers since the eighth session), an int64 array (a computed page's, from its request), and the engine's
-list of Python ints (what a restore registered before).
+list of Python ints (what a restore registered before). Then the GIL: how much of an engine's busy thread's time is
+lost while the publisher's thread writes a steady-state batch, with the GIL held throughout the write and let go
+while writing (as shipped).
 
     .venv/bin/python bench/device_event_encode.py [--resolves 15] [--batches 400]
 """
@@ -17,10 +19,12 @@ import argparse
 import shutil
 import statistics
 import tempfile
+import threading
 import time
 
 import numpy as np
 
+from kvproc.core.hashing import PAD_TOKEN_ID
 from kvproc.native import NATIVE
 from kvproc.tiers.device_index_events import REMOVED, STORED, DeviceBatchEncoder
 from kvproc.tiers.kv_events import KvEventPublisher
@@ -28,11 +32,65 @@ from kvproc.tiers.kv_events import KvEventPublisher
 PAGES, PAGE = 16, 16
 
 
+def stall_arm(enc: DeviceBatchEncoder, batch: list, release_gil: bool, seconds: float) -> list[float]:
+    """The main thread runs Python without pause (an engine's scheduler loop), timing each small chunk of it, while
+    another thread encodes `batch` every millisecond: a chunk that took long waited for the GIL."""
+    stop = threading.Event()
+
+    def encode() -> None:
+        while not stop.is_set():
+            NATIVE.kv_device_batch(1.0, batch, enc.block_size, enc.medium, PAD_TOKEN_ID, enc.encode_event,
+                                   release_gil)
+            time.sleep(0.001)
+
+    t = threading.Thread(target=encode)
+    t.start()
+    chunks: list[float] = []
+    end = time.perf_counter() + seconds
+    try:
+        while time.perf_counter() < end:
+            t0 = time.perf_counter()
+            sum(range(200))  # ~1-2 us of bytecode
+            chunks.append(time.perf_counter() - t0)
+    finally:
+        stop.set()
+        t.join()
+    return chunks
+
+
+def stalls(enc: DeviceBatchEncoder, tokens: list, keys: list, churn: list, a: argparse.Namespace) -> None:
+    """A steady 50 ms batch (`--steady` resolves' events), encoded holding the GIL throughout and letting it go
+    while writing (as shipped), in alternating blocks: the main thread's time lost in chunks over 100 us."""
+    batch = []
+    for i in range(a.steady):
+        i %= a.prompts
+        batch.append((STORED, keys[i], keys[i - 1][-1], tokens[i], 0, PAGES))
+        batch += [(REMOVED, churn[(i * PAGES + k) % len(churn)]) for k in range(PAGES)]
+    lost: dict[bool, list[float]] = {True: [], False: []}
+    worst: dict[bool, float] = {True: 0.0, False: 0.0}
+    for block in range(2 * a.stall_blocks):
+        release = block % 4 in (0, 3)  # ABBA
+        chunks = stall_arm(enc, batch, release, 1.0)
+        lost[release].append(sum(c for c in chunks if c > 100e-6))
+        worst[release] = max(worst[release], max(chunks))
+    print(f"# a batch of {a.steady} resolves' events encoded every 1 ms by a second thread, the main thread running "
+          f"Python throughout; its time lost in chunks over 100 us, per second ({a.stall_blocks} blocks of 1 s per "
+          f"arm, ABBA)")
+    for release in (False, True):
+        print(f"{'GIL let go while writing' if release else 'GIL held throughout':26s} lost "
+              f"{statistics.median(lost[release]) * 1e3:6.1f} ms/s (median block)  longest stall "
+              f"{worst[release] * 1e6:7.0f} us")
+    print(f"ratio held / let go: {statistics.median(lost[False]) / statistics.median(lost[True]):.2f}x")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--resolves", type=int, default=15, help="resolves per batch (15: the per-resolve A/B's)")
     ap.add_argument("--batches", type=int, default=400)
     ap.add_argument("--prompts", type=int, default=4000, help="distinct prompts cycled through (cold caches)")
+    ap.add_argument("--steady", type=int, default=200,
+                    help="resolves per batch in the GIL part (200: ~4,000 resolves/s over a 50 ms interval)")
+    ap.add_argument("--stall-blocks", type=int, default=4, help="blocks of 1 s per arm in the GIL part")
     a = ap.parse_args()
     if NATIVE is None:
         raise SystemExit("kvproc.native._native is not built (or KVPROC_PURE_PYTHON=1): nothing to compare")
@@ -64,6 +122,7 @@ def main() -> int:
                     times[name].append(time.thread_time() - t)
             py, nat = statistics.median(times["python"]), statistics.median(times["native"])
             print(f"{form:36s} python {py * 1e6:7.1f}  native {nat * 1e6:7.1f}  ratio {py / nat:5.1f}x")
+        stalls(enc, forms["packed (a restore's)"], keys, churn, a)
     finally:
         pub.close()
         shutil.rmtree(tmp, ignore_errors=True)

@@ -5,7 +5,8 @@ Why records and not events: the listener runs on a resolve's path, so it only qu
 the keys, the registration's token array as it is -- and the publisher's thread does the rest. And why an encoder of
 its own: with token ids, building each `BlockStored` and encoding it through Python ints cost that thread ~25 us of
 CPU per resolve in the engine's process (bench/RESULTS.md, "Seventh session"), where the compiled form
-(`kvproc/native/_kv_events.c`) writes the payload straight from the records. Both forms give the same bytes (tests).
+(`kvproc/native/_kv_events.c`) writes the payload straight from the records, the GIL let go while it writes (the
+engine's threads run meanwhile). Both forms give the same bytes (tests).
 
 The records, as `put` queues them:
 

@@ -139,3 +139,49 @@ def test_what_it_cannot_encode_raises(publisher):
         N.kv_device_batch(0.0, [object()], 4, MEDIUM_DEVICE, PAD_TOKEN_ID, lambda e: "not bytes")
     with pytest.raises(ValueError):
         N.kv_device_batch(0.0, [], 0, MEDIUM_DEVICE, PAD_TOKEN_ID, enc.encode_event)
+
+
+@needs_native
+def test_the_write_lets_the_gil_go_unless_a_records_ids_are_python_ints(publisher):
+    """The engine's threads run while the publisher's thread writes a batch from memory (its keys, packed or array
+    token ids): that write holds no GIL. Ids given as a list of Python ints are read with it. Seen from a second
+    thread counting the moments it ran while the encode was under way; the switch interval is raised for the test so
+    that the interpreter never takes the GIL from the encoding thread on its own (only the C code can let it go)."""
+    import sys
+    import threading
+    import time
+
+    enc = DeviceBatchEncoder(publisher, 16)
+    packed = np.arange(1 << 20, dtype="<u4").tobytes()  # 1M ids: a write of several ms
+    keys = [bytes([i % 256]) * 16 for i in range(1 << 16)]
+
+    def ran_during(tokens, release: bool) -> int:
+        inside, seen, done = [False], [0], threading.Event()
+
+        def count() -> None:
+            while not done.is_set():
+                seen[0] += inside[0]
+                time.sleep(0.0002)
+
+        t = threading.Thread(target=count)
+        t.start()
+        time.sleep(0.01)  # it runs
+        inside[0] = True
+        for _ in range(3):
+            N.kv_device_batch(0.0, [(STORED, keys, None, tokens, 0, 1 << 16)], 16, MEDIUM_DEVICE, PAD_TOKEN_ID,
+                              enc.encode_event, release)
+        inside[0] = False
+        done.set()
+        t.join()
+        return seen[0]
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1.0)
+    try:
+        assert ran_during(packed, True) > 0
+        assert ran_during(np.frombuffer(packed, "<u4").astype(np.int64), True) > 0
+        # controls: the GIL held throughout (the bench's baseline), and ids that are Python ints
+        assert ran_during(packed, False) == 0
+        assert ran_during(np.frombuffer(packed, "<u4")[: 1 << 20].tolist(), True) == 0
+    finally:
+        sys.setswitchinterval(old)
