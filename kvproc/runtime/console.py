@@ -22,7 +22,7 @@ import msgspec
 
 from kvproc.ipc import messages as m
 from kvproc.ipc.client import RpcClient
-from kvproc.ipc.errors import IpcError
+from kvproc.ipc.errors import IpcError, RemoteError
 from kvproc.runtime import manifest as mf
 from kvproc.runtime.histogram import is_histogram_key
 
@@ -55,7 +55,9 @@ def collect(runtime_dir: str, timeout: float = 2.0) -> list[dict[str, Any]]:
             return base
         try:
             report = _stats(endpoint, token, f"{role}[{rank}]", timeout)
-        except IpcError as e:
+        except RemoteError as e:  # it answered: its Stats failed (`bad_counter`, `undecodable_reply`, ...)
+            return {**base, "state": "stats_error", "error": str(e), "error_code": e.code}
+        except IpcError as e:  # no answer: down, hung, or not a kvproc peer
             return {**base, "state": "unreachable", "error": str(e)}
         return {**base, **msgspec.structs.asdict(report)}
 

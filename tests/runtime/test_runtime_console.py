@@ -154,3 +154,36 @@ def test_children_die_with_a_sigkilled_launcher() -> None:
         import shutil
 
         shutil.rmtree(runtime_dir, ignore_errors=True)
+
+
+def test_status_tells_a_process_whose_stats_failed_from_one_that_does_not_answer(
+    tmp_path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A role whose Stats fails (here a non-int counter: `bad_counter`) answered: `stats_error` with the error and
+    its code, not `unreachable`, which is for an endpoint nobody serves. Real server over ipc:// in this process."""
+    from kvproc.ipc.server import RpcServer
+    from kvproc.ipc.sockets import ipc_endpoint
+    from kvproc.runtime.role import Role, RoleEnv
+
+    rd = str(tmp_path)
+    token = mf.write_token(rd)
+    role = Role(RoleEnv("c", "host_tier", 0, rd))
+    role.counters.set("busy_s", 0.5)  # type: ignore[arg-type]  # what `bad_counter` guards against
+    served, nobody = ipc_endpoint(rd, "served"), ipc_endpoint(rd, "nobody")
+    srv = RpcServer(role, endpoints=[served], token=token, role="host_tier", workers=2)
+    srv.bind()
+    thread = srv.start()
+    try:
+        mf.write_manifest(rd, mf.Manifest(1, "c", rd, os.getpid(), time.time(), processes=[
+            mf.ProcessEntry("host_tier", 0, os.getpid(), served), mf.ProcessEntry("copy_worker", 0, 1, nobody)]))
+        assert console.main(["status", "--json", "--runtime-dir", rd, "--timeout", "5"]) == 1
+        rows = {r["role"]: r for r in json.loads(capsys.readouterr().out)}
+        assert rows["host_tier"]["state"] == "stats_error" and rows["host_tier"]["error_code"] == "bad_counter"
+        assert "busy_s=0.5" in rows["host_tier"]["error"]
+        assert rows["copy_worker"]["state"] == "unreachable" and "error_code" not in rows["copy_worker"]
+        assert console.main(["status", "--runtime-dir", rd, "--timeout", "5"]) == 1  # the table shows both
+        out = capsys.readouterr().out
+        assert "stats_error" in out and "bad_counter" in out and "unreachable" in out
+    finally:
+        srv.stop()
+        thread.join(10)
