@@ -16,9 +16,7 @@ while writing (as shipped).
 from __future__ import annotations
 
 import argparse
-import shutil
 import statistics
-import tempfile
 import threading
 import time
 
@@ -27,7 +25,6 @@ import numpy as np
 from kvproc.core.hashing import PAD_TOKEN_ID
 from kvproc.native import NATIVE
 from kvproc.tiers.device_index_events import REMOVED, STORED, DeviceBatchEncoder
-from kvproc.tiers.kv_events import KvEventPublisher
 
 PAGES, PAGE = 16, 16
 
@@ -101,31 +98,25 @@ def main() -> int:
              "list of ints (a restore's, before)": lists}
     keys = [[rng.bytes(16) for _ in range(PAGES)] for _ in range(a.prompts)]
     churn = [[rng.bytes(16)] for _ in range(a.prompts * PAGES)]
-    tmp = tempfile.mkdtemp(prefix="kvenc")
-    pub = KvEventPublisher(tmp, 0, kind="device")
-    enc = DeviceBatchEncoder(pub, PAGE)
-    try:
-        print(f"# {a.batches} batches of {a.resolves} resolves' events ({a.resolves} BlockStored of {PAGES} pages "
-              f"x {PAGE} tokens, {a.resolves * PAGES} one-key removals), {a.prompts} prompts cycled; median us per batch")
-        for form, tokens in forms.items():
-            times: dict[str, list[float]] = {"python": [], "native": []}
-            for b in range(a.batches):
-                items = []
-                for r in range(a.resolves):
-                    i = (b * a.resolves + r) % a.prompts
-                    items.append((STORED, keys[i], keys[i - 1][-1], tokens[i], 0, PAGES))
-                    items += [(REMOVED, churn[(i * PAGES + k) % len(churn)]) for k in range(PAGES)]
-                for name, f in (("python", enc.python), ("native", enc)) if b % 2 else (("native", enc),
-                                                                                      ("python", enc.python)):
-                    t = time.thread_time()
-                    f(1.0, items)
-                    times[name].append(time.thread_time() - t)
-            py, nat = statistics.median(times["python"]), statistics.median(times["native"])
-            print(f"{form:36s} python {py * 1e6:7.1f}  native {nat * 1e6:7.1f}  ratio {py / nat:5.1f}x")
-        stalls(enc, forms["packed (a restore's)"], keys, churn, a)
-    finally:
-        pub.close()
-        shutil.rmtree(tmp, ignore_errors=True)
+    enc = DeviceBatchEncoder(PAGE)
+    print(f"# {a.batches} batches of {a.resolves} resolves' events ({a.resolves} BlockStored of {PAGES} pages "
+          f"x {PAGE} tokens, {a.resolves * PAGES} one-key removals), {a.prompts} prompts cycled; median us per batch")
+    for form, tokens in forms.items():
+        times: dict[str, list[float]] = {"python": [], "native": []}
+        for b in range(a.batches):
+            items = []
+            for r in range(a.resolves):
+                i = (b * a.resolves + r) % a.prompts
+                items.append((STORED, keys[i], keys[i - 1][-1], tokens[i], 0, PAGES))
+                items += [(REMOVED, churn[(i * PAGES + k) % len(churn)]) for k in range(PAGES)]
+            arms = (("python", enc.python), ("native", enc))
+            for name, f in arms if b % 2 else arms[::-1]:
+                t = time.thread_time()
+                f(1.0, items)
+                times[name].append(time.thread_time() - t)
+        py, nat = statistics.median(times["python"]), statistics.median(times["native"])
+        print(f"{form:36s} python {py * 1e6:7.1f}  native {nat * 1e6:7.1f}  ratio {py / nat:5.1f}x")
+    stalls(enc, forms["packed (a restore's)"], keys, churn, a)
     return 0
 
 

@@ -171,8 +171,8 @@ def main(rounds: int, n: int, blocks: int, scrape_s: float, json_path: str | Non
     if pub.events and on_resolves:
         busy_us = pub.busy_s * 1e6 / on_resolves
         print(f"device publisher's thread ({events_encoder} encoder): {pub.busy_s * 1e3:.0f} ms of CPU building, "
-              f"encoding and sending, "
-              f"{busy_us:.2f} us per 'on' resolve ({100 * busy_us / (med_on * 1e6):.2f}% of its median): "
+              f"encoding and sending, {busy_us:.2f} us per 'on' resolve ({100 * busy_us / (med_on * 1e6):.2f}% of "
+              f"its median): "
               f"not timed by a resolve unless it held the GIL or a core one needed")
     if json_path:
         with open(json_path, "w") as f:

@@ -1,4 +1,4 @@
-/* kv_device_batch: a device pool's KV-event batch (`kvproc/tiers/kv_event_encode.py`) encoded to msgpack in one call.
+/* kv_device_batch: a device pool's KV-event batch (`kvproc/tiers/device_index_events.py`) as msgpack, in one call.
  *
  * Why in C: the publisher's thread runs in the engine's process, and each microsecond it holds the GIL or a core is
  * taken from a resolve somewhere (bench/RESULTS.md, "Seventh session": ~25 us of thread CPU per resolve, most of it
@@ -16,7 +16,8 @@
  *   protocol), bytes (a prompt's ids packed as little-endian uint32: `PageHashes.data`), or a sequence of ints --
  *   the slowest: each id is a Python int read from wherever it lies in memory (~60 ns each in place, cold);
  * - `(1, hashes)`: `BlockRemoved(list(hashes), medium)`; neighbouring ones become one event, as `coalesce` does;
- * - anything else: `fallback(item)` must return that one event's msgpack bytes, written as they are.
+ * - anything else but a tuple: `fallback(item)` must return that one event's msgpack bytes, written as they are
+ *   (a tuple that is neither record is refused: TypeError, as the pure-Python form refuses it).
  *
  * Two passes: the first (GIL held) checks every record, pins what the second reads and bounds the payload's size; the
  * second writes it without the GIL (unless a record's ids are Python ints), so the engine's threads run meanwhile:
@@ -353,6 +354,9 @@ static PyObject *kv_device_batch(PyObject *self, PyObject *args) {
             seq |= r->tok.kind == T_SEQ;
         } else if (kind == K_REMOVED && arity == 2) {
             r->kind = K_REMOVED;
+        } else if (PyTuple_CheckExact(it)) {
+            PyErr_Format(PyExc_TypeError, "not a device-event record: a tuple of %zd, kind %ld", arity, kind);
+            goto fail;
         } else {
             r->kind = K_OTHER;
             r->encoded = PyObject_CallOneArg(fallback, it);
@@ -392,7 +396,7 @@ static PyObject *kv_device_batch(PyObject *self, PyObject *args) {
     int rc;
     if (seq || !release_gil) {
         rc = write_batch(&o, recs, n, events, ts, medium, medium_len, page, pad);
-    } else { /* the engine's threads run meanwhile: a resolve never waits for a batch's bytes */
+    } else { /* the engine's threads run meanwhile */
         Py_BEGIN_ALLOW_THREADS
         rc = write_batch(&o, recs, n, events, ts, medium, medium_len, page, pad);
         Py_END_ALLOW_THREADS

@@ -32,6 +32,7 @@ from kvproc.tiers.kv_events import (
     KVEventBatch,
     KvEventPublisher,
     coalesce,
+    event_encoder,
     page_token_ids,
 )
 
@@ -42,8 +43,8 @@ class DeviceBatchEncoder:
     """`KvEventPublisher.encode_batch` for a device pool's records: the compiled form where it is built, else
     `python` (the same bytes)."""
 
-    def __init__(self, publisher: KvEventPublisher, block_size: int, medium: str = MEDIUM_DEVICE) -> None:
-        self.encode_event = publisher._encoder.encode  # one event's bytes (the compiled form's fallback)
+    def __init__(self, block_size: int, medium: str = MEDIUM_DEVICE) -> None:
+        self.encode_event = event_encoder().encode  # one event's bytes (the compiled form's fallback)
         self.block_size = block_size
         self.medium = medium
 
@@ -60,12 +61,12 @@ class DeviceBatchEncoder:
         if type(item) is not tuple:
             return item
         P = self.block_size
-        if item[0] == STORED:
+        if item[0] == STORED and len(item) == 6:
             _, hashes, parent, tokens, start, stop = item
             return BlockStored(list(hashes), parent, page_token_ids(tokens, start, stop, P), P, None, self.medium)
         if item[0] == REMOVED and len(item) == 2:
             return BlockRemoved(list(item[1]), self.medium)
-        raise TypeError(f"not a device-event record: {item!r:.100}")
+        raise TypeError(f"not a device-event record: a tuple of {len(item)}, kind {item[0] if item else None!r:.20}")
 
 
 class DeviceIndexEvents:
@@ -83,7 +84,7 @@ class DeviceIndexEvents:
     def __init__(self, publisher: KvEventPublisher, block_size: int) -> None:
         self.publisher = publisher
         self.block_size = block_size
-        publisher.encode_batch = DeviceBatchEncoder(publisher, block_size)
+        publisher.encode_batch = DeviceBatchEncoder(block_size)
 
     def attach(self, pool: Any) -> None:
         """Start publishing `pool`'s (a `core.pool.BlockPool`) index changes."""

@@ -128,6 +128,11 @@ def _enc_hook(obj: Any) -> Any:
     raise NotImplementedError(f"cannot encode {type(obj).__name__}")
 
 
+def event_encoder() -> msgspec.msgpack.Encoder:
+    """The events' msgpack encoder (token-id arrays become lists as they are encoded)."""
+    return msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+
+
 def coalesce(events: list[KvEvent]) -> list[KvEvent]:
     """Neighbouring removals become one event (evictions come a page at a time)."""
     out: list[KvEvent] = []
@@ -180,7 +185,7 @@ class KvEventPublisher:
         self._kept_bytes = 0  # the kept payloads' bytes
         self.replay_batches, self.replay_bytes = replay_batches, replay_bytes
         self._kept_lock = threading.Lock()
-        self._encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+        self._encoder = event_encoder()
         # (ts, what was taken) -> the batch's payload, on the publisher's thread. Events by default; a device pool's
         # listener puts records and sets its own (`tiers/device_index_events.py`), before its first put.
         self.encode_batch: Callable[[float, list[Any]], bytes] = self.encode_events

@@ -4,9 +4,6 @@ with an error (the publisher then fails that batch, as it fails one msgspec cann
 
 from __future__ import annotations
 
-import shutil
-import tempfile
-
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -20,21 +17,11 @@ from kvproc.tiers.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
-    KvEventPublisher,
     decode_batch,
 )
 
 N = native._native
 needs_native = pytest.mark.skipif(N is None, reason="kvproc.native._native not built")
-
-
-@pytest.fixture(scope="module")
-def publisher():
-    tmp = tempfile.mkdtemp(prefix="kve")
-    pub = KvEventPublisher(tmp, 0, kind="device")
-    yield pub
-    pub.close()
-    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def compiled(enc: DeviceBatchEncoder, ts: float, items: list) -> bytes:
@@ -93,8 +80,8 @@ def records(draw, page: int):
 @needs_native
 @settings(max_examples=300, deadline=None)
 @given(st.data(), st.sampled_from([1, 3, 16]), st.floats(allow_nan=False))
-def test_the_compiled_batch_is_msgspecs_bytes_for_any_records(publisher, data, page, ts):
-    enc = DeviceBatchEncoder(publisher, page)
+def test_the_compiled_batch_is_msgspecs_bytes_for_any_records(data, page, ts):
+    enc = DeviceBatchEncoder(page)
     items = data.draw(records(page))
     got = compiled(enc, ts, items)
     assert got == enc.python(ts, items)
@@ -102,9 +89,9 @@ def test_the_compiled_batch_is_msgspecs_bytes_for_any_records(publisher, data, p
 
 
 @needs_native
-def test_long_arrays_take_msgpacks_longer_headers(publisher):
+def test_long_arrays_take_msgpacks_longer_headers():
     """Past 15 and 65,535 items an array's header grows (array16, array32); past 255 bytes a key's (bin16)."""
-    enc = DeviceBatchEncoder(publisher, 16)
+    enc = DeviceBatchEncoder(16)
     tokens = np.arange(70_000 * 16, dtype=np.int64)
     items = [(STORED, [bytes([i % 256]) * 16 for i in range(70_000)], None, tokens, 0, 70_000),
              (REMOVED, [b"k" * 300] * 40_000), (REMOVED, [b"j" * 16] * 30_000)]
@@ -116,8 +103,8 @@ def test_long_arrays_take_msgpacks_longer_headers(publisher):
 
 
 @needs_native
-def test_what_it_cannot_encode_raises(publisher):
-    enc = DeviceBatchEncoder(publisher, 4)
+def test_what_it_cannot_encode_raises():
+    enc = DeviceBatchEncoder(4)
     h = [b"a" * 16]
     bad = {
         "a key that is not bytes": [(STORED, ["text"], None, None, 0, 1)],
@@ -130,6 +117,9 @@ def test_what_it_cannot_encode_raises(publisher):
         "a bad page range": [(STORED, h, None, None, 2, 1)],
         "a negative start": [(STORED, h, None, None, -1, 1)],
         "an object msgspec cannot encode": [object()],
+        "a tuple of no record's kind": [(5, h)],
+        "a stored record of the wrong arity": [(STORED, h, None)],
+        "a removed record of the wrong arity": [(REMOVED, h, None)],
     }
     for what, items in bad.items():
         with pytest.raises((TypeError, ValueError, OverflowError, NotImplementedError)):
@@ -142,7 +132,7 @@ def test_what_it_cannot_encode_raises(publisher):
 
 
 @needs_native
-def test_the_write_lets_the_gil_go_unless_a_records_ids_are_python_ints(publisher):
+def test_the_write_lets_the_gil_go_unless_a_records_ids_are_python_ints():
     """The engine's threads run while the publisher's thread writes a batch from memory (its keys, packed or array
     token ids): that write holds no GIL. Ids given as a list of Python ints are read with it. Seen from a second
     thread counting the moments it ran while the encode was under way; the switch interval is raised for the test so
@@ -151,7 +141,7 @@ def test_the_write_lets_the_gil_go_unless_a_records_ids_are_python_ints(publishe
     import threading
     import time
 
-    enc = DeviceBatchEncoder(publisher, 16)
+    enc = DeviceBatchEncoder(16)
     packed = np.arange(1 << 20, dtype="<u4").tobytes()  # 1M ids: a write of several ms
     keys = [bytes([i % 256]) * 16 for i in range(1 << 16)]
 

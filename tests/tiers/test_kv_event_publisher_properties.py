@@ -34,7 +34,7 @@ def test_concurrent_producers_each_event_goes_out_once_in_each_producers_order(
         per_producer: list[int], chunk: int, interval_ms: int, max_pending: int, flushes: int) -> None:
     tmp = tempfile.mkdtemp(prefix="kvpp")
     pub = KvEventPublisher(tmp, 0, batch_interval_s=interval_ms / 1000, max_pending=max_pending)
-    pub.encode_batch = DeviceBatchEncoder(pub, 16)  # records and events both
+    pub.encode_batch = DeviceBatchEncoder(16)  # records and events both
     try:
         start = threading.Barrier(len(per_producer) + 1)
 
