@@ -8,7 +8,7 @@ up to an interval after the resolve made them). Three forms of the tokens: the p
 restore registers since the eighth session), an int64 array (a computed page's, from its request), and the engine's
 list of Python ints (what a restore registered before). Then the GIL: how much of an engine's busy thread's time is
 lost while the publisher's thread writes a steady-state batch, with the GIL held throughout the write and let go
-while writing (as shipped).
+while writing (as shipped). Last, the publisher's take of a batch's records from its queue.
 
     .venv/bin/python bench/device_event_encode.py [--resolves 15] [--batches 400]
 """
@@ -16,6 +16,8 @@ while writing (as shipped).
 from __future__ import annotations
 
 import argparse
+import collections
+import itertools
 import statistics
 import threading
 import time
@@ -80,6 +82,34 @@ def stalls(enc: DeviceBatchEncoder, tokens: list, keys: list, churn: list, a: ar
     print(f"ratio held / let go: {statistics.median(lost[False]) / statistics.median(lost[True]):.2f}x")
 
 
+def takes(records: list, reps: int = 200) -> None:
+    """The publisher's take of a batch's records from its queue: a loop that pops and sorts each (before) against
+    every popleft called from C (`KvEventPublisher._take`, as shipped), same run, median of `reps`."""
+    q: collections.deque = collections.deque()
+
+    def loop() -> list:
+        events: list = []
+        markers: list = []
+        for _ in range(len(q)):
+            item = q.popleft()
+            (markers if isinstance(item, threading.Event) else events).append(item)
+        return events
+
+    def from_c() -> list:
+        return list(itertools.starmap(q.popleft, itertools.repeat((), len(q))))
+
+    t: dict[str, list[float]] = {"loop": [], "from C": []}
+    for i in range(reps):
+        for name, f in (("loop", loop), ("from C", from_c)) if i % 2 else (("from C", from_c), ("loop", loop)):
+            q.extend(records)
+            t0 = time.thread_time()
+            f()
+            t[name].append(time.thread_time() - t0)
+    lo, c = statistics.median(t["loop"]), statistics.median(t["from C"])
+    print(f"# the publisher's take of {len(records)} queued records, median of {reps}")
+    print(f"loop {lo * 1e6:.1f} us  from C {c * 1e6:.1f} us  ratio {lo / c:.1f}x")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--resolves", type=int, default=15, help="resolves per batch (15: the per-resolve A/B's)")
@@ -117,6 +147,7 @@ def main() -> int:
         py, nat = statistics.median(times["python"]), statistics.median(times["native"])
         print(f"{form:36s} python {py * 1e6:7.1f}  native {nat * 1e6:7.1f}  ratio {py / nat:5.1f}x")
     stalls(enc, forms["packed (a restore's)"], keys, churn, a)
+    takes([(REMOVED, churn[k]) for k in range(100 * (PAGES + 1))])  # ~100 resolves' records
     return 0
 
 

@@ -34,6 +34,7 @@ index holds, i.e. which page hashes a resolve there would match; its `BlockStore
 from __future__ import annotations
 
 import collections
+import itertools
 import os
 import threading
 import time
@@ -254,10 +255,16 @@ class KvEventPublisher:
     def _take(self) -> tuple[list[Any], list[threading.Event]]:
         """(events, flush markers): everything in `_pending` now; later appends wait for the next batch."""
         q = self._pending
+        # Every popleft called from C (starmap over a repeat): no bytecode per item, so the thread does not hold
+        # the GIL in Python for a batch's worth of items (1,700 records: 28 us, against 129 us for a loop that pops
+        # and sorts each: `bench/device_event_encode.py`). A flush marker is looked for only when one is out:
+        # `flush` counts it before it appends it, so one taken here is counted by now.
+        items: list[Any] = list(itertools.starmap(q.popleft, itertools.repeat((), len(q))))
+        if not self._markers:
+            return items, []
         events: list[Any] = []
         markers: list[threading.Event] = []
-        for _ in range(len(q)):
-            item = q.popleft()
+        for item in items:
             (markers if isinstance(item, threading.Event) else events).append(item)
         return events, markers
 
