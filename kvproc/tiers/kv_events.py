@@ -171,7 +171,7 @@ class KvEventPublisher:
         self.pub_endpoint, self.replay_endpoint = endpoints(runtime_dir, rank, kind)
         self.batch_interval_s = check_interval(batch_interval_s)  # before any socket or thread: nothing to undo
         self.max_pending = max_pending
-        # Events (or tuples that build one) in publish order, and flush markers (set once everything before them
+        # Events (or records `encode_batch` takes) in publish order, and flush markers (set once everything before them
         # was sent). Producers append, the thread pops: both atomic, so neither needs a lock.
         self._pending: collections.deque[Any] = collections.deque()
         # The hot path (`DeviceIndexEvents`): one event or record; rebound to a dropping one if the thread ends, so
