@@ -77,19 +77,31 @@ class LocalMooncake:
         self._master_bin, self._client_bin = binaries()
         self._starts = 0
         self._own_logs = False
+        self._log_of: dict[int, str] = {}  # pid -> its log file
 
     @classmethod
     def start(cls, segment_mb: int = 256, *, log_dir: str | None = None, timeout_s: float = 30.0,
-              lease_ttl_ms: int = 0) -> LocalMooncake:
-        mc = cls(segment_mb, log_dir or tempfile.mkdtemp(prefix="kvproc-mooncake-"), lease_ttl_ms)
-        mc._own_logs = log_dir is None  # a temporary log folder goes with `stop`
-        try:
-            mc.start_master(timeout_s)
-            mc.start_storage(timeout_s)
-        except BaseException:
-            mc.stop()
-            raise
-        return mc
+              lease_ttl_ms: int = 0, attempts: int = 2) -> LocalMooncake:
+        """Both processes, up and listening. A start that fails (a process exits, or does not listen within
+        `timeout_s`) is retried from scratch on fresh ports, up to `attempts` starts in all: once, a storage node
+        did not listen within 30 s on a CI machine loaded by a parallel install, and nothing of its log was kept. The
+        error names each failed start, with its log's last lines."""
+        errors: list[str] = []
+        for attempt in range(1, attempts + 1):
+            mc = cls(segment_mb, log_dir or tempfile.mkdtemp(prefix="kvproc-mooncake-"), lease_ttl_ms)
+            mc._own_logs = log_dir is None  # a temporary log folder goes with `stop`
+            try:
+                mc.start_master(timeout_s)
+                mc.start_storage(timeout_s)
+                return mc
+            except (TimeoutError, RuntimeError) as e:
+                mc.stop()
+                errors.append(f"start {attempt}: {e}")
+                log.warning("mooncake_local_start_failed", attempt=attempt, attempts=attempts, error=str(e))
+            except BaseException:
+                mc.stop()
+                raise
+        raise TimeoutError("a local Mooncake Store did not start:\n" + "\n".join(errors))
 
     @property
     def master_address(self) -> str:
@@ -106,20 +118,32 @@ class LocalMooncake:
 
     def _spawn(self, args: list[str], what: str) -> subprocess.Popen[bytes]:
         self._starts += 1
-        out = open(os.path.join(self.log_dir, f"{what}.{self._starts}.log"), "wb")
+        path = os.path.join(self.log_dir, f"{what}.{self._starts}.log")
+        out = open(path, "wb")
         try:
-            return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=self._env,
-                                    start_new_session=True)
+            proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=self._env, start_new_session=True)
         finally:
             out.close()
+        self._log_of[proc.pid] = path
+        return proc
+
+    def _log_tail(self, proc: subprocess.Popen[bytes], lines: int = 12) -> str:
+        """The last lines of `proc`'s log, for an error (a temporary log folder is gone once it is raised)."""
+        try:
+            with open(self._log_of[proc.pid], "rb") as f:
+                tail = f.read().decode(errors="replace").splitlines()[-lines:]
+        except (KeyError, OSError) as e:
+            return f"(no log: {e})"
+        return "\n".join(["  | " + t for t in tail]) or "  | (empty log)"
 
     def _wait(self, proc: subprocess.Popen[bytes], port: int, what: str, timeout_s: float) -> None:
         end = time.monotonic() + timeout_s
         while not _listening(port):
             if proc.poll() is not None:
-                raise RuntimeError(f"{what} exited with {proc.returncode} (logs in {self.log_dir})")
+                raise RuntimeError(f"{what} exited with {proc.returncode}; its log's end:\n{self._log_tail(proc)}")
             if time.monotonic() > end:
-                raise TimeoutError(f"{what} not listening on {port} after {timeout_s}s (logs in {self.log_dir})")
+                raise TimeoutError(f"{what} not listening on {port} after {timeout_s}s; its log's end:\n"
+                                   f"{self._log_tail(proc)}")
             time.sleep(0.05)
 
     def start_master(self, timeout_s: float = 30.0) -> None:
