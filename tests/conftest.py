@@ -17,7 +17,6 @@ from typing import Any, Callable, Iterator
 import psutil
 import pytest
 import torch
-import zmq
 
 from kvproc import ArenaId, GroupKind, GroupSpec, KvArena, KvSpec, RepackDirection, RequestKv
 from kvproc.ipc.segment import list_segments
@@ -25,7 +24,7 @@ from kvproc.runtime import manifest as mf
 from kvproc.store.cluster import ClusterStore
 from kvproc.store.kv_store import KvStore
 from kvproc.store.types import SealCursor, StepFence, StoreConfig
-from kvproc.tiers.kv_events import END
+from kvproc.tiers.kv_events import read_replay
 from kvproc.tiers.mooncake_local import LocalMooncake, unavailable_reason
 
 PAGE = 4
@@ -253,21 +252,8 @@ def nothing_left(store: KvStore) -> None:
 
 def replay_kv_events(endpoint: str, start: int = 0) -> list[tuple[int, bytes]]:
     """Every (seq, payload) a KV-event publisher's replay endpoint still holds from `start` on (host tier or device
-    pool: `kvproc.tiers.kv_events`)."""
-    s = zmq.Context.instance().socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.connect(endpoint)
-    try:
-        s.send_multipart([b"", start.to_bytes(8, "big", signed=True)])
-        out = []
-        while True:
-            assert s.poll(10_000), "no replay answer"
-            _, seq, payload = s.recv_multipart()
-            if seq == END:
-                return out
-            out.append((int.from_bytes(seq, "big", signed=True), payload))
-    finally:
-        s.close()
+    pool: `kvproc.tiers.kv_events`); a frame that does not come within 10 s fails the test."""
+    return list(read_replay(endpoint, start, timeout_ms=10_000))
 
 
 def wait_for(cond: Callable[[], bool], timeout: float = 5.0, what: str = "condition") -> None:

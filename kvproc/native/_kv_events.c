@@ -177,12 +177,8 @@ static void tokens_release(Tokens *t) {
  * without the GIL. */
 static void put_tokens_raw(Out *o, const Tokens *t, Py_ssize_t lo, Py_ssize_t n, int64_t pad) {
     if (t->kind == T_PACKED) {
-        for (Py_ssize_t i = 0; i < n; i++) {
-            const uint8_t *q = t->buf + 4 * (lo + i);
-            put_int(o, lo + i < t->len ? (int64_t)((uint32_t)q[0] | (uint32_t)q[1] << 8 | (uint32_t)q[2] << 16
-                                                   | (uint32_t)q[3] << 24)
-                                       : pad);
-        }
+        for (Py_ssize_t i = 0; i < n; i++)
+            put_int(o, lo + i < t->len ? (int64_t)load32_le(t->buf + 4 * (lo + i)) : pad);
         return;
     }
     if (t->sign && t->size == 8 && lo + n <= t->len) { /* a request's int64 ids, no tail: the usual buffer */

@@ -12,6 +12,10 @@ static inline uint64_t load64_le(const uint8_t *p) {
            ((uint64_t)p[4] << 32) | ((uint64_t)p[5] << 40) | ((uint64_t)p[6] << 48) | ((uint64_t)p[7] << 56);
 }
 
+static inline uint32_t load32_le(const uint8_t *p) {
+    return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
+}
+
 /* The one rule of the host tier's slot table (`kvproc/tiers/slot_table.py`) that every check applies: slot `s` holds
  * the committed bytes of the key tagged `t` (its first 8 bytes, little endian) at generation `g`. Tag 0 means
  * "nothing committed" and never matches; a slot outside the table never matches. The table is shared memory the tier

@@ -38,7 +38,7 @@ import itertools
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Union
 
 import msgspec
@@ -100,6 +100,28 @@ def endpoints(runtime_dir: str, rank: int, kind: str = "") -> tuple[str, str]:
     k = f"{kind}-" if kind else ""
     return (f"ipc://{os.path.join(runtime_dir, f'kv-events-{k}{rank}')}",
             f"ipc://{os.path.join(runtime_dir, f'kv-events-{k}replay-{rank}')}")
+
+
+def read_replay(endpoint: str, start: int = 0, timeout_ms: int = 10_000) -> Iterator[tuple[int, bytes]]:
+    """The subscriber's side of a replay (`KvEventPublisher._answer_replay`): every (seq, payload) the publisher at
+    `endpoint` still keeps from seq `start` on, in order. TimeoutError when a frame does not come within
+    `timeout_ms` (what came before it was yielded already)."""
+    s: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.RCVTIMEO, timeout_ms)
+    s.connect(endpoint)
+    try:
+        s.send_multipart([b"", start.to_bytes(8, "big", signed=True)])
+        while True:
+            try:
+                _, seq, payload = s.recv_multipart()
+            except zmq.Again:
+                raise TimeoutError(f"no replay frame from {endpoint} within {timeout_ms} ms") from None
+            if seq == END:
+                return
+            yield int.from_bytes(seq, "big", signed=True), payload
+    finally:
+        s.close(linger=0)
 
 
 def page_token_ids(tokens: Any, start: int, stop: int, page_tokens: int) -> Any:

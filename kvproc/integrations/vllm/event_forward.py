@@ -25,7 +25,7 @@ from typing import Any
 import structlog
 import zmq
 
-from kvproc.tiers.kv_events import END, TOPIC, AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
+from kvproc.tiers.kv_events import TOPIC, AllBlocksCleared, BlockRemoved, BlockStored, decode_batch, read_replay
 
 log = structlog.get_logger(__name__)
 
@@ -62,25 +62,12 @@ class TierEventForwarder:
             raise
 
     def _catch_up(self, replay_endpoint: str) -> None:
-        s = self._ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.LINGER, 0)
-        s.setsockopt(zmq.RCVTIMEO, REPLAY_TIMEOUT_MS)
-        s.connect(replay_endpoint)
         try:
-            s.send_multipart([b"", (0).to_bytes(8, "big", signed=True)])
-            while True:
-                try:
-                    _, seq_b, payload = s.recv_multipart()
-                except zmq.Again:
-                    log.warning("kv_event_forward_replay_timed_out", endpoint=replay_endpoint,
-                                batches=self.replayed)
-                    return
-                if seq_b == END:
-                    return
-                self._batch(int.from_bytes(seq_b, "big", signed=True), payload)
+            for seq, payload in read_replay(replay_endpoint, 0, REPLAY_TIMEOUT_MS):
+                self._batch(seq, payload)
                 self.replayed += 1
-        finally:
-            s.close(linger=0)
+        except TimeoutError:
+            log.warning("kv_event_forward_replay_timed_out", endpoint=replay_endpoint, batches=self.replayed)
 
     def take(self) -> list[Any]:
         """The events published since the last take, converted, in order (never blocks)."""
