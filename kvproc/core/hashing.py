@@ -33,6 +33,7 @@ PAD_TOKEN_ID: int = 2**31 - 1
 HASH_LAYOUT_VERSION = 2  # 2: the model identity (namespace) is part of the seed
 
 BlockHash = bytes  # 16 bytes
+HASH_BYTES = 16  # every algorithm's page hash: 128 bits
 
 
 class HashAlgorithm(enum.Enum):

@@ -16,6 +16,7 @@
  *   protocol), bytes (a prompt's ids packed as little-endian uint32: `PageHashes.data`), or a sequence of ints --
  *   the slowest: each id is a Python int read from wherever it lies in memory (~60 ns each in place, cold);
  * - `(1, hashes)`: `BlockRemoved(list(hashes), medium)`; neighbouring ones become one event, as `coalesce` does;
+ * - in either, `hashes` is a sequence of bytes, or bytes: the keys packed (`kv_pack_keys`), `key_width` bytes each;
  * - anything else but a tuple: `fallback(item)` must return that one event's msgpack bytes, written as they are
  *   (a tuple that is neither record is refused: TypeError, as the pure-Python form refuses it).
  *
@@ -80,6 +81,23 @@ static inline void put_int(Out *o, int64_t v) {
     }
 }
 
+/* put_int for 0 <= v < 2**32, without a branch on the size: a token id's form varies id to id (a vocabulary of
+ * 150,000 straddles the 3- and 5-byte forms), so branching mispredicted about every other id. Writes 8 bytes and
+ * keeps the form's 1, 2, 3 or 5: the caller's bound leaves 9 a token. */
+static inline void put_u32_branchless(Out *o, uint32_t v) {
+    uint64_t w1 = v, w2 = 0xccu | ((uint64_t)v << 8), w3 = 0xcdu | ((uint64_t)(v >> 8) << 8) | ((uint64_t)(v & 0xff) << 16);
+    uint64_t w5 = 0xceu | ((uint64_t)__builtin_bswap32(v) << 8);
+    uint64_t w = v < 128 ? w1 : v < 256 ? w2 : v < 65536 ? w3 : w5;
+    size_t n = v < 128 ? 1 : v < 256 ? 2 : v < 65536 ? 3 : 5;
+#if PY_LITTLE_ENDIAN
+    memcpy(o->p, &w, 8);
+#else
+    w = __builtin_bswap64(w);
+    memcpy(o->p, &w, 8);
+#endif
+    o->p += n;
+}
+
 static inline void put_uint64(Out *o, uint64_t v) {
     if (v <= (uint64_t)INT64_MAX) put_int(o, (int64_t)v);
     else { put1(o, 0xcf); put_be(o, v, 8); }
@@ -87,10 +105,38 @@ static inline void put_uint64(Out *o, uint64_t v) {
 
 #define HDR_MAX 5 /* the longest array / str / bin header */
 
-/* Bytes the keys of `seq` (a PySequence_Fast) take at most, or -1 with TypeError when one is not bytes. */
-static Py_ssize_t keys_bound(PyObject *seq) {
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), total = HDR_MAX;
-    PyObject **items = PySequence_Fast_ITEMS(seq);
+/* A record's keys: a sequence of bytes (`seq`, a PySequence_Fast), or `packed`, `n` keys of `width` bytes one after
+ * the other (what `kv_pack_keys` made of the listener's slice). */
+typedef struct {
+    PyObject *seq;    /* owned, or NULL when packed */
+    PyObject *packed; /* owned bytes, or NULL */
+    Py_ssize_t n, width;
+} Keys;
+
+static void keys_free(Keys *k) {
+    Py_CLEAR(k->seq);
+    Py_CLEAR(k->packed);
+}
+
+/* Pass 1 (GIL): take a record's keys field and bound the bytes its keys take; -1 with an exception set when they are
+ * neither a sequence of bytes nor packed keys of `width` bytes. */
+static Py_ssize_t keys_prepare(Keys *k, PyObject *field, Py_ssize_t width) {
+    if (PyBytes_CheckExact(field)) {
+        Py_ssize_t len = PyBytes_GET_SIZE(field);
+        if (width <= 0 || len % width) {
+            PyErr_Format(PyExc_ValueError, "packed block hashes: %zd bytes are not keys of %zd bytes", len, width);
+            return -1;
+        }
+        Py_INCREF(field);
+        k->packed = field;
+        k->n = len / width;
+        k->width = width;
+        return HDR_MAX + k->n * (HDR_MAX + width);
+    }
+    k->seq = PySequence_Fast(field, "block hashes must be a sequence of bytes");
+    if (!k->seq) return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(k->seq), total = HDR_MAX;
+    PyObject **items = PySequence_Fast_ITEMS(k->seq);
     for (Py_ssize_t i = 0; i < n; i++) {
         if (!PyBytes_CheckExact(items[i])) {
             PyErr_Format(PyExc_TypeError, "a block hash must be bytes, got %.100s", Py_TYPE(items[i])->tp_name);
@@ -98,13 +144,18 @@ static Py_ssize_t keys_bound(PyObject *seq) {
         }
         total += HDR_MAX + PyBytes_GET_SIZE(items[i]);
     }
+    k->n = n;
     return total;
 }
 
-static void put_keys(Out *o, PyObject *seq) {
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
-    for (Py_ssize_t i = 0; i < n; i++) put_bin(o, PyBytes_AS_STRING(items[i]), PyBytes_GET_SIZE(items[i]));
+static void put_keys(Out *o, const Keys *k) {
+    if (k->packed) {
+        const char *p = PyBytes_AS_STRING(k->packed);
+        for (Py_ssize_t i = 0; i < k->n; i++) put_bin(o, p + i * k->width, k->width);
+        return;
+    }
+    PyObject **items = PySequence_Fast_ITEMS(k->seq);
+    for (Py_ssize_t i = 0; i < k->n; i++) put_bin(o, PyBytes_AS_STRING(items[i]), PyBytes_GET_SIZE(items[i]));
 }
 
 /* One int of a token buffer of item size `size` and signedness `sign`. */
@@ -177,8 +228,10 @@ static void tokens_release(Tokens *t) {
  * without the GIL. */
 static void put_tokens_raw(Out *o, const Tokens *t, Py_ssize_t lo, Py_ssize_t n, int64_t pad) {
     if (t->kind == T_PACKED) {
-        for (Py_ssize_t i = 0; i < n; i++)
-            put_int(o, lo + i < t->len ? (int64_t)load32_le(t->buf + 4 * (lo + i)) : pad);
+        Py_ssize_t have = lo >= t->len ? 0 : (t->len - lo < n ? t->len - lo : n);
+        const uint8_t *b = t->buf + 4 * lo;
+        for (Py_ssize_t i = 0; i < have; i++) put_u32_branchless(o, load32_le(b + 4 * i));
+        for (Py_ssize_t i = have; i < n; i++) put_int(o, pad);
         return;
     }
     if (t->sign && t->size == 8 && lo + n <= t->len) { /* a request's int64 ids, no tail: the usual buffer */
@@ -186,7 +239,8 @@ static void put_tokens_raw(Out *o, const Tokens *t, Py_ssize_t lo, Py_ssize_t n,
         for (Py_ssize_t i = 0; i < n; i++) {
             int64_t v;
             memcpy(&v, b + 8 * i, 8); /* a buffer need not be aligned */
-            put_int(o, v);
+            if ((uint64_t)v <= 0xffffffffu) put_u32_branchless(o, (uint32_t)v);
+            else put_int(o, v);
         }
         return;
     }
@@ -240,7 +294,7 @@ enum { K_STORED = 0, K_REMOVED = 1, K_OTHER = 2 };
 
 typedef struct {
     int kind;
-    PyObject *keys;     /* PySequence_Fast of the hashes (owned) */
+    Keys keys;
     PyObject *parent;   /* borrowed: None or bytes */
     PyObject *tokens;   /* borrowed */
     Py_ssize_t start, stop;
@@ -251,7 +305,7 @@ typedef struct {
 
 static void recs_free(Rec *recs, Py_ssize_t n) {
     for (Py_ssize_t i = 0; i < n; i++) {
-        Py_XDECREF(recs[i].keys);
+        keys_free(&recs[i].keys);
         Py_XDECREF(recs[i].encoded);
         tokens_release(&recs[i].tok);
     }
@@ -280,13 +334,13 @@ static int write_batch(Out *o, Rec *recs, Py_ssize_t n, Py_ssize_t events, doubl
                 put_str(o, "BlockRemoved", 12);
                 put_array_header(o, r->run);
             }
-            put_keys(o, r->keys);
+            put_keys(o, &r->keys);
             if (i + 1 == n || recs[i + 1].kind != K_REMOVED) put_str(o, medium, medium_len);
         } else { /* [tag, keys, parent, token_ids, block_size, lora_id None, medium] */
             put1(o, 0x97);
             put_str(o, "BlockStored", 11);
-            put_array_header(o, PySequence_Fast_GET_SIZE(r->keys));
-            put_keys(o, r->keys);
+            put_array_header(o, r->keys.n);
+            put_keys(o, &r->keys);
             if (r->parent == Py_None) put1(o, 0xc0);
             else put_bin(o, PyBytes_AS_STRING(r->parent), PyBytes_GET_SIZE(r->parent));
             Py_ssize_t lo = r->start * page, k = r->tok.kind == T_NONE ? 0 : (r->stop - r->start) * page;
@@ -308,11 +362,11 @@ static int write_batch(Out *o, Rec *recs, Py_ssize_t n, Py_ssize_t events, doubl
 static PyObject *kv_device_batch(PyObject *self, PyObject *args) {
     double ts;
     PyObject *items, *medium_obj, *fallback;
-    Py_ssize_t page;
+    Py_ssize_t page, key_width = 16;
     long long pad;
     int release_gil = 1, seq = 0;
-    if (!PyArg_ParseTuple(args, "dO!nULO|p:kv_device_batch", &ts, &PyList_Type, &items, &page, &medium_obj, &pad,
-                          &fallback, &release_gil))
+    if (!PyArg_ParseTuple(args, "dO!nULO|pn:kv_device_batch", &ts, &PyList_Type, &items, &page, &medium_obj, &pad,
+                          &fallback, &release_gil, &key_width))
         return NULL;
     if (page <= 0) return PyErr_Format(PyExc_ValueError, "block_size must be positive, got %zd", page);
     Py_ssize_t medium_len;
@@ -366,9 +420,7 @@ static PyObject *kv_device_batch(PyObject *self, PyObject *args) {
             run_at = -1;
             continue;
         }
-        r->keys = PySequence_Fast(PyTuple_GET_ITEM(it, 1), "block hashes must be a sequence of bytes");
-        if (!r->keys) goto fail;
-        Py_ssize_t kb = keys_bound(r->keys);
+        Py_ssize_t kb = keys_prepare(&r->keys, PyTuple_GET_ITEM(it, 1), key_width);
         if (kb < 0) goto fail;
         bound += kb;
         if (r->kind == K_STORED) {
@@ -377,11 +429,11 @@ static PyObject *kv_device_batch(PyObject *self, PyObject *args) {
             events++;
             run_at = -1;
         } else if (run_at >= 0) {
-            recs[run_at].run += PySequence_Fast_GET_SIZE(r->keys);
+            recs[run_at].run += r->keys.n;
             r->run = -1;
         } else {
             bound += 32 + medium_len;
-            r->run = PySequence_Fast_GET_SIZE(r->keys);
+            r->run = r->keys.n;
             run_at = i;
             events++;
         }
@@ -409,10 +461,47 @@ fail:
     return NULL;
 }
 
+/* kv_pack_keys(keys, lo, hi, width) -> bytes | None: keys[lo:hi] one after the other, when each is bytes of `width`
+ * bytes (else None: the caller queues the keys as a list). Why: a record holding the keys' bytes objects keeps them
+ * alive until the publisher's thread writes them, ~50 ms later, cold (each its own allocation), and frees them there
+ * holding the GIL; one packed copy made on the resolve's path, while they are warm, is read in one sweep. */
+static PyObject *kv_pack_keys(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    /* METH_FASTCALL: it runs on a resolve's path, where an argument tuple's parse was half its cost */
+    if (nargs != 4) return PyErr_Format(PyExc_TypeError, "kv_pack_keys takes 4 arguments, got %zd", nargs);
+    PyObject *keys_o = args[0];
+    Py_ssize_t lo = PyLong_AsSsize_t(args[1]), hi = PyLong_AsSsize_t(args[2]), width = PyLong_AsSsize_t(args[3]);
+    if ((lo == -1 || hi == -1 || width == -1) && PyErr_Occurred()) return NULL;
+    PyObject *seq = PySequence_Fast(keys_o, "block hashes must be a sequence of bytes");
+    if (!seq) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (lo < 0 || hi > n || hi < lo || width <= 0) {
+        Py_DECREF(seq);
+        return PyErr_Format(PyExc_ValueError, "kv_pack_keys: bad range %zd..%zd of %zd keys (width %zd)", lo, hi, n,
+                            width);
+    }
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = lo; i < hi; i++) {
+        if (!PyBytes_CheckExact(items[i]) || PyBytes_GET_SIZE(items[i]) != width) {
+            Py_DECREF(seq);
+            Py_RETURN_NONE;
+        }
+    }
+    PyObject *out = PyBytes_FromStringAndSize(NULL, (hi - lo) * width);
+    if (out) {
+        char *p = PyBytes_AS_STRING(out);
+        for (Py_ssize_t i = lo; i < hi; i++, p += width) memcpy(p, PyBytes_AS_STRING(items[i]), (size_t)width);
+    }
+    Py_DECREF(seq);
+    return out;
+}
+
 static PyMethodDef kv_event_methods[] = {
     {"kv_device_batch", kv_device_batch, METH_VARARGS,
-     "kv_device_batch(ts, items, block_size, medium, pad, fallback, release_gil=True) -> msgpack bytes of the "
+     "kv_device_batch(ts, items, block_size, medium, pad, fallback, release_gil=True, key_width=16) -> msgpack "
+     "bytes of the "
      "KVEventBatch"},
+    {"kv_pack_keys", (PyCFunction)(void (*)(void))kv_pack_keys, METH_FASTCALL,
+     "kv_pack_keys(keys, lo, hi, width) -> keys[lo:hi] packed, or None when one is not bytes of width bytes"},
     {NULL, NULL, 0, NULL},
 };
 

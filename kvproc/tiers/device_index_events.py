@@ -14,6 +14,12 @@ The records, as `put` queues them:
   stop, block_size), block_size, None, "GPU")`;
 - `(REMOVED, hashes)`: `BlockRemoved(list(hashes), "GPU")`; neighbouring ones become one event;
 - an event (`attach`'s first ones): encoded as it is.
+
+`hashes` is the keys packed into one bytes object (`kv_pack_keys`: `HASH_BYTES` each, as every hasher makes them), or a
+list where a key is of another size (a test's own keys). Why packed: a record holding the keys' own objects keeps
+them alive until the thread writes the batch, up to an interval later, when each is a cold allocation of its own, read
+and then freed with the GIL held; and the resolve's next allocations cannot reuse their memory meanwhile. The packed
+copy is made while they are warm (bench/RESULTS.md, "Ninth session").
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kvproc.core.hashing import PAD_TOKEN_ID
+from kvproc.core.hashing import HASH_BYTES, PAD_TOKEN_ID
 from kvproc.native import NATIVE
 from kvproc.tiers.kv_events import (
     MEDIUM_DEVICE,
@@ -39,6 +45,25 @@ from kvproc.tiers.kv_events import (
 STORED, REMOVED = 0, 1
 
 
+def _pack_keys_python(keys: Sequence[bytes], lo: int, hi: int, width: int) -> bytes | None:
+    part = keys[lo:hi]
+    return b"".join(part) if all(type(k) is bytes and len(k) == width for k in part) else None
+
+
+# (keys, lo, hi, width) -> keys[lo:hi] packed, or None when one is not bytes of `width` bytes. Called as it is, not
+# through a wrapper, on a resolve's path.
+_pack: Any = NATIVE.kv_pack_keys if NATIVE is not None else _pack_keys_python
+
+
+def unpack_keys(keys: bytes | Sequence[bytes]) -> list[bytes]:
+    """A record's keys as a list (the packing's inverse)."""
+    if not isinstance(keys, bytes):
+        return list(keys)
+    if len(keys) % HASH_BYTES:
+        raise ValueError(f"packed block hashes: {len(keys)} bytes are not keys of {HASH_BYTES} bytes")
+    return [keys[i:i + HASH_BYTES] for i in range(0, len(keys), HASH_BYTES)]
+
+
 class DeviceBatchEncoder:
     """`KvEventPublisher.encode_batch` for a device pool's records: the compiled form where it is built, else
     `python` (the same bytes)."""
@@ -51,7 +76,8 @@ class DeviceBatchEncoder:
     def __call__(self, ts: float, items: list[Any]) -> bytes:
         if NATIVE is None:
             return self.python(ts, items)
-        return NATIVE.kv_device_batch(ts, items, self.block_size, self.medium, PAD_TOKEN_ID, self.encode_event)
+        return NATIVE.kv_device_batch(ts, items, self.block_size, self.medium, PAD_TOKEN_ID, self.encode_event, True,
+                                      HASH_BYTES)
 
     def python(self, ts: float, items: list[Any]) -> bytes:
         """The pure-Python form: each record built into its event, then msgspec."""
@@ -63,9 +89,10 @@ class DeviceBatchEncoder:
         P = self.block_size
         if item[0] == STORED and len(item) == 6:
             _, hashes, parent, tokens, start, stop = item
-            return BlockStored(list(hashes), parent, page_token_ids(tokens, start, stop, P), P, None, self.medium)
+            return BlockStored(unpack_keys(hashes), parent, page_token_ids(tokens, start, stop, P), P, None,
+                               self.medium)
         if item[0] == REMOVED and len(item) == 2:
-            return BlockRemoved(list(item[1]), self.medium)
+            return BlockRemoved(unpack_keys(item[1]), self.medium)
         raise TypeError(f"not a device-event record: a tuple of {len(item)}, kind {item[0] if item else None!r:.20}")
 
 
@@ -103,22 +130,27 @@ class DeviceIndexEvents:
 
     def stored(self, hashes: Sequence[bytes], positions: list[int], tokens: Any = None, first_page: int = 0,
                parent: bytes | None = None) -> None:
-        # Under the pool's lock on a resolve's path: only the keys are copied (the caller may reuse its list);
+        # Under the pool's lock on a resolve's path: only the keys are copied, packed (the caller may reuse its list);
         # `tokens` never change (`IndexListener.stored`), so their pages are read by the publisher's thread.
         first, last = positions[0], positions[-1]
         if last - first == len(positions) - 1:  # one run (the usual case: a prefill's new pages): no loop
-            self.publisher.put((STORED, hashes[first:last + 1], hashes[first - 1] if first else parent, tokens,
-                                first_page + first, first_page + last + 1))
+            keys = _pack(hashes, first, last + 1, HASH_BYTES)
+            self.publisher.put((STORED, hashes[first:last + 1] if keys is None else keys,
+                                hashes[first - 1] if first else parent, tokens, first_page + first,
+                                first_page + last + 1))
             return
         records: list[Any] = []
         start = prev = positions[0]
         for p in positions[1:] + [-1]:  # -1 closes the last run
             if p != prev + 1:
-                records.append((STORED, hashes[start:prev + 1], hashes[start - 1] if start else parent, tokens,
-                                first_page + start, first_page + prev + 1))
+                keys = _pack(hashes, start, prev + 1, HASH_BYTES)
+                records.append((STORED, hashes[start:prev + 1] if keys is None else keys,
+                                hashes[start - 1] if start else parent, tokens, first_page + start,
+                                first_page + prev + 1))
                 start = p
             prev = p
         self.publisher.publish(records)
 
     def removed(self, hashes: list[bytes]) -> None:
-        self.publisher.put((REMOVED, hashes))  # `hashes`: a list `_unhash` made for this call
+        keys = _pack(hashes, 0, len(hashes), HASH_BYTES)
+        self.publisher.put((REMOVED, hashes if keys is None else keys))  # `hashes`: a list made for this call

@@ -39,7 +39,9 @@ def token_source(draw, length: int):
     if kind == "none":
         return None
     if kind == "packed":  # a prompt's ids as its hash packed them (`PageHashes.data`): little-endian uint32
-        return np.array(draw(st.lists(st.integers(0, 2**32 - 1), min_size=length, max_size=length)), "<u4").tobytes()
+        edges = st.sampled_from([0, 127, 128, 255, 256, 65535, 65536, 2**32 - 1])  # each msgpack form's ends
+        ids = st.lists(st.one_of(edges, st.integers(0, 2**32 - 1)), min_size=length, max_size=length)
+        return np.array(draw(ids), "<u4").tobytes()
     if kind == "list":  # msgpack's whole int range: int64's negatives, uint64's top
         return draw(st.lists(st.integers(-2**63, 2**64 - 1), min_size=length, max_size=length))
     lo, hi = INT_RANGES[kind]
@@ -48,6 +50,17 @@ def token_source(draw, length: int):
                          -32769, -2**31, -2**31 - 1, lo, hi) if lo <= v <= hi]
     vals = draw(st.lists(st.one_of(st.sampled_from(edges), st.integers(lo, hi)), min_size=length, max_size=length))
     return np.array(vals, dtype=kind)
+
+
+def pack(draw, keys: list) -> object:
+    """A record's keys as the listener may queue them: packed (`kv_pack_keys`) where every key is 16 bytes, else a
+    list or a tuple."""
+    form = draw(st.sampled_from(["packed", "list", "tuple"]))
+    if form == "packed" and all(len(k) == 16 for k in keys):
+        packed = N.kv_pack_keys(keys, 0, len(keys), 16)
+        assert packed == b"".join(keys)
+        return packed
+    return keys if form == "list" else tuple(keys)
 
 
 @st.composite
@@ -68,9 +81,9 @@ def records(draw, page: int):
                 cut = draw(st.integers(max(0, stop * page - page - 1), stop * page))
                 tokens = tokens[:4 * cut] if type(tokens) is bytes else tokens[:cut]
             parent = draw(st.one_of(st.none(), st.binary(min_size=16, max_size=16)))
-            out.append((STORED, keys if draw(st.booleans()) else tuple(keys), parent, tokens, start, stop))
+            out.append((STORED, pack(draw, keys), parent, tokens, start, stop))
         elif what == "removed":
-            out.append((REMOVED, keys))
+            out.append((REMOVED, pack(draw, keys)))
         else:
             out.append(draw(st.sampled_from([AllBlocksCleared(), BlockStored(keys, None, [], page, None,
                                                                                  MEDIUM_DEVICE)])))
@@ -120,11 +133,15 @@ def test_what_it_cannot_encode_raises():
         "a tuple of no record's kind": [(5, h)],
         "a stored record of the wrong arity": [(STORED, h, None)],
         "a removed record of the wrong arity": [(REMOVED, h, None)],
+        "packed keys that are not 16 bytes each": [(REMOVED, b"a" * 17)],
     }
     for what, items in bad.items():
         with pytest.raises((TypeError, ValueError, OverflowError, NotImplementedError)):
             compiled(enc, 0.0, items)
             pytest.fail(what)
+    assert N.kv_pack_keys([b"a" * 16, b"b"], 0, 2, 16) is None  # a key of another size: queued as a list
+    with pytest.raises(ValueError):
+        N.kv_pack_keys([b"a" * 16], 0, 2, 16)
     with pytest.raises(TypeError, match="must return bytes"):
         N.kv_device_batch(0.0, [object()], 4, MEDIUM_DEVICE, PAD_TOKEN_ID, lambda e: "not bytes")
     with pytest.raises(ValueError):
