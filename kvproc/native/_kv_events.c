@@ -89,12 +89,10 @@ static inline void put_u32_branchless(Out *o, uint32_t v) {
     uint64_t w5 = 0xceu | ((uint64_t)__builtin_bswap32(v) << 8);
     uint64_t w = v < 128 ? w1 : v < 256 ? w2 : v < 65536 ? w3 : w5;
     size_t n = v < 128 ? 1 : v < 256 ? 2 : v < 65536 ? 3 : 5;
-#if PY_LITTLE_ENDIAN
-    memcpy(o->p, &w, 8);
-#else
-    w = __builtin_bswap64(w);
-    memcpy(o->p, &w, 8);
+#if !PY_LITTLE_ENDIAN
+    w = __builtin_bswap64(w); /* the form's first byte is w's lowest */
 #endif
+    memcpy(o->p, &w, 8);
     o->p += n;
 }
 
@@ -498,8 +496,7 @@ static PyObject *kv_pack_keys(PyObject *self, PyObject *const *args, Py_ssize_t 
 static PyMethodDef kv_event_methods[] = {
     {"kv_device_batch", kv_device_batch, METH_VARARGS,
      "kv_device_batch(ts, items, block_size, medium, pad, fallback, release_gil=True, key_width=16) -> msgpack "
-     "bytes of the "
-     "KVEventBatch"},
+     "bytes of the KVEventBatch"},
     {"kv_pack_keys", (PyCFunction)(void (*)(void))kv_pack_keys, METH_FASTCALL,
      "kv_pack_keys(keys, lo, hi, width) -> keys[lo:hi] packed, or None when one is not bytes of width bytes"},
     {NULL, NULL, 0, NULL},
