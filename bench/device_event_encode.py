@@ -6,11 +6,13 @@ A batch here is what `kvproc bench ipc`'s resolves make: per resolve one `BlockS
 `--prompts` distinct ones so that their tokens and keys are as cold as in place (the publisher's thread reads them
 up to an interval after the resolve made them). Three forms of the tokens: the prompt as its hash packed it (what a
 restore registers since the eighth session), an int64 array (a computed page's, from its request), and the engine's
-list of Python ints (what a restore registered before). Then the GIL: how much of an engine's busy thread's time is
+list of Python ints (what a restore registered before). The keys are packed into one bytes object per record, as
+the pool's listener queues them since the ninth session (`--list-keys`: as lists of 16-byte keys, the form the numbers
+recorded before it were taken with). Then the GIL: how much of an engine's busy thread's time is
 lost while the publisher's thread writes a steady-state batch, with the GIL held throughout the write and let go
 while writing (as shipped). Last, the publisher's take of a batch's records from its queue.
 
-    .venv/bin/python bench/device_event_encode.py [--resolves 15] [--batches 400]
+    .venv/bin/python bench/device_event_encode.py [--resolves 15] [--batches 400] [--list-keys]
 """
 
 from __future__ import annotations
@@ -57,13 +59,14 @@ def stall_arm(enc: DeviceBatchEncoder, batch: list, release_gil: bool, seconds: 
     return chunks
 
 
-def stalls(enc: DeviceBatchEncoder, tokens: list, keys: list, churn: list, a: argparse.Namespace) -> None:
+def stalls(enc: DeviceBatchEncoder, tokens: list, keys: list, key_lists: list, churn: list,
+           a: argparse.Namespace) -> None:
     """A steady 50 ms batch (`--steady` resolves' events), encoded holding the GIL throughout and letting it go
     while writing (as shipped), in alternating blocks: the main thread's time lost in chunks over 100 us."""
     batch = []
     for i in range(a.steady):
         i %= a.prompts
-        batch.append((STORED, keys[i], keys[i - 1][-1], tokens[i], 0, PAGES))
+        batch.append((STORED, keys[i], key_lists[i - 1][-1], tokens[i], 0, PAGES))
         batch += [(REMOVED, churn[(i * PAGES + k) % len(churn)]) for k in range(PAGES)]
     lost: dict[bool, list[float]] = {True: [], False: []}
     worst: dict[bool, float] = {True: 0.0, False: 0.0}
@@ -117,6 +120,8 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=4000, help="distinct prompts cycled through (cold caches)")
     ap.add_argument("--steady", type=int, default=200,
                     help="resolves per batch in the GIL part (200: ~4,000 resolves/s over a 50 ms interval)")
+    ap.add_argument("--list-keys", action="store_true",
+                    help="queue each record's keys as a list of 16-byte keys (before the ninth session), not packed")
     ap.add_argument("--stall-blocks", type=int, default=4, help="blocks of 1 s per arm in the GIL part")
     a = ap.parse_args()
     if NATIVE is None:
@@ -126,18 +131,22 @@ def main() -> int:
     forms = {"packed (a restore's)": [np.array(t, "<u4").tobytes() for t in lists],
              "int64 array (a computed page's)": [np.array(t, np.int64) for t in lists],
              "list of ints (a restore's, before)": lists}
-    keys = [[rng.bytes(16) for _ in range(PAGES)] for _ in range(a.prompts)]
-    churn = [[rng.bytes(16)] for _ in range(a.prompts * PAGES)]
+    key_lists = [[rng.bytes(16) for _ in range(PAGES)] for _ in range(a.prompts)]
+    churn_lists = [[rng.bytes(16)] for _ in range(a.prompts * PAGES)]
+    # A record's parent stays one key object (the listener's `hashes[first - 1]`); its keys are packed or listed.
+    keys: list = key_lists if a.list_keys else [b"".join(k) for k in key_lists]
+    churn: list = churn_lists if a.list_keys else [k[0] for k in churn_lists]
     enc = DeviceBatchEncoder(PAGE)
     print(f"# {a.batches} batches of {a.resolves} resolves' events ({a.resolves} BlockStored of {PAGES} pages "
-          f"x {PAGE} tokens, {a.resolves * PAGES} one-key removals), {a.prompts} prompts cycled; median us per batch")
+          f"x {PAGE} tokens, {a.resolves * PAGES} one-key removals), {a.prompts} prompts cycled, keys "
+          f"{'listed' if a.list_keys else 'packed'}; median us per batch")
     for form, tokens in forms.items():
         times: dict[str, list[float]] = {"python": [], "native": []}
         for b in range(a.batches):
             items = []
             for r in range(a.resolves):
                 i = (b * a.resolves + r) % a.prompts
-                items.append((STORED, keys[i], keys[i - 1][-1], tokens[i], 0, PAGES))
+                items.append((STORED, keys[i], key_lists[i - 1][-1], tokens[i], 0, PAGES))
                 items += [(REMOVED, churn[(i * PAGES + k) % len(churn)]) for k in range(PAGES)]
             arms = (("python", enc.python), ("native", enc))
             for name, f in arms if b % 2 else arms[::-1]:
@@ -146,7 +155,7 @@ def main() -> int:
                 times[name].append(time.thread_time() - t)
         py, nat = statistics.median(times["python"]), statistics.median(times["native"])
         print(f"{form:36s} python {py * 1e6:7.1f}  native {nat * 1e6:7.1f}  ratio {py / nat:5.1f}x")
-    stalls(enc, forms["packed (a restore's)"], keys, churn, a)
+    stalls(enc, forms["packed (a restore's)"], keys, key_lists, churn, a)
     takes([(REMOVED, churn[k]) for k in range(100 * (PAGES + 1))])  # ~100 resolves' records
     return 0
 
