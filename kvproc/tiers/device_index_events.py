@@ -55,6 +55,15 @@ def _pack_keys_python(keys: Sequence[bytes], lo: int, hi: int, width: int) -> by
 _pack: Any = NATIVE.kv_pack_keys if NATIVE is not None else _pack_keys_python
 
 
+def _stored_record(hashes: Sequence[bytes], lo: int, hi: int, parent: bytes | None, tokens: Any,
+                   first_page: int) -> tuple[Any, ...]:
+    """The `STORED` record of the run `hashes[lo:hi]`: its parent is the page before it, `parent` at the prompt's
+    first page."""
+    keys = _pack(hashes, lo, hi, HASH_BYTES)
+    return (STORED, hashes[lo:hi] if keys is None else keys, hashes[lo - 1] if lo else parent, tokens,
+            first_page + lo, first_page + hi)
+
+
 def unpack_keys(keys: bytes | Sequence[bytes]) -> list[bytes]:
     """A record's keys as a list (the packing's inverse)."""
     if not isinstance(keys, bytes):
@@ -134,19 +143,13 @@ class DeviceIndexEvents:
         # `tokens` never change (`IndexListener.stored`), so their pages are read by the publisher's thread.
         first, last = positions[0], positions[-1]
         if last - first == len(positions) - 1:  # one run (the usual case: a prefill's new pages): no loop
-            keys = _pack(hashes, first, last + 1, HASH_BYTES)
-            self.publisher.put((STORED, hashes[first:last + 1] if keys is None else keys,
-                                hashes[first - 1] if first else parent, tokens, first_page + first,
-                                first_page + last + 1))
+            self.publisher.put(_stored_record(hashes, first, last + 1, parent, tokens, first_page))
             return
         records: list[Any] = []
         start = prev = positions[0]
         for p in positions[1:] + [-1]:  # -1 closes the last run
             if p != prev + 1:
-                keys = _pack(hashes, start, prev + 1, HASH_BYTES)
-                records.append((STORED, hashes[start:prev + 1] if keys is None else keys,
-                                hashes[start - 1] if start else parent, tokens, first_page + start,
-                                first_page + prev + 1))
+                records.append(_stored_record(hashes, start, prev + 1, parent, tokens, first_page))
                 start = p
             prev = p
         self.publisher.publish(records)
