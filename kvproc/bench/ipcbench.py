@@ -84,6 +84,7 @@ from kvproc.store.types import SealCursor, StoreConfig
 from kvproc.workers.copy_exec import CopyExecutor
 
 PAGE = 16
+PROMPT_BASES = 2_146_435_069  # a prime, 2**20 + 2 below 2**31 - 1: room for a prompt of 2**20 tokens after it
 ARENA_BLOCK = 2048
 CONCURRENCY = 16
 # Interleaved arms per size: blocking / loop resolves after a pool churn each (caches trashed, as after an engine
@@ -220,7 +221,11 @@ class IpcBench:
 
     def prompt(self, blocks: int) -> list[int]:
         self._next += 1
-        base = self._next * 4099  # distinct first tokens: distinct chains; ids stay far below 2**31
+        # Distinct first tokens: distinct chains. Modulo a prime the steps of 4099 stay distinct for that many prompts,
+        # and the ids below 2**31 - 1 (a long --observe-toggle run makes 640,000 prompts: 4099 * 640,000 > 2**31).
+        base = self._next * 4099 % PROMPT_BASES
+        if blocks * PAGE >= 1 << 20:
+            raise ValueError(f"a prompt of {blocks} blocks: at most {(1 << 20) // PAGE - 1}")
         return list(range(base, base + blocks * PAGE + 1))
 
     def churn(self) -> None:

@@ -80,3 +80,19 @@ def test_the_toggle_alternating_every_resolve_pairs_each_rounds_arms_and_charges
     assert doc["device_events"] >= len(doc["pair_ratios"]) * 8 // 2 and doc["publisher_busy_s"] > 0
     with pytest.raises(ValueError, match="events only"):
         main(["--observe-toggle", "4", "--n", "4", "--alternate", "resolve"])  # scrapes cannot be given to a resolve
+
+
+def test_the_bench_prompts_stay_valid_token_ids_and_distinct_however_many_a_run_makes():
+    # A 1,600-round --observe-toggle run makes 640,000 prompts: `4099 * n` alone passed 2**31 - 1 at n = 523,906 and
+    # the run died in the hasher. The bases wrap modulo a prime instead, so they stay distinct and in range.
+    from kvproc.bench.ipcbench import IpcBench
+
+    bench = IpcBench.__new__(IpcBench)  # prompt() reads only the counter: no cluster needed
+    firsts = set()
+    for start in (0, 523_900, 640_000, 100_000_000):  # distinct for fewer than PROMPT_BASES prompts
+        bench._next = start
+        for _ in range(10):
+            p = bench.prompt(64)
+            assert 0 <= min(p) and max(p) <= 2**31 - 2  # what the hasher accepts (`core.hashing.tokens_to_bytes`)
+            firsts.add(p[0])
+    assert len(firsts) == 40  # a distinct first token per prompt: a distinct chain of page hashes

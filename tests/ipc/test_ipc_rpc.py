@@ -138,6 +138,34 @@ def test_sigkill_fails_every_outstanding_call_with_peer_dead() -> None:
             s.proc.join(5)
 
 
+def _hold_the_gil(seconds: float) -> None:
+    """Stall every other thread of this process for about `seconds`: one C call (`sum` over a range) never lets the
+    GIL go, so the client's I/O thread cannot run, as in a stall of the whole process (a VM paused, a starved host)."""
+    n = 1_000_000
+    t0 = time.perf_counter()
+    sum(range(n))
+    per_item = (time.perf_counter() - t0) / n
+    sum(range(int(seconds / max(per_item, 1e-10))))
+
+
+def test_a_stall_of_the_clients_own_process_does_not_declare_a_live_peer_dead(served: Served) -> None:
+    # Heartbeats every 0.1 s, dead after 0.3 s of silence: a stall of this process longer than that made the peer
+    # look silent, and the old rule (the silence alone) declared it dead without having asked it over the stall.
+    # Now a heartbeat must be out and unanswered: one goes out when the stall ends, and the live peer answers it.
+    c = served.client(heartbeat_s=0.1, liveness=3)
+    try:
+        assert c.request(m.Ping(b"before"), timeout=5) == m.Pong(b"before", served.proc.pid)
+        t0 = time.perf_counter()
+        _hold_the_gil(1.0)
+        stalled = time.perf_counter() - t0
+        assert stalled > 0.5, f"the stall lasted {stalled:.2f}s: too short to test anything"
+        time.sleep(0.5)  # the I/O thread runs again: a heartbeat out and answered
+        assert c.dead_reason is None, c.dead_reason
+        assert c.request(m.Ping(b"after"), timeout=5) == m.Pong(b"after", served.proc.pid)
+    finally:
+        c.close()
+
+
 def test_blocked_request_on_its_own_socket_wakes_with_peer_dead_when_the_peer_is_declared_dead(served: Served) -> None:
     c = served.client()
     outcome: list[BaseException] = []
