@@ -363,7 +363,10 @@ class RpcClient:
         # hog) makes every peer look silent for its length, and without a heartbeat out over it nobody was asked.
         # Judging the silence alone declared a cluster's healthy children dead together, after a 3 s stall of the
         # launcher's process (`kvproc bench ipc --observe-toggle`, stop 31): its saves shed, its resolves missed.
+        # The price: a process held up more than a heartbeat at every turn never judges its peers (its calls still
+        # end at their deadlines, and the launcher sees a child's exit by its sentinel).
         asked_at: float | None = None
+        last_check = last_heard  # when the peer was last judged: every heartbeat / 2 or sooner, unless stalled
         while not self._closing and self._dead is None:
             now = time.monotonic()
             wait = 1.0
@@ -396,6 +399,11 @@ class RpcClient:
                     msg = f"{self.peer}: no reply within the deadline (local backstop)"
                     self._complete(call_id, m.Failed(call_id, "deadline_exceeded", "DeadlineExceeded", msg))
             if self._heartbeat_s is not None and self._welcome.done():
+                if now - last_check > self._heartbeat_s:
+                    # This loop itself was held up longer than a heartbeat: a heartbeat sent before the stall may
+                    # have its reply still on the way (the peer stalled too: a paused VM). Ask again.
+                    asked_at = None
+                last_check = now
                 silent = now - last_heard
                 # Dead: silent for `liveness` heartbeats, with one out unanswered for all but the first of them
                 # (the usual case: asked after one silent heartbeat, dead after `liveness`, as before).

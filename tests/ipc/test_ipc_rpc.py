@@ -166,6 +166,26 @@ def test_a_stall_of_the_clients_own_process_does_not_declare_a_live_peer_dead(se
         c.close()
 
 
+def test_a_stall_of_both_sides_after_a_heartbeat_went_out_does_not_declare_the_peer_dead(served: Served) -> None:
+    # A paused VM stalls the peer and the asker together, possibly just after a heartbeat went out: its reply comes
+    # after the stall, when the asker's loop may already judge. The loop sees its own stall and asks again.
+    c = served.client(heartbeat_s=0.5, liveness=3)  # asked after 0.5 s of silence, dead after 1.5 s
+    try:
+        assert c.request(m.Ping(b"before"), timeout=5) == m.Pong(b"before", served.proc.pid)
+        os.kill(served.proc.pid, signal.SIGSTOP)
+        try:
+            time.sleep(0.9)  # a heartbeat is out (sent at 0.5-0.75 s), unanswered: the peer is stopped
+            assert c.dead_reason is None, c.dead_reason
+            _hold_the_gil(2.5)  # this process stalls past the liveness window
+        finally:
+            os.kill(served.proc.pid, signal.SIGCONT)
+        time.sleep(2.0)  # asked again after the stall, and answered
+        assert c.dead_reason is None, c.dead_reason
+        assert c.request(m.Ping(b"after"), timeout=5) == m.Pong(b"after", served.proc.pid)
+    finally:
+        c.close()
+
+
 def test_blocked_request_on_its_own_socket_wakes_with_peer_dead_when_the_peer_is_declared_dead(served: Served) -> None:
     c = served.client()
     outcome: list[BaseException] = []
