@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import os
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -139,27 +140,28 @@ def test_sigkill_fails_every_outstanding_call_with_peer_dead() -> None:
 
 
 def _hold_the_gil(seconds: float) -> None:
-    """Stall every other thread of this process for about `seconds`: one C call (`sum` over a range) never lets the
-    GIL go, so the client's I/O thread cannot run, as in a stall of the whole process (a VM paused, a starved host)."""
-    n = 1_000_000
-    t0 = time.perf_counter()
-    sum(range(n))
-    per_item = (time.perf_counter() - t0) / n
-    sum(range(int(seconds / max(per_item, 1e-10))))
+    """Stall every other thread of this process for `seconds`, as a stall of the whole process would (a VM paused, a
+    starved host): a busy loop that is never asked to let the GIL go (the switch interval set past its end), so the
+    client's I/O thread cannot run until it ends."""
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(seconds + 60)
+    try:
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+    finally:
+        sys.setswitchinterval(interval)
 
 
 def test_a_stall_of_the_clients_own_process_does_not_declare_a_live_peer_dead(served: Served) -> None:
-    # Heartbeats every 0.1 s, dead after 0.3 s of silence: a stall of this process longer than that made the peer
+    # Heartbeats every 0.5 s, dead after 1.5 s of silence: a stall of this process longer than that made the peer
     # look silent, and the old rule (the silence alone) declared it dead without having asked it over the stall.
-    # Now a heartbeat must be out and unanswered: one goes out when the stall ends, and the live peer answers it.
-    c = served.client(heartbeat_s=0.1, liveness=3)
+    # Now a heartbeat must be out and unanswered for 1 s: one goes out when the stall ends, the live peer answers it.
+    c = served.client(heartbeat_s=0.5, liveness=3)
     try:
         assert c.request(m.Ping(b"before"), timeout=5) == m.Pong(b"before", served.proc.pid)
-        t0 = time.perf_counter()
-        _hold_the_gil(1.0)
-        stalled = time.perf_counter() - t0
-        assert stalled > 0.5, f"the stall lasted {stalled:.2f}s: too short to test anything"
-        time.sleep(0.5)  # the I/O thread runs again: a heartbeat out and answered
+        _hold_the_gil(2.5)
+        time.sleep(1.5)  # the I/O thread runs again: a heartbeat out and answered
         assert c.dead_reason is None, c.dead_reason
         assert c.request(m.Ping(b"after"), timeout=5) == m.Pong(b"after", served.proc.pid)
     finally:
@@ -169,17 +171,16 @@ def test_a_stall_of_the_clients_own_process_does_not_declare_a_live_peer_dead(se
 def test_a_stall_of_both_sides_after_a_heartbeat_went_out_does_not_declare_the_peer_dead(served: Served) -> None:
     # A paused VM stalls the peer and the asker together, possibly just after a heartbeat went out: its reply comes
     # after the stall, when the asker's loop may already judge. The loop sees its own stall and asks again.
-    c = served.client(heartbeat_s=0.5, liveness=3)  # asked after 0.5 s of silence, dead after 1.5 s
+    c = served.client(heartbeat_s=1.0, liveness=3)  # asked after 1 s of silence, dead after 3 s
     try:
         assert c.request(m.Ping(b"before"), timeout=5) == m.Pong(b"before", served.proc.pid)
         os.kill(served.proc.pid, signal.SIGSTOP)
         try:
-            time.sleep(0.9)  # a heartbeat is out (sent at 0.5-0.75 s), unanswered: the peer is stopped
-            assert c.dead_reason is None, c.dead_reason
-            _hold_the_gil(2.5)  # this process stalls past the liveness window
+            time.sleep(1.8)  # a heartbeat is out (sent at 1-1.5 s), unanswered: the peer is stopped
+            _hold_the_gil(4.0)  # this process stalls past the liveness window
         finally:
             os.kill(served.proc.pid, signal.SIGCONT)
-        time.sleep(2.0)  # asked again after the stall, and answered
+        time.sleep(2.5)  # asked again after the stall, and answered
         assert c.dead_reason is None, c.dead_reason
         assert c.request(m.Ping(b"after"), timeout=5) == m.Pong(b"after", served.proc.pid)
     finally:
