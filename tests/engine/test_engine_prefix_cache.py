@@ -125,7 +125,12 @@ def test_mla_restores_from_host_tier_across_processes_through_the_workers_repack
     sizes = PoolSizes(device_blocks=12, live_slots=2, staging_slots=8, host_bytes=32 << 20)
     with make_store("kvproc", "mla", sizes, seed=3, processes=True) as t:
         got = _alternating_conversations(t, 3)
-        stats = t.store.stats()  # named in a failure: a save shed or failed would explain a turn without a host hit
-    assert all(r.host_hit_tokens > 0 for r in got[3:]), ([(r.req_id, r.host_hit_tokens, r.device_hit_tokens)
-                                                          for r in got], stats["outcomes"], stats["store"])
+        stats = t.store.stats()  # named in a failure: a save shed or failed would explain a turn without a hit
+    # Every later turn finds its prefix cached, and the host tier serves them (through the worker's repack). Not
+    # every one from the host: a retired request's pages stay parked in the device pool until their saves settle, so
+    # on a loaded machine which pages the small pool evicts varies, and a turn may find its prefix still on the
+    # device (a CI run: c0t1 48 device tokens, the others 64 from the host).
+    hits = [(r.req_id, r.host_hit_tokens, r.device_hit_tokens) for r in got]
+    assert all(r.host_hit_tokens + r.device_hit_tokens > 0 for r in got[3:]), (hits, stats["outcomes"], stats["store"])
+    assert sum(r.host_hit_tokens > 0 for r in got[3:]) >= len(got[3:]) // 2, (hits, stats["outcomes"], stats["store"])
     _assert_same(ref, got)
