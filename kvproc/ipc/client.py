@@ -405,10 +405,9 @@ class RpcClient:
                     asked_at = None
                 last_check = now
                 silent = now - last_heard
-                # Dead: silent for `liveness` heartbeats, with one out unanswered for all but the first of them
-                # (the usual case: asked after one silent heartbeat, dead after `liveness`, as before).
-                if (silent > self._heartbeat_s * self._liveness and asked_at is not None
-                        and now - asked_at > self._heartbeat_s * (self._liveness - 1)):
+                # Dead: a heartbeat out unanswered for `liveness - 1` heartbeats. It went out after one silent
+                # heartbeat, so the peer has been silent for `liveness` of them (the usual case: as before).
+                if asked_at is not None and now - asked_at > self._heartbeat_s * (self._liveness - 1):
                     self.mark_dead(f"{self.peer}: no heartbeat reply for {silent:.1f}s "
                                    f"(the first unanswered one sent {now - asked_at:.1f}s ago)")
                 elif silent > self._heartbeat_s and now - last_hb > self._heartbeat_s:
