@@ -102,14 +102,17 @@ def pool_arm(paged_mod: types.ModuleType, pages: int, iters: int, listener: obje
         if listener is not None:
             pb.listener = listener
         hs = Hashes(pages * (iters + 8))
+        # the pages' token ids as a computed page registers them (a view of the request's int64 buffer)
+        tokens = np.arange(pages * 16, dtype=np.int64) + 1000
+        extra = () if listener is None else (0, None)  # as the engine calls it: tokens only for a listener
         for _ in range(8):  # steady state: no free blocks, every allocation evicts
             ids = pb.allocate(pages)
-            pb.register(ids, hs.take(pages))
+            pb.register(ids, hs.take(pages), *((tokens[:],) + extra if extra else ()))
             pb.release(ids)
         t0 = time.perf_counter_ns()
         for _ in range(iters):
             ids = pb.allocate(pages)
-            pb.register(ids, hs.take(pages))
+            pb.register(ids, hs.take(pages), *((tokens[:],) + extra if extra else ()))
             pb.release(ids)
         return (time.perf_counter_ns() - t0) / iters
     return run

@@ -480,9 +480,6 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--alternate", choices=("round", "resolve"), default="round",
                     help="with --observe-toggle: switch every round (default) or every resolve within each round "
                          "(tighter; device-pool events only: --toggled events or none)")
-    ap.add_argument("--events-encoder", choices=("native", "python"), default="native",
-                    help="with --observe-toggle: the device-pool publisher's batch encoder (python: the pure-Python "
-                         "form, the baseline of the compiled one; its thread's CPU is printed)")
     ap.add_argument("--scrape-s", type=float, default=1.0, help="/metrics scrape interval when observed (s)")
     ap.add_argument("--device-events", action="store_true",
                     help="with --observe-ab: the observed arm also publishes (and reads) rank 0's device-pool events "
@@ -493,7 +490,7 @@ def main(argv: list[str]) -> int:
         from kvproc.bench import observe_toggle
 
         return observe_toggle.main(args.observe_toggle, n, 16, args.scrape_s, args.json, args.toggled,
-                                   args.alternate, args.events_encoder)
+                                   args.alternate)
     if args.observe_ab:
         from kvproc.bench import observe_ab
 

@@ -56,7 +56,7 @@ def median_ci(ratios: list[float], reps: int = 4000, seed: int = 2) -> tuple[flo
 
 
 def main(rounds: int, n: int, blocks: int, scrape_s: float, json_path: str | None, toggled: str = "all",
-         alternate: str = "round", events_encoder: str = "native") -> int:
+         alternate: str = "round") -> int:
     """`toggled`: what the on arm switches on: "all", "events" (device-pool events only: no scrape), "metrics"
     (the scrapes only: no device-pool listener) or "none" (the A/A control: the arms differ in nothing, so what it
     prints is the harness's own bias and noise).
@@ -67,17 +67,14 @@ def main(rounds: int, n: int, blocks: int, scrape_s: float, json_path: str | Non
     rounds 150 ms apart differ by several percent (an A/A at round level read +-5% on a noisy day). It toggles the
     device-pool events only (`toggled` "events" or "none"): a scrape cannot be given to one resolve. The publisher's
     thread then builds, encodes and sends at its ticks whichever arm is running: its CPU time (`busy_s`) is printed
-    per on-resolve beside the A/B, the part of the cost that the interleaving spreads over both arms.
-
-    `events_encoder` "python": the device publisher encodes its batches with the pure-Python form
-    (`DeviceBatchEncoder.python`), the compiled form's baseline; "native" (the default): as shipped."""
+    per on-resolve beside the A/B, the part of the cost that the interleaving spreads over both arms. Printed too:
+    that thread's whole CPU time (its wakes and takes as well, from /proc) per on-resolve."""
     per_resolve = alternate == "resolve"
     if per_resolve and toggled not in ("events", "none"):
         raise ValueError("alternating every resolve toggles the device-pool events only: --toggled events or none")
     from kvproc.bench.ipcbench import ARENA_BLOCK, CONCURRENCY, IpcBench, IpcBenchModel, Observer
     from kvproc.store.cluster import ClusterStore
     from kvproc.store.types import StoreConfig
-    from kvproc.tiers.device_index_events import DeviceBatchEncoder
 
     # The host tier holds a few rounds' prompts: a round resolves only what it sealed, older pages may be evicted.
     host_bytes = (4 * n + 64) * blocks * 2 * ARENA_BLOCK + (4 << 20)
@@ -89,14 +86,12 @@ def main(rounds: int, n: int, blocks: int, scrape_s: float, json_path: str | Non
     samples: dict[str, list[float]] = {"on": [], "off": []}
     on_seconds = 0.0
     warm_events = 0
+    thread_cpu = 0.0  # the device publisher thread's CPU over the timed rounds
     try:
         model = IpcBenchModel(cs.allocator, 2048)
         store = cs.attach_model(model, live_slots=CONCURRENCY, config=StoreConfig(cacheable_pin_fraction=1.0))
         assert cs.device_events is not None
         pub = cs.device_events.publishers[0]
-        if events_encoder == "python":
-            assert isinstance(pub.encode_batch, DeviceBatchEncoder)
-            pub.encode_batch = pub.encode_batch.python
         pool = store.pools[0]
         listener = pool.paged.listener
         observer = Observer(cs, 0, device=True, nice=OBSERVER_NICE)  # 0: scrapes when asked
@@ -107,6 +102,7 @@ def main(rounds: int, n: int, blocks: int, scrape_s: float, json_path: str | Non
                 b.resolve(p, blocks)
             assert pub.flush(), "the device-pool publisher did not drain"
             warm_events = pub.events  # the rounds' events are the ones after these
+            thread_cpu0 = thread_cpu_s(pub)
             order = ("on", "off", "off", "on")  # ABBA: a drift within a block of four rounds falls on both arms
             for r in range(rounds):
                 if r % 10 == 0 and sys.stderr.isatty():
@@ -139,6 +135,7 @@ def main(rounds: int, n: int, blocks: int, scrape_s: float, json_path: str | Non
                 samples[arm] += times
                 per_round[arm].append(statistics.fmean(times))
                 per_round_med[arm].append(statistics.median(times))
+            thread_cpu = thread_cpu_s(pub) - thread_cpu0
         finally:
             b.close()
             with pool.lock:
@@ -170,10 +167,12 @@ def main(rounds: int, n: int, blocks: int, scrape_s: float, json_path: str | Non
     on_resolves = len(samples["on"])
     if pub.events and on_resolves:
         busy_us = pub.busy_s * 1e6 / on_resolves
-        print(f"device publisher's thread ({events_encoder} encoder): {pub.busy_s * 1e3:.0f} ms of CPU building, "
+        print(f"device publisher's thread: {pub.busy_s * 1e3:.0f} ms of CPU building, "
               f"encoding and sending, {busy_us:.2f} us per 'on' resolve ({100 * busy_us / (med_on * 1e6):.2f}% of "
               f"its median): "
               f"not timed by a resolve unless it held the GIL or a core one needed")
+        print(f"the thread's whole CPU time (its wakes and takes too, /proc schedstat): {thread_cpu * 1e3:.0f} ms, "
+              f"{thread_cpu * 1e6 / on_resolves:.2f} us per 'on' resolve")
     if json_path:
         with open(json_path, "w") as f:
             json.dump({"rounds": rounds, "n": n, "blocks": blocks, "scrape_s": scrape_s,
@@ -181,9 +180,18 @@ def main(rounds: int, n: int, blocks: int, scrape_s: float, json_path: str | Non
                        "pair_ratios": pair_ratios, "per_round_mean": per_round, "per_round_median": per_round_med, "median_on_us": med_on * 1e6, "median_off_us": med_off * 1e6,
                        "observer": seen, "on_seconds": on_seconds, "scrapes": scrapes,
                        "device_batches": pub.batches, "alternate": alternate, "toggled": toggled,
-                       "events_encoder": events_encoder,
-                       "publisher_busy_s": pub.busy_s, "device_events": pub.events - warm_events}, f, indent=2)
+                       "publisher_busy_s": pub.busy_s, "publisher_thread_cpu_s": thread_cpu, "device_events": pub.events - warm_events}, f, indent=2)
     return 0
+
+
+def thread_cpu_s(pub: Any) -> float:
+    """The publisher's thread's CPU time so far, everything it ran (`busy_s` times only its batches' encode, keep and
+    send): the first field of its /proc schedstat, on Linux; 0.0 elsewhere."""
+    try:
+        with open(f"/proc/self/task/{pub._threads[0].native_id}/schedstat") as f:
+            return int(f.read().split()[0]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 def _round_per_resolve(b: Any, pool: Any, listener: Any, blocks: int, n: int, r: int, order: tuple[str, ...],

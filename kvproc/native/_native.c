@@ -10,7 +10,7 @@
  * - slot_verify: the seqlock check of a speculative load against the host tier's slot table (`slot_table.py`).
  * - SlotMap (`_slotmap.c`): the store's slot cache as one open-addressing table, its lookups and the check before
  *   the copy in one pass (`slot_cache.py`).
- * - kv_device_batch (`_kv_events.c`): a device pool's KV-event batch written as msgpack from the queued records.
+ * - EventLog (`_kv_events.c`): a device pool's KV events logged as its index changes, each batch written as msgpack.
  * - spin_readable: a bounded poll of a few fds without sleeping and without the GIL (a resolving thread waiting for
  *   a reply: `kvproc/ipc/direct.py`).
  * - copy_plan: the run split of a copy order (`kvproc.workers.copy_exec.split_runs` + `_bounds`) in one pass over

@@ -30,7 +30,7 @@ static inline int slot_holds(const int64_t *gen, const int64_t *tag, Py_ssize_t 
 /* _slotmap.c: adds the SlotMap type to the module; -1 with an exception set on failure. */
 int kvproc_add_slotmap(PyObject *module);
 
-/* _kv_events.c: adds kv_device_batch (a device pool's KV-event batch as msgpack); -1 with an exception set. */
+/* _kv_events.c: adds the EventLog type (a device pool's KV events, logged and written as msgpack); -1 with an exception set. */
 int kvproc_add_kv_events(PyObject *module);
 
 #endif

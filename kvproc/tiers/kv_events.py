@@ -212,6 +212,9 @@ class KvEventPublisher:
         # (ts, what was taken) -> the batch's payload, on the publisher's thread. Events by default; a device pool's
         # listener puts records and sets its own (`tiers/device_index_events.py`), before its first put.
         self.encode_batch: Callable[[float, list[Any]], bytes] = self.encode_events
+        # A device pool's records logged in C (`use_log`): then every event goes through it, in order, and the
+        # thread takes each batch from it whole; `_pending` carries only flush markers.
+        self._log: Any = None
         self._stop = threading.Event()
         self.seq = 0
         self.batches = 0
@@ -241,10 +244,26 @@ class KvEventPublisher:
         for t in self._threads:
             t.start()
 
+    def use_log(self, log: Any) -> None:
+        """Take batches from `log` (a `kvproc.native._native.EventLog`, which a device pool's index appends to), before
+        anything is published: `publish` then logs each event there too, so that one stream keeps their order."""
+        if self._taken or self._pending:
+            raise RuntimeError("use_log: events were published already")
+        self._log = log
+
+    @property
+    def hurry(self) -> Callable[[], None]:
+        """Ask the thread to send what is waiting now (an `EventLog`'s `on_hurry`, at `max_pending` records)."""
+        return self._hurry.set
+
     def publish(self, events: list[Any]) -> None:
         """Queue `events` (in this order, after everything published before; events, or records `encode_batch` takes)
         for the next batch; never blocks (safe under a caller's lock: the pool's, the tier's)."""
         if not events:
+            return
+        if self._log is not None:
+            for e in events:
+                self._log.append_event(self._encoder.encode(e))
             return
         self._extend(events)
         if len(self._pending) >= self.max_pending:
@@ -310,7 +329,9 @@ class KvEventPublisher:
                 events, markers = self._take()
                 self._taken += len(events)
                 unsent = len(events)
-                if events:
+                if self._log is not None:
+                    self._send_log()
+                elif events:
                     self._send_or_drop(events)
                 unsent = 0
                 with self._markers_lock:
@@ -330,6 +351,9 @@ class KvEventPublisher:
                 rest, rest_markers = self._take()
                 self._late += len(rest)
                 self.dropped += unsent + len(rest)
+                if self._log is not None:  # later records are counted there (`stats`), not kept
+                    self._log.stop_keeping()
+                    self.dropped += self._log.discard()
                 with self._markers_lock:
                     self._markers -= len(markers) + len(rest_markers)
                 for m in markers + rest_markers:
@@ -348,15 +372,35 @@ class KvEventPublisher:
                 events = events + [object()]  # msgspec's encode raises on it, for real
             self._send(events)
         except Exception:
-            self.failed += 1
-            self.dropped += n
-            with self._kept_lock:
-                if self.seq == seq:  # failed before the batch was kept: skip its seq, so that the gap shows
-                    self.seq += 1
-            if self.failed == 1:  # once: a failure that repeats every interval would flood the log
-                log.exception("kv_events_batch_failed", endpoint=self.pub_endpoint, seq=seq, events=n)
+            self._failed_batch(seq, n)
         finally:
             self.busy_s += time.thread_time() - t0
+
+    def _send_log(self) -> None:
+        """One batch of everything `_log` holds: taken and written in one C call, then kept and sent. A batch with a
+        record the log refused (its error) fails as one msgspec cannot encode."""
+        seq, n = self.seq, 0
+        t0 = time.thread_time()
+        try:
+            payload, n, error = self._log.take(time.time())
+            self._taken += n
+            if error is not None:
+                raise ValueError(f"a KV-event record could not be encoded: {error}")
+            if payload is not None:
+                self._keep_and_send(payload, n)
+        except Exception:
+            self._failed_batch(seq, n)
+        finally:
+            self.busy_s += time.thread_time() - t0
+
+    def _failed_batch(self, seq: int, n: int) -> None:
+        self.failed += 1
+        self.dropped += n
+        with self._kept_lock:
+            if self.seq == seq:  # failed before the batch was kept: skip its seq, so that the gap shows
+                self.seq += 1
+        if self.failed == 1:  # once: a failure that repeats every interval would flood the log
+            log.exception("kv_events_batch_failed", endpoint=self.pub_endpoint, seq=seq, events=n)
 
     def encode_events(self, ts: float, events: list[Any]) -> bytes:
         """The default `encode_batch`: `events` as one `KVEventBatch`, neighbouring removals coalesced."""
@@ -364,7 +408,9 @@ class KvEventPublisher:
 
     def _send(self, events: list[Any]) -> None:
         # Inside the batch's guard: an encode that raises (a record it cannot take) fails its batch
-        payload = self.encode_batch(time.time(), events)
+        self._keep_and_send(self.encode_batch(time.time(), events), len(events))
+
+    def _keep_and_send(self, payload: bytes, n: int) -> None:
         seq = self.seq
         with self._kept_lock:
             kept = self._kept
@@ -378,7 +424,7 @@ class KvEventPublisher:
         pub.send(seq.to_bytes(8, "big", signed=True), zmq.SNDMORE)
         pub.send(payload)
         self.batches += 1
-        self.events += len(events)
+        self.events += n
 
     def _replay_main(self) -> None:
         try:
@@ -418,12 +464,16 @@ class KvEventPublisher:
             t.join(5)
 
     def stats(self) -> dict[str, Any]:
-        # events in the deque: waiting for their batch; once the thread ended, a racing `put`'s (lost)
+        # events in the deque (or the log): waiting for their batch; once the thread ended, a racing `put`'s (lost)
         waiting = max(0, len(self._pending) - self._markers)
+        log_dropped = 0  # a log's records after the thread ended: counted there, never kept
+        if self._log is not None:
+            waiting += self._log.records
+            log_dropped = self._log.dropped
         return {"kv_events.batches": self.batches, "kv_events.events": self.events,
-                "kv_events.queued": self._taken + self._late + waiting,
+                "kv_events.queued": self._taken + self._late + log_dropped + waiting,
                 "kv_events.replays": self.replays, "kv_events.seq": self.seq, "kv_events.failed": self.failed,
-                "kv_events.dropped": self.dropped + (waiting if self._dead else 0),
+                "kv_events.dropped": self.dropped + log_dropped + (waiting if self._dead else 0),
                 "kv_events.replay_failed": self.replay_failed,
                 "kv_events.busy_ns": int(self.busy_s * 1e9),  # counters are ints: a float breaks the typed Report
                 "kv_events.replay_kept": len(self._kept), "kv_events.replay_kept_bytes": self._kept_bytes}

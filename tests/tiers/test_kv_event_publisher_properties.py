@@ -1,8 +1,10 @@
 """Property (hypothesis): `KvEventPublisher`'s producers append without a lock (`put` / `publish`: `deque.append` /
 `extend`), so what several threads publish at once, with flushes and `max_pending` hurries between, must still go
 out exactly once each, every producer's events in its own order, records (`(REMOVED, keys)`, as a device pool queues
-them) encoded with the events around them, and the counters conserved (`queued == events`, nothing dropped, one seq per batch). Real sockets, a real publisher thread; the
-batches are read back through the replay endpoint."""
+them) encoded with the events around them, and the counters conserved (`queued == events`, nothing dropped, one seq
+per batch). The same through a device pool's compiled log (`use_log`: producers append to the `EventLog` as the pool
+does, and publish events through the publisher, which logs them too; `max_pending` hurries come from the log).
+Real sockets, a real publisher thread; the batches are read back through the replay endpoint."""
 
 from __future__ import annotations
 
@@ -13,8 +15,10 @@ import threading
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvproc.core.hashing import PAD_TOKEN_ID
+from kvproc.native import NATIVE
 from kvproc.tiers.device_index_events import REMOVED, DeviceBatchEncoder
-from kvproc.tiers.kv_events import BlockRemoved, KvEventPublisher, decode_batch
+from kvproc.tiers.kv_events import MEDIUM_DEVICE, BlockRemoved, KvEventPublisher, decode_batch
 from tests.conftest import replay_kv_events
 
 
@@ -29,12 +33,21 @@ def _key(producer: int, i: int) -> bytes:
     interval_ms=st.sampled_from([1, 5, 50]),
     max_pending=st.sampled_from([3, 64, 4096]),
     flushes=st.integers(0, 5),
+    logged=st.sampled_from([False, True] if NATIVE is not None else [False]),
 )
 def test_concurrent_producers_each_event_goes_out_once_in_each_producers_order(
-        per_producer: list[int], chunk: int, interval_ms: int, max_pending: int, flushes: int) -> None:
+        per_producer: list[int], chunk: int, interval_ms: int, max_pending: int, flushes: int, logged: bool) -> None:
     tmp = tempfile.mkdtemp(prefix="kvpp")
     pub = KvEventPublisher(tmp, 0, batch_interval_s=interval_ms / 1000, max_pending=max_pending)
-    pub.encode_batch = DeviceBatchEncoder(16)  # records and events both
+    if logged:  # a device pool's way: records appended to the log (a removal, a registration of one key)
+        log = NATIVE.EventLog(16, MEDIUM_DEVICE, PAD_TOKEN_ID, max_pending, pub.hurry)  # type: ignore[union-attr]
+        pub.use_log(log)
+        record = log.removed
+        one = lambda key: log.stored([key], [0])
+    else:
+        pub.encode_batch = DeviceBatchEncoder(16)  # records and events both
+        record = lambda keys: pub.put((REMOVED, keys))
+        one = lambda key: pub.put(BlockRemoved([key]))
     try:
         start = threading.Barrier(len(per_producer) + 1)
 
@@ -43,10 +56,10 @@ def test_concurrent_producers_each_event_goes_out_once_in_each_producers_order(
             i = 0
             while i < n:  # alternate the three ways in: a record, an event, a list of events
                 if i % 3 == 0:
-                    pub.put((REMOVED, [_key(p, i)]))
+                    record([_key(p, i)])
                     i += 1
                 elif i % 3 == 1:
-                    pub.put(BlockRemoved([_key(p, i)]))
+                    one(_key(p, i))
                     i += 1
                 else:
                     k = min(chunk, n - i)
