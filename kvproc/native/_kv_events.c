@@ -455,9 +455,17 @@ static PyObject *EventLog_stored(EventLog *self, PyObject *const *args, Py_ssize
     Py_ssize_t first_page = nargs > 3 ? PyLong_AsSsize_t(args[3]) : 0;
     if (first_page == -1 && PyErr_Occurred()) return NULL;
     PyObject *hs = PySequence_Fast(args[0], "block hashes must be a sequence of bytes");
-    if (!hs) return NULL;
-    PyObject *pos = PySequence_Fast(args[1], "positions must be a sequence of ints");
-    if (!pos) { Py_DECREF(hs); return NULL; }
+    PyObject *pos = hs ? PySequence_Fast(args[1], "positions must be a sequence of ints") : NULL;
+    if (!pos) { /* not the pool's call: its batch fails, the caller goes on */
+        Py_XDECREF(hs);
+        if (self->dropping) {
+            PyErr_Clear();
+            self->dropped++;
+        } else {
+            log_refuse(self);
+        }
+        Py_RETURN_NONE;
+    }
     Py_ssize_t nk = PySequence_Fast_GET_SIZE(hs), np_ = PySequence_Fast_GET_SIZE(pos);
     PyObject **keys = PySequence_Fast_ITEMS(hs), **ps = PySequence_Fast_ITEMS(pos);
     Tokens tok;

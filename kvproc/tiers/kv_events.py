@@ -170,8 +170,10 @@ def coalesce(events: list[KvEvent]) -> list[KvEvent]:
 class KvEventPublisher:
     """Publishes on a thread of its own (a ZeroMQ socket belongs to one thread), in batches gathered over
     `batch_interval_s`. A change costs its producer one `deque.append` (`put`: an event, or a record `encode_batch`
-    takes, `DeviceIndexEvents`), or one `extend` (`publish`): no lock, no counter, no thread wake per call.
-    Both are atomic under the GIL, so the deque holds the changes in the order they happened. The thread looks at the
+    takes, `DeviceIndexEvents` without C), or one `extend` (`publish`): no lock, no counter, no thread wake per call.
+    Both are atomic under the GIL, so the deque holds the changes in the order they happened. A device pool's
+    publisher takes its changes from a compiled log instead (`use_log`: appended in C under the pool's lock, each
+    batch written from it in one call); its deque then carries only flush markers. The thread looks at the
     deque every `min(batch_interval_s, TICK_S)` and sends what gathered as one batch once an interval has passed since
     the last (sooner when a `flush`, the stop or `max_pending` events ask). Why a tick and not a wake by the first
     change of an interval: the wake's lock, flag and counter cost a device pool's resolve ~1 us more
@@ -298,7 +300,7 @@ class KvEventPublisher:
         q = self._pending
         # Every popleft called from C (starmap over a repeat): no bytecode per item, so the thread does not hold
         # the GIL in Python for a batch's worth of items (1,700 records: 28 us, against 129 us for a loop that pops
-        # and sorts each: `bench/device_event_encode.py`). A flush marker is looked for only when one is out:
+        # and sorts each: bench/RESULTS.md, "Eighth session"). A flush marker is looked for only when one is out:
         # `flush` counts it before it appends it, so one taken here is counted by now.
         items: list[Any] = list(itertools.starmap(q.popleft, itertools.repeat((), len(q))))
         if not self._markers:
@@ -353,7 +355,9 @@ class KvEventPublisher:
                 self.dropped += unsent + len(rest)
                 if self._log is not None:  # later records are counted there (`stats`), not kept
                     self._log.stop_keeping()
-                    self.dropped += self._log.discard()
+                    lost = self._log.discard()
+                    self._late += lost
+                    self.dropped += lost
                 with self._markers_lock:
                     self._markers -= len(markers) + len(rest_markers)
                 for m in markers + rest_markers:

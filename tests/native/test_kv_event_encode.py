@@ -187,6 +187,8 @@ def test_what_it_cannot_encode_fails_its_batch_not_the_caller():
         "a position past the keys": ("stored", h, [1]),
         "a negative first page": ("stored", h, [0], None, -1),
         "a position that is not an int": ("stored", h, ["0"]),
+        "positions that are no sequence": ("stored", h, 0),
+        "keys that are no sequence": ("stored", 7, [0]),
     }
     log = new_log(4)
     for what, call in bad.items():

@@ -16,11 +16,21 @@ import pytest
 import structlog
 import zmq
 
+from kvproc.core.hashing import PAD_TOKEN_ID
 from kvproc.ipc import messages as m
+from kvproc.native import NATIVE
 from kvproc.runtime import console, launch
 from kvproc.runtime import manifest as mf
 from kvproc.runtime.config import RoleConfig
-from kvproc.tiers.kv_events import TOPIC, AllBlocksCleared, BlockRemoved, BlockStored, KvEventPublisher, decode_batch
+from kvproc.tiers.kv_events import (
+    MEDIUM_DEVICE,
+    TOPIC,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KvEventPublisher,
+    decode_batch,
+)
 from tests.conftest import cluster_store, compute, replay_kv_events, wait_for
 from tests.runtime.test_metrics import scrape, value
 
@@ -89,6 +99,74 @@ def test_a_publisher_whose_thread_ended_drops_publishes_and_answers_flush_at_onc
         assert not pub.flush(timeout=30)  # answered at once, not after the timeout: nothing to wait for
     finally:
         pub.close()
+
+
+needs_native = pytest.mark.skipif(NATIVE is None, reason="kvproc.native._native not built")
+
+
+def _device_publisher(tmp: str, cls: type[KvEventPublisher] = KvEventPublisher) -> tuple[KvEventPublisher, object]:
+    pub = cls(tmp, 0, kind="device", batch_interval_s=HOUR)
+    log = NATIVE.EventLog(4, MEDIUM_DEVICE, PAD_TOKEN_ID, pub.max_pending, pub.hurry)  # type: ignore[union-attr]
+    pub.use_log(log)
+    return pub, log
+
+
+@needs_native
+def test_a_device_batch_with_a_change_the_log_refused_fails_counted_and_skipped_and_the_stream_goes_on(
+        tmp: str) -> None:
+    """The compiled log (a device pool's listener) never raises where the pool reports a change: a change it cannot
+    encode fails its batch in the publisher's thread, as msgspec's failure does: logged once, counted, its seq
+    skipped, and the next batch whole."""
+    pub, log = _device_publisher(tmp)
+    try:
+        with structlog.testing.capture_logs() as logs:
+            log.removed([_key(0)])  # type: ignore[attr-defined]
+            assert pub.flush()
+            log.removed([_key(1)])  # type: ignore[attr-defined]
+            log.stored([b"k" * 16], [0], [1, 2.5, 3, 4])  # type: ignore[attr-defined]  # a token that is no int
+            assert not pub.flush()
+            log.removed([_key(2)])  # type: ignore[attr-defined]
+            assert pub.flush()
+        failures = [e for e in logs if e["event"] == "kv_events_batch_failed"]
+        assert len(failures) == 1 and failures[0]["seq"] == 1 and failures[0]["events"] == 2
+        stats = pub.stats()
+        assert stats["kv_events.failed"] == 1 and stats["kv_events.dropped"] == 2
+        assert stats["kv_events.queued"] == 4 and stats["kv_events.events"] == 2 and stats["kv_events.seq"] == 3
+        kept = replay_kv_events(pub.replay_endpoint)
+        assert [s for s, _ in kept] == [0, 2]
+        assert [e.block_hashes for _, p in kept for e in decode_batch(p).events] == [  # type: ignore[union-attr]
+            [_key(0)], [_key(2)]]
+    finally:
+        pub.close()
+
+
+class _TestOnlyDyingLogPublisher(KvEventPublisher):
+    """A device publisher whose thread ends on a failure outside a batch."""
+
+    def _send_log(self) -> None:
+        raise SystemExit("test-only: the publisher's thread ends")
+
+
+@needs_native
+def test_a_device_publisher_whose_thread_ended_stops_keeping_the_logs_changes(tmp: str) -> None:
+    pub, log = _device_publisher(tmp, _TestOnlyDyingLogPublisher)
+    try:
+        with structlog.testing.capture_logs():
+            log.removed([_key(0)])  # type: ignore[attr-defined]
+            assert not pub.flush(timeout=30)
+            wait_for(lambda: not pub._threads[0].is_alive(), timeout=30, what="the thread's end")
+        for i in range(1, 1001):
+            log.removed([_key(i)])  # type: ignore[attr-defined]
+        pub.publish([_removed(1001)])
+        stats = pub.stats()  # nothing kept; all counted: queued = dropped
+        assert log.records == 0 and stats["kv_events.dropped"] == stats["kv_events.queued"] == 1002  # type: ignore[attr-defined]
+        assert not pub.flush(timeout=30)
+    finally:
+        pub.close()
+
+
+def _key(i: int) -> bytes:
+    return i.to_bytes(16, "big")
 
 
 def test_a_host_tier_whose_batch_fails_counts_it_in_console_status_and_metrics_and_a_subscriber_sees_the_gap(
