@@ -176,7 +176,9 @@ class _RawEcho:
 
 
 class IpcBench:
-    def __init__(self, cs: ClusterStore, store: KvStore, model: IpcBenchModel) -> None:
+    def __init__(self, cs: ClusterStore, store: KvStore, model: IpcBenchModel, record_orders: bool = True) -> None:
+        """`record_orders`: keep every copy order the store sends (`orders`, what `copy_times` replays); False for
+        a harness that never replays them (an `--observe-toggle` run would keep ~2 MB of them a second)."""
         self.cs, self.store, self.model = cs, store, model
         self.pool = store.pools[0]
         self._next = 0
@@ -192,6 +194,8 @@ class IpcBench:
         self.local = CopyExecutor(store.layouts[0], self._host_seg.numpy(), cs.host_layout, threads=2)
         # The orders the store really sent (their ids may not coalesce): the copy baseline replays exactly these.
         self.orders: dict[str, list[Any]] = {"load": [], "save": []}
+        if not record_orders:
+            return
         copier: Any = store.copiers[0]
         for kind in ("load", "save"):
             setattr(copier, kind, self._recording(getattr(copier, kind), self.orders[kind]))

@@ -45,7 +45,7 @@ def run_arm(observed: bool, n: int, blocks: int, scrape_s: float, device_events:
         store = cs.attach_model(model, live_slots=CONCURRENCY, config=StoreConfig(cacheable_pin_fraction=1.0))
         # After attach_model: the device pools' publishers (when on) exist, and the observer subscribes to them too.
         observer = Observer(cs, scrape_s, device=observed and device_events) if observed else None
-        b = IpcBench(cs, store, model)
+        b = IpcBench(cs, store, model, record_orders=False)
         try:
             seal_s = [b.seal(b.prompt(blocks)) for _ in range(n + warm)][warm:]
             prompts = [b.prompt(blocks) for _ in range(n + warm)]

@@ -95,7 +95,7 @@ def main(rounds: int, n: int, blocks: int, scrape_s: float, json_path: str | Non
         pool = store.pools[0]
         listener = pool.paged.listener
         observer = Observer(cs, 0, device=True, nice=OBSERVER_NICE)  # 0: scrapes when asked
-        b = IpcBench(cs, store, model)
+        b = IpcBench(cs, store, model, record_orders=False)
         try:
             for p in [b.prompt(blocks) for _ in range(10)]:  # warm: the first resolves of a cluster are slower
                 b.seal(p)

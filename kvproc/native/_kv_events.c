@@ -8,8 +8,8 @@
  * profile of the thread, a third of it per-record Python objects). Here nothing is made per record or per token.
  *
  * The bytes are exactly what msgspec writes for `KVEventBatch(ts, coalesce(events))` (`kvproc/tiers/kv_events.py`:
- * array-like structs, tagged, every field written, defaults too), so the pure-Python form
- * (`DeviceBatchEncoder.python`) and this one are interchangeable; the tests compare the two on random records.
+ * array-like structs, tagged, every field written, defaults too), so the pure-Python form (`DeviceIndexEvents`
+ * without C, `DeviceBatchEncoder`) and this one are interchangeable; the tests compare the two on random changes.
  */
 #include "_native.h"
 
@@ -277,6 +277,13 @@ static uint8_t *logbuf_reserve(LogBuf *b, size_t extra) {
     return b->data + b->len;
 }
 
+/* 0, or -1 with RuntimeError set for a log made without its __init__ (`EventLog.__new__`): nothing to log into. */
+static int log_ready(EventLog *self) {
+    if (self->medium) return 0;
+    PyErr_SetString(PyExc_RuntimeError, "EventLog is not initialised");
+    return -1;
+}
+
 static inline void w32(uint8_t *p, uint32_t v) { memcpy(p, &v, 4); }
 static inline uint32_t r32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
 
@@ -451,6 +458,7 @@ static int log_stored_run(EventLog *self, PyObject **keys, Py_ssize_t lo, Py_ssi
  * consecutive positions (parent: the key before the run, `parent` at the prompt's first page). */
 static PyObject *EventLog_stored(EventLog *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs < 2 || nargs > 5) return PyErr_Format(PyExc_TypeError, "stored takes 2 to 5 arguments, got %zd", nargs);
+    if (log_ready(self) < 0) return NULL;
     PyObject *tokens_o = nargs > 2 ? args[2] : Py_None, *parent = nargs > 4 ? args[4] : Py_None;
     Py_ssize_t first_page = nargs > 3 ? PyLong_AsSsize_t(args[3]) : 0;
     if (first_page == -1 && PyErr_Occurred()) return NULL;
@@ -508,6 +516,7 @@ done:
 
 /* removed(hashes): `IndexListener.removed`; joins the previous record when that is a removal too (`coalesce`). */
 static PyObject *EventLog_removed(EventLog *self, PyObject *hashes) {
+    if (log_ready(self) < 0) return NULL;
     if (self->dropping) { self->dropped++; Py_RETURN_NONE; }
     PyObject *hs = PySequence_Fast(hashes, "block hashes must be a sequence of bytes");
     if (!hs) {
@@ -549,6 +558,7 @@ static PyObject *EventLog_removed(EventLog *self, PyObject *hashes) {
 
 /* append_event(encoded): one event already msgpack (`attach`'s first ones), written as it is. */
 static PyObject *EventLog_append_event(EventLog *self, PyObject *encoded) {
+    if (log_ready(self) < 0) return NULL;
     if (!PyBytes_Check(encoded)) return PyErr_Format(PyExc_TypeError, "append_event takes bytes, got %.100s",
                                                      Py_TYPE(encoded)->tp_name);
     if (self->dropping) { self->dropped++; Py_RETURN_NONE; }
@@ -633,6 +643,7 @@ static void log_write(Out *o, const LogBuf *b, double ts, const char *medium, Py
 static PyObject *EventLog_take(EventLog *self, PyObject *arg) {
     double ts = PyFloat_AsDouble(arg);
     if (ts == -1.0 && PyErr_Occurred()) return NULL;
+    if (log_ready(self) < 0) return NULL;
     if (self->taking) return PyErr_Format(PyExc_RuntimeError, "EventLog.take: another take is running");
     LogBuf tmp = self->active; /* swap: appends go on into the other buffer */
     self->active = self->spare;

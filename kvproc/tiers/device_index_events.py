@@ -51,7 +51,7 @@ class DeviceBatchEncoder:
     msgspec."""
 
     def __init__(self, block_size: int, medium: str = MEDIUM_DEVICE) -> None:
-        self.encode_event = event_encoder().encode  # one event's bytes (the compiled form's fallback)
+        self.encode_event = event_encoder().encode
         self.block_size = block_size
         self.medium = medium
 

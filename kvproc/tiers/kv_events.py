@@ -212,7 +212,7 @@ class KvEventPublisher:
         self._kept_lock = threading.Lock()
         self._encoder = event_encoder()
         # (ts, what was taken) -> the batch's payload, on the publisher's thread. Events by default; a device pool's
-        # listener puts records and sets its own (`tiers/device_index_events.py`), before its first put.
+        # pure-Python listener puts records and sets its own (`tiers/device_index_events.py`), before its first put.
         self.encode_batch: Callable[[float, list[Any]], bytes] = self.encode_events
         # A device pool's records logged in C (`use_log`): then every event goes through it, in order, and the
         # thread takes each batch from it whole; `_pending` carries only flush markers.

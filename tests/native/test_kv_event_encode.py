@@ -208,6 +208,11 @@ def test_what_it_cannot_encode_fails_its_batch_not_the_caller():
         N.EventLog(0, MEDIUM_DEVICE, PAD_TOKEN_ID)
     with pytest.raises(ValueError):
         N.EventLog(4, MEDIUM_DEVICE, -1)  # a pad id that is not a uint32
+    bare = N.EventLog.__new__(N.EventLog)  # never initialised: refused, not a crash
+    for call in (lambda: bare.stored(h, [0]), lambda: bare.removed(h), lambda: bare.take(0.0),
+                 lambda: bare.append_event(b"\xc0")):
+        with pytest.raises(RuntimeError, match="not initialised"):
+            call()
 
 
 @needs_native
