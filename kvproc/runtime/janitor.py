@@ -15,8 +15,7 @@ the launcher's terminal does not reach it). Then it blocks on a pidfd of the lau
 - the launcher's exit: it sweeps the cluster's segments whose owners are provably dead (`sweep_dead_segments`: the
   owner locks, whatever the pid namespace), again until none is left (children that outlived the launcher for their
   grace period unlink their own, or die and are swept) or `sweep_deadline_s` passes, removes the runtime dir if its
-  marker still names the dead launcher, removes the launcher's `multiprocessing` temp dir (its forkserver's
-  socket, which only the launcher's exit handlers remove), logs what it did, and exits.
+  marker still names the dead launcher, logs what it did, and exits.
 If the janitor itself is killed, the next kvproc start's sweep is the fallback, as before.
 """
 
@@ -24,9 +23,7 @@ from __future__ import annotations
 
 import os
 import select
-import shutil
 import signal
-import tempfile
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -53,9 +50,6 @@ class JanitorSpec:
     runtime_dir: str
     launcher: mf.ProcessIdentity | None  # the runtime dir's marker must still name it for the dir to be removed
     sweep_deadline_s: float = 60.0  # the longest it waits for the dead launcher's children to let go of theirs
-    # The launcher process's `multiprocessing` temp dir (`pymp-*`, its forkserver's socket): removed at the
-    # launcher's exit by a finalizer that a SIGKILL never runs, so the janitor removes it after a death.
-    mp_temp_dir: str | None = None
 
 
 class Janitor:
@@ -157,22 +151,9 @@ def _sweep(spec: JanitorSpec) -> int:
             break
         time.sleep(0.1)
     dir_removal = mf.remove_runtime_dir(spec.runtime_dir, spec.launcher) if spec.runtime_dir else None
-    mp_dir = _remove_mp_temp_dir(spec.mp_temp_dir)
     try:
         log.warning("janitor_swept_after_launcher_death", cluster=spec.cluster, launcher_pid=spec.launcher_pid,
-                    segments=removed, left=left, runtime_dir=dir_removal.message if dir_removal else None,
-                    mp_temp_dir=mp_dir)
+                    segments=removed, left=left, runtime_dir=dir_removal.message if dir_removal else None)
     except OSError:
         pass  # the launcher's stdout may be a pipe nobody reads any more: the sweep is done, the line is lost
     return 0 if not left else 1
-
-
-def _remove_mp_temp_dir(path: str | None) -> str | None:
-    """Remove the dead launcher's `multiprocessing` temp dir; what was done, for the log. Only a `pymp-*` dir directly
-    in the temp root, as `multiprocessing.util.get_temp_dir` makes them: never a path the spec could name by mistake."""
-    if not path:
-        return None
-    if not (os.path.basename(path).startswith("pymp-") and os.path.dirname(path) == tempfile.gettempdir()):
-        return f"not removed (not a multiprocessing temp dir): {path}"
-    shutil.rmtree(path, ignore_errors=True)
-    return "removed" if not os.path.exists(path) else f"could not remove {path}"

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import multiprocessing.util
 import os
 import signal
 import threading
@@ -217,10 +216,7 @@ class Cluster:
             self._janitor.pop().stop()
 
     def _start_janitor(self, timeout: float) -> None:
-        # This process's multiprocessing temp dir: made by now (the forkserver's socket is in it), named for the
-        # janitor to remove if this process is killed
-        spec = JanitorSpec(self.name, os.getpid(), self.runtime_dir, self.identity,
-                           mp_temp_dir=multiprocessing.util.get_temp_dir())
+        spec = JanitorSpec(self.name, os.getpid(), self.runtime_dir, self.identity)
         try:
             self._janitor.append(start_janitor(self._mp, spec, timeout))
         except Exception as e:  # noqa: BLE001 - never fail a start over it: the next start's sweep remains
