@@ -18,19 +18,16 @@ from __future__ import annotations
 
 import argparse
 import collections
-import importlib.util
 import itertools
-import os
 import statistics
-import subprocess
 import sys
-import sysconfig
 import tempfile
 import time
 import types
 from typing import Any
 
 import numpy as np
+from base_tree import module_at, native_at
 
 from kvproc.core.hashing import PAD_TOKEN_ID
 from kvproc.native import NATIVE
@@ -41,34 +38,7 @@ PAGE = 16
 
 def build_base(rev: str, tmp: str) -> types.ModuleType:
     """`rev`'s `tiers/device_index_events.py`, wired to `rev`'s compiled helpers (built here into `tmp`)."""
-    src = os.path.join(tmp, "src")
-    os.makedirs(src)
-    files = ("_native.c", "_slotmap.c", "_kv_events.c", "_native.h")
-    for f in files:
-        with open(os.path.join(src, f), "wb") as out:
-            out.write(subprocess.check_output(["git", "show", f"{rev}:kvproc/native/{f}"]))
-    so = os.path.join(tmp, "_native" + sysconfig.get_config_var("EXT_SUFFIX"))
-    subprocess.check_call([os.environ.get("CC", "cc"), "-O3", "-shared", "-fPIC", "-I", sysconfig.get_paths()["include"],
-                           *[os.path.join(src, f) for f in files if f.endswith(".c")], "-o", so])
-    spec = importlib.util.spec_from_file_location("kvproc_base_native._native", so)
-    assert spec and spec.loader
-    nat = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(nat)
-    py = os.path.join(tmp, "device_index_events_base.py")
-    with open(py, "wb") as out:
-        out.write(subprocess.check_output(["git", "show", f"{rev}:kvproc/tiers/device_index_events.py"]))
-    spec = importlib.util.spec_from_file_location("kvproc_base_device_index_events", py)
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    import kvproc.native
-
-    now = kvproc.native.NATIVE
-    kvproc.native.NATIVE = nat  # what the base module binds at import (`from kvproc.native import NATIVE`)
-    try:
-        spec.loader.exec_module(mod)
-    finally:
-        kvproc.native.NATIVE = now
-    return mod
+    return module_at(rev, "kvproc/tiers/device_index_events.py", tmp, native_at(rev, tmp))
 
 
 class QueuePublisher:

@@ -16,18 +16,15 @@ milliseconds of each other):
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import os
 import statistics
-import subprocess
 import sys
-import sysconfig
 import tempfile
 import time
 import types
 from collections.abc import Callable
 
 import numpy as np
+from base_tree import module_at, native_at
 
 from kvproc import native
 from kvproc.core import paged
@@ -37,28 +34,8 @@ from kvproc.tiers.kv_events import KvEventPublisher
 
 def build_base(rev: str, tmp: str) -> tuple[types.ModuleType, types.ModuleType]:
     """(compiled helpers, paged.py) of `rev`, loaded beside the current ones."""
-    src = os.path.join(tmp, "src")
-    os.makedirs(src)
-    for f in ("_native.c", "_slotmap.c", "_native.h"):
-        with open(os.path.join(src, f), "wb") as out:
-            out.write(subprocess.check_output(["git", "show", f"{rev}:kvproc/native/{f}"]))
-    so = os.path.join(tmp, "_native" + sysconfig.get_config_var("EXT_SUFFIX"))
-    cc = os.environ.get("CC", "cc")
-    subprocess.check_call([cc, "-O3", "-shared", "-fPIC", "-I", sysconfig.get_paths()["include"],
-                           os.path.join(src, "_native.c"), os.path.join(src, "_slotmap.c"), "-o", so])
-    spec = importlib.util.spec_from_file_location("kvproc_base_native._native", so)
-    assert spec and spec.loader
-    nat = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(nat)
-    py = os.path.join(tmp, "paged_base.py")
-    with open(py, "wb") as out:
-        out.write(subprocess.check_output(["git", "show", f"{rev}:kvproc/core/paged.py"]))
-    spec = importlib.util.spec_from_file_location("kvproc_base_paged", py)
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    mod.NATIVE = nat  # type: ignore[attr-defined]
-    return nat, mod
+    nat = native_at(rev, tmp)
+    return nat, module_at(rev, "kvproc/core/paged.py", tmp, nat)
 
 
 class Hashes:
