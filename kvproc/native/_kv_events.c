@@ -729,9 +729,6 @@ static void EventLog_dealloc(EventLog *self) {
 static PyObject *EventLog_get_records(EventLog *self, void *c) { return PyLong_FromSsize_t(self->active.records); }
 static PyObject *EventLog_get_appended(EventLog *self, void *c) { return PyLong_FromLongLong(self->appended); }
 static PyObject *EventLog_get_dropped(EventLog *self, void *c) { return PyLong_FromLongLong(self->dropped); }
-static PyObject *EventLog_get_nbytes(EventLog *self, void *c) {
-    return PyLong_FromSize_t(self->active.len);
-}
 
 static PyMethodDef EventLog_methods[] = {
     {"stored", (PyCFunction)(void (*)(void))EventLog_stored, METH_FASTCALL,
@@ -750,7 +747,6 @@ static PyGetSetDef EventLog_getset[] = {
     {"records", (getter)EventLog_get_records, NULL, "records logged since the last take", NULL},
     {"appended", (getter)EventLog_get_appended, NULL, "records logged in all", NULL},
     {"dropped", (getter)EventLog_get_dropped, NULL, "records not kept after stop_keeping", NULL},
-    {"nbytes", (getter)EventLog_get_nbytes, NULL, "bytes logged since the last take", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
