@@ -34,6 +34,7 @@ _EXPORTS: dict[str, str] = {
     "CopyKind": "kvproc.core.bounded",
     "CopyOrder": "kvproc.core.bounded",
     "HoldConsumedError": "kvproc.core.holds",
+    "ForeignHandleError": "kvproc.core.ownership",
     "MissReason": "kvproc.core.holds",
     "Pin": "kvproc.core.holds",
     "PrefixHold": "kvproc.core.holds",
@@ -54,6 +55,8 @@ _EXPORTS: dict[str, str] = {
     "FingerprintMismatch": "kvproc.store.handoff",
     "fingerprint": "kvproc.store.handoff",
     "check_fingerprint": "kvproc.store.handoff",
+    "check_envelope": "kvproc.store.handoff",
+    "chain_key": "kvproc.store.handoff",
     "padded_chain": "kvproc.store.handoff",
     "handoff_resolve_policy": "kvproc.store.handoff",
     "KvPrefix": "kvproc.store.types",
@@ -101,6 +104,7 @@ if TYPE_CHECKING:
     from kvproc.core.bounded import CopyKind, CopyOrder
     from kvproc.core.hashing import DEFAULT_SCOPE, PAD_TOKEN_ID, BlockHasher, HashAlgorithm, HashScope, PageHashes
     from kvproc.core.holds import HoldConsumedError, MissReason, Pin, PrefixHold, Reservation, ReusePolicy, align_holds
+    from kvproc.core.ownership import ForeignHandleError
     from kvproc.core.paged import PoolExhaustedError, StaleBlockError
     from kvproc.core.pool import BlockPool
     from kvproc.core.request_kv import LifetimeExceededError, RequestKv, RequestStateError
@@ -111,6 +115,8 @@ if TYPE_CHECKING:
     from kvproc.store.handoff import (
         FingerprintMismatch,
         HandoffEnvelope,
+        chain_key,
+        check_envelope,
         check_fingerprint,
         fingerprint,
         handoff_resolve_policy,

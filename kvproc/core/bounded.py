@@ -37,6 +37,9 @@ class CopyOrder:
     staging_generation: int
     key: bytes | None  # checkpoint hash a SEAL order registers under; None for RESTORE
     req_id: str = ""
+    # The serial of the pool that issued it (`BlockPool.serial`): order ids are per pool, so an order of another rank
+    # or store could name one of this pool's open orders by id; the serial tells them apart.
+    pool_serial: int = 0
 
 
 class BoundedSlab:

@@ -81,6 +81,11 @@ class _Handle(Generic[S]):
         if state is not None:  # dropped while still owning references: the pool releases them at its next operation
             self._pool.defer_release(state)
 
+    @property
+    def pool(self) -> "BlockPool":
+        """The pool (one rank of one store) this handle's references are in: the only pool that takes it back."""
+        return self._pool
+
     def _live(self) -> S:
         if self._state is None:
             raise HoldConsumedError(self._gone)

@@ -36,6 +36,7 @@ from kvproc.core.holds import (
     ReservationState,
     ReusePolicy,
 )
+from kvproc.core.ownership import ForeignHandleError, next_pool_serial
 from kvproc.core.paged import PagedBlocks, PoolExhaustedError, StaleBlockError
 from kvproc.core.request_kv import KvState
 
@@ -63,6 +64,9 @@ class BlockPool:
         self.spec = spec
         self.hasher = hasher or BlockHasher(spec.page_tokens, namespace=spec.model_id)
         self.rank = rank
+        self.serial = next_pool_serial()  # this pool's identity for the handles it hands out (core/ownership.py)
+        # What errors call it; a store renames its pools after itself, so that two stores' rank 0 read apart.
+        self.label = f"pool #{self.serial} (rank {rank})"
         self.page_tokens = spec.page_tokens
         self.lock = threading.Lock()
         self.paged = PagedBlocks(num_blocks)
@@ -225,9 +229,22 @@ class BlockPool:
         self.counters["probe_truncated_by_pressure"] += 1
         return int(np.searchsorted(inactive_cum, budget, side="right"))
 
+    # -- ownership ------------------------------------------------------------------------------------------------
+    def check_handle(self, handle: PrefixHold | Reservation | Pin, what: str, used_with: str | None = None) -> None:
+        """Refuse a hold, reservation or pin this pool did not hand out (`ForeignHandleError`, nothing consumed)."""
+        if handle.pool is not self:
+            raise ForeignHandleError(what, handle.pool.label, used_with or self.label)
+
+    def check_order(self, order: CopyOrder, used_with: str | None = None) -> None:
+        """Refuse a copy order another pool issued: its id may name one of this pool's own open orders."""
+        if order.pool_serial != self.serial:
+            raise ForeignHandleError(f"copy order {order.order_id} ({order.kind.value}, request {order.req_id!r})",
+                                     f"pool #{order.pool_serial}", used_with or self.label)
+
     def trim_hold(self, hold: PrefixHold, pages: int) -> int:
         """Shorten a hold to at most `pages` pages, to the deepest complete checkpoint at or below it (a bounded
         group's state must exist where the hold ends), giving back the rest. Returns the pages it keeps."""
+        self.check_handle(hold, "prefix hold")
         state = hold._live()
         if pages < 0:
             raise ValueError(f"cannot trim a hold to {pages} pages")
@@ -250,6 +267,7 @@ class BlockPool:
 
     def check_hold(self, hold: PrefixHold) -> None:
         """Raise `StaleBlockError` if any block of the hold was reused (cannot happen while the hold is alive)."""
+        self.check_handle(hold, "prefix hold")
         with self.lock:
             self.paged.check(hold.block_ids, hold.generations)
 
@@ -285,6 +303,7 @@ class BlockPool:
 
     def trim_reservation(self, reservation: Reservation, keep: int) -> None:
         """Give back all but the first `keep` blocks of a reservation (the hit was shorter than reserved for)."""
+        self.check_handle(reservation, "reservation")
         state = reservation._live()
         if keep >= len(state.ids):
             return
@@ -327,6 +346,8 @@ class BlockPool:
         restorable bounded groups the reservation must carry their staging slots: a deeper paged prefix without the
         bounded state at its end would restore pages that no checkpoint vouches for.
         """
+        self.check_handle(hold, "prefix hold")
+        self.check_handle(reservation, "reservation")
         hs = hold._live()  # checked first: a consumed hold must not strand the reservation
         res = reservation._take()
         missing = [g for g in self.checkpoints.required if hashes and g not in res.staging]
@@ -418,13 +439,14 @@ class BlockPool:
     # -- bounded copy orders --------------------------------------------------------------------------------------
     def new_order(self, kind: CopyKind, group: str, src: int, dst: int, gen: int, key: bytes | None,
                    owner: object | None, req_id: str) -> CopyOrder:
-        order = CopyOrder(next(self._order_ids), kind, group, src, dst, gen, key, req_id)
+        order = CopyOrder(next(self._order_ids), kind, group, src, dst, gen, key, req_id, self.serial)
         self._orders[order.order_id] = _OrderState(order, owner)
         return order
 
     def fence(self, order: CopyOrder, ok: bool = True) -> None:
         """The engine executed `order` (and its step synchronized): make a SEAL copy part of its checkpoint, or
         finish a RESTORE. `ok=False` reports a failed copy: the staging slot is discarded."""
+        self.check_order(order)
         with self.lock:
             st = self._orders.pop(order.order_id, None)
             if st is None:

@@ -19,6 +19,7 @@ import numpy as np
 from kvproc.core.bounded import CopyKind, CopyOrder
 from kvproc.core.hashing import DEFAULT_SCOPE, PAD_TOKEN_ID, BlockHasher, HashScope, PageHashes
 from kvproc.core.holds import PrefixHold
+from kvproc.core.ownership import require_type
 
 if TYPE_CHECKING:
     from kvproc.core.pool import BlockPool
@@ -138,6 +139,7 @@ class RequestKv:
     ) -> None:
         if max_output_tokens < 0:
             raise ValueError(f"max_output_tokens must be >= 0, got {max_output_tokens}")
+        require_type(scope, HashScope, "scope")
         self.pool = pool
         self.req_id = req_id
         self.scope = scope
@@ -173,6 +175,11 @@ class RequestKv:
         return list(prompt_hashes)
 
     # -- views ----------------------------------------------------------------------------------------------------
+    @property
+    def identity(self) -> object:
+        """An object unique to this request for its whole life (its state): what a handle bound to it compares."""
+        return self._s
+
     @property
     def tokens(self) -> list[int]:
         return self._tokens.view().tolist()
@@ -249,6 +256,7 @@ class RequestKv:
         s, pool = self._s, self.pool
         self._require(s.admitted and not s.released, "match_and_add_prefix needs an admitted, unreleased request")
         self._require(self.num_computed == 0 and not s.block_ids, "a prefix can only be added to an empty request")
+        pool.check_handle(hold, "prefix hold", f"request {self.req_id!r} of {pool.label}")
         k = hold.num_blocks
         if k < s.pending_credit:
             raise ValueError(f"request {self.req_id!r} was admitted with credit {s.pending_credit}, hold has {k}")
@@ -289,6 +297,7 @@ class RequestKv:
         P = self.page_tokens
         self._require(s.admitted and not s.released, "adopt_handoff_prefix needs an admitted, unreleased request")
         self._require(self.num_computed == 0 and not s.block_ids, "a prefix can only be added to an empty request")
+        pool.check_handle(hold, "prefix hold", f"request {self.req_id!r} of {pool.label}")
         if not 0 < committed_len <= self._tokens.n:
             raise ValueError(f"committed_len {committed_len} outside this request's {self._tokens.n} tokens")
         k, full, padded = hold.num_blocks, committed_len // P, committed_len % P != 0

@@ -46,7 +46,15 @@ from kvproc.engine.checkpoints import CheckpointPolicy
 from kvproc.engine.models import SeqBatchItem, TinyModel
 from kvproc.engine.models.ranked import RankedModel, rank_models
 from kvproc.engine.request import Request
-from kvproc.store.handoff import HandoffEnvelope, check_fingerprint, fingerprint, handoff_resolve_policy, padded_chain
+from kvproc.store.handoff import (
+    HandoffEnvelope,
+    chain_key,
+    check_envelope,
+    check_fingerprint,
+    fingerprint,
+    handoff_resolve_policy,
+    padded_chain,
+)
 from kvproc.store.kv_store import KvStore
 from kvproc.store.types import KvPrefix, SaveClass, SealCursor
 
@@ -150,6 +158,7 @@ class Engine:
         if not self.prefix_cache:
             raise ValueError(f"request {req.req_id!r}: a hand-off needs prefix caching (this engine has it off)")
         check_fingerprint(self.fingerprint, env.fingerprint)
+        check_envelope(env, req.req_id, self.store.pools[0].hasher, req.prompt, self.scope)
         if env.anchor_token_id is None or req.max_output_tokens <= 1:
             self.store.revoke_handoff(env.producer_req_id)  # nobody will read it
             if env.anchor_token_id is not None:
@@ -514,7 +523,9 @@ class Engine:
         tok = req.output[0]
         eos = req.stop_on_eos and tok == self.model.eos_token_id
         req.envelope = HandoffEnvelope(req.req_id, self.fingerprint, committed_len=req.prompt_tokens,
-                                       anchor_token_id=None if eos else tok)
+                                       anchor_token_id=None if eos else tok,
+                                       chain_key=chain_key(self.store.pools[0].hasher, req.prompt, req.prompt_tokens,
+                                                           self.scope))
         self.counters["handoffs_emitted"] += 1
 
     def _emit_handoffs(self) -> list[Request]:

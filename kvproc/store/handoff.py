@@ -23,8 +23,9 @@ import msgspec
 import numpy as np
 
 from kvproc.contract import ArenaLayout, Sharding, require_model_id
-from kvproc.core.hashing import HASH_LAYOUT_VERSION, PAD_TOKEN_ID, HashAlgorithm
+from kvproc.core.hashing import DEFAULT_SCOPE, HASH_LAYOUT_VERSION, PAD_TOKEN_ID, BlockHasher, HashAlgorithm, HashScope
 from kvproc.core.holds import ReusePolicy
+from kvproc.core.ownership import ForeignHandleError
 from kvproc.store.types import ResolvePolicy
 
 # 2: arenas named with their stored layout (name:bytes:layout); REPLICATED groups marked (":replicated"): their KV is
@@ -40,6 +41,11 @@ class HandoffEnvelope(msgspec.Struct, frozen=True, omit_defaults=True):
     committed_len: int  # real prompt tokens whose KV is in the store (the padding is not counted)
     anchor_token_id: int | None  # the first sampled token; None when it was EOS (decode then stops at once)
     draft_tokens: list[int] = []
+    # The hex hash of the producer's last padded page (`chain_key`): the prompt the envelope belongs to. The consumer
+    # refuses the envelope for any other prompt (or scope) before it resolves, so one request's envelope never
+    # consumes another producer's lease or waits for a save that will not come. "" (a producer before this field):
+    # not checked.
+    chain_key: str = ""
 
 
 class FingerprintMismatch(ValueError):
@@ -72,6 +78,22 @@ def padded_chain(tokens: Sequence[int] | np.ndarray, committed_len: int, page_to
         raise ValueError(f"the request has {arr.size} tokens, the envelope commits {committed_len}")
     pad = (-committed_len) % page_tokens
     return np.concatenate([arr, np.full(pad, PAD_TOKEN_ID, dtype=np.int64)]) if pad else arr
+
+
+def chain_key(hasher: BlockHasher, tokens: Sequence[int] | np.ndarray, committed_len: int,
+              scope: HashScope = DEFAULT_SCOPE) -> str:
+    """The envelope's `chain_key` for a prompt: the hex hash of its padded chain's last page."""
+    hashes = hasher.hash_prompt(padded_chain(tokens, committed_len, hasher.page_tokens), scope, pad_tail=True)
+    return hashes[-1].hex() if len(hashes) else ""
+
+
+def check_envelope(env: HandoffEnvelope, req_id: str, hasher: BlockHasher, tokens: Sequence[int] | np.ndarray,
+                   scope: HashScope = DEFAULT_SCOPE) -> None:
+    """Refuse an envelope emitted for another prompt or scope than this request's (`ForeignHandleError`)."""
+    if env.chain_key and chain_key(hasher, tokens, env.committed_len, scope) != env.chain_key:
+        raise ForeignHandleError(f"the hand-off envelope of producer request {env.producer_req_id!r}",
+                                 f"a prompt whose padded chain ends in {env.chain_key[:16]}...",
+                                 f"request {req_id!r} (another prompt or scope)")
 
 
 def handoff_resolve_policy(producer_req_id: str, deadline_s: float | None = None) -> ResolvePolicy:

@@ -27,6 +27,7 @@ import structlog
 from kvproc.contract import REPLICATED_SAVER_RANK, ArenaLayout
 from kvproc.core.hashing import DEFAULT_SCOPE, HashScope
 from kvproc.core.holds import ReusePolicy
+from kvproc.core.ownership import ForeignHandleError, next_pool_serial, require_type
 from kvproc.core.pool import BlockPool
 from kvproc.core.request_kv import RequestKv, RequestStateError
 from kvproc.ipc.cancel import CancelToken
@@ -112,6 +113,10 @@ class KvStore:
             BlockPool.from_layout(lay, live_slots=live_slots, rank=r) for r, lay in enumerate(layouts)
         )
         self.spec = self.layouts[0].spec
+        # Errors name a foreign handle's owner by store and rank: two stores in one process each have a rank 0.
+        self.serial = next_pool_serial()
+        for r, p in enumerate(self.pools):
+            p.label = f"store #{self.serial} rank {r} (pool #{p.serial})"
         self.tiers: tuple[Tier, ...] = tuple(tiers)
         self.copiers = tuple(copiers or ())
         self.outcomes = Outcomes(config.outcome_history)
@@ -159,6 +164,15 @@ class KvStore:
         for r, t in enumerate(self.tiers):
             first.setdefault(id(t), (r, t))
         return list(first.values())
+
+    @staticmethod
+    def _check_resolve_args(scope: HashScope, policy: ResolvePolicy, cancel: CancelToken | None) -> None:
+        """A plain string for a scope (a tenant name) or a dict for a policy would hash or behave as the default:
+        another tenant's prefix served, or a hand-off's lease never consumed. Refused by type."""
+        require_type(scope, HashScope, "scope")
+        require_type(policy, ResolvePolicy, "policy")
+        if cancel is not None:
+            require_type(cancel, CancelToken, "cancel")
 
     def _check_rank(self, rank: int) -> None:
         """Refuse a rank this store does not have (a negative one too: it must not silently mean the last rank)."""
@@ -213,6 +227,7 @@ class KvStore:
         call; a resolve that has to wait continues on the loop and frees its thread. Full-hit waits (a hand-off's
         consumer) go to the loop at once: they wait anyway."""
         self._check_rank(rank)
+        self._check_resolve_args(scope, policy, cancel)
         t0 = time.perf_counter_ns()
         fut = self._submit_resolve(rank, req_id, tokens, scope, policy, cancel)
         fut.add_done_callback(functools.partial(self._observe_resolve_future, t0))
@@ -251,6 +266,7 @@ class KvStore:
         thread (`store/resolve_blocking.py`: one or two round trips, no hand-off to the store's loop); the rest
         (Loading, full-hit waits, pool pressure) continues on the loop. Not from the store's own loop."""
         self._check_rank(rank)
+        self._check_resolve_args(scope, policy, cancel)
         t0 = time.perf_counter_ns()
         prefix = self._blocking.resolve(rank, req_id, tokens, scope, policy, cancel)
         self._observe_resolve(t0, prefix)
@@ -270,6 +286,9 @@ class KvStore:
         runs on the store's loop; its source pages stay pinned until the copy lands. Call only after the step that
         wrote them synchronized (i.e. after `kv.apply`)."""
         self._check_rank(rank)
+        require_type(save_class, SaveClass, "save_class")
+        require_type(cursor, SealCursor, "cursor")
+        self._check_owner(self.pools[rank], kv, cursor)
         tier = self.tier_of(rank)
         if tier is None or not self.spec.prefix_caching:
             if save_class is SaveClass.HANDOFF:
@@ -361,11 +380,24 @@ class KvStore:
             return f"rank {rank} has no host tier to hand the KV over through"
         return None
 
-    def _check_seal(self, pool: BlockPool, kv: RequestKv, cursor: SealCursor, end: int) -> None:
-        """Refuse a seal that would commit keys without their bytes (or skip pages): another pool's request, a cursor
-        that is not a page count of this request, a released request with pages left to save."""
+    def _check_owner(self, pool: BlockPool, kv: RequestKv, cursor: SealCursor) -> None:
+        """The request must be this rank's (its blocks are in this pool), and the cursor this request's: a cursor
+        belongs to the first request sealed with it, because its page count and pending saves are that request's
+        (another's cursor would skip pages, or save pages twice, or park on saves it does not have)."""
+        require_type(kv, RequestKv, "kv")
         if kv.pool is not pool:
-            raise ValueError(f"request {kv.req_id!r} belongs to rank {kv.pool.rank}'s pool, not rank {pool.rank}'s")
+            raise ForeignHandleError(f"request {kv.req_id!r}", kv.pool.label, pool.label)
+        with self._acct:
+            owner = cursor.owner
+            if owner is None:
+                cursor.owner = kv.identity
+            elif owner is not kv.identity:
+                raise ForeignHandleError("this seal cursor", "another request (the first one sealed with it)",
+                                         f"request {kv.req_id!r} of {pool.label}")
+
+    def _check_seal(self, pool: BlockPool, kv: RequestKv, cursor: SealCursor, end: int) -> None:
+        """Refuse a seal that would commit keys without their bytes (or skip pages): a cursor that is not a page
+        count of this request, a released request with pages left to save."""
         pages = cursor.pages
         # A hand-off consumer's cursor may sit one page past its computed pages (the padded page it adopted).
         if isinstance(pages, bool) or not isinstance(pages, int) or not 0 <= pages <= kv.lifetime_blocks:
@@ -477,6 +509,7 @@ class KvStore:
     def retire(self, rank: int, kv: RequestKv, cursor: SealCursor, save_class: SaveClass = SaveClass.CACHEABLE) -> None:
         """Final seal, then release. Never blocks: with Handoff saves pending, the KV parks until they settle."""
         self._check_rank(rank)
+        require_type(save_class, SaveClass, "save_class")
         self.seal(rank, kv, cursor, save_class)
         if save_class is SaveClass.HANDOFF and cursor.pending:
             self._parked[rank][kv.req_id] = kv
@@ -525,10 +558,12 @@ class KvStore:
         self._check_rank(rank)
         if not orders:
             return True
+        pool = self.pools[rank]
+        for o in orders:  # all refused before any runs: an order of another rank would copy that rank's slots here
+            pool.check_order(o)
         if rank >= len(self.copiers):
             raise RuntimeError(f"rank {rank} has no copier: build the store with one (bounded groups need slot copies "
                                "even without a tier)")
-        pool = self.pools[rank]
         copies = [SlotCopy(o.group, o.src_slot, o.dst_slot) for o in orders]
         # a seal-by-copy reads live state the engine's last step wrote; a restore writes live slots its steps used
         fut = self._loop.submit(self.copiers[rank].device_copy(copies, self._step_event(rank)))

@@ -120,6 +120,9 @@ class SealCursor:
     pages: int = 0
     pending: int = 0  # saves in flight for this request
     settled: threading.Event = field(default_factory=threading.Event)
+    # The request it counts for (`RequestKv.identity`), bound by the first seal or retire that uses it: a later use
+    # with another request is refused (`ForeignHandleError`).
+    owner: object | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def after_prefix(cls, prefix_pages: int) -> "SealCursor":
