@@ -52,11 +52,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvproc import (
     FingerprintMismatch,
+    ForeignHandleError,
     HandoffEnvelope,
     HashScope,
     KvContractError,
@@ -64,6 +67,8 @@ from kvproc import (
     RequestKv,
     SaveClass,
     SealCursor,
+    chain_key,
+    check_envelope,
     check_fingerprint,
     fingerprint,
     handoff_resolve_policy,
@@ -71,9 +76,9 @@ from kvproc import (
 )
 from kvproc.core.holds import PrefixHold
 from kvproc.integrations.vllm import runtime as rt_mod
-from kvproc.integrations.vllm.contract import VllmKvContract, contract_from_vllm, model_identity
+from kvproc.integrations.vllm.contract import VllmGroup, VllmKvContract, contract_from_vllm, model_identity
 from kvproc.integrations.vllm.event_forward import TierEventForwarder
-from kvproc.integrations.vllm.moves import CopyJob, MoveQueue
+from kvproc.integrations.vllm.moves import NULL_BLOCK, CopyJob, MoveQueue
 from kvproc.tiers.remote import RemoteCopier
 from kvproc.workers.movers import MEMMOVE
 
@@ -104,6 +109,7 @@ class KvprocConnectorMetadata(KVConnectorMetadata):
     async_loads: list[CopyJob] = field(default_factory=list)  # staging -> vLLM, for requests vLLM holds back
     saves: list[CopyJob] = field(default_factory=list)  # vLLM -> staging, after the forward, not waited for
     failed_loads: list[int] = field(default_factory=list)  # vLLM blocks promised but not loadable: recompute
+    failed_load_reqs: list[str] = field(default_factory=list)  # the same, by request (several KV cache groups)
     wait_jobs: list[int] = field(default_factory=list)  # saves of preempted requests: done before vLLM reuses blocks
     unloaded: list[str] = field(default_factory=list)  # requests held back for a load that could not be planned
     async_started: bool = False  # the worker side submitted async_loads (at handle_preemptions, before the forward)
@@ -120,7 +126,8 @@ class _Req:
     asked: bool = False  # vLLM asked for this request's hit before (its resolve then got resolve_wait_s)
     mirror: RequestKv | None = None
     cursor: SealCursor | None = None
-    vllm_blocks: list[int] = field(default_factory=list)
+    # vLLM's block table, one list per KV cache group (NULL_BLOCK where a group keeps no block for a page)
+    vllm_blocks: list[list[int]] = field(default_factory=list)
     # A load vLLM accepted at intake: (tokens vLLM had itself, tokens to load); turned into a job at the next meta.
     pending_load: tuple[int, int] | None = None
     job: int | None = None  # the save in flight (one at a time: a RequestKv has one scheduled step)
@@ -140,8 +147,12 @@ def _scope(request: "Request") -> HashScope:
                      lora_name=f"{lora.lora_name}#{lora.lora_int_id}" if lora is not None else "")
 
 
-class KvprocConnector(KVConnectorBase_V1):
-    """kvproc as vLLM's host tier. Scheduler-side and worker-side halves share one `KvprocRuntime` per engine."""
+class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
+    """kvproc as vLLM's host tier. Scheduler-side and worker-side halves share one `KvprocRuntime` per engine.
+
+    `SupportsHMA`: vLLM keeps its hybrid KV cache manager (one block table per KV cache group: sliding-window and
+    full-attention layers apart) with this connector; without it vLLM would promote sliding layers to full attention
+    (the whole KV kept) or refuse a hybrid model at start."""
 
     # vLLM's per-source hit metrics: kvproc's staging pool and host tier are both host memory.
     _cache_hit_source = CacheHitSource.HOST
@@ -173,6 +184,16 @@ class KvprocConnector(KVConnectorBase_V1):
         self.contract: VllmKvContract = contract_from_vllm(kv_cache_config,
                                                            model_id=model_identity(vllm_config, self.options.model_id))
         self.page = self.contract.block_tokens
+        self._groups = len(self.contract.groups)
+        if self._groups > 1 and ktc.kv_role == "kv_consumer":
+            # A hand-off's load lands before the forward (synchronous), and vLLM has no way to hear of a failed
+            # synchronous load for a model of several KV cache groups (its block ids do not name one group).
+            raise KvContractError(f"KvprocConnector: P/D consumer (kv_role='kv_consumer') for a model of "
+                                  f"{self._groups} KV cache groups ({[g.vllm_spec for g in self.contract.groups]}) is "
+                                  "not supported yet")
+        if self._groups > 1 and not self.options.async_moves:
+            raise KvContractError("KvprocConnector: async_moves=false (synchronous loads) needs a model of one KV "
+                                  "cache group: vLLM cannot hear of a failed synchronous load of several groups")
         engine_id = str(ktc.engine_id)
         self.rt = rt_mod.acquire(engine_id, self.contract, self.options, vllm_config.scheduler_config.max_num_seqs)
         self.store = self.rt.store
@@ -201,8 +222,9 @@ class KvprocConnector(KVConnectorBase_V1):
             tiers = rt_mod.kv_event_endpoints(self.options.tier_runtime_dir or self.rt.cluster.cluster.runtime_dir)
             tier = tiers["host_tier[0]"]
             self._events = TierEventForwarder(tier["kv_events"], tier["kv_events_replay"])
+        self._failed_recving: set[str] = set()  # requests whose async load failed (several groups: by request)
         log.info("kvproc_connector", role=role.name, engine_id=engine_id, page_tokens=self.page,
-                 layers=len(self.contract.layer_names))
+                 layers=len(self.contract.layer_names), groups=[g.vllm_spec for g in self.contract.groups])
 
     # ============================ worker side ============================
 
@@ -212,17 +234,20 @@ class KvprocConnector(KVConnectorBase_V1):
         if missing:
             raise KvContractError(f"KvprocConnector: vLLM registered no KV tensor for layer(s) {missing}")
         staging = self.rt.staging_views
-        for name in c.layer_names:
-            t = kv_caches[name]
-            nbytes = t.numel() * t.element_size()
-            if not t.is_contiguous() or t.shape[0] != c.vllm_num_blocks or nbytes != c.vllm_num_blocks * \
-                    c.bytes_per_block:
-                raise KvContractError(
-                    f"KvprocConnector: layer {name!r}: vLLM's KV tensor {tuple(t.shape)} {t.dtype} is not "
-                    f"{c.vllm_num_blocks} contiguous blocks of {c.bytes_per_block} bytes")
-            self._kv[name] = t.view(-1).view(torch.uint8).view(c.vllm_num_blocks, c.bytes_per_block).numpy()
-            self._staging[name] = staging[name].numpy()
-            self._bases[name] = t.data_ptr()
+        for g in c.groups:
+            row = g.bytes_per_block
+            for name in g.layer_names:
+                t = kv_caches[name]
+                nbytes = t.numel() * t.element_size()
+                # Every kind is one contiguous page per block in vLLM 0.32's CPU layout (attention [B, H, N, K+V],
+                # MLA [B, 1, N, latent]); the groups' views overlay one buffer, each block id owned by one group.
+                if not t.is_contiguous() or t.shape[0] != c.vllm_num_blocks or nbytes != c.vllm_num_blocks * row:
+                    raise KvContractError(
+                        f"KvprocConnector: layer {name!r} ({g.vllm_spec}): vLLM's KV tensor {tuple(t.shape)} {t.dtype} "
+                        f"is not {c.vllm_num_blocks} contiguous blocks of {row} bytes")
+                self._kv[name] = t.view(-1).view(torch.uint8).view(c.vllm_num_blocks, row).numpy()
+                self._staging[name] = staging[name].numpy()
+                self._bases[name] = t.data_ptr()
         if self.rt.moves is None:
             self.rt.moves = MoveQueue(self._copy)
 
@@ -236,32 +261,41 @@ class KvprocConnector(KVConnectorBase_V1):
         consecutive blocks on both sides are coalesced: one memcpy (or one iovec) per run per layer. (torch's
         `index_copy_` on uint8 rows moves ~0.13 GiB/s here against ~4.7 GiB/s for this: bench/RESULTS.md, "vLLM
         connector".)"""
-        src_ids = [b for j in jobs for b in j.src]
-        dst_ids = [b for j in jobs for b in j.dst]
-        if self.options.mover == "cma":
-            self._move_in_copy_worker(src_ids, dst_ids, to_vllm)
-        else:
-            row = self.contract.bytes_per_block
-            for name, vk in self._kv.items():
-                sk = self._staging[name]
-                src, dst = (sk, vk) if to_vllm else (vk, sk)
+        staging_all = np.fromiter((b for j in jobs for b in j.staging), dtype=np.int64)
+        pages = 0
+        for g in self.contract.groups:
+            vllm_ids = np.fromiter((b for j in jobs for b in j.vllm[g.index]), dtype=np.int64)
+            keep = vllm_ids != NULL_BLOCK  # a page this group keeps no block for (out of a sliding window)
+            vllm_ids, staging_ids = vllm_ids[keep].tolist(), staging_all[keep].tolist()
+            if not vllm_ids:
+                continue
+            pages += len(vllm_ids)
+            # by group: hits by kind of KV (a sliding window's group loads only its window's pages)
+            self.rt.count(f"{'pages_loaded' if to_vllm else 'pages_saved'}.{g.name}", len(vllm_ids))
+            if self.options.mover == "cma":
+                self._move_in_copy_worker(g, vllm_ids, staging_ids, to_vllm)
+                continue
+            row = g.bytes_per_block
+            for name in g.layer_names:
+                vk, sk = self._kv[name], self._staging[name]
+                src, dst, src_ids, dst_ids = (sk, vk, staging_ids, vllm_ids) if to_vllm else \
+                    (vk, sk, vllm_ids, staging_ids)
                 # One native call per layer, the GIL released for all of it (gil_bytes=0): a numpy copy per run
                 # gets the GIL back after each run, and while vLLM's engine thread runs Python that is a wait of up
                 # to the interpreter's switch interval (5 ms) per run: it made moves ~20x slower than memcpy.
                 MEMMOVE.rows(dst.reshape(-1), row, dst_ids, src.reshape(-1), row, src_ids, row, 0)
-        self.rt.count("pages_loaded_into_vllm" if to_vllm else "pages_saved_from_vllm", len(src_ids))
+        self.rt.count("pages_loaded_into_vllm" if to_vllm else "pages_saved_from_vllm", pages)
 
-    def _move_in_copy_worker(self, src_ids: list[int], dst_ids: list[int], to_vllm: bool) -> None:
-        """The batch's blocks moved by kvproc's copy worker process, reading or writing vLLM's own memory by
-        cross-memory attach (the mover thread only waits for its reply)."""
+    def _move_in_copy_worker(self, g: VllmGroup, vllm_ids: list[int], staging_ids: list[int], to_vllm: bool) -> None:
+        """One group's blocks of the batch moved by kvproc's copy worker process, reading or writing vLLM's own
+        memory by cross-memory attach (the mover thread only waits for its reply)."""
         from kvproc.ipc import messages as m
         from kvproc.ipc.errors import RemoteError
         from kvproc.workers.cma import allow_mover
 
-        c, cluster = self.contract, self.rt.cluster.cluster
-        vllm_ids, staging_ids = (dst_ids, src_ids) if to_vllm else (src_ids, dst_ids)
-        msg = m.EngineMove(os.getpid(), to_vllm, [f"vllm.{n}" for n in c.layer_names],
-                           [self._bases[n] for n in c.layer_names], c.bytes_per_block, c.bytes_per_block, vllm_ids,
+        cluster = self.rt.cluster.cluster
+        msg = m.EngineMove(os.getpid(), to_vllm, [f"vllm.{n}" for n in g.layer_names],
+                           [self._bases[n] for n in g.layer_names], g.bytes_per_block, g.bytes_per_block, vllm_ids,
                            staging_ids)
         for attempt in (0, 1):
             pid = cluster.pid("copy_worker")
@@ -303,11 +337,12 @@ class KvprocConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvprocConnectorMetadata)
         self._load_errors.update(meta.failed_loads)
+        self._failed_recving.update(meta.failed_load_reqs)
         moves = self._moves
         if meta.loads:  # this step's forward reads them: landed (or reported failed) before it starts
             moves.submit(meta.loads, to_vllm=True)
             if not moves.wait([j.job_id for j in meta.loads], self.options.move_wait_s):
-                self._load_errors.update(b for j in meta.loads for b in j.dst)
+                self._load_errors.update(b for j in meta.loads for b in j.vllm_blocks())
         self._start_async_loads(meta)  # if handle_preemptions did not (a runner that does not call it)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -347,8 +382,22 @@ class KvprocConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         return isinstance(meta, KvprocConnectorMetadata) and meta.idle
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """`get_finished`'s sets, plus (a model of several KV cache groups) the requests whose asynchronous load
+        failed: vLLM recomputes them. (vLLM refuses failed block ids for several groups: a block id there does not
+        name one group's block.)"""
+        failed: set[str] = set()
+        if self._groups > 1:  # taken first: a load failing meanwhile is reported (failed and received) next time
+            failed, self._failed_recving = self._failed_recving | self._moves.take_failed_loads(), set()
+        sending, recving = self.get_finished(finished_req_ids)
+        return KVConnectorTransferResults(finished_sending=sending or set(),
+                                          finished_recving=(recving or set()) | failed, failed_recving=failed)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self._load_errors = self._load_errors | self._moves.take_load_errors(), set()
+        if self._groups > 1:
+            return set()  # reported by request (get_transfer_results)
+        self._moves.take_failed_loads()  # reported by block id: the request form is not needed
         return out
 
     # ============================ scheduler side ============================
@@ -408,10 +457,12 @@ class KvprocConnector(KVConnectorBase_V1):
             if not 0 < env.committed_len < len(tokens):  # vLLM computes at least the last prompt token itself
                 raise ValueError(f"the envelope commits {env.committed_len} tokens of a {len(tokens)}-token prompt")
             chain = padded_chain(tokens, env.committed_len, self.page)
+            check_envelope(env, r.req_id, self.store.pools[0].hasher, tokens, _scope(r.request))
         except (FingerprintMismatch, ValueError) as e:
             log.error("kvproc_handoff_refused", req_id=r.req_id, producer_req_id=env.producer_req_id, error=str(e))
             self.rt.count("handoffs_refused")
-            self.store.revoke_handoff(env.producer_req_id)  # nobody will read it
+            if not isinstance(e, ForeignHandleError):  # another prompt's envelope: its own consumer may still read it
+                self.store.revoke_handoff(env.producer_req_id)  # nobody will read it
             return
         r.handoff = env
         r.resolve = self.store.submit_resolve(0, r.req_id, chain, _scope(r.request),
@@ -500,18 +551,9 @@ class KvprocConnector(KVConnectorBase_V1):
         local, ext = r.pending_load
         r.pending_load = None
         a, b = local // self.page, -(-(local + ext) // self.page)
-        staging = r.hold.block_ids
-        if b > len(staging) or b > len(r.vllm_blocks):
-            log.error("kvproc_load_inconsistent", req_id=r.req_id, pages=(a, b), hold=len(staging),
-                      vllm=len(r.vllm_blocks))
-            meta.failed_loads.extend(r.vllm_blocks[a:b])
-            return
-        job = CopyJob(next(self._job_ids), r.req_id, staging[a:b], r.vllm_blocks[a:b])
-        self._loads[job.job_id] = r
-        r.load_job = job.job_id
-        meta.loads.append(job)
-        self.rt.count("hit_tokens_loaded", ext)
-        self.rt.count("handoff_tokens_loaded", ext)
+        if self._load_job(r, r.hold.block_ids, a, b, meta, meta.loads):
+            self.rt.count("hit_tokens_loaded", ext)
+            self.rt.count("handoff_tokens_loaded", ext)
 
     def _start_mirror(self, r: _Req, prefix: KvPrefix | None) -> None:
         """Admit the request's mirror in the staging pool with the resolve's prefix (or none)."""
@@ -546,7 +588,7 @@ class KvprocConnector(KVConnectorBase_V1):
         r = self._reqs.get(request.request_id)
         if r is None:
             return
-        r.vllm_blocks = list(blocks.get_block_ids()[0])
+        r.vllm_blocks = [list(g) for g in blocks.get_block_ids()]
         if num_external_tokens == 0:
             r.pending_load = None
         elif r.pending_load is not None and r.pending_load[1] != num_external_tokens:
@@ -556,6 +598,12 @@ class KvprocConnector(KVConnectorBase_V1):
             self._async_ready.append(r)  # vLLM holds it back for the load: planned in this step's meta
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        if self.contract.has_sliding and self._jobs and self.rt.moves is not None:
+            # vLLM freed the requests' blocks that slid out of their windows in this step's scheduling, and this
+            # step's forward may overwrite them: the saves still reading them (last step's) land first, and a save
+            # is planned only over blocks vLLM still keeps (below). Last step's copies: usually done already.
+            if not self.rt.moves.wait(list(self._jobs), self.options.move_wait_s):
+                self.rt.count("sliding_save_waits_timed_out")  # poisoned: reported failed, never sealed
         self._drain()
         meta = KvprocConnectorMetadata()
         ready, self._async_ready = self._async_ready, []
@@ -567,10 +615,14 @@ class KvprocConnector(KVConnectorBase_V1):
             if pre is not None and pre.job is not None:  # vLLM reuses its blocks in this very step
                 meta.wait_jobs.append(pre.job)
         computed: dict[str, int] = {}
+        # vLLM's live block tables (the blocks a sliding window gave back read as NULL_BLOCK), where this vLLM offers
+        # them; else the tables rebuilt from the step's diffs (full attention only: blocks are never given back
+        # while a request runs).
+        live = getattr(scheduler_output, "kv_connector_block_state", None)
         for new in scheduler_output.scheduled_new_reqs:
             r = self._reqs.get(new.req_id)
             if r is not None:
-                r.vllm_blocks = list(new.block_ids[0])
+                r.vllm_blocks = [list(g) for g in new.block_ids]
                 computed[new.req_id] = new.num_computed_tokens
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -579,10 +631,18 @@ class KvprocConnector(KVConnectorBase_V1):
                 continue
             ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
-                r.vllm_blocks = list(ids[0]) if ids is not None else []
+                r.vllm_blocks = [list(g) for g in ids] if ids is not None else []
             elif ids is not None:
-                r.vllm_blocks.extend(ids[0])
+                if len(r.vllm_blocks) != len(ids):
+                    r.vllm_blocks = [[] for _ in ids]
+                for mine, more in zip(r.vllm_blocks, ids):
+                    mine.extend(more)
             computed[req_id] = cached.num_computed_tokens[i]
+        if live is not None:
+            for req_id in computed:
+                ids = live.get_block_ids(req_id)
+                if ids is not None:
+                    self._reqs[req_id].vllm_blocks = [list(g) for g in ids]
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             r = self._reqs.get(req_id)
             if r is not None and r.hold is not None and r.pending_load is not None and req_id in computed:
@@ -602,24 +662,37 @@ class KvprocConnector(KVConnectorBase_V1):
         a, b = local // self.page, (local + ext) // self.page
         if r.handoff is not None:  # the padded page too, whole: its pad rows are overwritten before they are read
             b = -(-(local + ext) // self.page)
-        staging = r.mirror.block_ids
-        if b > len(staging) or b > len(r.vllm_blocks):
+        if self._load_job(r, r.mirror.block_ids, a, b, meta, into):
+            self.rt.count("hit_tokens_loaded", ext)
+            if r.handoff is not None:
+                self.rt.count("handoff_tokens_loaded", ext)
+            if into is meta.async_loads:
+                self.rt.count("loads_async")
+
+    def _load_job(self, r: _Req, staging: list[int], a: int, b: int, meta: KvprocConnectorMetadata,
+                  into: list[CopyJob]) -> bool:
+        """Pages a..b of `staging` (the mirror's or a hand-off hold's blocks) into vLLM's blocks of every group.
+        False (and the load reported failed: vLLM recomputes it) when vLLM's tables do not cover them: a full-attention
+        group must have a block for every page; a sliding-window group's NULL_BLOCK pages are out of its window."""
+        vllm = [g[a:b] for g in r.vllm_blocks]
+        short = b > len(staging) or len(vllm) != self._groups or any(len(ids) != b - a for ids in vllm) or any(
+            NULL_BLOCK in ids for g, ids in zip(self.contract.groups, vllm) if not g.sliding)
+        if short:
             # Never: vLLM counted these tokens as computed, so they must be recomputed, not left unloaded.
-            log.error("kvproc_load_inconsistent", req_id=r.req_id, pages=(a, b), mirror=len(staging),
-                      vllm=len(r.vllm_blocks))
-            meta.failed_loads.extend(r.vllm_blocks[a:b])
+            log.error("kvproc_load_inconsistent", req_id=r.req_id, pages=(a, b), staging=len(staging),
+                      vllm=[len(g) for g in r.vllm_blocks])
+            if self._groups > 1:
+                meta.failed_load_reqs.append(r.req_id)
+            else:
+                meta.failed_loads.extend(b_ for ids in vllm for b_ in ids if b_ != NULL_BLOCK)
             if into is meta.async_loads:  # vLLM holds it back: report it (its blocks failed) at once
                 meta.unloaded.append(r.req_id)
-            return
-        job = CopyJob(next(self._job_ids), r.req_id, staging[a:b], r.vllm_blocks[a:b])
+            return False
+        job = CopyJob(next(self._job_ids), r.req_id, staging[a:b], tuple(vllm))
         self._loads[job.job_id] = r
         r.load_job = job.job_id
         into.append(job)
-        self.rt.count("hit_tokens_loaded", ext)
-        if r.handoff is not None:
-            self.rt.count("handoff_tokens_loaded", ext)
-        if into is meta.async_loads:
-            self.rt.count("loads_async")
+        return True
 
     def _plan_save(self, r: _Req, computed_after: int, meta: KvprocConnectorMetadata) -> None:
         """Pages that are full once this step ran: drawn in the mirror now, filled by the worker after the forward,
@@ -632,17 +705,25 @@ class KvprocConnector(KVConnectorBase_V1):
         # appended when the step's output is processed): only pages whose every token is known are saved.
         known = r.request.all_token_ids
         have = kv.num_computed // self.page
-        target = min(computed_after // self.page, len(r.vllm_blocks), len(known) // self.page)
+        target = min(computed_after // self.page, min((len(g) for g in r.vllm_blocks), default=0),
+                     len(known) // self.page)
         need = target * self.page
         if self.producer:
             # A hand-off is the prompt's KV: its partial last page too (padded when it lands), nothing decoded.
             prompt = r.request.num_prompt_tokens
-            if computed_after >= prompt and -(-prompt // self.page) <= len(r.vllm_blocks):
+            if computed_after >= prompt and -(-prompt // self.page) <= min((len(g) for g in r.vllm_blocks), default=0):
                 target, need = -(-prompt // self.page), prompt
             else:
                 target = min(target, prompt // self.page)
                 need = target * self.page
         if target <= have or need <= kv.num_computed:
+            return
+        vllm = tuple(g[have:target] for g in r.vllm_blocks)
+        if any(NULL_BLOCK in ids for ids in vllm):
+            # vLLM no longer keeps a block of these pages (a sliding window passed them before their save could be
+            # planned): the chain cannot continue past the hole, so this request saves no more.
+            self.rt.count("saves_window_passed")
+            r.saving = False
             return
         try:
             if kv.num_tokens < need:
@@ -656,7 +737,7 @@ class KvprocConnector(KVConnectorBase_V1):
             self.rt.count("saves_not_planned")
             r.saving = False
             return
-        job = CopyJob(next(self._job_ids), r.req_id, r.vllm_blocks[have:target], ids[have:target])
+        job = CopyJob(next(self._job_ids), r.req_id, ids[have:target], vllm)
         r.job = job.job_id
         self._jobs[job.job_id] = r
         meta.saves.append(job)
@@ -708,6 +789,11 @@ class KvprocConnector(KVConnectorBase_V1):
         if r.finishing and r.load_job is None:
             self._retire(r)
 
+    def request_finished_all_groups(self, request: "Request",
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's call for a `SupportsHMA` connector (every model, one group or several): the blocks are not read."""
+        return self.request_finished(request, [])
+
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._drain()
         r = self._reqs.get(request.request_id)
@@ -741,7 +827,9 @@ class KvprocConnector(KVConnectorBase_V1):
             return None
         out = request.output_token_ids
         env = HandoffEnvelope(r.req_id, self.fingerprint, committed_len=prompt,
-                              anchor_token_id=int(out[0]) if out else None)
+                              anchor_token_id=int(out[0]) if out else None,
+                              chain_key=chain_key(self.store.pools[0].hasher, list(request.prompt_token_ids or []),
+                                                  prompt, _scope(request)))
         self.rt.count("handoffs_made")
         return {HANDOFF_KEY: msgspec.to_builtins(env)}
 

@@ -1,15 +1,20 @@
 """vLLM's KV cache spec -> kvproc's KV contract: the one place that knows how vLLM lays out KV.
 
 `contract_from_vllm(kv_cache_config, ...)` is the whole mapping. Each vLLM KV cache group becomes a kvproc group,
-each of its layers one arena (vLLM names the layers; kvproc names arenas after them). Supported today:
+each of its layers one arena (vLLM names the layers; kvproc names arenas after them). One block of one layer is
+`page_size_bytes` contiguous bytes in vLLM 0.32 for every kind below (`kv_caches[layer][block]`), so the stored
+block is vLLM's block as is.
 
-| vLLM spec | kvproc group | stored block |
-|---|---|---|
-| `FullAttentionSpec` (exactly: no subclass), causal, no KV quantisation, no padded pages | `PAGED` "attn" | one vLLM block of one layer, its `page_size_bytes` as is (on CPU: `[num_kv_heads, block_size, 2*head_size]`, K and V side by side) |
+- `FullAttentionSpec` (causal, unquantised, unpadded) -> `PAGED` "full<i>": a hit restores every page of the prefix.
+- `MLAAttentionSpec` (one latent "head" of `kv_lora_rank + rope` per token) -> `PAGED` "mla<i>": every page.
+- `SlidingWindowSpec` -> `PAGED` "swa<i>": every page is saved (a page's KV depends only on the tokens before it);
+  a hit restores the pages vLLM allocated for the window before it. vLLM gives its null block (id 0) for the pages
+  out of the window, and those are not written.
 
-Anything else (sliding window, chunked local, MLA, Mamba/linear state, cross attention, several groups, quantised KV)
-is refused with a `KvContractError` naming the spec, never served with the wrong bytes. The next attention type is an
-entry in `_SUPPORTED` plus, for a bounded state, a `GroupKind.BOUNDED` group: not connector code.
+All paged groups share kvproc's page (vLLM's block size must be the same in every group: a model whose groups have
+other block sizes is refused, naming them) and one block id in kvproc's pool; each keeps its own vLLM block table.
+Anything else (Mamba / linear-attention state, chunked local, cross attention, quantised or padded KV, a subclass of
+these specs) is refused with a `KvContractError` naming the spec and the reason, never served as full attention.
 
 This module imports no vLLM at import time: it reads the config's fields by name, so it is testable on its own.
 """
@@ -21,40 +26,79 @@ from typing import Any
 
 from kvproc import GroupKind, GroupSpec, KvContractError, KvSpec
 
-# vLLM spec class name -> the kvproc group it becomes. Exact class names: a subclass of FullAttentionSpec (MLA,
-# sliding-window MLA, sink attention, ...) has another layout and must not pass as full attention.
+# vLLM spec class name -> (kvproc group name prefix, kind). Exact class names: a subclass of FullAttentionSpec
+# (sliding-window MLA, sink attention, ...) has another layout or another notion of a prefix and must not pass.
 _SUPPORTED: dict[str, tuple[str, GroupKind]] = {
-    "FullAttentionSpec": ("attn", GroupKind.PAGED),
+    "FullAttentionSpec": ("full", GroupKind.PAGED),
+    "MLAAttentionSpec": ("mla", GroupKind.PAGED),
+    "SlidingWindowSpec": ("swa", GroupKind.PAGED),
+}
+# Refused with the reason an integrator needs (the rest: "not supported yet").
+_WHY_NOT: dict[str, str] = {
+    "MambaSpec": "recurrent / conv state is a bounded group kvproc restores from a checkpoint; the vLLM connector "
+                 "does not map it yet",
+    "ChunkedLocalAttentionSpec": "its attention restarts every chunk; not mapped yet",
+    "CrossAttentionSpec": "encoder KV is not a prefix of the prompt",
+    "EncoderOnlyAttentionSpec": "encoder-only layers keep no KV cache to reuse",
 }
 
 
 @dataclass(frozen=True)
-class VllmKvContract:
-    """A vLLM engine's KV as kvproc sees it: the spec plus the geometry of every layer's block."""
+class VllmGroup:
+    """One of vLLM's KV cache groups as kvproc sees it."""
 
-    spec: KvSpec
-    group: str  # the one paged group
+    name: str  # the kvproc group ("full0", "swa1", "mla0", ...)
+    vllm_spec: str  # vLLM's spec class name
+    index: int  # its position in vLLM's `kv_cache_groups` (= in every per-group block-id tuple vLLM hands over)
     layer_names: tuple[str, ...]  # vLLM's layer names, in vLLM's order; one arena each
     bytes_per_block: int  # one layer's block (vLLM's page_size_bytes)
+    sliding_window: int | None = None  # tokens, for a sliding-window group
+
+    @property
+    def sliding(self) -> bool:
+        return self.sliding_window is not None
+
+    @property
+    def state(self) -> bool:
+        """A state group (vLLM's MambaSpec): one state per page boundary, a kvproc checkpoint, not pages."""
+        return self.vllm_spec == "MambaSpec"
+
+
+@dataclass(frozen=True)
+class VllmKvContract:
+    """A vLLM engine's KV as kvproc sees it: the spec plus the geometry of every group's blocks."""
+
+    spec: KvSpec
+    groups: tuple[VllmGroup, ...]  # in vLLM's group order
     block_tokens: int  # vLLM's block size = kvproc's page size
-    vllm_num_blocks: int  # blocks of vLLM's own cache (its tensors' first dimension)
+    vllm_num_blocks: int  # blocks of vLLM's own cache (every layer tensor's first dimension)
+
+    @property
+    def layer_names(self) -> tuple[str, ...]:
+        return tuple(n for g in self.groups for n in g.layer_names)
+
+    @property
+    def has_sliding(self) -> bool:
+        """A sliding-window group: vLLM frees a request's out-of-window blocks at its next step, so a save must have
+        read them before that step's forward."""
+        return any(g.sliding for g in self.groups)
+
+    @property
+    def paged(self) -> tuple[VllmGroup, ...]:
+        return tuple(g for g in self.groups if not g.state)
+
+    @property
+    def states(self) -> tuple[VllmGroup, ...]:
+        return tuple(g for g in self.groups if g.state)
+
+    def group_of(self, layer: str) -> VllmGroup:
+        for g in self.groups:
+            if layer in g.layer_names:
+                return g
+        raise KeyError(layer)
 
 
-def contract_from_vllm(kv_cache_config: Any, *, model_id: str) -> VllmKvContract:
-    """Map vLLM's `KVCacheConfig` to a kvproc contract, or raise `KvContractError` naming what is unsupported.
-
-    `model_id` is the identity of the weights (kvproc keys every page with it, so engines with other weights never
-    share KV)."""
-    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
-    if len(groups) != 1:
-        names = [type(g.kv_cache_spec).__name__ for g in groups]
-        raise KvContractError(f"kvproc's vLLM connector supports one KV cache group (full attention), this model has "
-                              f"{len(groups)}: {names}")
-    spec = groups[0].kv_cache_spec
-    kind_name = type(spec).__name__
-    if kind_name not in _SUPPORTED:
-        raise KvContractError(f"kvproc's vLLM connector does not support the KV cache spec {kind_name} yet "
-                              f"(supported: {sorted(_SUPPORTED)}): {spec!r}")
+def _check_spec(spec: Any, kind_name: str) -> None:
     quant = getattr(spec, "kv_quant_mode", None)
     if quant is not None and int(quant) != 0:
         raise KvContractError(f"kvproc's vLLM connector does not support quantised KV ({kind_name} with "
@@ -66,16 +110,45 @@ def contract_from_vllm(kv_cache_config: Any, *, model_id: str) -> VllmKvContract
     if getattr(spec, "page_size_padded", None):
         raise KvContractError(f"kvproc's vLLM connector does not support padded pages ({kind_name} with "
                               f"page_size_padded={spec.page_size_padded})")
-    group, kind = _SUPPORTED[kind_name]
-    block = int(spec.block_size)
+
+
+def contract_from_vllm(kv_cache_config: Any, *, model_id: str) -> VllmKvContract:
+    """Map vLLM's `KVCacheConfig` to a kvproc contract, or raise `KvContractError` naming what is unsupported.
+
+    `model_id` is the identity of the weights (kvproc keys every page with it, so engines with other weights never
+    share KV)."""
+    vgroups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
+    if not vgroups:
+        raise KvContractError("vLLM's KV cache config has no KV cache group")
+    groups: list[VllmGroup] = []
+    sizes: dict[str, int] = {}
+    for i, vg in enumerate(vgroups):
+        spec = vg.kv_cache_spec
+        kind_name = type(spec).__name__
+        if kind_name not in _SUPPORTED:
+            why = _WHY_NOT.get(kind_name, "not supported yet")
+            all_kinds = [type(g.kv_cache_spec).__name__ for g in vgroups]
+            raise KvContractError(f"kvproc's vLLM connector does not support the KV cache spec {kind_name} (group {i} "
+                                  f"of {all_kinds}): {why}; supported: {sorted(_SUPPORTED)}")
+        _check_spec(spec, kind_name)
+        prefix, kind = _SUPPORTED[kind_name]
+        layers = tuple(vg.layer_names)
+        if not layers:
+            raise KvContractError(f"the KV cache group {i} ({kind_name}) names no layers")
+        window = getattr(spec, "sliding_window", None) if kind_name == "SlidingWindowSpec" else None
+        if window is not None and int(window) <= 0:
+            raise KvContractError(f"group {i} ({kind_name}): sliding_window={window} is not a window")
+        groups.append(VllmGroup(f"{prefix}{i}", kind_name, i, layers, int(spec.page_size_bytes),
+                                None if window is None else int(window)))
+        sizes[f"{prefix}{i}"] = int(spec.block_size)
+    if len(set(sizes.values())) != 1:
+        raise KvContractError(f"kvproc pages are one size for every group; vLLM's groups have block sizes {sizes}")
+    block = next(iter(sizes.values()))
     if block <= 0 or block & (block - 1):
         raise KvContractError(f"vLLM block_size={block}: kvproc pages must be a power of two tokens")
-    layers = tuple(groups[0].layer_names)
-    if not layers:
-        raise KvContractError(f"the KV cache group {kind_name} names no layers")
-    kv_spec = KvSpec(block, (GroupSpec(group, kind),), model_id=model_id)
-    return VllmKvContract(spec=kv_spec, group=group, layer_names=layers, bytes_per_block=int(spec.page_size_bytes),
-                          block_tokens=block, vllm_num_blocks=int(kv_cache_config.num_blocks))
+    kv_spec = KvSpec(block, tuple(GroupSpec(g.name, _SUPPORTED[g.vllm_spec][1]) for g in groups), model_id=model_id)
+    return VllmKvContract(spec=kv_spec, groups=tuple(groups), block_tokens=block,
+                          vllm_num_blocks=int(kv_cache_config.num_blocks))
 
 
 def model_identity(vllm_config: Any, override: str | None = None) -> str:

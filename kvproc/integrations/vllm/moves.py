@@ -27,15 +27,25 @@ import structlog
 log = structlog.get_logger("kvproc.integrations.vllm")
 
 
+# vLLM's null block: a sliding window's (or a state group's) placeholder for a page it keeps no block for. Never
+# written (it is shared by every request), never read as a page.
+NULL_BLOCK = 0
+
+
 @dataclass
 class CopyJob:
-    """Block copies of one request in one step: `src[i]` -> `dst[i]` (vLLM block ids on one side, staging block ids
-    on the other)."""
+    """Block copies of one request in one step, direction given by the batch: page i of the job is staging block
+    `staging[i]` and, in vLLM's KV cache group g, vLLM block `vllm[g][i]` (`NULL_BLOCK`: that group keeps no block
+    for the page, e.g. out of a sliding window: not copied)."""
 
     job_id: int
     req_id: str
-    src: list[int]
-    dst: list[int]
+    staging: list[int]
+    vllm: tuple[list[int], ...]
+
+    def vllm_blocks(self) -> set[int]:
+        """The vLLM blocks this job writes when it is a load (what vLLM must recompute if it fails)."""
+        return {b for ids in self.vllm for b in ids if b != NULL_BLOCK}
 
 
 class MoveQueue:
@@ -51,6 +61,8 @@ class MoveQueue:
         self._completed: list[tuple[int, bool]] = []  # (job id, ok), not yet drained by the scheduler side
         self._poisoned: set[int] = set()
         self._load_errors: set[int] = set()  # vLLM blocks a failed load left unwritten (vLLM recomputes them)
+        self._failed_loads: set[str] = set()  # ... and their requests (the hybrid form of the report: vLLM's block
+        # ids of several groups do not name a request's blocks alone)
         self._delayed: set[str] = set()  # requests whose free vLLM delays until their save settles
         self._closed = False
         self.failures = 0  # batches that failed (all time)
@@ -103,7 +115,8 @@ class MoveQueue:
                     if not ids:
                         del self._by_req[j.req_id]
                 if not good and to_vllm:
-                    self._load_errors.update(j.dst)
+                    self._load_errors.update(j.vllm_blocks())
+                    self._failed_loads.add(j.req_id)
                 self._completed.append((j.job_id, good))
             self._idle.notify_all()
 
@@ -145,6 +158,11 @@ class MoveQueue:
     def take_load_errors(self) -> set[int]:
         with self._lock:
             out, self._load_errors = self._load_errors, set()
+            return out
+
+    def take_failed_loads(self) -> set[str]:
+        with self._lock:
+            out, self._failed_loads = self._failed_loads, set()
             return out
 
     def delayed_among(self, req_ids: Iterable[str]) -> set[str]:

@@ -98,15 +98,15 @@ class RuntimeOptions:
 
 
 class _StagingModel:
-    """The kvproc `KvModel` of the staging pool: one arena per vLLM layer, blocks laid out as vLLM's."""
+    """The kvproc `KvModel` of the staging pool: one arena per vLLM layer (in its group), blocks laid out as vLLM's.
+    The paged groups are aligned: staging block b is block b of every layer of every group."""
 
     def __init__(self, contract: VllmKvContract, num_blocks: int, allocator: Any) -> None:
         self._spec = contract.spec
-        nbytes = contract.bytes_per_block
         self._arenas = [
-            (contract.group, KvArena(f"vllm.{name}", allocator(f"vllm.{name}", num_blocks * nbytes), num_blocks,
-                                     nbytes, nbytes))
-            for name in contract.layer_names
+            (g.name, KvArena(f"vllm.{name}", allocator(f"vllm.{name}", num_blocks * g.bytes_per_block), num_blocks,
+                             g.bytes_per_block, g.bytes_per_block))
+            for g in contract.groups for name in g.layer_names
         ]
 
     def spec(self) -> KvSpec:
@@ -137,8 +137,8 @@ class KvprocRuntime:
     @property
     def staging_views(self) -> dict[str, Any]:
         """vLLM layer name -> its staging arena as a [blocks, bytes_per_block] uint8 tensor."""
-        n, b = self.model._arenas[0][1].num_blocks, self.contract.bytes_per_block
-        return {name: a.tensor.view(n, b) for name, (_, a) in zip(self.contract.layer_names, self.model._arenas)}
+        return {name: a.tensor.view(a.num_blocks, a.bytes_per_block)
+                for name, (_, a) in zip(self.contract.layer_names, self.model._arenas)}
 
     def count(self, name: str, n: int = 1) -> None:
         with _lock:
@@ -185,7 +185,8 @@ def acquire(engine_id: str, contract: VllmKvContract, options: RuntimeOptions, m
         _runtimes[engine_id] = rt
         log.info("vllm_connector_started", engine_id=engine_id, staging_blocks=staging,
                  host_bytes=options.host_bytes, layers=len(contract.layer_names),
-                 bytes_per_block=contract.bytes_per_block, page_tokens=contract.block_tokens,
+                 groups={g.name: (g.vllm_spec, len(g.layer_names), g.bytes_per_block) for g in contract.groups},
+                 page_tokens=contract.block_tokens,
                  runtime_dir=cs.cluster.runtime_dir, kv_events=kv_event_endpoints(
                      options.tier_runtime_dir or cs.cluster.runtime_dir) if options.kv_events else {})
         return rt

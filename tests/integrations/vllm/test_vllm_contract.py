@@ -23,20 +23,47 @@ def _full(**kw: object) -> object:
     return FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32, **kw)
 
 
+def _swa(window: int = 64, block: int = 32) -> object:
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    return SlidingWindowSpec(block_size=block, num_kv_heads=2, head_size=32, dtype=torch.float32,
+                             sliding_window=window)
+
+
+def _mla(block: int = 32) -> object:
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    return MLAAttentionSpec(block_size=block, num_kv_heads=1, head_size=576, dtype=torch.float32)
+
+
 def test_full_attention_becomes_one_paged_group_with_an_arena_per_layer() -> None:
     c = contract_from_vllm(_config(_full()), model_id="org/m@1")
     assert c.spec.page_tokens == 32 and c.spec.model_id == "org/m@1"
-    assert [(g.name, g.kind) for g in c.spec.groups] == [("attn", GroupKind.PAGED)]
+    assert [(g.name, g.kind) for g in c.spec.groups] == [("full0", GroupKind.PAGED)]
     assert c.layer_names == ("model.layers.00.attn", "model.layers.01.attn")
-    assert c.bytes_per_block == 2 * 32 * (32 + 32) * 4  # kv heads x block x (K + V head size) x fp32
-    assert c.vllm_num_blocks == 24
+    assert c.groups[0].bytes_per_block == 2 * 32 * (32 + 32) * 4  # kv heads x block x (K + V head size) x fp32
+    assert c.vllm_num_blocks == 24 and not c.has_sliding
+
+
+def test_sliding_window_and_full_attention_are_two_aligned_paged_groups() -> None:
+    """Gemma-style: vLLM's sliding-window group and its full-attention group, each its own block table in vLLM,
+    one page (and one kvproc block id) in kvproc."""
+    c = contract_from_vllm(_config(_swa(), _full()), model_id="m")
+    assert [(g.name, g.kind) for g in c.spec.groups] == [("swa0", GroupKind.PAGED), ("full1", GroupKind.PAGED)]
+    assert [g.sliding_window for g in c.groups] == [64, None] and c.has_sliding
+    assert c.group_of("model.layers.11.attn").name == "full1"
+    assert [g.index for g in c.groups] == [0, 1]
+
+
+def test_mla_is_a_paged_group_of_its_latent_page() -> None:
+    c = contract_from_vllm(_config(_mla()), model_id="m")
+    assert [(g.name, g.vllm_spec) for g in c.groups] == [("mla0", "MLAAttentionSpec")]
+    assert c.groups[0].bytes_per_block == 32 * 576 * 4  # one latent "head" of 576 per token, fp32
 
 
 @pytest.mark.parametrize("make, named", [
-    (lambda: __import__("vllm.v1.kv_cache_interface", fromlist=["x"]).SlidingWindowSpec(
-        block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32, sliding_window=64), "SlidingWindowSpec"),
-    (lambda: __import__("vllm.v1.kv_cache_interface", fromlist=["x"]).MLAAttentionSpec(
-        block_size=32, num_kv_heads=1, head_size=576, dtype=torch.float32), "MLAAttentionSpec"),
+    (lambda: __import__("vllm.v1.kv_cache_interface", fromlist=["x"]).MambaSpec(
+        block_size=32, shapes=((4, 8), (2, 8, 8)), dtypes=(torch.float32, torch.float32)), "MambaSpec"),
     (lambda: _full(non_causal=True), "non_causal"),
 ])
 def test_other_specs_are_refused_naming_the_spec(make: object, named: str) -> None:
@@ -44,6 +71,6 @@ def test_other_specs_are_refused_naming_the_spec(make: object, named: str) -> No
         contract_from_vllm(_config(make()), model_id="m")  # type: ignore[operator]
 
 
-def test_several_groups_are_refused_naming_them() -> None:
-    with pytest.raises(KvContractError, match="2: \\['FullAttentionSpec', 'FullAttentionSpec'\\]"):
-        contract_from_vllm(_config(_full(), _full()), model_id="m")
+def test_groups_of_other_block_sizes_are_refused_naming_them() -> None:
+    with pytest.raises(KvContractError, match="block sizes .*'swa0': 16, 'full1': 32"):
+        contract_from_vllm(_config(_swa(block=16), _full()), model_id="m")
