@@ -58,6 +58,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvproc import (
+    CopyOrder,
     FingerprintMismatch,
     ForeignHandleError,
     HandoffEnvelope,
@@ -138,6 +139,10 @@ class _Req:
     handoff: HandoffEnvelope | None = None
     hold: PrefixHold | None = None
     padded: bool = False  # P/D producer: the partial last prompt page is padded and sealed
+    # State groups: the hit's checkpoint, as the RESTORE orders of the mirror's prefix (each a staging slot to copy
+    # into vLLM's state block at the hit), fenced once the load settled or was not needed; and the hit's tokens.
+    restores: list[CopyOrder] = field(default_factory=list)
+    restore_at: int = 0
 
 
 def _scope(request: "Request") -> HashScope:
@@ -185,6 +190,10 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
                                                            model_id=model_identity(vllm_config, self.options.model_id))
         self.page = self.contract.block_tokens
         self._groups = len(self.contract.groups)
+        if self.contract.states and ktc.kv_role == "kv_producer":
+            # A hand-off ends at the prompt's partial last page, where vLLM keeps no state: not deliverable yet.
+            raise KvContractError("KvprocConnector: P/D producer (kv_role='kv_producer') for a model with state "
+                                  f"groups ({[g.vllm_spec for g in self.contract.states]}) is not supported yet")
         if self._groups > 1 and ktc.kv_role == "kv_consumer":
             # A hand-off's load lands before the forward (synchronous), and vLLM has no way to hear of a failed
             # synchronous load for a model of several KV cache groups (its block ids do not name one group).
@@ -223,6 +232,8 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
             tier = tiers["host_tier[0]"]
             self._events = TierEventForwarder(tier["kv_events"], tier["kv_events_replay"])
         self._failed_recving: set[str] = set()  # requests whose async load failed (several groups: by request)
+        # State groups: the boundary states vLLM offered at the last step (req -> (group, block, boundary tokens))
+        self._offers: dict[str, list[tuple[int, int, int]]] = {}
         log.info("kvproc_connector", role=role.name, engine_id=engine_id, page_tokens=self.page,
                  layers=len(self.contract.layer_names), groups=[g.vllm_spec for g in self.contract.groups])
 
@@ -235,17 +246,21 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
             raise KvContractError(f"KvprocConnector: vLLM registered no KV tensor for layer(s) {missing}")
         staging = self.rt.staging_views
         for g in c.groups:
-            row = g.bytes_per_block
+            row, stride = g.bytes_per_block, g.stride
             for name in g.layer_names:
                 t = kv_caches[name]
-                nbytes = t.numel() * t.element_size()
-                # Every kind is one contiguous page per block in vLLM 0.32's CPU layout (attention [B, H, N, K+V],
-                # MLA [B, 1, N, latent]); the groups' views overlay one buffer, each block id owned by one group.
-                if not t.is_contiguous() or t.shape[0] != c.vllm_num_blocks or nbytes != c.vllm_num_blocks * row:
+                # One page per block in vLLM 0.32's CPU layout (attention [B, H, N, K+V], MLA [B, 1, N, latent], a
+                # state [B, 1, 1, real bytes] in a page padded to `stride`); the groups' views overlay one buffer,
+                # each block id owned by one group at a time.
+                per_block = t[0].numel() * t.element_size() if t.dim() and t.shape[0] else 0
+                if t.shape[0] != c.vllm_num_blocks or per_block != row or t.stride(0) * t.element_size() != stride \
+                        or not t[0].is_contiguous():
                     raise KvContractError(
                         f"KvprocConnector: layer {name!r} ({g.vllm_spec}): vLLM's KV tensor {tuple(t.shape)} {t.dtype} "
-                        f"is not {c.vllm_num_blocks} contiguous blocks of {row} bytes")
-                self._kv[name] = t.view(-1).view(torch.uint8).view(c.vllm_num_blocks, row).numpy()
+                        f"is not {c.vllm_num_blocks} blocks of {row} bytes, {stride} bytes apart")
+                # [blocks, stride] bytes over vLLM's buffer (the padding after each state included, never copied)
+                per = t.stride(0)
+                self._kv[name] = torch.as_strided(t, (c.vllm_num_blocks, per), (per, 1)).view(torch.uint8).numpy()
                 self._staging[name] = staging[name].numpy()
                 self._bases[name] = t.data_ptr()
         if self.rt.moves is None:
@@ -264,9 +279,13 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         staging_all = np.fromiter((b for j in jobs for b in j.staging), dtype=np.int64)
         pages = 0
         for g in self.contract.groups:
-            vllm_ids = np.fromiter((b for j in jobs for b in j.vllm[g.index]), dtype=np.int64)
-            keep = vllm_ids != NULL_BLOCK  # a page this group keeps no block for (out of a sliding window)
-            vllm_ids, staging_ids = vllm_ids[keep].tolist(), staging_all[keep].tolist()
+            if g.state:
+                pairs = [(slot, b) for j in jobs for gi, slot, b in j.states if gi == g.index]
+                staging_ids, vllm_ids = [s_ for s_, _ in pairs], [b for _, b in pairs]
+            else:
+                ids = np.fromiter((b for j in jobs for b in j.vllm[g.index]), dtype=np.int64)
+                keep = ids != NULL_BLOCK  # a page this group keeps no block for (out of a sliding window)
+                vllm_ids, staging_ids = ids[keep].tolist(), staging_all[keep].tolist()
             if not vllm_ids:
                 continue
             pages += len(vllm_ids)
@@ -275,15 +294,16 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
             if self.options.mover == "cma":
                 self._move_in_copy_worker(g, vllm_ids, staging_ids, to_vllm)
                 continue
-            row = g.bytes_per_block
+            row, vstride = g.bytes_per_block, g.stride
             for name in g.layer_names:
                 vk, sk = self._kv[name], self._staging[name]
-                src, dst, src_ids, dst_ids = (sk, vk, staging_ids, vllm_ids) if to_vllm else \
-                    (vk, sk, vllm_ids, staging_ids)
                 # One native call per layer, the GIL released for all of it (gil_bytes=0): a numpy copy per run
                 # gets the GIL back after each run, and while vLLM's engine thread runs Python that is a wait of up
                 # to the interpreter's switch interval (5 ms) per run: it made moves ~20x slower than memcpy.
-                MEMMOVE.rows(dst.reshape(-1), row, dst_ids, src.reshape(-1), row, src_ids, row, 0)
+                if to_vllm:
+                    MEMMOVE.rows(vk.reshape(-1), vstride, vllm_ids, sk.reshape(-1), row, staging_ids, row, 0)
+                else:
+                    MEMMOVE.rows(sk.reshape(-1), row, staging_ids, vk.reshape(-1), vstride, vllm_ids, row, 0)
         self.rt.count("pages_loaded_into_vllm" if to_vllm else "pages_saved_from_vllm", pages)
 
     def _move_in_copy_worker(self, g: VllmGroup, vllm_ids: list[int], staging_ids: list[int], to_vllm: bool) -> None:
@@ -295,7 +315,7 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
 
         cluster = self.rt.cluster.cluster
         msg = m.EngineMove(os.getpid(), to_vllm, [f"vllm.{n}" for n in g.layer_names],
-                           [self._bases[n] for n in g.layer_names], g.bytes_per_block, g.bytes_per_block, vllm_ids,
+                           [self._bases[n] for n in g.layer_names], g.stride, g.bytes_per_block, vllm_ids,
                            staging_ids)
         for attempt in (0, 1):
             pid = cluster.pid("copy_worker")
@@ -439,7 +459,11 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         # Pages the mirror holds (sealed, bytes in staging). At least one token must be computed to sample.
         cap = (request.num_tokens - 1) // self.page * self.page
         hit = min(r.mirror.num_computed, cap)
+        if self.contract.states and (not r.restores or hit != r.restore_at):
+            hit = 0  # state groups restore only at the checkpoint the hit brought (later asks: vLLM recomputes)
         ext = max(0, hit - num_computed_tokens)
+        if not ext and r.restores:
+            self._fence_restores(r)  # vLLM's own cache has the prefix: the checkpoint is not needed
         r.pending_load = (num_computed_tokens, ext) if ext else None
         # Asynchronous: vLLM holds the request back (its blocks allocated) until the mover reports the load, so
         # neither this step's forward nor vLLM's scheduler waits for the bytes.
@@ -544,6 +568,30 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         r.cursor = SealCursor.after_prefix(env.committed_len // self.page)  # the producer sealed those
         return True
 
+    def _state_loads(self, r: _Req, end_page: int) -> list[tuple[int, int, int]] | None:
+        """Each state group's checkpoint at the hit into the vLLM block vLLM reads the state from (the group's block
+        at index end_page - 1: block i holds the state after i + 1 pages). None when the load cannot be whole: the
+        hit is not where the checkpoint is, or vLLM gave no block there."""
+        if end_page * self.page != r.restore_at or len(r.restores) != len(self.contract.states):
+            return None
+        out = []
+        for o in r.restores:
+            g = next(g for g in self.contract.states if g.name == o.group)
+            ids = r.vllm_blocks[g.index]
+            if len(ids) < end_page or ids[end_page - 1] == NULL_BLOCK:
+                return None
+            out.append((g.index, o.src_slot, ids[end_page - 1]))
+        return out
+
+    def _fence_restores(self, r: _Req) -> None:
+        """The hit's state checkpoint was copied into vLLM's blocks (or was not needed, or the load failed and vLLM
+        recomputes): the RESTORE orders give their staging slots back. Fenced as done: the mirror's live slot they
+        name is never read (vLLM's block holds the live state), and a failed one would stop the mirror's saves."""
+        pool = self.store.pools[0]
+        for o in r.restores:
+            pool.fence(o, True)
+        r.restores = []
+
     def _plan_handoff_load(self, r: _Req, meta: KvprocConnectorMetadata) -> None:
         """The hold's pages (the padded one whole: its pad rows are overwritten by vLLM before they are read) into
         vLLM's blocks."""
@@ -577,7 +625,8 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
             kv.release()
             return
         if prefix is not None:
-            kv.match_and_add_prefix(prefix.hold)  # paged-only: no copy orders
+            r.restores = kv.match_and_add_prefix(prefix.hold)  # RESTORE orders of state groups' checkpoints
+            r.restore_at = kv.num_computed
             self.rt.count("hit_tokens_staging", prefix.device_tokens)
             self.rt.count("hit_tokens_host", prefix.host_tokens)
         r.mirror = kv
@@ -598,12 +647,13 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
             self._async_ready.append(r)  # vLLM holds it back for the load: planned in this step's meta
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
-        if self.contract.has_sliding and self._jobs and self.rt.moves is not None:
+        if (self.contract.has_sliding or self.contract.states) and self._jobs and self.rt.moves is not None:
             # vLLM freed the requests' blocks that slid out of their windows in this step's scheduling, and this
             # step's forward may overwrite them: the saves still reading them (last step's) land first, and a save
-            # is planned only over blocks vLLM still keeps (below). Last step's copies: usually done already.
+            # is planned only over blocks vLLM still keeps (below). State groups: the pages a state offered now
+            # closes must be in the mirror before its checkpoint is sealed there. Usually done already.
             if not self.rt.moves.wait(list(self._jobs), self.options.move_wait_s):
-                self.rt.count("sliding_save_waits_timed_out")  # poisoned: reported failed, never sealed
+                self.rt.count("flush_save_waits_timed_out")  # poisoned: reported failed, never sealed
         self._drain()
         meta = KvprocConnectorMetadata()
         ready, self._async_ready = self._async_ready, []
@@ -643,6 +693,11 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
                 ids = live.get_block_ids(req_id)
                 if ids is not None:
                     self._reqs[req_id].vllm_blocks = [list(g) for g in ids]
+            if self.contract.states:
+                # Last step's offers: their states were written by its forward and are still in their blocks (this
+                # step's forward has not run), and the pages they close have landed in the mirrors (flushed above).
+                offers, self._offers = self._offers, dict(live.boundary_state_offloads or {})
+                self._seal_offered_states(offers)
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             r = self._reqs.get(req_id)
             if r is not None and r.hold is not None and r.pending_load is not None and req_id in computed:
@@ -654,6 +709,49 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
             self._plan_save(r, computed[req_id] + n, meta)
         meta.idle = scheduler_output.total_num_scheduled_tokens == 0
         return meta
+
+    def _seal_offered_states(self, offers: dict[str, list[tuple[int, int, int]]]) -> None:
+        """The states vLLM offered at the last step (`boundary_state_offloads`: vLLM group, block, boundary tokens),
+        which that step's forward wrote: vLLM offers a state in the scheduling pass of the step that computes it,
+        and may give its block to another request from the next pass on, whose forward overwrites it. So each one
+        where a mirror stands (its pages up to the boundary landed) is copied now, before this step's forward,
+        straight into the staging slot of the mirror's checkpoint there (`seal_by_copy`: one copy, no live-slot
+        hop), and the pages up to it are sealed."""
+        moves = self.rt.moves
+        if moves is None:
+            return
+        pool = self.store.pools[0]
+        for req_id, entries in offers.items():
+            r = self._reqs.get(req_id)
+            kv = r.mirror if r is not None else None
+            if r is None or kv is None or r.cursor is None or not r.saving or r.finishing or r.job is not None:
+                continue
+            at = {(gi, n): b for gi, b, n in entries if b != NULL_BLOCK}
+            boundary = kv.num_computed
+            if not any(n == boundary for _, n in at):
+                self.rt.count("state_offers_missed", len(entries))  # not where the mirror stands: not saved
+                continue
+            orders = kv.seal_by_copy()  # none where the checkpoint exists already (the hit's own)
+            if not orders:
+                continue
+            states, by_group = [], {g.name: g.index for g in self.contract.states}
+            for o in orders:
+                b = at.get((by_group[o.group], boundary))
+                if b is not None:
+                    states.append((by_group[o.group], o.dst_slot, b))
+            job = CopyJob(next(self._job_ids), r.req_id, [], tuple([] for _ in self.contract.groups), states)
+            moves.submit([job], to_vllm=False)
+            moves.wait([job.job_id], self.options.move_wait_s)  # past it: poisoned, reported failed
+            ok = bool(moves.take_outcome(job.job_id)) and len(states) == len(orders)
+            for o in orders:
+                pool.fence(o, ok)
+            self.rt.count("state_checkpoints_sealed" if ok else "state_checkpoints_failed")
+            if ok:
+                try:
+                    self.store.seal(0, kv, r.cursor, self._save_class)
+                except Exception as e:  # noqa: BLE001 - refused by the store: counted there; a future miss
+                    log.warning("kvproc_seal_refused", req_id=r.req_id, error=repr(e))
+                    r.saving = False
 
     def _plan_load(self, r: _Req, meta: KvprocConnectorMetadata, into: list[CopyJob]) -> None:
         assert r.mirror is not None and r.pending_load is not None
@@ -674,9 +772,12 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         """Pages a..b of `staging` (the mirror's or a hand-off hold's blocks) into vLLM's blocks of every group.
         False (and the load reported failed: vLLM recomputes it) when vLLM's tables do not cover them: a full-attention
         group must have a block for every page; a sliding-window group's NULL_BLOCK pages are out of its window."""
-        vllm = [g[a:b] for g in r.vllm_blocks]
-        short = b > len(staging) or len(vllm) != self._groups or any(len(ids) != b - a for ids in vllm) or any(
+        vllm = [[] if g.state else ids[a:b] for g, ids in zip(self.contract.groups, r.vllm_blocks)]
+        short = b > len(staging) or len(vllm) != self._groups or any(
+            len(ids) != b - a for g, ids in zip(self.contract.groups, vllm) if not g.state) or any(
             NULL_BLOCK in ids for g, ids in zip(self.contract.groups, vllm) if not g.sliding)
+        states = self._state_loads(r, b) if self.contract.states else []
+        short = short or states is None
         if short:
             # Never: vLLM counted these tokens as computed, so they must be recomputed, not left unloaded.
             log.error("kvproc_load_inconsistent", req_id=r.req_id, pages=(a, b), staging=len(staging),
@@ -688,7 +789,7 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
             if into is meta.async_loads:  # vLLM holds it back: report it (its blocks failed) at once
                 meta.unloaded.append(r.req_id)
             return False
-        job = CopyJob(next(self._job_ids), r.req_id, staging[a:b], tuple(vllm))
+        job = CopyJob(next(self._job_ids), r.req_id, staging[a:b], tuple(vllm), states or [])
         self._loads[job.job_id] = r
         r.load_job = job.job_id
         into.append(job)
@@ -705,8 +806,8 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         # appended when the step's output is processed): only pages whose every token is known are saved.
         known = r.request.all_token_ids
         have = kv.num_computed // self.page
-        target = min(computed_after // self.page, min((len(g) for g in r.vllm_blocks), default=0),
-                     len(known) // self.page)
+        target = min(computed_after // self.page, min((len(ids) for g, ids in zip(self.contract.groups, r.vllm_blocks)
+                                                       if not g.state), default=0), len(known) // self.page)
         need = target * self.page
         if self.producer:
             # A hand-off is the prompt's KV: its partial last page too (padded when it lands), nothing decoded.
@@ -718,7 +819,7 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
                 need = target * self.page
         if target <= have or need <= kv.num_computed:
             return
-        vllm = tuple(g[have:target] for g in r.vllm_blocks)
+        vllm = tuple([] if g.state else ids[have:target] for g, ids in zip(self.contract.groups, r.vllm_blocks))
         if any(NULL_BLOCK in ids for ids in vllm):
             # vLLM no longer keeps a block of these pages (a sliding window passed them before their save could be
             # planned): the chain cannot continue past the hole, so this request saves no more.
@@ -764,6 +865,7 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         if r.load_job != job_id:
             return
         r.load_job = None
+        self._fence_restores(r)
         if r.hold is not None:  # a hand-off's full-hit hold
             r.hold.release()
             r.hold = None
@@ -841,6 +943,7 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         self._reqs.pop(r.req_id, None)
         if r.mirror is None:
             return
+        self._fence_restores(r)  # finished before its load was planned
         try:
             self.store.retire(0, r.mirror, r.cursor or SealCursor(), self._save_class)
         except Exception as e:  # noqa: BLE001 - never fail vLLM's request for a save
@@ -870,6 +973,7 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
             if r.hold is not None:
                 r.hold.release()
             if r.mirror is not None:
+                self._fence_restores(r)
                 r.mirror.release()
         self._reqs.clear()
         rt_mod.release(self.rt)

@@ -10,6 +10,11 @@ block is vLLM's block as is.
 - `SlidingWindowSpec` -> `PAGED` "swa<i>": every page is saved (a page's KV depends only on the tokens before it);
   a hit restores the pages vLLM allocated for the window before it. vLLM gives its null block (id 0) for the pages
   out of the window, and those are not written.
+- `MambaSpec` in vLLM's "align" mode (recurrent / GDN / conv state; what vLLM runs with prefix caching on) ->
+  `BOUNDED` "mamba<i>": one state per page boundary, a kvproc checkpoint. vLLM's block i of the group holds the state
+  after (i + 1) pages; it hands the connector each state it commits (`boundary_state_offloads`), which becomes the
+  checkpoint at that page, and a hit at boundary C restores the checkpoint into the group's block at index C/page - 1,
+  the one vLLM reads the state from. Stored: the state's real bytes (conv + recurrent), not vLLM's page padding.
 
 All paged groups share kvproc's page (vLLM's block size must be the same in every group: a model whose groups have
 other block sizes is refused, naming them) and one block id in kvproc's pool; each keeps its own vLLM block table.
@@ -32,11 +37,10 @@ _SUPPORTED: dict[str, tuple[str, GroupKind]] = {
     "FullAttentionSpec": ("full", GroupKind.PAGED),
     "MLAAttentionSpec": ("mla", GroupKind.PAGED),
     "SlidingWindowSpec": ("swa", GroupKind.PAGED),
+    "MambaSpec": ("mamba", GroupKind.BOUNDED),
 }
 # Refused with the reason an integrator needs (the rest: "not supported yet").
 _WHY_NOT: dict[str, str] = {
-    "MambaSpec": "recurrent / conv state is a bounded group kvproc restores from a checkpoint; the vLLM connector "
-                 "does not map it yet",
     "ChunkedLocalAttentionSpec": "its attention restarts every chunk; not mapped yet",
     "CrossAttentionSpec": "encoder KV is not a prefix of the prompt",
     "EncoderOnlyAttentionSpec": "encoder-only layers keep no KV cache to reuse",
@@ -51,8 +55,15 @@ class VllmGroup:
     vllm_spec: str  # vLLM's spec class name
     index: int  # its position in vLLM's `kv_cache_groups` (= in every per-group block-id tuple vLLM hands over)
     layer_names: tuple[str, ...]  # vLLM's layer names, in vLLM's order; one arena each
-    bytes_per_block: int  # one layer's block (vLLM's page_size_bytes)
+    bytes_per_block: int  # one layer's block as kvproc stores it (vLLM's page_size_bytes; a state: its real bytes)
     sliding_window: int | None = None  # tokens, for a sliding-window group
+    # Bytes from one of vLLM's blocks to the next in the layer's tensor: a state group's page is padded to the
+    # attention page (vLLM's hybrid allocator makes every group's pages one size), the padding never read nor stored.
+    block_stride: int = 0  # 0: bytes_per_block
+
+    @property
+    def stride(self) -> int:
+        return self.block_stride or self.bytes_per_block
 
     @property
     def sliding(self) -> bool:
@@ -99,6 +110,16 @@ class VllmKvContract:
 
 
 def _check_spec(spec: Any, kind_name: str) -> None:
+    if kind_name == "MambaSpec":
+        mode = getattr(spec, "mamba_cache_mode", "none")
+        if mode != "align":
+            raise KvContractError(f"kvproc's vLLM connector needs vLLM's MambaSpec in mamba_cache_mode 'align' (a "
+                                  f"state kept at every block boundary; vLLM's mode with prefix caching on), got "
+                                  f"{mode!r}: there is no boundary state to save or restore")
+        if getattr(spec, "num_speculative_blocks", 0):
+            raise KvContractError("kvproc's vLLM connector does not support speculative decoding's extra state blocks "
+                                  f"(MambaSpec num_speculative_blocks={spec.num_speculative_blocks})")
+        return  # its padded page is copied whole: the padding is vLLM's, never read
     quant = getattr(spec, "kv_quant_mode", None)
     if quant is not None and int(quant) != 0:
         raise KvContractError(f"kvproc's vLLM connector does not support quantised KV ({kind_name} with "
@@ -138,8 +159,10 @@ def contract_from_vllm(kv_cache_config: Any, *, model_id: str) -> VllmKvContract
         window = getattr(spec, "sliding_window", None) if kind_name == "SlidingWindowSpec" else None
         if window is not None and int(window) <= 0:
             raise KvContractError(f"group {i} ({kind_name}): sliding_window={window} is not a window")
-        groups.append(VllmGroup(f"{prefix}{i}", kind_name, i, layers, int(spec.page_size_bytes),
-                                None if window is None else int(window)))
+        page = int(spec.page_size_bytes)
+        real = int(getattr(spec, "real_page_size_bytes", page)) if kind is GroupKind.BOUNDED else page
+        groups.append(VllmGroup(f"{prefix}{i}", kind_name, i, layers, real, None if window is None else int(window),
+                                page if real != page else 0))
         sizes[f"{prefix}{i}"] = int(spec.block_size)
     if len(set(sizes.values())) != 1:
         raise KvContractError(f"kvproc pages are one size for every group; vLLM's groups have block sizes {sizes}")

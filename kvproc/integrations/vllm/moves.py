@@ -20,7 +20,7 @@ import concurrent.futures
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import structlog
 
@@ -42,10 +42,12 @@ class CopyJob:
     req_id: str
     staging: list[int]
     vllm: tuple[list[int], ...]
+    # State groups (vLLM's MambaSpec): (vLLM group index, kvproc staging slot, vLLM block): one state each.
+    states: list[tuple[int, int, int]] = field(default_factory=list)
 
     def vllm_blocks(self) -> set[int]:
         """The vLLM blocks this job writes when it is a load (what vLLM must recompute if it fails)."""
-        return {b for ids in self.vllm for b in ids if b != NULL_BLOCK}
+        return {b for ids in self.vllm for b in ids if b != NULL_BLOCK} | {b for _, _, b in self.states}
 
 
 class MoveQueue:
@@ -187,6 +189,15 @@ class MoveQueue:
         with self._lock:
             out, self._completed = self._completed, []
             return out
+
+    def take_outcome(self, job_id: int) -> bool | None:
+        """One settled job's outcome, taken out of what `drain` returns (None: not settled)."""
+        with self._lock:
+            for i, (jid, ok) in enumerate(self._completed):
+                if jid == job_id:
+                    del self._completed[i]
+                    return ok
+            return None
 
     def idle(self, timeout: float) -> bool:
         """Until nothing is in flight (shutdown: the last saves land before the store closes)."""

