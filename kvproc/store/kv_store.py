@@ -181,6 +181,14 @@ class KvStore:
             raise ValueError(f"rank {rank!r} is outside this store's ranks [0, {n})"
                              + (" (a one-rank store has rank 0 only)" if n == 1 else ""))
 
+    def submit(self, coro: Any) -> concurrent.futures.Future[Any]:
+        """Run a coroutine on the store's loop (the tier's calls live there); a future for its result."""
+        return self._loop.submit(coro)
+
+    def call(self, fn: Any, *args: Any) -> None:
+        """Call `fn(*args)` on the store's loop, not waiting (the tier's fire-and-forget calls)."""
+        self._loop.call(fn, *args)
+
     def count(self, name: str, n: int = 1) -> None:
         """Bump a store counter (engine threads, resolving threads and the loop all count)."""
         with self._count_lock:

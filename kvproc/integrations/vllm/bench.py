@@ -1,8 +1,10 @@
 """`kvproc bench vllm`: vLLM alone vs vLLM + kvproc vs vLLM + vLLM's example disk connector, one chat workload.
 
-Run it in an environment with vLLM (`make venv-vllm`: `.venv-vllm/bin/python -m kvproc bench vllm`). A random Llama
-(8 layers, hidden 512 by default: prefill dominates on a CPU) is built in a temporary directory; each arm runs in its
-own process (vLLM keeps one KV connector per process), on the same workload:
+Run it in an environment with vLLM (`make venv-vllm`: `.venv-vllm/bin/python -m kvproc bench vllm`). A random model
+(8 layers, hidden 512 by default: prefill dominates on a CPU) of one KV kind (`--kind`: Llama's full attention by
+default; a sliding-window Mistral, a hybrid sliding + full Gemma 3, an MLA DeepSeek-V2, a hybrid Gated-DeltaNet +
+attention Qwen3-Next) is built in a temporary directory; each arm runs in its own process (vLLM keeps one KV connector
+per process), on the same workload:
 
 - `conversations` chats, a shared system prompt, a first user turn, then `new_per_turn` more user tokens per turn;
 - `concurrency` clients, each owning some conversations and returning to the next of its own after each turn;
@@ -34,17 +36,39 @@ from typing import Any
 ARMS = ("vllm", "vllm_kvproc", "vllm_disk")
 # On request (--arms): the copy worker moves the bytes by cross-memory attach; every step waits for its moves (the
 # synchronous path: async_moves=False, for an A/B of the asynchronous one).
-EXTRA_ARMS = ("vllm_kvproc_cma", "vllm_kvproc_sync")
-_KVPROC_ARMS = ("vllm_kvproc", "vllm_kvproc_cma", "vllm_kvproc_sync")
+# `vllm_kvproc_staging`: the connector's staging path (two copies per page each way), for an A/B of the direct one.
+EXTRA_ARMS = ("vllm_kvproc_cma", "vllm_kvproc_sync", "vllm_kvproc_staging")
+_KVPROC_ARMS = ("vllm_kvproc", "vllm_kvproc_cma", "vllm_kvproc_sync", "vllm_kvproc_staging")
 
 
-def build_model(out: Path, layers: int, hidden: int, seed: int = 1234) -> Path:
-    """The bench's model: head size 64 (one vLLM's CPU attention takes), half as many KV heads, a 4,096 vocabulary."""
-    from kvproc.integrations.vllm.tiny_llama import build_tiny_llama
+# --kind -> (builder in `tiny_models`, its arguments beside the size, the engine's dtype and block size, vocabulary).
+# Windows of 512 tokens: well inside the workload's 2-3k-token prompts, so a hit restores a window, not everything.
+# Qwen3-Next: vLLM sizes its block to hold a GDN state page; kvproc pages are a power of two, so 512.
+KINDS: dict[str, tuple[str, dict[str, Any], str, int, int]] = {
+    "llama": ("", {}, "float32", 32, 4096),
+    "mistral_swa": ("build_tiny_mistral_swa", {"sliding_window": 512}, "float32", 32, 512),
+    "gemma3": ("build_tiny_gemma3", {"sliding_window": 512}, "float32", 32, 512),
+    "mla": ("build_tiny_deepseek_mla", {}, "bfloat16", 32, 512),
+    "qwen3_next": ("build_tiny_qwen3_next", {}, "bfloat16", 512, 512),
+}
 
+
+def build_model(out: Path, layers: int, hidden: int, seed: int = 1234, kind: str = "llama") -> Path:
+    """The bench's model: head size 64 (one vLLM's CPU attention takes), half as many KV heads; Llama with a 4,096
+    vocabulary, the other kinds `tiny_models`' (512)."""
     heads = hidden // 64
-    return build_tiny_llama(out, layers=layers, hidden=hidden, heads=heads, kv_heads=max(1, heads // 2), seed=seed,
-                            max_positions=8192, vocab=4096, dtype=None)
+    if kind == "llama":
+        from kvproc.integrations.vllm.tiny_llama import build_tiny_llama
+
+        return build_tiny_llama(out, layers=layers, hidden=hidden, heads=heads, kv_heads=max(1, heads // 2),
+                                seed=seed, max_positions=8192, vocab=4096, dtype=None)
+    from kvproc.integrations.vllm import tiny_models
+
+    builder, extra, *_ = KINDS[kind]
+    size: dict[str, Any] = {"layers": layers, "hidden": hidden, "heads": heads}
+    if kind != "mla":
+        size["kv_heads"] = max(1, heads // 2)
+    return getattr(tiny_models, builder)(out, **size, **extra, seed=seed, max_positions=8192, tokenizer=False)
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -118,22 +142,28 @@ def run_arm(arm: str, model: Path, a: argparse.Namespace, workdir: Path) -> dict
                                     "kv_connector_extra_config": {
                                         "host_bytes": a.host_mib << 20,
                                         "mover": "cma" if arm == "vllm_kvproc_cma" else "local",
-                                        "async_moves": arm != "vllm_kvproc_sync"}}
+                                        "async_moves": arm != "vllm_kvproc_sync",
+                                        **({"path": "staging"} if arm == "vllm_kvproc_staging" else {})}}
     elif arm == "vllm_disk":
         kw["kv_transfer_config"] = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
                                     "kv_connector_extra_config": {"shared_storage_path": str(workdir / "disk")}}
     timer.wrap_step(EngineCore)
+    _, _, dtype, block, vocab = KINDS[a.kind]
     max_len = a.system + a.first_input + (a.turns - 1) * (a.new_per_turn + a.output) + a.output + 64
-    max_len = -(-max_len // 32) * 32
-    llm = LLM(model=str(model), skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
-              max_model_len=max_len, block_size=32, num_gpu_blocks_override=max(a.vllm_blocks, max_len // 32 + 2),
+    max_len = -(-max_len // block) * block
+    blocks = a.vllm_blocks * 32 // block  # --vllm-blocks counts 32-token blocks whatever the kind's block
+    # at least one longest request, in every KV cache group that keeps its blocks (one pool for all groups)
+    least = (max_len // block + 2) * {"gemma3": 2, "qwen3_next": 2}.get(a.kind, 1)
+    llm = LLM(model=str(model), skip_tokenizer_init=True, dtype=dtype, enforce_eager=True,
+              max_model_len=max_len, block_size=block, num_gpu_blocks_override=max(blocks, least),
               max_num_seqs=a.concurrency, enable_prefix_caching=True, disable_log_stats=False,
               async_scheduling=False, seed=0, **kw)
     engine = llm.llm_engine
     sp = SamplingParams(max_tokens=a.output, temperature=0.0, ignore_eos=True)
     rng = random.Random(a.seed)
-    system = [rng.randrange(3, 4000) for _ in range(a.system)]
-    convs = [system + [rng.randrange(3, 4000) for _ in range(a.first_input)] for _ in range(a.conversations)]
+    top = vocab - 96  # token ids 3 .. top (the models' special ids are below 3)
+    system = [rng.randrange(3, top) for _ in range(a.system)]
+    convs = [system + [rng.randrange(3, top) for _ in range(a.first_input)] for _ in range(a.conversations)]
     turn_of = [0] * a.conversations
     owned = [[c for c in range(a.conversations) if c % a.concurrency == i] for i in range(a.concurrency)]
     cursor = [0] * a.concurrency
@@ -175,7 +205,7 @@ def run_arm(arm: str, model: Path, a: argparse.Namespace, workdir: Path) -> dict
                 out_tokens += len(toks)
                 outputs[f"c{c}t{turn_of[c]}"] = toks
                 turn_rng = random.Random(a.seed * 1000003 + c * 101 + turn_of[c])
-                convs[c] = convs[c] + toks + [turn_rng.randrange(3, 4000) for _ in range(a.new_per_turn)]
+                convs[c] = convs[c] + toks + [turn_rng.randrange(3, top) for _ in range(a.new_per_turn)]
                 turn_of[c] += 1
                 submit(client)
     wall = time.perf_counter() - t0
@@ -219,6 +249,8 @@ def engine_metrics(llm: Any) -> dict[str, float]:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvproc bench vllm", description=__doc__.split("\n\n")[0])
+    p.add_argument("--kind", default="llama", choices=sorted(KINDS),
+                   help="the model's KV kind (llama: full attention; the others need no --arms vllm_disk)")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--conversations", type=int, default=12)
@@ -258,7 +290,7 @@ def main(argv: list[str]) -> int:
         return 2
     work = Path(tempfile.mkdtemp(prefix="kvproc-bench-vllm-"))
     try:
-        model = build_model(work / "model", a.layers, a.hidden)
+        model = build_model(work / "model", a.layers, a.hidden, kind=a.kind)
         results: dict[str, Any] = {}
         passthrough = _strip_values(argv, ("--json", "--plot", "--arms"))
         for arm in arms:
@@ -302,7 +334,7 @@ def _strip_values(argv: list[str], flags: tuple[str, ...]) -> list[str]:
 
 
 def _workload(a: argparse.Namespace) -> dict[str, Any]:
-    return {k: getattr(a, k) for k in ("layers", "hidden", "conversations", "turns", "system", "first_input",
+    return {k: getattr(a, k) for k in ("kind", "layers", "hidden", "conversations", "turns", "system", "first_input",
                                        "new_per_turn", "output", "concurrency", "vllm_blocks", "host_mib")}
 
 

@@ -38,6 +38,7 @@ miss; a move that fails is one of those (`moves.py` says it once per outage).
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import itertools
 import multiprocessing
 import os
@@ -80,6 +81,7 @@ from kvproc.integrations.vllm import runtime as rt_mod
 from kvproc.integrations.vllm.contract import VllmGroup, VllmKvContract, contract_from_vllm, model_identity
 from kvproc.integrations.vllm.event_forward import TierEventForwarder
 from kvproc.integrations.vllm.moves import NULL_BLOCK, CopyJob, MoveQueue
+from kvproc.tiers.host_index import Hit, SaveTicket
 from kvproc.tiers.remote import RemoteCopier
 from kvproc.workers.movers import MEMMOVE
 
@@ -143,6 +145,14 @@ class _Req:
     # into vLLM's state block at the hit), fenced once the load settled or was not needed; and the hit's tokens.
     restores: list[CopyOrder] = field(default_factory=list)
     restore_at: int = 0
+    # The direct path (no mirror): the lookup in flight, the lease on the hit's host slots until vLLM's blocks have
+    # them, the prompt's (then the request's) page hashes, and how many pages the tier has of it.
+    lookup: concurrent.futures.Future[Hit | None] | None = None
+    tracked: bool = False
+    lease: Hit | None = None
+    hashes: list[bytes] = field(default_factory=list)
+    saved: int = 0
+    save_to: int = 0  # the pages the tier has once the save in flight lands
 
 
 def _scope(request: "Request") -> HashScope:
@@ -204,7 +214,17 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
             raise KvContractError("KvprocConnector: async_moves=false (synchronous loads) needs a model of one KV "
                                   "cache group: vLLM cannot hear of a failed synchronous load of several groups")
         engine_id = str(ktc.engine_id)
-        self.rt = rt_mod.acquire(engine_id, self.contract, self.options, vllm_config.scheduler_config.max_num_seqs)
+        # The direct path (one copy each way) unless P/D (its hand-offs go through the store's resolve and seal) or
+        # the cma mover (the copy worker reaches vLLM's memory and the staging arenas, not the tier's segment) needs
+        # the staging pool.
+        path = self.options.path or ("staging" if ktc.kv_role in ("kv_producer", "kv_consumer")
+                                     or self.options.mover == "cma" else "direct")
+        if path == "direct" and ktc.kv_role in ("kv_producer", "kv_consumer"):
+            raise KvContractError("KvprocConnector: P/D roles move through the staging pool: path='staging'")
+        self.rt = rt_mod.acquire(engine_id, self.contract, self.options, vllm_config.scheduler_config.max_num_seqs,
+                                 direct=path == "direct")
+        self.direct = self.rt.direct
+        self.hasher = self.rt.store.pools[0].hasher
         self.store = self.rt.store
         # Equal strings mean a producer's KV can be restored here (weights, shapes, stored layout, page, hashing).
         self.fingerprint = fingerprint("vllm", self.store.layouts[0], self.store.pools[0].hasher.algorithm)
@@ -261,7 +281,9 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
                 # [blocks, stride] bytes over vLLM's buffer (the padding after each state included, never copied)
                 per = t.stride(0)
                 self._kv[name] = torch.as_strided(t, (c.vllm_num_blocks, per), (per, 1)).view(torch.uint8).numpy()
-                self._staging[name] = staging[name].numpy()
+                # kvproc's side of every copy: the host tier's slots (direct) or the staging pool's blocks
+                self._staging[name] = self.direct.views[f"vllm.{name}"] if self.direct is not None else \
+                    staging[name].numpy()
                 self._bases[name] = t.data_ptr()
         if self.rt.moves is None:
             self.rt.moves = MoveQueue(self._copy)
@@ -272,10 +294,33 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         return self.rt.moves
 
     def _copy(self, jobs: list[CopyJob], to_vllm: bool) -> None:
-        """All of one batch's jobs of one direction, on the mover thread (`moves.py`); raises on failure. Runs of
-        consecutive blocks on both sides are coalesced: one memcpy (or one iovec) per run per layer. (torch's
-        `index_copy_` on uint8 rows moves ~0.13 GiB/s here against ~4.7 GiB/s for this: bench/RESULTS.md, "vLLM
-        connector".)"""
+        """All of one batch's jobs of one direction, on the mover thread (`moves.py`); raises on failure. The direct
+        path's save (one job a batch) reserves its slots in the tier first, writes them holding the save's fence and
+        commits (`HostDirect.save`)."""
+        if self.direct is not None and not to_vllm:
+            for j in jobs:
+                if not self.direct.save(j.req_id, j.keys, functools.partial(self._write_save, j),
+                                        bounded_groups=j.bounded, parent=j.parent, tokens=j.tokens):
+                    raise RuntimeError(f"request {j.req_id!r}: the host tier did not take the save (its outcome says "
+                                       "why)")
+            return
+        self._copy_rows(jobs, to_vllm)
+
+    def _write_save(self, job: CopyJob, ticket: SaveTicket) -> None:
+        """A direct save's bytes into the slots of its ticket: pages the tier has already (slot None) and state groups
+        whose checkpoint it has are skipped."""
+        keep = [i for i, slot in enumerate(ticket.page_slots) if slot is not None]
+        by_index = {g.index: g.name for g in self.contract.states}
+        states = [(gi, slot, b) for gi, _, b in job.states
+                  if (slot := ticket.bounded_slots.get(by_index[gi])) is not None]
+        rows = CopyJob(job.job_id, job.req_id, [ticket.page_slots[i] for i in keep],  # type: ignore[misc]
+                       tuple([ids[i] for i in keep] if ids else [] for ids in job.vllm), states)
+        self._copy_rows([rows], False)
+
+    def _copy_rows(self, jobs: list[CopyJob], to_vllm: bool) -> None:
+        """Runs of consecutive blocks on both sides are coalesced: one memcpy (or one iovec) per run per layer.
+        (torch's `index_copy_` on uint8 rows moves ~0.13 GiB/s here against ~4.7 GiB/s for this: bench/RESULTS.md,
+        "vLLM connector".)"""
         staging_all = np.fromiter((b for j in jobs for b in j.staging), dtype=np.int64)
         pages = 0
         for g in self.contract.groups:
@@ -376,7 +421,11 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         settle (a finished request's free is delayed, a preempted one's reuse waits in `handle_preemptions`)."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvprocConnectorMetadata)
-        self._moves.submit(meta.saves, to_vllm=False)
+        if self.direct is not None:  # one batch per save: each its own reservation and outcome
+            for job in meta.saves:
+                self._moves.submit([job], to_vllm=False)
+        else:
+            self._moves.submit(meta.saves, to_vllm=False)
         if not self.options.async_moves:
             self._moves.wait([j.job_id for j in meta.saves], self.options.move_wait_s)
 
@@ -436,10 +485,14 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
                 self.rt.count("requests_without_token_ids")
                 return 0, False
             r = self._reqs[request.request_id] = _Req(request.request_id, request)
-            if len(tokens) <= self.page:  # not one reusable page: save only
+            if self.direct is not None:
+                self._start_lookup(r, tokens)
+            elif len(tokens) <= self.page:  # not one reusable page: save only
                 self._start_mirror(r, None)
             else:
                 r.resolve = self.store.submit_resolve(0, r.req_id, tokens, _scope(request))
+        if self.direct is not None:
+            return self._direct_match(r, num_computed_tokens)
         if r.mirror is None and r.resolve is not None:
             # The first ask waits a little (most resolves finish in well under a millisecond), later ones not at
             # all: a slow resolve (the tier answered Loading) must never hold up vLLM's scheduler step after step.
@@ -568,19 +621,108 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         r.cursor = SealCursor.after_prefix(env.committed_len // self.page)  # the producer sealed those
         return True
 
+    # ---- the direct path: vLLM's blocks <-> the host tier's slots ----
+
+    def _start_lookup(self, r: _Req, tokens: list[int]) -> None:
+        """Hash the prompt's pages under kvproc's chain and lease the longest prefix the tier holds (at most one
+        token short of the prompt: vLLM computes the last one itself)."""
+        try:
+            r.hashes = list(self.hasher.hash_prompt(tokens, _scope(r.request)))
+        except (ValueError, TypeError) as e:  # tokens kvproc cannot key (an id past its range): vLLM serves it alone
+            log.warning("kvproc_request_refused", req_id=r.req_id, error=repr(e))
+            self.rt.count("requests_refused")
+            return
+        r.tracked = True
+        cap = (len(tokens) - 1) // self.page
+        if cap > 0:
+            assert self.direct is not None
+            r.lookup = self.direct.lookup(r.req_id, r.hashes[:cap])
+
+    def _direct_match(self, r: _Req, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if r.lookup is not None:
+            first, r.asked = not r.asked, True  # as for a resolve: never hold vLLM's scheduler step after step
+            try:
+                hit = r.lookup.result(timeout=self.options.resolve_wait_s if first else 0)
+            except concurrent.futures.TimeoutError:
+                self.rt.count("resolve_asked_again")
+                return None, False
+            except Exception as e:  # noqa: BLE001 - a lookup never raises for a degrade: a bug, served as a miss
+                log.error("kvproc_resolve_failed", req_id=r.req_id, error=repr(e))
+                hit = None
+            r.lookup = None
+            if hit is not None:
+                r.lease, r.saved, r.restore_at = hit, hit.pages, hit.pages * self.page
+                self.rt.count("hit_tokens_host", r.restore_at)
+        if not r.tracked or r.job is not None or r.load_job is not None or r.lease is None:
+            return 0, False
+        ext = max(0, r.restore_at - num_computed_tokens)
+        if not ext:  # vLLM's own cache has the prefix (or more): the leased slots are not needed
+            self._release_lease(r)
+        r.pending_load = (num_computed_tokens, ext) if ext else None
+        # asynchronous: vLLM holds the request back until the mover reports the load (async_moves=False: the load
+        # lands before this request's first forward)
+        return ext, ext > 0 and self.options.async_moves
+
+    def _release_lease(self, r: _Req) -> None:
+        if r.lease is not None and self.direct is not None:
+            self.direct.release(r.lease.lease_id)
+        r.lease = None
+
+    def _extend_hashes(self, r: _Req, pages: int, known: Any) -> bool:
+        """The request's page hashes up to `pages` (decode fills pages past the prompt's): False where a page's tokens
+        are not all known yet, or cannot be keyed."""
+        have = len(r.hashes)
+        if pages <= have:
+            return True
+        new = list(known[have * self.page:pages * self.page])
+        if len(new) < (pages - have) * self.page or min(new) < 0:  # a placeholder of a token not sampled yet
+            return False
+        try:
+            r.hashes += list(self.hasher.hash_prompt(new, _scope(r.request), parent=r.hashes[-1] if have else None))
+        except (ValueError, TypeError):
+            return False
+        return len(r.hashes) >= pages
+
+    def _plan_direct_save(self, r: _Req, computed_after: int, meta: KvprocConnectorMetadata) -> None:
+        """Pages that are full once this step ran, from the tier's end of the request on: their keys now, their slots
+        from the tier on the mover thread after the forward (`_copy`)."""
+        if not r.saving or r.job is not None or r.finishing or r.load_job is not None:
+            return
+        have = r.saved
+        target = min(computed_after // self.page, min((len(ids) for g, ids in zip(self.contract.groups, r.vllm_blocks)
+                                                       if not g.state), default=0))
+        if target <= have or not self._extend_hashes(r, target, r.request.all_token_ids):
+            return
+        vllm = tuple([] if g.state else ids[have:target] for g, ids in zip(self.contract.groups, r.vllm_blocks))
+        if any(NULL_BLOCK in ids for ids in vllm):
+            self.rt.count("saves_window_passed")  # as on the staging path: the chain cannot continue past a hole
+            r.saving = False
+            return
+        assert self.direct is not None
+        tokens = list(r.request.all_token_ids[have * self.page:target * self.page]) \
+            if self.direct.tier.wants_token_ids else None  # the tier's KV events carry them
+        job = CopyJob(next(self._job_ids), r.req_id, [], vllm, keys=r.hashes[have:target],
+                      parent=r.hashes[have - 1] if have else None, tokens=tokens)
+        r.job, r.save_to = job.job_id, target
+        self._jobs[job.job_id] = r
+        meta.saves.append(job)
+
     def _state_loads(self, r: _Req, end_page: int) -> list[tuple[int, int, int]] | None:
         """Each state group's checkpoint at the hit into the vLLM block vLLM reads the state from (the group's block
         at index end_page - 1: block i holds the state after i + 1 pages). None when the load cannot be whole: the
         hit is not where the checkpoint is, or vLLM gave no block there."""
-        if end_page * self.page != r.restore_at or len(r.restores) != len(self.contract.states):
+        if end_page * self.page != r.restore_at:
             return None
+        if r.lease is not None:  # direct: the tier's slots of the checkpoint at the hit
+            slots = {name: slot for name, slot in r.lease.bounded_slots.items()}
+        else:
+            slots = {o.group: o.src_slot for o in r.restores}
         out = []
-        for o in r.restores:
-            g = next(g for g in self.contract.states if g.name == o.group)
+        for g in self.contract.states:
             ids = r.vllm_blocks[g.index]
-            if len(ids) < end_page or ids[end_page - 1] == NULL_BLOCK:
+            if g.name not in slots or len(ids) < end_page or ids[end_page - 1] == NULL_BLOCK:
                 return None
-            out.append((g.index, o.src_slot, ids[end_page - 1]))
+            out.append((g.index, slots[g.name], ids[end_page - 1]))
         return out
 
     def _fence_restores(self, r: _Req) -> None:
@@ -643,7 +785,7 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         elif r.pending_load is not None and r.pending_load[1] != num_external_tokens:
             # vLLM trimmed the external hit (a partial local block): load what it kept, from the same start
             r.pending_load = (r.pending_load[0] + r.pending_load[1] - num_external_tokens, num_external_tokens)
-        if r.pending_load is not None and r.mirror is not None and r.handoff is None and self.options.async_moves:
+        if r.pending_load is not None and self._active(r) and r.handoff is None and self.options.async_moves:
             self._async_ready.append(r)  # vLLM holds it back for the load: planned in this step's meta
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
@@ -658,7 +800,7 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         meta = KvprocConnectorMetadata()
         ready, self._async_ready = self._async_ready, []
         for held in ready:
-            if held.pending_load is not None and held.mirror is not None and not held.finishing:
+            if held.pending_load is not None and self._active(held) and not held.finishing:
                 self._plan_load(held, meta, meta.async_loads)
         for req_id in scheduler_output.preempted_req_ids or ():
             pre = self._reqs.get(req_id)
@@ -702,11 +844,14 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
             r = self._reqs.get(req_id)
             if r is not None and r.hold is not None and r.pending_load is not None and req_id in computed:
                 self._plan_handoff_load(r, meta)
-            if r is None or r.mirror is None or req_id not in computed:
+            if r is None or not self._active(r) or req_id not in computed:
                 continue
             if r.pending_load is not None:  # synchronous loads (async_moves=False): landed before the forward
                 self._plan_load(r, meta, meta.loads)
-            self._plan_save(r, computed[req_id] + n, meta)
+            if self.direct is not None:
+                self._plan_direct_save(r, computed[req_id] + n, meta)
+            else:
+                self._plan_save(r, computed[req_id] + n, meta)
         meta.idle = scheduler_output.total_num_scheduled_tokens == 0
         return meta
 
@@ -719,6 +864,9 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         hop), and the pages up to it are sealed."""
         moves = self.rt.moves
         if moves is None:
+            return
+        if self.direct is not None:
+            self._save_offered_states(offers)
             return
         pool = self.store.pools[0]
         for req_id, entries in offers.items():
@@ -753,14 +901,42 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
                     log.warning("kvproc_seal_refused", req_id=r.req_id, error=repr(e))
                     r.saving = False
 
+    def _active(self, r: _Req) -> bool:
+        """kvproc follows this request's pages: its mirror (staging path) or its hashes (direct path)."""
+        return r.mirror is not None or r.tracked
+
+    def _save_offered_states(self, offers: dict[str, list[tuple[int, int, int]]]) -> None:
+        """The direct path's form of `_seal_offered_states`: the checkpoint of each offered state where the tier has
+        the request's pages up to it, saved now (the pages' save was waited for first) as a save of the boundary's
+        key with the state groups' artifacts (the page itself is there already: nothing copied for it)."""
+        moves = self.rt.moves
+        assert moves is not None
+        for req_id, entries in offers.items():
+            r = self._reqs.get(req_id)
+            if r is None or not r.tracked or not r.saving or r.finishing or r.job is not None:
+                continue
+            boundary = r.saved * self.page
+            states = [(gi, -1, b) for gi, b, n in entries if n == boundary and b != NULL_BLOCK]
+            if not boundary or len(states) != len(self.contract.states):
+                self.rt.count("state_offers_missed", len(entries))  # not where the tier's copy ends: not saved
+                continue
+            job = CopyJob(next(self._job_ids), r.req_id, [], tuple([] for _ in self.contract.groups), states,
+                          keys=[r.hashes[r.saved - 1]], bounded=[g.name for g in self.contract.states])
+            moves.submit([job], to_vllm=False)
+            moves.wait([job.job_id], self.options.move_wait_s)  # past it: poisoned, reported failed
+            ok = bool(moves.take_outcome(job.job_id))
+            self.rt.count("state_checkpoints_sealed" if ok else "state_checkpoints_failed")
+
     def _plan_load(self, r: _Req, meta: KvprocConnectorMetadata, into: list[CopyJob]) -> None:
-        assert r.mirror is not None and r.pending_load is not None
+        assert self._active(r) and r.pending_load is not None
         local, ext = r.pending_load
         r.pending_load = None
         a, b = local // self.page, (local + ext) // self.page
         if r.handoff is not None:  # the padded page too, whole: its pad rows are overwritten before they are read
             b = -(-(local + ext) // self.page)
-        if self._load_job(r, r.mirror.block_ids, a, b, meta, into):
+        # the source: the leased host slots (direct) or the mirror's staging blocks
+        source = list(r.lease.page_slots) if r.lease is not None else r.mirror.block_ids if r.mirror else []
+        if self._load_job(r, source, a, b, meta, into):
             self.rt.count("hit_tokens_loaded", ext)
             if r.handoff is not None:
                 self.rt.count("handoff_tokens_loaded", ext)
@@ -854,18 +1030,21 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         for job_id, ok in moves.drain():
             r = self._loads.pop(job_id, None)
             if r is not None:
-                self._load_done(r, job_id)
+                self._load_done(r, job_id, ok)
                 continue
             r = self._jobs.pop(job_id, None)
             if r is not None and r.job == job_id:  # else a save of a request already retired
                 self._save_done(r, ok)
 
-    def _load_done(self, r: _Req, job_id: int) -> None:
+    def _load_done(self, r: _Req, job_id: int, ok: bool = True) -> None:
         """vLLM's blocks have the pages (or, failed, vLLM recomputes them): the source need not stay pinned."""
         if r.load_job != job_id:
             return
         r.load_job = None
         self._fence_restores(r)
+        if r.lease is not None:  # direct: the one copy of the hit is in vLLM's blocks
+            self.store.outcomes.record("load", r.req_id, "ok" if ok else "failed")
+            self._release_lease(r)
         if r.hold is not None:  # a hand-off's full-hit hold
             r.hold.release()
             r.hold = None
@@ -874,6 +1053,14 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _save_done(self, r: _Req, ok: bool) -> None:
         r.job = None
+        if r.tracked:  # direct: the tier committed the pages (the outcome is recorded by HostDirect.save)
+            if ok:
+                r.saved = max(r.saved, r.save_to)
+            else:
+                r.saving = False
+            if r.finishing and r.load_job is None:
+                self._retire(r)
+            return
         assert r.mirror is not None and r.cursor is not None
         if ok:
             r.mirror.apply()
@@ -941,6 +1128,10 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _retire(self, r: _Req) -> None:
         self._reqs.pop(r.req_id, None)
+        if r.lookup is not None:  # finished (aborted) while its lookup ran: release the lease when it lands
+            r.lookup.add_done_callback(self._release_late_lease)
+            r.lookup = None
+        self._release_lease(r)
         if r.mirror is None:
             return
         self._fence_restores(r)  # finished before its load was planned
@@ -949,6 +1140,14 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         except Exception as e:  # noqa: BLE001 - never fail vLLM's request for a save
             log.warning("kvproc_retire_failed", req_id=r.req_id, error=repr(e))
             r.mirror.release()
+
+    def _release_late_lease(self, fut: concurrent.futures.Future[Hit | None]) -> None:
+        try:
+            hit = fut.result()
+        except Exception:  # noqa: BLE001 - nothing leased
+            return
+        if hit is not None and self.direct is not None:
+            self.direct.release(hit.lease_id)
 
     # ============================ both ============================
 
@@ -970,12 +1169,15 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
                 log.error("kvproc_moves_not_settled_at_shutdown", requests=len(self._reqs))
             self._drain()
         for r in list(self._reqs.values()):
+            self._release_lease(r)
             if r.hold is not None:
                 r.hold.release()
             if r.mirror is not None:
                 self._fence_restores(r)
                 r.mirror.release()
         self._reqs.clear()
+        self._staging.clear()  # views of the tier's segment (direct): the runtime unmaps it when the last half goes
+        self._kv.clear()
         rt_mod.release(self.rt)
 
 

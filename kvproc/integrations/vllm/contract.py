@@ -164,6 +164,9 @@ def contract_from_vllm(kv_cache_config: Any, *, model_id: str) -> VllmKvContract
         groups.append(VllmGroup(f"{prefix}{i}", kind_name, i, layers, real, None if window is None else int(window),
                                 page if real != page else 0))
         sizes[f"{prefix}{i}"] = int(spec.block_size)
+    if all(g.state for g in groups):
+        raise KvContractError(f"kvproc's vLLM connector needs an attention group beside state groups "
+                              f"({[g.vllm_spec for g in groups]}): its checkpoints are kept with pages")
     if len(set(sizes.values())) != 1:
         raise KvContractError(f"kvproc pages are one size for every group; vLLM's groups have block sizes {sizes}")
     block = next(iter(sizes.values()))

@@ -42,8 +42,15 @@ class CopyJob:
     req_id: str
     staging: list[int]
     vllm: tuple[list[int], ...]
-    # State groups (vLLM's MambaSpec): (vLLM group index, kvproc staging slot, vLLM block): one state each.
+    # State groups (vLLM's MambaSpec): (vLLM group index, kvproc slot, vLLM block): one state each.
     states: list[tuple[int, int, int]] = field(default_factory=list)
+    # The direct path's save (`kvproc/store/host_direct.py`): the pages' keys (the slots come with the tier's
+    # ticket, on the mover thread), the page before them, and the state groups whose checkpoint at the last key it
+    # writes (their `states` slot is the ticket's).
+    keys: list[bytes] = field(default_factory=list)
+    parent: bytes | None = None
+    bounded: list[str] = field(default_factory=list)
+    tokens: list[int] | None = None  # the pages' token ids, for a tier whose KV events carry them
 
     def vllm_blocks(self) -> set[int]:
         """The vLLM blocks this job writes when it is a load (what vLLM must recompute if it fails)."""

@@ -1,5 +1,11 @@
 """The kvproc side of one vLLM engine: a `ClusterStore` (host tier + copy worker processes) and a staging pool.
 
+Two data paths (`RuntimeOptions.path`). **direct** (the default for `kv_both`): pages move between vLLM's blocks and
+the host tier's slots in one copy each way (`kvproc/store/host_direct.py`: the engine maps the tier's segment; a
+lookup leases the slots, a save reserves them and holds their fence while it writes); the staging pool below is one
+block per arena, only so that the tier learns the model's layout. **staging** (P/D roles, `mover="cma"`, or asked
+for): the path described below, two copies each way.
+
 vLLM owns its KV tensors and its block table; kvproc's store owns a pool of its own. The pool here is the *staging*
 pool: arenas with the same per-layer block layout as vLLM's, in shared memory kvproc allocated (so the copy worker
 can reach them), `staging_blocks` blocks. Pages move vLLM block <-> staging block on the engine's mover thread
@@ -26,6 +32,7 @@ from kvproc.integrations.vllm.contract import VllmKvContract
 from kvproc.integrations.vllm.moves import MoveQueue
 from kvproc.runtime import manifest as mf
 from kvproc.runtime.event_interval import DEFAULT_INTERVAL_S, MAX_INTERVAL_S, check_interval
+from kvproc.store.host_direct import HostDirect
 
 if TYPE_CHECKING:
     import torch
@@ -41,7 +48,10 @@ class RuntimeOptions:
     """The connector's settings (`kv_connector_extra_config`, all optional)."""
 
     host_bytes: int = 1 << 30  # the host tier's budget
-    staging_blocks: int = 0  # 0: twice vLLM's own block count
+    staging_blocks: int = 0  # 0: twice vLLM's own block count (the staging path only)
+    # "direct": one copy per page each way, vLLM's blocks <-> the host tier's slots; "staging": through kvproc's
+    # staging pool (two copies each way; P/D and the cma mover need it). None: direct unless one of those needs it.
+    path: str | None = None
     model_id: str | None = None  # the weights' identity (default: from vLLM's model config)
     resolve_wait_s: float = 0.05  # a resolve not done by then is asked again at vLLM's next step
     log_level: str = "warning"  # kvproc's processes
@@ -73,6 +83,10 @@ class RuntimeOptions:
     def __post_init__(self) -> None:
         if self.mover not in ("local", "cma"):
             raise ValueError(f"kv_connector_extra_config: mover must be 'local' or 'cma', got {self.mover!r}")
+        if self.path not in (None, "direct", "staging"):
+            raise ValueError(f"kv_connector_extra_config: path must be 'direct' or 'staging', got {self.path!r}")
+        if self.path == "direct" and self.mover == "cma":
+            raise ValueError("kv_connector_extra_config: mover='cma' moves through the staging pool (path='staging')")
         if (self.kv_events_tokens or self.kv_events_interval_ms is not None or self.kv_events_into_vllm) and \
                 not self.kv_events:
             raise ValueError("kv_connector_extra_config: kv_events_tokens / kv_events_interval_ms / kv_events_into_vllm "
@@ -135,6 +149,7 @@ class KvprocRuntime:
     # Counters both sides bump (the scheduler side: hits; the worker side: copies); read by tests and docs.
     counters: dict[str, int] = field(default_factory=dict)
     moves: MoveQueue | None = None  # made by the worker side when vLLM registers its tensors
+    direct: HostDirect | None = None  # the direct path's view of the host tier (None: the staging path)
 
     @property
     def staging_views(self) -> dict[str, Any]:
@@ -153,13 +168,17 @@ class KvprocRuntime:
         try:
             if self.moves is not None:
                 self.moves.close()
+            if self.direct is not None:
+                self.direct.close()
             self.cluster.close()
         finally:
             log.info("vllm_connector_closed", engine_id=self.engine_id, counters=self.counters)
 
 
-def acquire(engine_id: str, contract: VllmKvContract, options: RuntimeOptions, max_running: int) -> KvprocRuntime:
-    """The engine's runtime, started by the first caller (the worker side, usually): one reference per caller."""
+def acquire(engine_id: str, contract: VllmKvContract, options: RuntimeOptions, max_running: int,
+            direct: bool = False) -> KvprocRuntime:
+    """The engine's runtime, started by the first caller (the worker side, usually): one reference per caller.
+    `direct`: the direct path (no staging pool to speak of: one block per arena)."""
     with _lock:
         rt = _runtimes.get(engine_id)
         if rt is not None and not rt.closed:
@@ -168,7 +187,7 @@ def acquire(engine_id: str, contract: VllmKvContract, options: RuntimeOptions, m
                                    f"({rt.contract} vs {contract})")
             rt.users += 1
             return rt
-        staging = options.staging_blocks or 2 * contract.vllm_num_blocks
+        staging = 1 if direct else options.staging_blocks or 2 * contract.vllm_num_blocks
         if options.kv_events and options.tier_runtime_dir is not None:
             check_shared_tier_events(options.tier_runtime_dir, options.kv_events_tokens)
         own_events = options.kv_events and options.tier_runtime_dir is None
@@ -178,14 +197,17 @@ def acquire(engine_id: str, contract: VllmKvContract, options: RuntimeOptions, m
                                 kv_events=own_events, kv_events_tokens=own_events and options.kv_events_tokens,
                                 kv_events_interval_s=DEFAULT_INTERVAL_S if interval_ms is None else interval_ms / 1000)
         try:
-            model = _StagingModel(contract, staging, cs.allocator, max(1, max_running))
-            store = cs.attach_model(model, live_slots=max(1, max_running), config=StoreConfig())
+            live = 1 if direct else max(1, max_running)
+            model = _StagingModel(contract, staging, cs.allocator, live)
+            store = cs.attach_model(model, live_slots=live, config=StoreConfig())
+            hd = HostDirect(store, cs.host_segment) if direct else None
         except BaseException:
             cs.close()
             raise
-        rt = KvprocRuntime(engine_id, contract, options, cs, store, model, users=1)
+        rt = KvprocRuntime(engine_id, contract, options, cs, store, model, users=1, direct=hd)
         _runtimes[engine_id] = rt
-        log.info("vllm_connector_started", engine_id=engine_id, staging_blocks=staging,
+        log.info("vllm_connector_started", engine_id=engine_id, path="direct" if direct else "staging",
+                 staging_blocks=staging,
                  host_bytes=options.host_bytes, layers=len(contract.layer_names),
                  groups={g.name: (g.vllm_spec, len(g.layer_names), g.bytes_per_block) for g in contract.groups},
                  page_tokens=contract.block_tokens,

@@ -80,6 +80,7 @@ def test_mamba_state_in_align_mode_is_a_bounded_group_of_its_real_bytes() -> Non
 
 @pytest.mark.parametrize("make, named", [
     (lambda: _mamba(mode="none"), "mamba_cache_mode 'align'"),
+    (lambda: _mamba(), "an attention group beside state groups"),
     (lambda: _full(non_causal=True), "non_causal"),
 ])
 def test_other_specs_are_refused_naming_the_spec(make: object, named: str) -> None:
