@@ -100,6 +100,9 @@ log = structlog.get_logger("kvproc.integrations.vllm")
 # consumer's request is given it through SamplingParams.extra_args["kv_transfer_params"]).
 HANDOFF_KEY = "kvproc_handoff"
 
+# What `_result` returns for a resolve or lookup still running.
+_PENDING = object()
+
 # The longest a step in which vLLM scheduled nothing waits in `get_finished` for one of our moves to settle.
 IDLE_WAIT_S = 0.02
 
@@ -494,19 +497,11 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         if self.direct is not None:
             return self._direct_match(r, num_computed_tokens)
         if r.mirror is None and r.resolve is not None:
-            # The first ask waits a little (most resolves finish in well under a millisecond), later ones not at
-            # all: a slow resolve (the tier answered Loading) must never hold up vLLM's scheduler step after step.
-            first, r.asked = not r.asked, True
-            try:
-                prefix = r.resolve.result(timeout=self.options.resolve_wait_s if first else 0)
-            except concurrent.futures.TimeoutError:
-                self.rt.count("resolve_asked_again")
+            prefix = self._result(r, r.resolve)
+            if prefix is _PENDING:
                 return None, False
-            except Exception as e:  # noqa: BLE001 - a resolve never raises for a degrade: a bug, served as a miss
-                log.error("kvproc_resolve_failed", req_id=r.req_id, error=repr(e))
-                prefix = None
             r.resolve = None
-            self._start_mirror(r, prefix)
+            self._start_mirror(r, prefix)  # type: ignore[arg-type]
         if r.mirror is None or r.job is not None or r.load_job is not None:
             return 0, False
         # Pages the mirror holds (sealed, bytes in staging). At least one token must be computed to sample.
@@ -638,19 +633,28 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
             assert self.direct is not None
             r.lookup = self.direct.lookup(r.req_id, r.hashes[:cap])
 
+    def _result(self, r: _Req, fut: concurrent.futures.Future[Any]) -> Any:
+        """A resolve's or lookup's result, or `_PENDING` (vLLM asks again at its next step). The first ask waits a
+        little (most finish in well under a millisecond), later ones not at all: a slow one (the tier answered
+        Loading) must never hold up vLLM's scheduler step after step. One that raised (a bug: a degrade is a
+        result) is a miss (None)."""
+        first, r.asked = not r.asked, True
+        try:
+            return fut.result(timeout=self.options.resolve_wait_s if first else 0)
+        except concurrent.futures.TimeoutError:
+            self.rt.count("resolve_asked_again")
+            return _PENDING
+        except Exception as e:  # noqa: BLE001
+            log.error("kvproc_resolve_failed", req_id=r.req_id, error=repr(e))
+            return None
+
     def _direct_match(self, r: _Req, num_computed_tokens: int) -> tuple[int | None, bool]:
         if r.lookup is not None:
-            first, r.asked = not r.asked, True  # as for a resolve: never hold vLLM's scheduler step after step
-            try:
-                hit = r.lookup.result(timeout=self.options.resolve_wait_s if first else 0)
-            except concurrent.futures.TimeoutError:
-                self.rt.count("resolve_asked_again")
+            hit = self._result(r, r.lookup)
+            if hit is _PENDING:
                 return None, False
-            except Exception as e:  # noqa: BLE001 - a lookup never raises for a degrade: a bug, served as a miss
-                log.error("kvproc_resolve_failed", req_id=r.req_id, error=repr(e))
-                hit = None
             r.lookup = None
-            if hit is not None:
+            if isinstance(hit, Hit):
                 r.lease, r.saved, r.restore_at = hit, hit.pages, hit.pages * self.page
                 self.rt.count("hit_tokens_host", r.restore_at)
         if not r.tracked or r.job is not None or r.load_job is not None or r.lease is None:
