@@ -150,16 +150,19 @@ def _histograms(cluster: str, hists: Mapping[tuple[str, str], Mapping[float | No
 
 
 class MetricsEndpoint:
-    """`/metrics` over HTTP on its own thread (prometheus_client's server), reading `cluster` at every scrape."""
+    """`/metrics` over HTTP on its own threads (a bounded pool: `http_pool.py`), reading `cluster` at every scrape."""
 
     def __init__(self, cluster: "Cluster", address: str) -> None:
-        from prometheus_client import CollectorRegistry, start_http_server
+        from prometheus_client import CollectorRegistry, make_wsgi_app
+
+        from kvproc.runtime.http_pool import serve
 
         host, port = parse_address(address)
         self.collector = ClusterCollector(cluster)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self.collector)
-        self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        # a bounded pool of threads, idle connections timed out (`http_pool.py`), not a thread per connection
+        self._server, self._thread = serve(make_wsgi_app(self.registry), host, port)
         self.address = f"{host}:{self._server.server_port}"
         self.started_at = time.time()
 

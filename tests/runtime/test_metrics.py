@@ -134,3 +134,79 @@ def test_a_bad_or_taken_address_fails_before_any_child_starts(tmp_path: Any) -> 
     finally:
         taken.close()
     assert descendants() - before == set()
+
+
+def _silent_connections(port: int, n: int) -> list[Any]:
+    out = []
+    for _ in range(n):
+        s = socket.create_connection(("127.0.0.1", port), timeout=5)
+        out.append(s)
+    return out
+
+
+def _threads(prefix: str) -> int:
+    import threading
+
+    return sum(t.name.startswith(prefix) for t in threading.enumerate())
+
+
+def test_slow_connections_take_a_bounded_pool_and_a_scrape_still_answers_after_them() -> None:
+    """600 connections that send nothing (issue 39: 613 threads in the tier's process before): at most the pool's
+    threads serve them, the rest are closed at once, and once they are gone a scrape is answered."""
+    from kvproc.runtime import http_pool
+
+    with cluster_store(metrics="127.0.0.1:0") as (cs, store, model):
+        endpoint = cs.cluster.metrics
+        port = int(endpoint.address.rsplit(":", 1)[1])
+        conns = _silent_connections(port, 600)
+        try:
+            wait_for(lambda: endpoint._server.refused >= 600 - http_pool.WORKERS - http_pool.QUEUED, 10,
+                     "the connections past the bound closed")
+            assert _threads("kvproc-metrics") <= http_pool.WORKERS + 1  # the pool (+ the accept loop's thread)
+        finally:
+            for c in conns:
+                c.close()
+        got = {}
+        for _ in range(50):  # the pool's workers see their clients close: free again at once
+            try:
+                got = scrape(endpoint.address)
+                break
+            except OSError:
+                time.sleep(0.2)
+        assert "kvproc:process_up" in got
+
+
+def test_an_idle_connection_is_closed_after_the_timeout() -> None:
+    from kvproc.runtime.http_pool import serve
+
+    server, thread = serve(lambda env, start: [start("200 OK", []) or b""], "127.0.0.1", 0, timeout_s=0.3)
+    try:
+        (conn,) = _silent_connections(server.server_port, 1)
+        conn.settimeout(5)
+        t0 = time.monotonic()
+        assert conn.recv(1) == b""  # the server hung up on a client that sent nothing
+        assert time.monotonic() - t0 < 4
+        conn.close()
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+def test_control_prometheus_clients_own_server_starts_a_thread_per_connection() -> None:
+    """Why the pool: the server this endpoint used before serves each of 200 silent connections on a thread."""
+    import threading
+
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    server, thread = start_http_server(0, addr="127.0.0.1", registry=CollectorRegistry())
+    before = threading.active_count()
+    conns = _silent_connections(server.server_port, 200)
+    try:
+        wait_for(lambda: threading.active_count() - before >= 150, 10, "a thread per connection")
+    finally:
+        for c in conns:
+            c.close()
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
