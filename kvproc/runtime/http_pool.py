@@ -14,7 +14,7 @@ import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 WORKERS = 4  # connections served at once
 QUEUED = 32  # connections waiting for a worker; more are closed at once
@@ -70,8 +70,8 @@ def serve(app: Callable[..., Any], host: str, port: int, *, timeout_s: float = T
     """Serve `app` on (host, port) from a daemon thread; returns the server (its `server_port`) and that thread.
     `workers` / `queued` (keywords) as `PooledWSGIServer`'s."""
     handler = type("_Handler", (_QuietHandler,), {"timeout": timeout_s})
-    server = make_server(host, port, app, server_class=lambda addr, h: PooledWSGIServer(addr, h, **kw),
-                         handler_class=handler)
+    server = PooledWSGIServer((host, port), handler, **kw)
+    server.set_app(app)
     thread = threading.Thread(target=server.serve_forever, name="kvproc-metrics-http", daemon=True)
     thread.start()
     return server, thread

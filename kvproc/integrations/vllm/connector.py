@@ -501,7 +501,7 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
             if prefix is _PENDING:
                 return None, False
             r.resolve = None
-            self._start_mirror(r, prefix)  # type: ignore[arg-type]
+            self._start_mirror(r, prefix)
         if r.mirror is None or r.job is not None or r.load_job is not None:
             return 0, False
         # Pages the mirror holds (sealed, bytes in staging). At least one token must be computed to sample.

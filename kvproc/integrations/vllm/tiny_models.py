@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvproc.integrations.vllm.tiny_llama import VOCAB, build_tiny_tokenizer
 
@@ -57,7 +57,7 @@ if TYPE_CHECKING:
 # greedy tokens, or a corrupted-KV control test proves nothing.
 INIT_RANGE = 0.2
 QK_SCALE = 2.0
-COMMON = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=INIT_RANGE)
+COMMON: dict[str, Any] = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=INIT_RANGE)
 
 
 def _sharpen_qk(model: "torch.nn.Module", names: tuple[str, str]) -> None:
