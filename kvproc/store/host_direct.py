@@ -24,7 +24,13 @@ from kvproc.ipc.errors import reason_of
 from kvproc.ipc.segment import Segment, SegmentBusyError
 from kvproc.tiers import save_fence
 from kvproc.tiers.host_index import Hit, Loading, SaveClass, SaveTicket, Shed
+from kvproc.tiers.slot_table import GEN, ROW_BYTES, ROWS
 from kvproc.workers.copy_exec import fence_row, host_region
+
+# A lease older than this is not trusted for a copy: the tier's leases live 30 s by default (`kvproc up
+# --lease-ttl`), and an engine may hold a request back (no blocks for it) longer than that between its lookup and
+# its load. Past it the load is reported failed (vLLM recomputes), whatever the slots hold.
+LEASE_SAFE_S = 10.0
 
 if TYPE_CHECKING:
     from kvproc.store.kv_store import KvStore
@@ -39,6 +45,10 @@ class HostDirect:
         self._segment = Segment.attach(segment)
         host = self._segment.numpy(np.uint8)
         self._fences = fence_row(host, self.layout)
+        self._gens: np.ndarray | None = None  # each page slot's generation (`kvproc/tiers/slot_table.py`)
+        if self.layout.slot_table_offset >= 0:
+            off, n = self.layout.slot_table_offset, self.layout.page_slots
+            self._gens = host[off: off + ROWS * n * ROW_BYTES].view(np.int64).reshape(ROWS, n)[GEN]
         self.views: dict[str, np.ndarray] = {}
         for r in self.layout.regions:
             flat = host_region(host, self.layout, r.arena)
@@ -71,6 +81,16 @@ class HostDirect:
             self.tier.release_lease(got.lease_id)
         self.store.outcomes.record("resolve", req_id, "ok", "miss")
         return None
+
+    def intact(self, slots: Sequence[int], gens: Sequence[int], leased_at: float, now: float) -> bool:
+        """After a copy out of leased slots: the lease was young enough to be alive (`LEASE_SAFE_S`), and no save
+        was handed one of the slots meanwhile (a save bumps a slot's generation before it may write it). False: the
+        bytes copied may be another page's."""
+        if now - leased_at > LEASE_SAFE_S:
+            return False
+        if self._gens is None or not gens:
+            return True
+        return bool(np.array_equal(self._gens[np.asarray(slots, dtype=np.int64)], np.asarray(gens, dtype=np.int64)))
 
     def release(self, lease_id: int) -> None:
         self.store.call(self.tier.release_lease, lease_id)
@@ -120,7 +140,7 @@ class HostDirect:
         """Unmap the tier's segment; while a caller still holds a view of it, the mapping stays (freed with the
         process) rather than pull memory from under that view."""
         self.views.clear()
-        self._fences = None
+        self._fences = self._gens = None
         try:
             self._segment.close()
         except SegmentBusyError:

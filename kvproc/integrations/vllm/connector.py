@@ -40,6 +40,7 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import itertools
+import time
 import multiprocessing
 import os
 from dataclasses import dataclass, field
@@ -156,6 +157,7 @@ class _Req:
     hashes: list[bytes] = field(default_factory=list)
     saved: int = 0
     save_to: int = 0  # the pages the tier has once the save in flight lands
+    leased_at: float = 0.0  # when the lookup's answer came (a lease too old is not trusted: `HostDirect.intact`)
 
 
 def _scope(request: "Request") -> HashScope:
@@ -308,6 +310,13 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
                                        "why)")
             return
         self._copy_rows(jobs, to_vllm)
+        if self.direct is not None:  # a direct load (one job a batch): its leased slots must still be the hit's
+            now = time.monotonic()
+            for j in jobs:
+                if j.leased_at and not self.direct.intact(j.staging, j.gens, j.leased_at, now):
+                    self.rt.count("loads_lease_lost")
+                    raise RuntimeError(f"request {j.req_id!r}: its lease on the host tier's slots was too old or a "
+                                       "slot was handed to a save: the copy is not trusted (vLLM recomputes)")
 
     def _write_save(self, job: CopyJob, ticket: SaveTicket) -> None:
         """A direct save's bytes into the slots of its ticket: pages the tier has already (slot None) and state groups
@@ -397,7 +406,11 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         if meta.async_started:
             return
         meta.async_started = True
-        self._moves.submit(meta.async_loads, to_vllm=True)  # vLLM holds these requests back until get_finished
+        if self.direct is not None:  # one batch a load: each checked (and failed) on its own
+            for job in meta.async_loads:
+                self._moves.submit([job], to_vllm=True)
+        else:
+            self._moves.submit(meta.async_loads, to_vllm=True)  # vLLM holds these requests back until get_finished
         self._receiving.update(j.req_id for j in meta.async_loads)
         self._receiving.update(meta.unloaded)
 
@@ -656,6 +669,7 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
             r.lookup = None
             if isinstance(hit, Hit):
                 r.lease, r.saved, r.restore_at = hit, hit.pages, hit.pages * self.page
+                r.leased_at = time.monotonic()
                 self.rt.count("hit_tokens_host", r.restore_at)
         if not r.tracked or r.job is not None or r.load_job is not None or r.lease is None:
             return 0, False
@@ -970,6 +984,9 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
                 meta.unloaded.append(r.req_id)
             return False
         job = CopyJob(next(self._job_ids), r.req_id, staging[a:b], tuple(vllm), states or [])
+        if r.lease is not None:  # direct: checked after the copy (`HostDirect.intact`)
+            job.gens = list(r.lease.page_gens[a:b]) if r.lease.page_gens else []
+            job.leased_at = r.leased_at
         self._loads[job.job_id] = r
         r.load_job = job.job_id
         into.append(job)

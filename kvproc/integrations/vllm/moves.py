@@ -51,6 +51,10 @@ class CopyJob:
     parent: bytes | None = None
     bounded: list[str] = field(default_factory=list)
     tokens: list[int] | None = None  # the pages' token ids, for a tier whose KV events carry them
+    # The direct path's load: the leased slots' generations and when the lease was taken (checked after the copy:
+    # `HostDirect.intact`).
+    gens: list[int] = field(default_factory=list)
+    leased_at: float = 0.0
 
     def vllm_blocks(self) -> set[int]:
         """The vLLM blocks this job writes when it is a load (what vLLM must recompute if it fails)."""
