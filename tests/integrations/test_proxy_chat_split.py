@@ -79,3 +79,48 @@ def test_the_client_gets_one_chat_completion_anchor_first() -> None:
     assert ev["choices"][0]["delta"] == {"content": " w10"} and "token_ids" not in ev["choices"][0]
     last = chat.chat_chunk({}, PREFILL, {"choices": [], "usage": decode["usage"]})
     assert last["choices"] == [] and last["usage"]["prompt_tokens"] == 5 and last["usage"]["completion_tokens"] == 3
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+@pytest.mark.parametrize("field, value, named", [
+    ("max_tokens", -5, "max_tokens must be an integer >= 1"),
+    ("max_tokens", 2.5, "max_tokens must be an integer >= 1"),
+    ("max_tokens", "8", "max_tokens must be an integer >= 1"),
+    ("max_tokens", True, "max_tokens must be an integer >= 1"),
+    ("n", 0, "n must be an integer >= 1"),
+    ("stream", "yes", "stream must be true or false"),
+    ("kv_transfer_params", "x", "kv_transfer_params must be an object"),
+])
+def test_a_mistyped_field_is_a_400_naming_it_before_anything_goes_upstream(endpoint: str, field: str, value: Any,
+                                                                           named: str) -> None:
+    """Issue 39, item 5: `max_tokens: -5` was forwarded (and 2.5 or "8" coerced by `int()`); now every endpoint answers
+    a 400 with a JSON error body, as vLLM's own server does."""
+    import json
+
+    from kvproc.integrations.vllm.proxy import _check_request  # noqa: PLC2701 - the completions endpoint's check
+
+    body: dict[str, Any] = {"model": "m", field: value}
+    body.update({"messages": MSGS} if endpoint == "chat" else {"prompt": "w7 w8"})
+    with pytest.raises(ProxyError) as e:
+        chat.check_chat_request(body) if endpoint == "chat" else _check_request(body)
+    assert e.value.status == 400 and named in e.value.message
+    resp = e.value.response()
+    assert resp.status == 400 and named in json.loads(resp.text)["error"]["message"]
+
+
+@pytest.mark.parametrize("body", [{"model": "m", "prompt": ""}, {"model": "m", "prompt": [1, True]},
+                                  {"model": "m", "messages": [1]}, {"model": "m", "messages": [{"content": "x"}]}])
+def test_an_empty_prompt_or_a_message_without_a_role_is_a_400(body: dict[str, Any]) -> None:
+    from kvproc.integrations.vllm.proxy import _check_request  # noqa: PLC2701
+
+    with pytest.raises(ProxyError) as e:
+        chat.check_chat_request(body) if "messages" in body else _check_request(body)
+    assert e.value.status == 400
+
+
+def test_control_well_typed_fields_pass() -> None:
+    from kvproc.integrations.vllm.proxy import _check_request  # noqa: PLC2701
+
+    _check_request({"model": "m", "prompt": [5, 6], "max_tokens": 8, "n": 1, "stream": True,
+                    "max_completion_tokens": None})
+    assert chat.check_chat_request({"model": "m", "messages": MSGS, "max_tokens": 3, "stream": False}) == 3

@@ -26,7 +26,15 @@ import structlog
 from aiohttp import web
 
 from kvproc.integrations.vllm import proxy_chat as chat
-from kvproc.integrations.vllm.proxy_common import ProxyError, merged_usage, refuse, send, split_refusals, start_sse
+from kvproc.integrations.vllm.proxy_common import (
+    ProxyError,
+    check_fields,
+    merged_usage,
+    refuse,
+    send,
+    split_refusals,
+    start_sse,
+)
 from kvproc.integrations.vllm.proxy_common import upstream_message as _upstream_message
 
 log = structlog.get_logger("kvproc.vllm.proxy")
@@ -287,6 +295,7 @@ class PdProxy:
 def _check_request(body: Any) -> None:
     if not isinstance(body, dict):
         raise ProxyError(400, "the request body is not a JSON object", "invalid_request_error")
+    check_fields(body)
     bad = [k for k in UNSUPPORTED if body.get(k) not in (None, False)]
     try:
         if int(body.get("n") or 1) != 1 or int(body.get("best_of") or 1) != 1:
@@ -296,7 +305,8 @@ def _check_request(body: Any) -> None:
         raise ProxyError(400, f"kvproc proxy: n, best_of and max_tokens must be integers: {e}",
                          "invalid_request_error") from e
     prompt = body.get("prompt")
-    one = isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt))
+    one = (isinstance(prompt, str) and prompt != "") or (
+        isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt))
     if not one and not (isinstance(prompt, list) and len(prompt) == 1):
         bad.append("prompt (one prompt: a string or a list of token ids)")
     refuse(bad + split_refusals(body))

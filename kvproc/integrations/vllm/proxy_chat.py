@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvproc.integrations.vllm.proxy_common import ProxyError, merged_usage, refuse, split_refusals
+from kvproc.integrations.vllm.proxy_common import ProxyError, check_fields, merged_usage, refuse, split_refusals
 
 # Fields only a chat request has: not sent to the consumer's /v1/completions (the rendered prompt replaces them).
 CHAT_ONLY = ("messages", "chat_template", "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
@@ -31,6 +31,7 @@ def check_chat_request(body: Any) -> int | None:
     """Refuses what the split cannot honour; returns the client's token budget (None: up to the context's end)."""
     if not isinstance(body, dict):
         raise ProxyError(400, "the request body is not a JSON object", "invalid_request_error")
+    check_fields(body)
     bad = [k for k in ("logprobs", "top_logprobs", "prompt_logprobs", "echo") if body.get(k) not in (None, False, 0)]
     if body.get("tools") and body.get("tool_choice") != "none":
         bad.append("tools (tool calls need the server's parser over the whole output; tool_choice 'none' is fine)")
@@ -39,7 +40,10 @@ def check_chat_request(body: Any) -> int | None:
         bad.append("messages (a non-empty list)")
     else:
         for i, msg in enumerate(msgs):
-            content = msg.get("content") if isinstance(msg, dict) else None
+            if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
+                raise ProxyError(400, f"kvproc proxy: messages[{i}] must be an object with a string role, got "
+                                 f"{msg!r}", "invalid_request_error")
+            content = msg.get("content")
             if isinstance(content, list) and any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
                 bad.append(f"messages[{i}].content (non-text parts)")
     bad += split_refusals(body)

@@ -53,6 +53,24 @@ def split_refusals(body: dict[str, Any]) -> list[str]:
     return bad
 
 
+def check_fields(body: dict[str, Any]) -> None:
+    """The typed fields both endpoints read, checked as vLLM's own server checks them, before anything goes upstream:
+    a 400 naming the field, never a value coerced on the way (`int("5")`, `int(2.5)`) nor one only an upstream
+    refuses (a 502 for the client's mistake)."""
+    for key in ("max_tokens", "max_completion_tokens", "n", "best_of"):
+        v = body.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ProxyError(400, f"kvproc proxy: {key} must be an integer >= 1, got {v!r}", "invalid_request_error")
+    for key in ("stream", "echo"):
+        v = body.get(key)
+        if v is not None and not isinstance(v, bool):
+            raise ProxyError(400, f"kvproc proxy: {key} must be true or false, got {v!r}", "invalid_request_error")
+    for key in ("kv_transfer_params", "stream_options"):
+        v = body.get(key)
+        if v is not None and not isinstance(v, dict):
+            raise ProxyError(400, f"kvproc proxy: {key} must be an object, got {v!r}", "invalid_request_error")
+
+
 def refuse(bad: list[str]) -> None:
     if bad:
         raise ProxyError(400, f"kvproc proxy: not supported in P/D: {', '.join(bad)}", "invalid_request_error")
