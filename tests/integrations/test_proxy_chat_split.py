@@ -90,6 +90,7 @@ def test_the_client_gets_one_chat_completion_anchor_first() -> None:
     ("n", 0, "n must be an integer >= 1"),
     ("stream", "yes", "stream must be true or false"),
     ("kv_transfer_params", "x", "kv_transfer_params must be an object"),
+    ("min_tokens", "x", "min_tokens must be an integer >= 0"),  # was an unhandled 500 (int("x") in the split)
 ])
 def test_a_mistyped_field_is_a_400_naming_it_before_anything_goes_upstream(endpoint: str, field: str, value: Any,
                                                                            named: str) -> None:
@@ -109,7 +110,8 @@ def test_a_mistyped_field_is_a_400_naming_it_before_anything_goes_upstream(endpo
 
 
 @pytest.mark.parametrize("body", [{"model": "m", "prompt": ""}, {"model": "m", "prompt": [1, True]},
-                                  {"model": "m", "messages": [1]}, {"model": "m", "messages": [{"content": "x"}]}])
+                                  {"model": "m", "messages": [1]}, {"model": "m", "messages": [{"content": "x"}]},
+                                  {"model": "m", "messages": [{"role": "user", "content": 5}]}])
 def test_an_empty_prompt_or_a_message_without_a_role_is_a_400(body: dict[str, Any]) -> None:
     from kvproc.integrations.vllm.proxy import _check_request  # noqa: PLC2701
 
@@ -124,3 +126,32 @@ def test_control_well_typed_fields_pass() -> None:
     _check_request({"model": "m", "prompt": [5, 6], "max_tokens": 8, "n": 1, "stream": True,
                     "max_completion_tokens": None})
     assert chat.check_chat_request({"model": "m", "messages": MSGS, "max_tokens": 3, "stream": False}) == 3
+
+
+def test_an_unhandled_error_or_a_wrong_method_still_answers_a_json_error_body() -> None:
+    """The proxy's middleware: a handler's bug is a JSON 500 naming it (not aiohttp's text page), a GET on a POST
+    endpoint a JSON 405."""
+    import asyncio
+    import json
+
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from kvproc.integrations.vllm.proxy import PdProxy, ProxyOptions
+
+    async def run() -> tuple[int, Any, int, Any]:
+        proxy = PdProxy(ProxyOptions("http://127.0.0.1:9", "http://127.0.0.1:9"))
+
+        async def broken(_: Any) -> Any:
+            raise KeyError("a bug")
+
+        proxy.models = broken  # type: ignore[method-assign]
+        async with TestClient(TestServer(proxy.app())) as client:
+            r1 = await client.get("/v1/models")
+            b1 = json.loads(await r1.text())
+            r2 = await client.get("/v1/completions")
+            b2 = json.loads(await r2.text())
+            return r1.status, b1, r2.status, b2
+
+    s1, b1, s2, b2 = asyncio.run(run())
+    assert s1 == 500 and "KeyError" in b1["error"]["message"]
+    assert s2 == 405 and b2["error"]["code"] == 405

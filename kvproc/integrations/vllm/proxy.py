@@ -66,7 +66,7 @@ class PdProxy:
         return self._session
 
     def app(self) -> web.Application:
-        app = web.Application()
+        app = web.Application(middlewares=[_json_errors])
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
@@ -288,6 +288,23 @@ class PdProxy:
             raise ProxyError(504, f"{side} did not answer {path} in time", f"{side}_timeout") from e
         except aiohttp.ClientError as e:
             raise ProxyError(502, f"{side} at {self._url(side, path)} unreachable: {type(e).__name__}: {e}", f"{side}_unreachable") from e
+
+
+@web.middleware
+async def _json_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Whatever a handler did not answer itself still gets vLLM's JSON error shape: an HTTP error (404, 405) with its
+    status, a bug a 500 naming the exception (logged with its traceback), never aiohttp's plain-text page."""
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return ProxyError(e.status, e.reason, "invalid_request_error" if e.status < 500 else "proxy_error").response()
+    except ConnectionError:
+        raise  # the client went away (mid-stream): nobody to answer
+    except Exception as e:  # noqa: BLE001 - answered, and logged for the operator
+        log.exception("kvproc_proxy_internal_error", path=request.path)
+        return ProxyError(500, f"kvproc proxy: internal error: {type(e).__name__}: {e}", "proxy_error").response()
 
 
 # ---- the two-hop split and merge (pure functions of the JSON bodies) ----

@@ -44,6 +44,9 @@ def check_chat_request(body: Any) -> int | None:
                 raise ProxyError(400, f"kvproc proxy: messages[{i}] must be an object with a string role, got "
                                  f"{msg!r}", "invalid_request_error")
             content = msg.get("content")
+            if content is not None and not isinstance(content, (str, list)):
+                raise ProxyError(400, f"kvproc proxy: messages[{i}].content must be a string or a list of parts, got "
+                                 f"{content!r}", "invalid_request_error")
             if isinstance(content, list) and any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
                 bad.append(f"messages[{i}].content (non-text parts)")
     bad += split_refusals(body)

@@ -61,6 +61,9 @@ def check_fields(body: dict[str, Any]) -> None:
         v = body.get(key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise ProxyError(400, f"kvproc proxy: {key} must be an integer >= 1, got {v!r}", "invalid_request_error")
+    v = body.get("min_tokens")
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+        raise ProxyError(400, f"kvproc proxy: min_tokens must be an integer >= 0, got {v!r}", "invalid_request_error")
     for key in ("stream", "echo"):
         v = body.get(key)
         if v is not None and not isinstance(v, bool):
