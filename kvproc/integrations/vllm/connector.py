@@ -1197,8 +1197,11 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
                 self._fence_restores(r)
                 r.mirror.release()
         self._reqs.clear()
-        self._staging.clear()  # views of the tier's segment (direct): the runtime unmaps it when the last half goes
-        self._kv.clear()
+        # Views of the tier's segment (direct) that the runtime unmaps when the last half goes: dropped only once no
+        # move still reads them (this may be the worker's half, which has no requests and did not wait above).
+        if moves is not None and moves.idle(self.options.move_wait_s):
+            self._staging.clear()
+            self._kv.clear()
         rt_mod.release(self.rt)
 
 

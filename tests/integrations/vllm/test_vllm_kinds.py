@@ -95,7 +95,8 @@ def _churn_and_reset(llm: Any) -> None:
     """Nothing left but kvproc's host tier: its staging pool emptied (saves landed first, or their pinned pages would
     stay), vLLM's prefix cache reset."""
     rt = live_runtime()
-    rt.store.flush_saves(0, 60)
+    assert rt.moves is not None and rt.moves.idle(60)  # the direct path's saves: the mover's (and their commits)
+    rt.store.flush_saves(0, 60)  # the staging path's: the store's
     rt.store.drop_device_cache(0)
     assert llm.reset_prefix_cache(), "vLLM refused to reset its prefix cache (blocks still in use)"
 

@@ -38,6 +38,7 @@ def _replay(llm: Any, reference: list[tuple[list[int], list[int]]]) -> dict[str,
     each restored page and each saved page took, and the tokens."""
     rt = live_runtime()
     multi_turn(llm)  # every page saved
+    assert rt.moves is not None and rt.moves.idle(60)
     rt.store.flush_saves(0, 60)
     rt.store.drop_device_cache(0)
     assert llm.reset_prefix_cache()
