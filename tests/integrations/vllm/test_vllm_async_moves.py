@@ -143,7 +143,10 @@ def test_idle_steps_wait_for_the_load_instead_of_spinning(tiny_llama: Path, monk
     with engine(tiny_llama, kvproc_transfer_config()) as llm:
         first = generate(llm, [prompt], max_tokens=4)
         assert live_runtime().moves.idle(60)
-        llm.reset_prefix_cache()  # vLLM forgets it: the next run loads the prompt's pages from kvproc
+        # A finished request whose save was in flight keeps its blocks until vLLM hears the save settled, at a step:
+        # one more short request makes that step (the direct path's saves, reserved in the tier, outlast a step).
+        generate(llm, [[5, 6]], max_tokens=1)
+        assert llm.reset_prefix_cache()  # vLLM forgets it: the next run loads the prompt's pages from kvproc
         again = generate(llm, [prompt], max_tokens=4)
         counters = dict(live_runtime().counters)
     assert again == first
