@@ -701,20 +701,37 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
             return False
         return len(r.hashes) >= pages
 
+    def _table_pages(self, r: _Req) -> int:
+        """Pages every paged group's vLLM block table covers (a state group's table is not a page table)."""
+        return min((len(ids) for g, ids in zip(self.contract.groups, r.vllm_blocks) if not g.state), default=0)
+
+    def _pages_of(self, r: _Req, a: int, b: int) -> tuple[list[int], ...]:
+        """vLLM's blocks of pages a..b in each group (NULL_BLOCK where a sliding window gave one back; a state group:
+        none, its one block per hit travels as a `CopyJob.states` entry)."""
+        return tuple([] if g.state else ids[a:b] for g, ids in zip(self.contract.groups, r.vllm_blocks))
+
+    def _save_source(self, r: _Req, have: int, target: int) -> tuple[list[int], ...] | None:
+        """The blocks a save of pages have..target reads; None (and the request saves no more) where vLLM no longer
+        keeps one of them: a sliding window passed it before its save could be planned, and the chain cannot continue
+        past the hole."""
+        vllm = self._pages_of(r, have, target)
+        if any(NULL_BLOCK in ids for ids in vllm):
+            self.rt.count("saves_window_passed")
+            r.saving = False
+            return None
+        return vllm
+
     def _plan_direct_save(self, r: _Req, computed_after: int, meta: KvprocConnectorMetadata) -> None:
         """Pages that are full once this step ran, from the tier's end of the request on: their keys now, their slots
         from the tier on the mover thread after the forward (`_copy`)."""
         if not r.saving or r.job is not None or r.finishing or r.load_job is not None:
             return
         have = r.saved
-        target = min(computed_after // self.page, min((len(ids) for g, ids in zip(self.contract.groups, r.vllm_blocks)
-                                                       if not g.state), default=0))
+        target = min(computed_after // self.page, self._table_pages(r))
         if target <= have or not self._extend_hashes(r, target, r.request.all_token_ids):
             return
-        vllm = tuple([] if g.state else ids[have:target] for g, ids in zip(self.contract.groups, r.vllm_blocks))
-        if any(NULL_BLOCK in ids for ids in vllm):
-            self.rt.count("saves_window_passed")  # as on the staging path: the chain cannot continue past a hole
-            r.saving = False
+        vllm = self._save_source(r, have, target)
+        if vllm is None:
             return
         assert self.direct is not None
         tokens = list(r.request.all_token_ids[have * self.page:target * self.page]) \
@@ -966,7 +983,7 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         """Pages a..b of `staging` (the mirror's or a hand-off hold's blocks) into vLLM's blocks of every group.
         False (and the load reported failed: vLLM recomputes it) when vLLM's tables do not cover them: a full-attention
         group must have a block for every page; a sliding-window group's NULL_BLOCK pages are out of its window."""
-        vllm = [[] if g.state else ids[a:b] for g, ids in zip(self.contract.groups, r.vllm_blocks)]
+        vllm = list(self._pages_of(r, a, b))
         short = b > len(staging) or len(vllm) != self._groups or any(
             len(ids) != b - a for g, ids in zip(self.contract.groups, vllm) if not g.state) or any(
             NULL_BLOCK in ids for g, ids in zip(self.contract.groups, vllm) if not g.sliding)
@@ -1003,25 +1020,20 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         # appended when the step's output is processed): only pages whose every token is known are saved.
         known = r.request.all_token_ids
         have = kv.num_computed // self.page
-        target = min(computed_after // self.page, min((len(ids) for g, ids in zip(self.contract.groups, r.vllm_blocks)
-                                                       if not g.state), default=0), len(known) // self.page)
+        target = min(computed_after // self.page, self._table_pages(r), len(known) // self.page)
         need = target * self.page
         if self.producer:
             # A hand-off is the prompt's KV: its partial last page too (padded when it lands), nothing decoded.
             prompt = r.request.num_prompt_tokens
-            if computed_after >= prompt and -(-prompt // self.page) <= min((len(g) for g in r.vllm_blocks), default=0):
+            if computed_after >= prompt and -(-prompt // self.page) <= self._table_pages(r):
                 target, need = -(-prompt // self.page), prompt
             else:
                 target = min(target, prompt // self.page)
                 need = target * self.page
         if target <= have or need <= kv.num_computed:
             return
-        vllm = tuple([] if g.state else ids[have:target] for g, ids in zip(self.contract.groups, r.vllm_blocks))
-        if any(NULL_BLOCK in ids for ids in vllm):
-            # vLLM no longer keeps a block of these pages (a sliding window passed them before their save could be
-            # planned): the chain cannot continue past the hole, so this request saves no more.
-            self.rt.count("saves_window_passed")
-            r.saving = False
+        vllm = self._save_source(r, have, target)
+        if vllm is None:
             return
         try:
             if kv.num_tokens < need:
