@@ -118,3 +118,10 @@ def owner_files() -> list[tuple[str, str, int]]:
         if len(parts) == 5 and parts[0] == "kvproc" and parts[4] == "owner" and parts[3].isdigit():
             found.append((parts[1], parts[2], int(parts[3])))
     return found
+
+
+def held_identities() -> list[tuple[str, str, int]]:
+    """`(cluster, role, pid)` of the owner locks this process holds, read WITHOUT `_lock`: for a dying process
+    (`kvproc.runtime.parent_death`), which must not wait on a lock another thread may hold. `list(dict)` is one step
+    under the GIL; a concurrent hold/release only makes the answer a moment old."""
+    return list(_held)

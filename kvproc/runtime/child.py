@@ -22,6 +22,7 @@ import structlog
 from kvproc.ipc import messages as m
 from kvproc.ipc.server import RpcServer
 from kvproc.runtime import procutil
+from kvproc.runtime.parent_death import Note, ParentWatch
 from kvproc.runtime.logs import configure_logging
 from kvproc.runtime.role import RoleEnv
 from kvproc.runtime.roles import resolve_role_class
@@ -77,8 +78,18 @@ def _run(spec: ChildSpec, ready: Connection) -> int:
         if server is not None:
             server.stop()
 
-    signal.signal(signal.SIGTERM, request_stop)
-    procutil.die_with_parent(spec.launcher_pid, request_stop)
+    # Opened before any thread starts: the launcher's death is reported on it without waiting (parent_death.py).
+    watch = ParentWatch(spec.launcher_pid, Note(spec.role, spec.rank))
+
+    def on_sigterm(*_: Any) -> None:
+        # The launcher's SIGTERM asks for an orderly stop; the same signal from PR_SET_PDEATHSIG (the forkserver
+        # followed a dead launcher out) takes the lock-free exit instead: nobody is left to stop us in order.
+        if watch.launcher_gone():
+            watch.die("launcher_died")
+        request_stop()
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    watch.arm()
     role = None
     try:
         cls = resolve_role_class(spec.role_class)

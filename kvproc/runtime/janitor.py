@@ -29,16 +29,13 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-import structlog
-
 from kvproc.ipc import segment_owner
 from kvproc.ipc.segment import list_segments, sweep_dead_segments
 from kvproc.runtime import manifest as mf
 from kvproc.runtime import procutil
 from kvproc.runtime.forking import parent_main_hidden
+from kvproc.runtime.parent_death import Note
 from kvproc.runtime.supervisor import PROCESS_LOCK
-
-log = structlog.get_logger(__name__)
 
 STOP = b"stop"
 
@@ -105,28 +102,31 @@ def janitor_main(spec: JanitorSpec, conn: Connection) -> None:
     if os.fork() != 0:
         return
     code = 1
+    # Its lines go out without blocking: after the launcher's death, nobody may be reading its stderr pipe any more,
+    # and a janitor blocked in a write would never exit (issue 39, item 7).
+    note = Note("janitor", 0)
     try:
         os.setsid()
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         procutil.set_title(f"kvproc:{spec.cluster}:janitor")
         conn.send_bytes(b"ready %d" % os.getpid())
-        code = _watch(spec, pidfd, conn)
+        code = _watch(spec, pidfd, conn, note)
     except BaseException as e:  # noqa: BLE001 - report, then exit: a janitor never raises into a forkserver
-        log.error("janitor_failed", cluster=spec.cluster, error=repr(e))
+        note.write("janitor_failed", cluster=spec.cluster, error=repr(e))
     finally:
         os._exit(code)
 
 
-def _watch(spec: JanitorSpec, pidfd: int, conn: Connection) -> int:
+def _watch(spec: JanitorSpec, pidfd: int, conn: Connection, note: Note) -> int:
     if pidfd < 0:
-        return _sweep(spec)
+        return _sweep(spec, note)
     poller = select.poll()
     poller.register(pidfd, select.POLLIN)
     poller.register(conn.fileno(), select.POLLIN)
     while True:
         for fd, _ in poller.poll():
             if fd == pidfd:
-                return _sweep(spec)
+                return _sweep(spec, note)
             try:
                 if conn.recv_bytes() == STOP:
                     conn.close()
@@ -141,7 +141,7 @@ def _left(cluster: str) -> list[str]:
     return list_segments(cluster) + owners
 
 
-def _sweep(spec: JanitorSpec) -> int:
+def _sweep(spec: JanitorSpec, note: Note) -> int:
     end = time.monotonic() + spec.sweep_deadline_s
     removed: list[str] = []
     while True:
@@ -151,9 +151,7 @@ def _sweep(spec: JanitorSpec) -> int:
             break
         time.sleep(0.1)
     dir_removal = mf.remove_runtime_dir(spec.runtime_dir, spec.launcher) if spec.runtime_dir else None
-    try:
-        log.warning("janitor_swept_after_launcher_death", cluster=spec.cluster, launcher_pid=spec.launcher_pid,
-                    segments=removed, left=left, runtime_dir=dir_removal.message if dir_removal else None)
-    except OSError:
-        pass  # the launcher's stdout may be a pipe nobody reads any more: the sweep is done, the line is lost
+    note.write("janitor_swept_after_launcher_death", level="warning", cluster=spec.cluster,
+               launcher_pid=spec.launcher_pid, segments=removed, left=left,
+               runtime_dir=dir_removal.message if dir_removal else None)
     return 0 if not left else 1

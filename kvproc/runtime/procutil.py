@@ -1,28 +1,10 @@
-"""Process discipline for children: a named title, dying with the launcher, and an optional CPU set.
-
-Children are forked by the forkserver, so their OS parent is the forkserver, not the launcher. Two mechanisms:
-- `PR_SET_PDEATHSIG(SIGTERM)`: the kernel signals us when the forkserver exits, which it does as soon as the
-  launcher is gone (it reads EOF on its "alive" pipe);
-- a launcher-pid check: a thread blocks on a pidfd of the launcher (no polling) and stops us when it exits, which
-  also covers a forkserver that outlives the launcher.
-Either way the child stops in order (its role unlinks its segments), and is force-exited after a grace period.
-"""
+"""Process discipline for children: a named title and an optional CPU set. (Dying with the launcher:
+`parent_death.py`.)"""
 
 from __future__ import annotations
 
-import ctypes
 import os
-import select
-import signal
-import threading
-import time
-from typing import Callable, Sequence
-
-import structlog
-
-log = structlog.get_logger(__name__)
-
-_PR_SET_PDEATHSIG = 1
+from typing import Sequence
 
 
 def set_title(title: str) -> None:
@@ -62,27 +44,3 @@ def pin_cpus(cpus: Sequence[int]) -> None:
             os.sched_setaffinity(tid, cpus)
         except ProcessLookupError:  # a thread that ended meanwhile
             pass
-
-
-def die_with_parent(launcher_pid: int, on_parent_death: Callable[[], None], grace_s: float = 3.0) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    if os.getppid() == 1:  # our parent died before prctl took effect: the signal would never come
-        on_parent_death()
-    try:
-        pidfd = os.pidfd_open(launcher_pid)
-    except ProcessLookupError:
-        log.error("launcher_already_gone", launcher_pid=launcher_pid)
-        os._exit(1)
-
-    def watch() -> None:
-        poller = select.poll()
-        poller.register(pidfd, select.POLLIN)
-        poller.poll()  # blocks until the launcher exits
-        log.error("launcher_died", launcher_pid=launcher_pid)
-        on_parent_death()
-        time.sleep(grace_s)
-        log.error("forced_exit_after_launcher_death", grace_s=grace_s)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="kvproc-parent-watch", daemon=True).start()
