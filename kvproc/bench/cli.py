@@ -16,6 +16,8 @@ BENCHES: dict[str, tuple[str, str]] = {
     "chaos": ("kvproc.bench.chaos", "engines on a shared tier under cancellations and faults; every byte checked"),
     # needs vLLM installed (`make venv-vllm`; run with .venv-vllm/bin/python)
     "vllm": ("kvproc.integrations.vllm.bench", "vLLM alone vs vLLM + kvproc vs vLLM + its disk connector"),
+    # needs SGLang installed (`make venv-sglang`; run with .venv-sglang/bin/python)
+    "sglang": ("kvproc.integrations.sglang.bench", "SGLang HiCache storage: kvproc vs its file and Mooncake backends"),
 }
 
 
