@@ -135,3 +135,25 @@ def test_flat_pages_of_the_wrong_size_are_refused() -> None:
             b.batch_set(keys(1), [torch.zeros(10, dtype=torch.bfloat16)])
         with pytest.raises(SglangInputError, match="1 keys need 1 page tensors"):
             b.batch_get(keys(1), [])
+
+
+def test_prefetch_and_backup_threads_at_once() -> None:
+    """SGLang calls the backend from its prefetch and its backup thread at the same time: sets and gets of disjoint
+    pages on two threads each come back bit for bit."""
+    import concurrent.futures
+
+    pool = host_pool(tokens=512)
+    with backend(pool) as b:
+        def worker(t: int) -> bool:
+            for r in range(6):
+                k = keys(2, f"t{t}r{r}")
+                src, dst = 4 * t, 4 * t + 2
+                assert b.batch_set_v1(k, pages(src, 2)) == [True, True]
+                assert b.batch_exists(k) == 2
+                assert b.batch_get_v1(k, pages(dst, 2)) == [True, True]
+                assert [page_bytes(pool, (dst + i) * PAGE) for i in range(2)] == \
+                    [page_bytes(pool, (src + i) * PAGE) for i in range(2)]
+            return True
+
+        with concurrent.futures.ThreadPoolExecutor(4) as ex:
+            assert all(ex.map(worker, range(4)))

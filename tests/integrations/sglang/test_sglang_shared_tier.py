@@ -62,3 +62,22 @@ def test_mla_ranks_share_one_copy(shared_tier: str) -> None:
         assert r1.batch_get_v1(keys(2), pages(2, 2)) == [True] * 2
         assert page_bytes(p1, 2 * PAGE) == page_bytes(p0, 0)
         assert tier_stats(r1)["entries"] == 2
+
+
+def test_a_killed_shared_tier_turns_calls_into_misses_not_errors() -> None:
+    """The shared tier's process SIGKILLed under a running backend: SGLang's calls answer misses and failed sets
+    (SGLang then recomputes, as without L3) instead of raising into its prefetch and backup threads."""
+    import os
+    import signal
+
+    from tests.conftest import kvproc_up
+    from tests.integrations.sglang.conftest import SGL_CLUSTER
+
+    with kvproc_up(f"{SGL_CLUSTER}k") as (rd, tier_pid):
+        with backend(host_pool(), tier_runtime_dir=rd) as b:
+            assert b.batch_set_v1(keys(2), pages(0, 2)) == [True] * 2
+            os.kill(tier_pid, signal.SIGKILL)  # the tier this test started
+            for _ in range(2):
+                assert b.batch_exists(keys(2)) == 0
+                assert b.batch_get_v1(keys(2), pages(4, 2)) == [False, False]
+                assert b.batch_set_v1(keys(2, "n"), pages(0, 2)) == [False, False]
