@@ -71,6 +71,11 @@ class KvprocHiCacheStorage(HiCacheStorage):
         self.name = f"sgl{os.getpid()}x{next(_ids)}"  # the cluster of the tier it may start: unique on the machine
         self.counters: dict[str, int] = {}
         self._lock = threading.Lock()
+        # SGLang's storage metrics (`--enable-storage-metrics`): pages and GB/s of each get and set call since the
+        # last `get_stats`, as its collector reads them
+        self._metrics = bool(getattr(storage_config, "enable_storage_metrics", False))
+        self._ops: dict[str, list[float]] = {"prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [],
+                                             "backup_bandwidth": []}
         self._cluster: ClusterStore | None = None
         self._direct: HostDirect | None = None
         self._pages: HostPoolPages | None = None
@@ -133,6 +138,15 @@ class KvprocHiCacheStorage(HiCacheStorage):
         with self._lock:
             self.counters[name] = self.counters.get(name, 0) + n
 
+    def _op(self, kind: str, pages: int, started: float) -> None:
+        """One get ("prefetch") or set ("backup") call's pages and bandwidth, for SGLang's storage metrics."""
+        if not self._metrics or not pages or self._pages is None:
+            return
+        gb = pages * self._pages.format.page_bytes / 1e9
+        with self._lock:
+            self._ops[f"{kind}_pgs"].append(pages)
+            self._ops[f"{kind}_bandwidth"].append(gb / max(time.perf_counter() - started, 1e-9))
+
     def _req(self, op: str) -> str:
         return f"{self.name}-{op}-{next(_ids)}"
 
@@ -160,6 +174,7 @@ class KvprocHiCacheStorage(HiCacheStorage):
     def _load(self, op: str, keys: Sequence[str], rows_to: Any) -> int:
         """Lease the leading run of `keys`, hand each leased slot's row to `rows_to(i, row)`, release: the number of
         pages loaded (0 when the copy cannot be trusted)."""
+        started = time.perf_counter()
         direct, hit, leased_at = self._lease(op, keys)
         if hit is None:
             self.count("get_miss_pages", len(keys))
@@ -177,6 +192,7 @@ class KvprocHiCacheStorage(HiCacheStorage):
             direct.release(hit.lease_id)
         self.count("get_hit_pages", hit.pages)
         self.count("get_miss_pages", len(keys) - hit.pages)
+        self._op("prefetch", hit.pages, started)
         return hit.pages
 
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
@@ -221,8 +237,11 @@ class KvprocHiCacheStorage(HiCacheStorage):
                 if slot is not None:  # None: the tier has the page already
                     rows_from(i, view[slot])
 
+        started = time.perf_counter()
         ok = direct.save(self._req("set"), tkeys, write, parent=parent)
         self.count("set_pages" if ok else "set_failed_pages", len(tkeys))
+        if ok:
+            self._op("backup", len(tkeys), started)
         return ok
 
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
@@ -269,7 +288,22 @@ class KvprocHiCacheStorage(HiCacheStorage):
         TTLs manage it); logged so that a user who expected an empty L3 sees why."""
         log.info("sglang_backend_clear_ignored", reason="the host tier may be shared; its LRU evicts")
 
-    def get_stats(self) -> dict[str, int]:
+    def get_stats(self) -> Any:
+        """SGLang's `StorageMetrics` of the calls since the last call (its collector drains it into Prometheus
+        histograms with `--enable-storage-metrics`), or None when those metrics are off. kvproc's own counters:
+        `kvproc_counters`."""
+        if not self._metrics:
+            return None
+        from sglang.srt.observability.metrics_collector import StorageMetrics
+
+        with self._lock:
+            ops = {k: list(v) for k, v in self._ops.items()}
+            for v in self._ops.values():
+                v.clear()
+        return StorageMetrics(**ops)
+
+    def kvproc_counters(self) -> dict[str, int]:
+        """Pages hit, missed, set and failed, and leases lost, since the backend started."""
         with self._lock:
             return dict(self.counters)
 

@@ -66,14 +66,14 @@ def page_bytes(pool: Any, first_token: int) -> bytes:
 
 
 def storage_config(*, model: str = "tests/tiny-model", interface_v1: bool = True, tp_rank: int = 0,
-                   tp_size: int = 1, mla: bool = False, **extra: Any) -> Any:
+                   tp_size: int = 1, mla: bool = False, metrics: bool = False, **extra: Any) -> Any:
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 
     cfg = {"backend_name": "kvproc", "module_path": MODULE, "class_name": "KvprocHiCacheStorage",
            "interface_v1": int(interface_v1), **extra}
     cfg.setdefault("host_bytes", 8 << 20)  # a shared tier's too: `kvproc_up` starts one of 8 MiB
     return HiCacheStorageConfig(tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0,
-                                attn_cp_size=1, is_mla_model=mla, enable_storage_metrics=False,
+                                attn_cp_size=1, is_mla_model=mla, enable_storage_metrics=metrics,
                                 is_page_first_layout=True, model_name=model, extra_config=cfg)
 
 

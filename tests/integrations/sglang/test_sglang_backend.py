@@ -39,7 +39,7 @@ def test_set_then_get_v1_is_bit_exact_into_other_pages(kind: str, layout: str) -
         assert b.batch_get_v1(keys(4), pages(8, 4)) == [True] * 4
         got = [page_bytes(pool, p * PAGE) for p in range(8, 12)]
         assert got == sent and got != before
-        assert b.get_stats()["get_hit_pages"] == 4
+        assert b.kvproc_counters()["get_hit_pages"] == 4
 
 
 def test_batch_exists_is_the_leading_run_and_misses_load_nothing() -> None:
@@ -157,3 +157,30 @@ def test_prefetch_and_backup_threads_at_once() -> None:
 
         with concurrent.futures.ThreadPoolExecutor(4) as ex:
             assert all(ex.map(worker, range(4)))
+
+
+def test_storage_metrics_feed_sglangs_own_collector() -> None:
+    """With `--enable-storage-metrics` SGLang drains `get_stats()` into its Prometheus histograms (and sets an
+    attribute on what it got): the backend answers its `StorageMetrics`, one entry per call, drained by each read;
+    off, None (SGLang then logs nothing)."""
+    from prometheus_client import REGISTRY
+    from sglang.srt.observability.metrics_collector import StorageMetrics, StorageMetricsCollector
+
+    with backend(host_pool(), metrics=False) as off:
+        assert off.batch_set_v1(keys(1), pages(0, 1)) == [True] and off.get_stats() is None
+    with backend(host_pool(), metrics=True) as b:
+        assert b.batch_set_v1(keys(3), pages(0, 3)) == [True] * 3
+        assert b.batch_get_v1(keys(2), pages(4, 2)) == [True] * 2
+        assert b.batch_get_v1(keys(1, "z"), pages(6, 1)) == [False]  # a miss moves nothing: not an entry
+        stats = b.get_stats()
+        assert isinstance(stats, StorageMetrics)
+        assert stats.backup_pgs == [3] and stats.prefetch_pgs == [2]
+        assert all(v > 0 for v in stats.backup_bandwidth + stats.prefetch_bandwidth)
+        labels = {"storage_backend": f"kvproc-test-{b.name}"}
+        collector = StorageMetricsCollector(labels)
+        if not hasattr(stats, "prefetch_stats"):  # what SGLang's radix cache does before logging
+            stats.prefetch_stats = None
+        collector.log_storage_metrics(stats)
+        assert REGISTRY.get_sample_value("sglang:prefetch_pgs_sum", labels) == 2
+        assert REGISTRY.get_sample_value("sglang:backup_pgs_sum", labels) == 3
+        assert b.get_stats() == StorageMetrics()  # drained

@@ -91,6 +91,6 @@ def test_mocked_lease_check_failing_loads_nothing(monkeypatch: pytest.MonkeyPatc
         with monkeypatch.context() as m:
             m.setattr(HostDirect, "intact", lambda self, slots, gens, leased_at, now: False)
             assert b.batch_get_v1(keys(2), pages(4, 2)) == [False, False]
-        assert b.get_stats()["get_lease_lost"] == 1
+        assert b.kvproc_counters()["get_lease_lost"] == 1
         assert b.batch_get_v1(keys(2), pages(4, 2)) == [True, True]
         assert _settled(b)["open_leases"] == 0
