@@ -330,6 +330,10 @@ class ReserveSave(Request, tag=305):
     # struct's defaults too (a None is one msgpack nil on every ReserveSave), so a field per item would cost every
     # save a byte each. Sent only to a tier that publishes KV events (`Configured.kv_events`); None otherwise.
     events: SaveEvents | None = None
+    # The store's id for this reservation (random per store, then counting; 0: none). A store whose call failed
+    # (a tier stalled past its heartbeats serves the request later, and the ticket goes nowhere) aborts the save by
+    # it: `AbortSave.reservation` (kvproc/tiers/reservations.py).
+    reservation: int = 0
 
 
 class CommitSave(Request, tag=306):
@@ -341,6 +345,9 @@ class AbortSave(Request, tag=307):
     # The store proved the copy worker that had this save's order dead (its process is gone): a claim it left on the
     # save's fence cannot be a write in progress, so the tier takes it back instead of quarantining the slots.
     writer_dead: bool = False
+    # Not 0: abort the save this store reserved under that id, whose ticket it never got (`save_id` is 0 then); one
+    # not seen yet is remembered, and refused if it still comes (kvproc/tiers/reservations.py).
+    reservation: int = 0
 
 
 class RevokeHandoff(Request, tag=308):

@@ -105,6 +105,9 @@ class Cluster:
         # Counters of what the launcher's process embeds (the store), shown by `kvproc console status` with the
         # launcher's own: each provider returns a flat {name: int}.
         self.counter_providers: list[Callable[[], Mapping[str, int]]] = []
+        # Called with (role, rank) once a child that stopped answering answers again (`_reconnect`): its new client
+        # is in place. The store sends what the stall kept back (`RemoteTier.reconnected`).
+        self.reconnect_listeners: list[Callable[[str, int], None]] = []
         # The janitor (`janitor.py`) sweeps what this cluster leaves if its launcher is killed; a list so that the
         # finalizer can see one started after it was made.
         self._janitor: list[Janitor] = []
@@ -416,6 +419,11 @@ class Cluster:
             log.info("child_reconnected", child=child.label)
             if old is not None:
                 old.close()
+            for listener in list(self.reconnect_listeners):
+                try:
+                    listener(*key)
+                except Exception:  # noqa: BLE001 - one listener's bug must not stop the others
+                    log.exception("reconnect_listener_failed", child=child.label)
             return
 
     def _auto_restart(self, key: tuple[str, int]) -> None:

@@ -70,6 +70,12 @@ def _unlink_all(names: list[str]) -> None:
             pass
 
 
+def _call_if_alive(method: "weakref.WeakMethod[Any]", *args: Any) -> None:
+    fn = method()
+    if fn is not None:
+        fn(*args)
+
+
 def fingerprint(model: KvModel, layout: ArenaLayout) -> str:
     """Human-readable capability string: two engines may share a host tier only if theirs are equal."""
     groups = ",".join(f"{g.name}:{g.kind.value}{':replicated' if g.sharding is Sharding.REPLICATED else ''}"
@@ -235,6 +241,10 @@ class ClusterStore:
         cs.device_kv_events = device_kv_events
         cs.kv_events_interval_s = kv_events_interval_s
         cs.copy_mover = copy_mover
+        # Its own tiers' reconnects (a shared tier's: `_reconnect_external`). Weakly: the cluster must not keep the
+        # store alive (its finalizer unlinks the arenas of a store nobody closed).
+        listener = weakref.WeakMethod(cs._tier_client_reconnected)
+        cluster.reconnect_listeners.append(lambda role, rank: _call_if_alive(listener, role, rank))
         for r, client in enumerate(external):
             client.add_death_listener(functools.partial(cs._external_tier_dead, r, client))
         return cs
@@ -268,7 +278,14 @@ class ClusterStore:
             self.tier_reconnects += 1
             log.info("shared_tier_reconnected", rank=rank, pid=client.server_pid)
             old.close()
+            self._tier_client_reconnected("host_tier", rank)
             return
+
+    def _tier_client_reconnected(self, role: str, rank: int) -> None:
+        """A tier answers again after a stall, through a new client: what the stall kept back goes now (the aborts of
+        saves whose tickets it swallowed among them: `RemoteTier.reconnected`)."""
+        if role == "host_tier" and rank < len(self.tiers) and not self._closed:
+            self.tiers[rank].reconnected()
 
     def _tier_client(self, rank: int = 0) -> RpcClient:
         return self._external_tiers[rank] if self._external_tiers else self.cluster.client("host_tier", rank)

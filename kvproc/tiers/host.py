@@ -50,6 +50,7 @@ from kvproc.tiers.kv_events import AllBlocksCleared, KvEventPublisher
 from kvproc.tiers.layout import HostLayout, Region
 from kvproc.tiers.mooncake import MooncakeTier
 from kvproc.tiers.mooncake_client import RemoteSpec
+from kvproc.tiers.reservations import Reservations
 from kvproc.tiers.save_fence import DEFAULT_COPY_TIMEOUT_S, derived_save_ttl
 from kvproc.tiers.slot_table import ROWS
 
@@ -112,6 +113,8 @@ class HostTierRole(Role):
         self._deadlines: list[tuple[int, int, _Waiter]] = []
         self._seq = itertools.count()
         self._settled: list[tuple[SaveTicket, bool]] = []  # filled by on_settled under the lock, answered after
+        # Reserves whose store gave up on them (their ticket never reached it): found and aborted, or refused.
+        self.reservations = Reservations(self.save_ttl_s, time.monotonic)
         self._wake = threading.Condition(self._lock)
         self._stopping = False
         # KV events for routers (`kv_events.py`): off unless the `kv_events` option asks.
@@ -231,12 +234,17 @@ class HostTierRole(Role):
             raise HandlerError("bad_request", f"unknown save class {msg.save_class!r}") from None
         with self._lock:
             index = self._index()
+            if msg.reservation and self.reservations.refuse(msg.reservation):  # its store gave up on it first
+                index.counters["reserves_refused_abandoned"] += 1
+                return m.TierShed("reservation abandoned by its store before it arrived")
             # `events`: the parent page and token ids for our KV events (a store sends them once our `Configured`
             # said kv_events / token_ids); None: nothing for them.
             ev = msg.events
             raw, parent = (ev.token_ids, ev.parent_key) if ev is not None else (None, None)
             tokens = np.frombuffer(raw, np.int64) if raw and self.events_tokens else None
             t = index.reserve_save(msg.req_id, msg.keys, msg.bounded_groups, save_class, tokens, parent)
+            if isinstance(t, SaveTicket):
+                self.reservations.opened(msg.reservation, t.save_id)
             self._publish_locked(index)  # making room evicts
         if not isinstance(t, SaveTicket):
             return m.TierShed(t.reason)
@@ -288,7 +296,17 @@ class HostTierRole(Role):
     @handles(m.AbortSave)
     def abort_save(self, msg: m.AbortSave, ctx: CallContext) -> m.Done:
         with self._lock:
-            self._index().abort_save(msg.save_id, writer_dead=msg.writer_dead)
+            index = self._index()
+            if msg.save_id:
+                index.abort_save(msg.save_id, writer_dead=msg.writer_dead)
+            if msg.reservation:
+                save_id = self.reservations.abandon(msg.reservation)
+                if save_id is not None and index.abort_save(save_id, writer_dead=msg.writer_dead):
+                    # A save that would otherwise have stayed open, its pages "Loading" for everyone, to its TTL.
+                    index.counters["saves_aborted_abandoned"] += 1
+                    log.info("abandoned_save_aborted", save_id=save_id, reservation=msg.reservation)
+                elif save_id is None:
+                    index.counters["reservations_abandoned_unseen"] += 1  # remembered: refused if it still comes
         self._answer_settled()
         return m.Done()
 
@@ -336,6 +354,7 @@ class HostTierRole(Role):
 
     def _on_settled(self, ticket: SaveTicket, ok: bool) -> None:
         self._settled.append((ticket, ok))  # called by the index under self._lock; replies go out after
+        self.reservations.settled(ticket.save_id)
 
     def _answer_settled(self) -> None:
         with self._lock:
@@ -394,6 +413,7 @@ class HostTierRole(Role):
         if self.index is None:
             return
         out = self.index.reap()
+        self.reservations.expire()
         for what, req_ids in out.items():
             for rid in req_ids:
                 # Every TTL reclaim is a missed release elsewhere: log it with the request and count it.
@@ -408,6 +428,7 @@ class HostTierRole(Role):
             stats = self._index().stats()
             stats["waiters"] = sum(len(v) for v in self._save_waiters.values()) + \
                 sum(len(v) for v in self._key_waiters.values())
+            stats["abandoned_reservations_remembered"] = self.reservations.remembered
         if self.remote is not None:
             stats.update(self.remote.stats())
         return m.TierCounters(stats)

@@ -22,6 +22,8 @@ copy-worker processes. Same semantics as `kvproc.store.local_tier` (the referenc
 from __future__ import annotations
 
 import asyncio
+import itertools
+import secrets
 import threading
 import time
 from collections import Counter, deque
@@ -166,6 +168,9 @@ class RemoteTier:
         self.counters: Counter[str] = Counter()
         self._closed = False
         self._link = _LoopLink(client)
+        # Reservation ids (`ReserveSave.reservation`): a random base per store, so two stores sharing a tier never
+        # name each other's reservations.
+        self._reservations = itertools.count((secrets.randbits(40) << 20) + 1)
         self._backlog: deque[tuple[int, m.RequestBody]] = deque()  # (tier pid, message) lost to a dead client
         self._backlog_lock = threading.Lock()
         self._table_segment: Segment | None = None
@@ -236,8 +241,17 @@ class RemoteTier:
                            save_class: SaveClass, *, timeout: float, token_ids: np.ndarray | None = None,
                            parent_key: bytes | None = None) -> SaveTicket | Shed:
         events = save_events(token_ids, parent_key if self.wants_parent_key else None)
-        msg = m.ReserveSave(req_id, list(keys), list(bounded_groups), save_class.value, events)
-        res = await _acall(self._link, self._client(), msg, timeout)
+        reservation = next(self._reservations)
+        msg = m.ReserveSave(req_id, list(keys), list(bounded_groups), save_class.value, events, reservation)
+        try:
+            res = await _acall(self._link, self._client(), msg, timeout)
+        except BaseException:
+            # No ticket, yet the tier may have opened the save, or still will (a stalled tier serves the request
+            # once it runs again): abort it by its reservation, now or -- the client being dead -- once reconnected
+            # to that tier process (`_defer`, `reconnected`). A tier that never saw it refuses it if it still comes.
+            self.counters["reservations_abandoned"] += 1
+            self._oneway(m.AbortSave(0, False, reservation))
+            raise
         if isinstance(res, m.TierShed):
             return Shed(res.reason)
         return SaveTicket(res.save_id, res.req_id, SaveClass(res.save_class), tuple(res.keys), tuple(res.page_slots),
@@ -288,6 +302,12 @@ class RemoteTier:
             self._backlog.append((pid, msg))
         self.counters[f"oneway_deferred_{type(msg).__name__}"] += 1
         return True
+
+    def reconnected(self) -> None:
+        """The store's client to this tier was replaced by a live one (the tier answers again after a stall): send
+        what the stall kept back now -- the aborts of saves it left open among them -- instead of at the next
+        fire-and-forget call, which an idle store may not make for a long time."""
+        self._replay(self._client())
 
     def _replay(self, sync: RpcClient) -> None:
         """Send what `_defer` kept, now that `sync` (the current client) is alive: only to the tier process it was

@@ -12,7 +12,8 @@ import pytest
 
 from kvproc import RequestKv
 from kvproc.store.cluster import ClusterStore
-from kvproc.store.types import SealCursor
+from kvproc.store.kv_store import KvStore
+from kvproc.store.types import SealCursor, StoreConfig
 from tests.conftest import kvproc_up, wait_for
 from tests.store.conftest import SharedMemoryModel
 
@@ -49,3 +50,66 @@ def test_a_lease_released_while_the_shared_tier_stalled_is_released_once_it_answ
             assert time.monotonic() - t0 < 10  # far below the 30 s lease TTL: the release, not the reaper
             assert tier.counters["oneway_deferred_ReleaseLease"] == 1 and tier.counters["oneway_replayed"] >= 1
             assert store.stats()["tier"].get("leases_reclaimed_by_ttl", 0) == 0
+
+
+
+
+def _save_through_a_stall(store: KvStore, tier_pid: int, req_id: str, toks: list[int]) -> None:
+    """Start a save while the tier is stopped, resume the tier once the save failed (the store's client declared it
+    dead: the ReserveSave it sent is still in the tier's socket), then wait until the store is reconnected."""
+    tier = store.tier
+    assert tier is not None
+    store.stats()  # the store loop's own socket to the tier is connected and admitted: the reserve goes out on it
+    os.kill(tier_pid, signal.SIGSTOP)
+    try:
+        kv = RequestKv(store.pools[0], req_id, toks, 4)
+        assert kv.try_admit()
+        kv.schedule(len(toks))
+        kv.apply()
+        store.execute_copies(0, kv.seal_by_copy())
+        store.retire(0, kv, SealCursor.after_prefix(0))
+        wait_for(lambda: bool(store.outcomes.for_request(req_id, "save")), timeout=30,
+                 what="the save failed while the tier is stopped")
+    finally:
+        os.kill(tier_pid, signal.SIGCONT)
+    assert [o.reason for o in store.outcomes.for_request(req_id, "save")] == ["PeerDeadError"]
+    wait_for(lambda: tier.available, timeout=20, what="reconnected to the tier")
+
+
+def test_a_save_whose_ticket_a_stalled_tier_swallowed_is_aborted_once_it_answers_again() -> None:
+    """Issue 39, item 8. A save's ReserveSave sits in a stopped tier's socket (SIGSTOP) while the store's client
+    declares the tier dead: the save fails (PeerDead) with no ticket, so no save id to abort. Resumed, the tier serves
+    the reserve (its deadline, 30 s here, has not passed): a save nobody will commit, its pages pending ("Loading" to
+    every engine that asks) until the save TTL (162 s by default). Now the store aborts it by its reservation id
+    once reconnected. Twice, so that the second stall meets a store that already reconnected once.
+    Control: without the reservation abort (the code before this test) the save is still open, its 3 pages pending,
+    when the wait below gives up."""
+    with kvproc_up("resvt") as (rd, tier_pid):
+        with ClusterStore.start(1 << 20, tier_runtime_dir=rd) as cs:
+            model = SharedMemoryModel(cs.allocator)
+            store = cs.attach_model(model, live_slots=2, config=StoreConfig(tier_call_timeout_s=30.0))
+            tier = store.tier
+            assert tier is not None
+            for n, req_id in enumerate(("a", "b"), 1):
+                _save_through_a_stall(store, tier_pid, req_id, list(range(100 * n, 100 * n + 12)))
+                t0 = time.monotonic()
+
+                def settled() -> bool:
+                    st = store.stats()["tier"]
+                    return st["open_saves"] == 0 and st["pending_pages"] == 0
+                wait_for(settled, timeout=20, what="no save left open")
+                assert time.monotonic() - t0 < 20  # the save TTL is 162 s: the abort, not the reaper
+                assert tier.counters["reservations_abandoned"] == n
+            st = store.stats()["tier"]
+            # Served (the save opened, then was aborted by its reservation) or refused (the abort came first).
+            assert st.get("saves_aborted_abandoned", 0) + st.get("reserves_refused_abandoned", 0) >= 1, st
+            assert st.get("saves_reclaimed_by_ttl", 0) == 0 and st.get("saves_committed", 0) == 0
+            # The tier serves saves again (the pages are not stuck pending): a prompt saves and commits.
+            kv = RequestKv(store.pools[0], "c", list(range(100, 112)), 4)
+            assert kv.try_admit()
+            kv.schedule(12)
+            kv.apply()
+            store.execute_copies(0, kv.seal_by_copy())
+            store.retire(0, kv, SealCursor.after_prefix(0))
+            store.flush_saves(0, 20)
+            assert store.outcomes.for_request("c", "save")[-1].state == "ok"
