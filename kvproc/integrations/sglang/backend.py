@@ -120,6 +120,16 @@ class KvprocHiCacheStorage(HiCacheStorage):
                  runtime_dir=o.tier_runtime_dir or cs.cluster.runtime_dir, zero_copy=self.zero_copy,
                  page_bytes=pages.format.page_bytes)
 
+    def on_host_pools_registered(self) -> None:
+        """SGLang's end of host-pool registration. A hybrid model's side pools (Mamba, SWA, indexer states) move
+        through the `*_v2` calls, which this backend does not serve yet: refused here, so the engine fails at start
+        naming them, rather than logging a failed prefetch or backup on every request."""
+        side = sorted(str(n) for n in getattr(self, "registered_pools", {}) if str(n) != "kv")
+        if side:
+            raise SglangConfigError(f"kvproc backend: host pools {side} (a hybrid model's states) go through "
+                                    "SGLang's *_v2 storage calls, not served by kvproc's backend yet; use SGLang's "
+                                    "file or Mooncake backend for this model")
+
     def _ready(self) -> tuple[HostDirect, HostPoolPages, KeySpace, np.ndarray]:
         if self.closed:
             raise SglangNotReadyError("kvproc backend: closed")

@@ -184,3 +184,17 @@ def test_storage_metrics_feed_sglangs_own_collector() -> None:
         assert REGISTRY.get_sample_value("sglang:prefetch_pgs_sum", labels) == 2
         assert REGISTRY.get_sample_value("sglang:backup_pgs_sum", labels) == 3
         assert b.get_stats() == StorageMetrics()  # drained
+
+
+def test_a_hybrid_models_side_pools_are_refused_at_start() -> None:
+    """A hybrid model registers its state pools for SGLang's `*_v2` calls (not served yet): the attach fails when
+    registration ends, naming them; a plain model's registration (the KV pool alone) goes through."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+
+    pool = host_pool()
+    with backend(pool) as b:
+        b.register_mem_host_pool_v2(pool, PoolName.KV)
+        b.on_host_pools_registered()
+        b.register_mem_host_pool_v2(host_pool(), PoolName.MAMBA)
+        with pytest.raises(SglangConfigError, match=r"\['mamba'\].*\*_v2"):
+            b.on_host_pools_registered()
