@@ -82,6 +82,8 @@ from kvproc.integrations.vllm import runtime as rt_mod
 from kvproc.integrations.vllm.contract import VllmGroup, VllmKvContract, contract_from_vllm, model_identity
 from kvproc.integrations.vllm.event_forward import TierEventForwarder
 from kvproc.integrations.vllm.moves import NULL_BLOCK, CopyJob, MoveQueue
+from kvproc.integrations.vllm.tp import KvprocWorkerMeta, RankedTier, TierAttach, WorkerRuntime
+from kvproc.store.tier_slots import TierSlots
 from kvproc.tiers.host_index import Hit, SaveTicket
 from kvproc.tiers.remote import RemoteCopier
 from kvproc.workers.movers import MEMMOVE
@@ -120,6 +122,10 @@ class KvprocConnectorMetadata(KVConnectorMetadata):
     wait_jobs: list[int] = field(default_factory=list)  # saves of preempted requests: done before vLLM reuses blocks
     unloaded: list[str] = field(default_factory=list)  # requests held back for a load that could not be planned
     async_started: bool = False  # the worker side submitted async_loads (at handle_preemptions, before the forward)
+    # Tensor parallel (`tp.py`): where each rank's tier is, and the finished requests whose free waits for a save
+    tiers: TierAttach | None = None
+    delayed: list[str] = field(default_factory=list)
+    tp_taken: bool = False  # the worker side read the two above
     idle: bool = False  # vLLM scheduled no token this step: it only waits for moves (see get_finished)
 
 
@@ -151,13 +157,14 @@ class _Req:
     restore_at: int = 0
     # The direct path (no mirror): the lookup in flight, the lease on the hit's host slots until vLLM's blocks have
     # them, the prompt's (then the request's) page hashes, and how many pages the tier has of it.
-    lookup: concurrent.futures.Future[Hit | None] | None = None
+    lookup: concurrent.futures.Future[Any] | None = None  # a Hit, every rank's (tensor parallel), or None
     tracked: bool = False
     lease: Hit | None = None
     hashes: list[bytes] = field(default_factory=list)
     saved: int = 0
     save_to: int = 0  # the pages the tier has once the save in flight lands
     leased_at: float = 0.0  # when the lookup's answer came (a lease too old is not trusted: `HostDirect.intact`)
+    leases: list[Hit] = field(default_factory=list)  # tensor parallel: every rank's (`lease` is rank 0's)
 
 
 def _scope(request: "Request") -> HashScope:
@@ -181,10 +188,15 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
                  kv_cache_config: "KVCacheConfig | None" = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)  # type: ignore[arg-type, unused-ignore]
         pc = vllm_config.parallel_config
-        if pc.world_size != 1:
-            raise KvContractError(f"KvprocConnector supports one rank for now (tensor_parallel_size="
-                                  f"{pc.tensor_parallel_size}, pipeline_parallel_size={pc.pipeline_parallel_size})")
-        if multiprocessing.current_process().daemon:
+        if pc.world_size != pc.tensor_parallel_size:
+            raise KvContractError(f"KvprocConnector supports tensor parallelism only (tensor_parallel_size="
+                                  f"{pc.tensor_parallel_size}, pipeline_parallel_size={pc.pipeline_parallel_size}, "
+                                  f"world_size={pc.world_size})")
+        self.ranks = pc.tensor_parallel_size
+        # Tensor parallel: vLLM's workers are processes of their own (daemonic: they start nothing); the store is the
+        # scheduler side's (`tp.py`).
+        self._tp_worker = self.ranks > 1 and role == KVConnectorRole.WORKER
+        if multiprocessing.current_process().daemon and not self._tp_worker:
             # vLLM's CPU platform runs even one rank in a daemonic worker process unless told otherwise: kvproc can
             # start no process there, and this half would not share the runtime with the scheduler's half.
             raise KvContractError("KvprocConnector: vLLM runs the model in a separate (daemonic) worker process; on "
@@ -218,6 +230,8 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         if self._groups > 1 and not self.options.async_moves:
             raise KvContractError("KvprocConnector: async_moves=false (synchronous loads) needs a model of one KV "
                                   "cache group: vLLM cannot hear of a failed synchronous load of several groups")
+        if self.ranks > 1:
+            self._check_tp(ktc.kv_role)
         engine_id = str(ktc.engine_id)
         # The direct path (one copy each way) unless P/D (its hand-offs go through the store's resolve and seal) or
         # the cma mover (the copy worker reaches vLLM's memory and the staging arenas, not the tier's segment) needs
@@ -226,13 +240,31 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
                                      or self.options.mover == "cma" else "direct")
         if path == "direct" and ktc.kv_role in ("kv_producer", "kv_consumer"):
             raise KvContractError("KvprocConnector: P/D roles move through the staging pool: path='staging'")
-        self.rt = rt_mod.acquire(engine_id, self.contract, self.options, vllm_config.scheduler_config.max_num_seqs,
-                                 direct=path == "direct")
-        self.direct = self.rt.direct
-        self.hasher = self.rt.store.pools[0].hasher
-        self.store = self.rt.store
-        # Equal strings mean a producer's KV can be restored here (weights, shapes, stored layout, page, hashing).
-        self.fingerprint = fingerprint("vllm", self.store.layouts[0], self.store.pools[0].hasher.algorithm)
+        self._direct_path = path == "direct"
+        self.rank = 0
+        self.ranked: RankedTier | None = None  # tensor parallel, the scheduler side: every rank's tier
+        self._tier_slots: TierSlots | None = None  # tensor parallel, a worker: its rank's tier, mapped
+        self._delayed_next: list[str] = []  # tensor parallel: frees delayed since the last meta (sent in the next)
+        if not self._tp_worker:
+            self.rt = rt_mod.acquire(engine_id, self.contract, self.options,
+                                     vllm_config.scheduler_config.max_num_seqs, direct=self._direct_path,
+                                     ranks=self.ranks)
+            self.direct = self.rt.direct
+            self.hasher = self.rt.store.pools[0].hasher
+            self.store = self.rt.store
+            if self.ranks > 1:
+                self.ranked = RankedTier(self.rt.directs)
+                self._tier_attach = self.ranked.attach
+            # Equal strings mean a producer's KV can be restored here (weights, shapes, stored layout, page, hashing).
+            self.fingerprint = fingerprint("vllm", self.store.layouts[0], self.store.pools[0].hasher.algorithm)
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            self.rank = get_tensor_model_parallel_rank()
+            # Its moves and counters only: the store is the scheduler side's (the worker's code reads no more of it).
+            self.rt = WorkerRuntime()  # type: ignore[assignment]
+            self.direct = None
+            self.fingerprint = ""
         self._closed = False
         # scheduler side
         self._reqs: dict[str, _Req] = {}
@@ -252,15 +284,30 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         self._events: TierEventForwarder | None = None  # the host tier's KV events into vLLM's stream
         kec = vllm_config.kv_events_config
         if (role == KVConnectorRole.SCHEDULER and self.options.kv_events and self.options.kv_events_into_vllm
-                and kec is not None and kec.enable_kv_cache_events):
+                and kec is not None and kec.enable_kv_cache_events and not self._tp_worker):
             tiers = rt_mod.kv_event_endpoints(self.options.tier_runtime_dir or self.rt.cluster.cluster.runtime_dir)
             tier = tiers["host_tier[0]"]
             self._events = TierEventForwarder(tier["kv_events"], tier["kv_events_replay"])
         self._failed_recving: set[str] = set()  # requests whose async load failed (several groups: by request)
         # State groups: the boundary states vLLM offered at the last step (req -> (group, block, boundary tokens))
         self._offers: dict[str, list[tuple[int, int, int]]] = {}
-        log.info("kvproc_connector", role=role.name, engine_id=engine_id, page_tokens=self.page,
-                 layers=len(self.contract.layer_names), groups=[g.vllm_spec for g in self.contract.groups])
+        log.info("kvproc_connector", role=role.name, engine_id=engine_id, page_tokens=self.page, rank=self.rank,
+                 ranks=self.ranks, layers=len(self.contract.layer_names),
+                 groups=[g.vllm_spec for g in self.contract.groups])
+
+    def _check_tp(self, kv_role: str | None) -> None:
+        """What tensor parallel carries today (`tp.py`): the direct path of a model whose KV grows page by page."""
+        why = ""
+        if kv_role in ("kv_producer", "kv_consumer") or self.options.path == "staging" or self.options.mover == "cma":
+            why = "P/D roles, path='staging' and mover='cma' move through the staging pool, which has one rank"
+        elif self.contract.has_sliding or self.contract.states:
+            why = (f"its groups {[g.vllm_spec for g in self.contract.groups]} need the scheduler to wait for a step's "
+                   "saves before the next forward (a sliding window's freed blocks, a state's offer), and under "
+                   "tensor parallel the saves run in the ranks' processes")
+        elif not self.options.async_moves:
+            why = "async_moves=false waits for moves that run in the ranks' processes"
+        if why:
+            raise KvContractError(f"KvprocConnector: tensor_parallel_size={self.ranks} is not supported here: {why}")
 
     # ============================ worker side ============================
 
@@ -269,7 +316,7 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         missing = [n for n in c.layer_names if n not in kv_caches]
         if missing:
             raise KvContractError(f"KvprocConnector: vLLM registered no KV tensor for layer(s) {missing}")
-        staging = self.rt.staging_views
+        staging = self.rt.staging_views if not self._tp_worker and not self._direct_path else {}
         for g in c.groups:
             row, stride = g.bytes_per_block, g.stride
             for name in g.layer_names:
@@ -286,9 +333,12 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
                 # [blocks, stride] bytes over vLLM's buffer (the padding after each state included, never copied)
                 per = t.stride(0)
                 self._kv[name] = torch.as_strided(t, (c.vllm_num_blocks, per), (per, 1)).view(torch.uint8).numpy()
-                # kvproc's side of every copy: the host tier's slots (direct) or the staging pool's blocks
-                self._staging[name] = self.direct.views[f"vllm.{name}"] if self.direct is not None else \
-                    staging[name].numpy()
+                # kvproc's side of every copy: the host tier's slots (direct; a TP rank's when its first step
+                # names its tier) or the staging pool's blocks
+                if self.direct is not None:
+                    self._staging[name] = self.direct.views[f"vllm.{name}"]
+                elif not self._tp_worker:
+                    self._staging[name] = staging[name].numpy()
                 self._bases[name] = t.data_ptr()
         if self.rt.moves is None:
             self.rt.moves = MoveQueue(self._copy)
@@ -302,6 +352,9 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         """All of one batch's jobs of one direction, on the mover thread (`moves.py`); raises on failure. The direct
         path's save (one job a batch) reserves its slots in the tier first, writes them holding the save's fence and
         commits (`HostDirect.save`)."""
+        if self._tp_worker:
+            self._copy_rank(jobs, to_vllm)
+            return
         if self.direct is not None and not to_vllm:
             for j in jobs:
                 if not self.direct.save(j.req_id, j.keys, functools.partial(self._write_save, j),
@@ -317,6 +370,48 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
                     self.rt.count("loads_lease_lost")
                     raise RuntimeError(f"request {j.req_id!r}: its lease on the host tier's slots was too old or a "
                                        "slot was handed to a save: the copy is not trusted (vLLM recomputes)")
+
+    def _copy_rank(self, jobs: list[CopyJob], to_vllm: bool) -> None:
+        """A tensor-parallel worker's part of a direct move (`tp.py`): its rank's slots, reserved or leased by the
+        scheduler side; a save written holding its fence, a load checked after the copy."""
+        slots = self._tier_slots
+        if slots is None:
+            raise RuntimeError("no step has named this rank's host tier yet")
+        for j in jobs:
+            if not to_vllm:
+                save = j.rank_saves[self.rank]
+                keep = [i for i, s_ in enumerate(save.slots) if s_ is not None]
+                rows = CopyJob(j.job_id, j.req_id, [save.slots[i] for i in keep],
+                               tuple([ids[i] for i in keep] if ids else [] for ids in j.vllm))
+                slots.write_fenced(save.fence, save.token, functools.partial(self._copy_rows, [rows], False))
+                continue
+            mine = CopyJob(j.job_id, j.req_id, j.rank_slots[self.rank], j.vllm)
+            self._copy_rows([mine], True)
+            if not slots.intact(mine.staging, j.rank_gens[self.rank], j.leased_at, time.monotonic()):
+                self.rt.count("loads_lease_lost")
+                raise RuntimeError(f"request {j.req_id!r}: its lease on rank {self.rank}'s host tier slots was too old "
+                                   "or a slot was handed to a save: the copy is not trusted (vLLM recomputes)")
+
+    def _take_tp_meta(self, meta: KvprocConnectorMetadata) -> None:
+        """A TP worker's share of the step's meta: its rank's tier (mapped at the first step), and the frees the
+        scheduler delayed for saves (reported once this rank's moves of the request settled)."""
+        if not self._tp_worker or meta.tp_taken:
+            return
+        meta.tp_taken = True
+        if self._tier_slots is None and meta.tiers is not None:
+            self._tier_slots = TierSlots(meta.tiers.segments[self.rank], meta.tiers.layouts[self.rank])
+            for name in self.contract.layer_names:
+                self._staging[name] = self._tier_slots.views[f"vllm.{name}"]
+        for req_id in meta.delayed:
+            self._moves.delay_free(req_id)
+
+    def build_connector_worker_meta(self) -> KvprocWorkerMeta | None:
+        """A TP worker's report of the moves that ended since the last step (the scheduler side settles a job once
+        every rank reported it). One rank's engine reads its mover directly."""
+        if not self._tp_worker or self.rt.moves is None:
+            return None
+        done = self.rt.moves.drain()
+        return KvprocWorkerMeta({(self.rank, job_id): ok for job_id, ok in done}) if done else None
 
     def _write_save(self, job: CopyJob, ticket: SaveTicket) -> None:
         """A direct save's bytes into the slots of its ticket: pages the tier has already (slot None) and state groups
@@ -397,6 +492,7 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         later)."""
         meta = kv_connector_metadata
         assert isinstance(meta, KvprocConnectorMetadata)
+        self._take_tp_meta(meta)
         if meta.wait_jobs:
             self.rt.count("preemption_waits")
             self._moves.wait(meta.wait_jobs, self.options.move_wait_s)  # else poisoned: reported failed, not sealed
@@ -406,7 +502,7 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         if meta.async_started:
             return
         meta.async_started = True
-        if self.direct is not None:  # one batch a load: each checked (and failed) on its own
+        if self._direct_path:  # one batch a load: each checked (and failed) on its own
             for job in meta.async_loads:
                 self._moves.submit([job], to_vllm=True)
         else:
@@ -417,6 +513,7 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvprocConnectorMetadata)
+        self._take_tp_meta(meta)
         self._load_errors.update(meta.failed_loads)
         self._failed_recving.update(meta.failed_load_reqs)
         moves = self._moves
@@ -437,7 +534,7 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         settle (a finished request's free is delayed, a preempted one's reuse waits in `handle_preemptions`)."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvprocConnectorMetadata)
-        if self.direct is not None:  # one batch per save: each its own reservation and outcome
+        if self._direct_path:  # one batch per save: each its own reservation and outcome
             for job in meta.saves:
                 self._moves.submit([job], to_vllm=False)
         else:
@@ -644,7 +741,8 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         cap = (len(tokens) - 1) // self.page
         if cap > 0:
             assert self.direct is not None
-            r.lookup = self.direct.lookup(r.req_id, r.hashes[:cap])
+            r.lookup = self.ranked.lookup(r.req_id, r.hashes[:cap]) if self.ranked is not None \
+                else self.direct.lookup(r.req_id, r.hashes[:cap])
 
     def _result(self, r: _Req, fut: concurrent.futures.Future[Any]) -> Any:
         """A resolve's or lookup's result, or `_PENDING` (vLLM asks again at its next step). The first ask waits a
@@ -667,6 +765,8 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
             if hit is _PENDING:
                 return None, False
             r.lookup = None
+            if isinstance(hit, list):  # tensor parallel: every rank's lease, all of the common prefix
+                r.leases, hit = hit, hit[0]
             if isinstance(hit, Hit):
                 r.lease, r.saved, r.restore_at = hit, hit.pages, hit.pages * self.page
                 r.leased_at = time.monotonic()
@@ -682,9 +782,11 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         return ext, ext > 0 and self.options.async_moves
 
     def _release_lease(self, r: _Req) -> None:
-        if r.lease is not None and self.direct is not None:
+        if r.leases and self.ranked is not None:
+            self.ranked.release(r.leases)
+        elif r.lease is not None and self.direct is not None:
             self.direct.release(r.lease.lease_id)
-        r.lease = None
+        r.lease, r.leases = None, []
 
     def _extend_hashes(self, r: _Req, pages: int, known: Any) -> bool:
         """The request's page hashes up to `pages` (decode fills pages past the prompt's): False where a page's tokens
@@ -738,6 +840,13 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
             if self.direct.tier.wants_token_ids else None  # the tier's KV events carry them
         job = CopyJob(next(self._job_ids), r.req_id, [], vllm, keys=r.hashes[have:target],
                       parent=r.hashes[have - 1] if have else None, tokens=tokens)
+        if self.ranked is not None:  # tensor parallel: every rank's slots now, written by each rank after the forward
+            saves = self.ranked.reserve(job.job_id, r.req_id, job.keys, job.parent, tokens)
+            if saves is None:
+                self.rt.count("saves_refused")
+                r.saving = False
+                return
+            job.rank_saves = saves
         r.job, r.save_to = job.job_id, target
         self._jobs[job.job_id] = r
         meta.saves.append(job)
@@ -888,6 +997,9 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
             else:
                 self._plan_save(r, computed[req_id] + n, meta)
         meta.idle = scheduler_output.total_num_scheduled_tokens == 0
+        if self.ranked is not None:
+            meta.tiers = self._tier_attach
+            meta.delayed, self._delayed_next = self._delayed_next, []
         return meta
 
     def _seal_offered_states(self, offers: dict[str, list[tuple[int, int, int]]]) -> None:
@@ -1004,6 +1116,10 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         if r.lease is not None:  # direct: checked after the copy (`HostDirect.intact`)
             job.gens = list(r.lease.page_gens[a:b]) if r.lease.page_gens else []
             job.leased_at = r.leased_at
+        if self.ranked is not None:  # tensor parallel: each rank copies its own tier's slots
+            job.rank_slots = [list(h.page_slots[a:b]) for h in r.leases]
+            job.rank_gens = [list(h.page_gens[a:b]) for h in r.leases]
+            self.ranked.expect_load(job.job_id)
         self._loads[job.job_id] = r
         r.load_job = job.job_id
         into.append(job)
@@ -1053,14 +1169,20 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         meta.saves.append(job)
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        if self.ranked is not None:
+            self.ranked.report(connector_output.kv_connector_worker_meta)
         self._drain()
 
     def _drain(self) -> None:
-        """The mover's settled jobs (`moves.py`), on the scheduler's thread: seal saved pages, unpin loaded ones."""
-        moves = self.rt.moves
-        if moves is None:
+        """The mover's settled jobs (`moves.py`; tensor parallel: those every rank reported, `tp.py`), on the
+        scheduler's thread: seal saved pages, unpin loaded ones."""
+        if self.ranked is not None:
+            settled = self.ranked.settled()
+        elif self.rt.moves is not None:
+            settled = self.rt.moves.drain()
+        else:
             return
-        for job_id, ok in moves.drain():
+        for job_id, ok in settled:
             r = self._loads.pop(job_id, None)
             if r is not None:
                 self._load_done(r, job_id, ok)
@@ -1131,10 +1253,13 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         params = self._envelope_out(r, request) if self.producer else None
         # A save still reading vLLM's blocks: vLLM keeps them until the worker reports it settled (get_finished).
         # (A load in flight needs nothing from us: vLLM keeps a request's blocks while it waits for a load.)
-        delay = r.job is not None and self.rt.moves is not None
+        delay = r.job is not None and (self.rt.moves is not None or self.ranked is not None)
         if delay:
-            assert self.rt.moves is not None
-            self.rt.moves.delay_free(r.req_id)
+            if self.ranked is not None:
+                self._delayed_next.append(r.req_id)  # each rank's worker hears it with the next step
+            else:
+                assert self.rt.moves is not None
+                self.rt.moves.delay_free(r.req_id)
             self.rt.count("frees_delayed")
         if r.job is None and r.load_job is None:
             self._retire(r)
@@ -1179,7 +1304,9 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
             hit = fut.result()
         except Exception:  # noqa: BLE001 - nothing leased
             return
-        if hit is not None and self.direct is not None:
+        if isinstance(hit, list) and self.ranked is not None:
+            self.ranked.release(hit)
+        elif hit is not None and self.direct is not None:
             self.direct.release(hit.lease_id)
 
     # ============================ both ============================
@@ -1214,6 +1341,14 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         if moves is not None and moves.idle(self.options.move_wait_s):
             self._staging.clear()
             self._kv.clear()
+        if self._tp_worker:  # its moves ended above (or never will): the mapping goes with them
+            if moves is not None:
+                moves.close()
+            if self._tier_slots is not None:
+                self._tier_slots.close()
+            return
+        if self.ranked is not None:
+            self.ranked.close()  # saves no rank reports any more: slots given back now, not at the tier's TTL
         rt_mod.release(self.rt)
 
 

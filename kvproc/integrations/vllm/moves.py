@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import structlog
 
@@ -55,6 +56,11 @@ class CopyJob:
     # `HostDirect.intact`).
     gens: list[int] = field(default_factory=list)
     leased_at: float = 0.0
+    # Tensor parallel (`tp.py`): each rank's part, picked by its worker: a load's slots and their generations in that
+    # rank's tier, a save's reserved slots and fence there (`tp.RankSave`).
+    rank_slots: list[list[int]] = field(default_factory=list)
+    rank_gens: list[list[int]] = field(default_factory=list)
+    rank_saves: list[Any] = field(default_factory=list)
 
     def vllm_blocks(self) -> set[int]:
         """The vLLM blocks this job writes when it is a load (what vLLM must recompute if it fails)."""

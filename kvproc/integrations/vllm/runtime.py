@@ -117,19 +117,24 @@ class _StagingModel:
     arenas hold `live_slots` live slots (one per mirror: unused, the live state is vLLM's) and as many staging slots
     (checkpoints) as the paged groups have blocks."""
 
-    def __init__(self, contract: VllmKvContract, num_blocks: int, allocator: Any, live_slots: int = 1) -> None:
+    def __init__(self, contract: VllmKvContract, num_blocks: int, allocator: Any, live_slots: int = 1,
+                 ranks: int = 1) -> None:
         self._spec = contract.spec
-        self._arenas = []
-        for g in contract.groups:
-            n = live_slots + num_blocks if g.state else num_blocks
-            self._arenas += [(g.name, KvArena(f"vllm.{name}", allocator(f"vllm.{name}", n * g.bytes_per_block), n,
-                                              g.bytes_per_block, g.bytes_per_block)) for name in g.layer_names]
+        self._ranks: list[list[tuple[str, KvArena]]] = []
+        for r in range(ranks):  # one pool per rank (tensor parallel), each of its own arenas
+            arenas = []
+            for g in contract.groups:
+                n = live_slots + num_blocks if g.state else num_blocks
+                arenas += [(g.name, KvArena(f"vllm.{name}", allocator(f"vllm.{name}", n * g.bytes_per_block), n,
+                                            g.bytes_per_block, g.bytes_per_block)) for name in g.layer_names]
+            self._ranks.append(arenas)
+        self._arenas = self._ranks[0]
 
     def spec(self) -> KvSpec:
         return self._spec
 
     def arenas(self, rank: int) -> Sequence[tuple[str, KvArena]]:
-        return self._arenas
+        return self._ranks[rank]
 
     def repack(self, group: str, direction: RepackDirection, src: torch.Tensor, dst: torch.Tensor,
                arena: ArenaId) -> None:
@@ -150,6 +155,7 @@ class KvprocRuntime:
     counters: dict[str, int] = field(default_factory=dict)
     moves: MoveQueue | None = None  # made by the worker side when vLLM registers its tensors
     direct: HostDirect | None = None  # the direct path's view of the host tier (None: the staging path)
+    directs: list[HostDirect] = field(default_factory=list)  # ... of every rank's tier (tensor parallel)
 
     @property
     def staging_views(self) -> dict[str, Any]:
@@ -168,17 +174,18 @@ class KvprocRuntime:
         try:
             if self.moves is not None:
                 self.moves.close()
-            if self.direct is not None:
-                self.direct.close()
+            for d in self.directs:
+                d.close()
             self.cluster.close()
         finally:
             log.info("vllm_connector_closed", engine_id=self.engine_id, counters=self.counters)
 
 
 def acquire(engine_id: str, contract: VllmKvContract, options: RuntimeOptions, max_running: int,
-            direct: bool = False) -> KvprocRuntime:
+            direct: bool = False, ranks: int = 1) -> KvprocRuntime:
     """The engine's runtime, started by the first caller (the worker side, usually): one reference per caller.
-    `direct`: the direct path (no staging pool to speak of: one block per arena)."""
+    `direct`: the direct path (no staging pool to speak of: one block per arena). `ranks`: one host tier and pool
+    per tensor-parallel rank (the scheduler side's, `tp.py`)."""
     with _lock:
         rt = _runtimes.get(engine_id)
         if rt is not None and not rt.closed:
@@ -192,21 +199,22 @@ def acquire(engine_id: str, contract: VllmKvContract, options: RuntimeOptions, m
             check_shared_tier_events(options.tier_runtime_dir, options.kv_events_tokens)
         own_events = options.kv_events and options.tier_runtime_dir is None
         interval_ms = options.kv_events_interval_ms
-        cs = ClusterStore.start(host_bytes=options.host_bytes, name=f"vllm{abs(hash(engine_id)) % 10**8}",
+        cs = ClusterStore.start(host_bytes=options.host_bytes, name=f"vllm{abs(hash(engine_id)) % 10**8}", ranks=ranks,
                                 log_level=options.log_level, tier_runtime_dir=options.tier_runtime_dir,
                                 kv_events=own_events, kv_events_tokens=own_events and options.kv_events_tokens,
                                 kv_events_interval_s=DEFAULT_INTERVAL_S if interval_ms is None else interval_ms / 1000)
         try:
             live = 1 if direct else max(1, max_running)
-            model = _StagingModel(contract, staging, cs.allocator, live)
+            model = _StagingModel(contract, staging, cs.allocator, live, ranks)
             store = cs.attach_model(model, live_slots=live, config=StoreConfig())
-            hd = HostDirect(store, cs.host_segment) if direct else None
+            directs = [HostDirect(store, cs.host_segments[r], r) for r in range(ranks)] if direct else []
         except BaseException:
             cs.close()
             raise
-        rt = KvprocRuntime(engine_id, contract, options, cs, store, model, users=1, direct=hd)
+        rt = KvprocRuntime(engine_id, contract, options, cs, store, model, users=1,
+                           direct=directs[0] if directs else None, directs=directs)
         _runtimes[engine_id] = rt
-        log.info("vllm_connector_started", engine_id=engine_id, path="direct" if direct else "staging",
+        log.info("vllm_connector_started", engine_id=engine_id, path="direct" if direct else "staging", ranks=ranks,
                  staging_blocks=staging,
                  host_bytes=options.host_bytes, layers=len(contract.layer_names),
                  groups={g.name: (g.vllm_spec, len(g.layer_names), g.bytes_per_block) for g in contract.groups},

@@ -1,0 +1,191 @@
+"""Tensor parallel: vLLM's model in one worker process per rank, kvproc's store beside vLLM's scheduler.
+
+With `tensor_parallel_size=N` vLLM runs the scheduler-side connector in the engine-core process and one worker-side
+connector in each rank's worker process (spawned, daemonic: it can start no process of its own). Each rank's KV is
+its own shard (its heads), so each rank has its own host tier (`kvproc up --ranks N`, or the N tiers the connector
+starts), and a page is in the cache when every rank's tier has its shard.
+
+The store and every message to the tiers stay on the scheduler's side; a worker only copies bytes between its
+vLLM blocks and its rank's tier segment, which it maps (`kvproc/store/tier_slots.py`), one copy per page each way:
+
+- **lookup**: the scheduler leases the prefix on every rank's tier (`RankedTier.lookup`) and keeps the shortest:
+  every rank restores the same pages. The load job names each rank's slots and their generations; each worker
+  copies its own and checks them after the copy (`TierSlots.intact`).
+- **save**: the scheduler reserves the pages' slots on every rank's tier when it plans the save, before the forward
+  that computes them; each worker writes its rank's slots holding that save's fence, after the forward; the
+  scheduler commits each rank's save when that rank's worker reports it written.
+- workers report each job's end (`KvprocWorkerMeta`, vLLM's worker -> scheduler channel, aggregated over the ranks
+  by vLLM); a job is settled when every rank reported it, and ok only if every rank's part was.
+
+Everything a rank needs from the store travels in the step's metadata (`TierAttach`, the jobs' slots and fences);
+nothing of the store is shared in memory but the tiers' segments.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
+
+from kvproc.tiers.host_index import Hit, SaveClass, SaveTicket
+from kvproc.tiers.layout import HostLayout
+
+if TYPE_CHECKING:
+    from kvproc.store.host_direct import HostDirect
+
+
+@dataclass(frozen=True)
+class TierAttach:
+    """Where each rank's host tier keeps its slots: sent in every step's metadata (a few names), mapped by each worker
+    at the first step it sees it."""
+
+    segments: tuple[str, ...]
+    layouts: tuple[HostLayout, ...]
+
+
+@dataclass(frozen=True)
+class RankSave:
+    """One rank's part of a save: its slots (None: that rank's tier has the page already) and the save's fence."""
+
+    slots: tuple[int | None, ...]
+    fence: int
+    token: int
+
+
+class KvprocWorkerMeta(KVConnectorWorkerMetadata):
+    """The jobs each rank's worker finished since its last report: (rank, job id) -> ok. vLLM merges the ranks'."""
+
+    def __init__(self, done: dict[tuple[int, int], bool]) -> None:
+        self.done = done
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, KvprocWorkerMeta)
+        return KvprocWorkerMeta({**self.done, **other.done})
+
+
+@dataclass
+class _Pending:
+    ranks: int
+    saves: list[SaveTicket] | None  # a save's tickets, one per rank (None: a load)
+    reported: dict[int, bool] = field(default_factory=dict)
+
+
+class RankedTier:
+    """The scheduler side: one `HostDirect` per rank (their calls run on the store's loop), and the jobs whose ranks
+    have not all reported."""
+
+    def __init__(self, directs: Sequence["HostDirect"]) -> None:
+        self.directs = list(directs)
+        self.ranks = len(self.directs)
+        self._pending: dict[int, _Pending] = {}
+        self._reports: dict[tuple[int, int], bool] = {}
+        self._lock = threading.Lock()  # reports arrive on vLLM's output path, settle on its scheduler path
+
+    @property
+    def attach(self) -> TierAttach:
+        return TierAttach(tuple(d.segment for d in self.directs), tuple(d.layout for d in self.directs))
+
+    # ---- loads ----
+    def lookup(self, req_id: str, hashes: list[bytes]) -> concurrent.futures.Future[list[Hit] | None]:
+        """Lease the prefix on every rank's tier; the hit is the shortest one (each rank's lease covers at least its
+        pages), None when one rank has none of it (every lease released)."""
+        return self.directs[0].store.submit(self._lookup(req_id, hashes))
+
+    async def _lookup(self, req_id: str, hashes: list[bytes]) -> list[Hit] | None:
+        got = await asyncio.gather(*(d.lease_prefix(req_id, hashes) for d in self.directs))
+        hits = [h for h in got if h is not None]
+        pages = min((h.pages for h in hits), default=0) if len(hits) == self.ranks else 0
+        if not pages:
+            for d, h in zip(self.directs, got):
+                if h is not None:
+                    d.tier.release_lease(h.lease_id)
+            return None
+        # Trimmed to the common prefix: no state groups under TP (`KvprocConnector`), so any page boundary will do.
+        return [Hit(pages, h.lease_id, h.page_slots[:pages], {}, h.page_gens[:pages]) for h in hits]
+
+    def release(self, leases: Sequence[Hit]) -> None:
+        for d, h in zip(self.directs, leases):
+            d.release(h.lease_id)
+
+    def expect_load(self, job_id: int) -> None:
+        with self._lock:
+            self._pending[job_id] = _Pending(self.ranks, None)
+
+    # ---- saves ----
+    def reserve(self, job_id: int, req_id: str, keys: list[bytes], parent: bytes | None,
+                tokens: list[int] | None, save_class: SaveClass = SaveClass.CACHEABLE) -> list[RankSave] | None:
+        """Reserve the pages' slots on every rank's tier (None, and whatever was reserved given back, when one
+        cannot take them: the save is lost, recorded per rank)."""
+        tickets: list[SaveTicket] = []
+        for d in self.directs:
+            t = d.reserve(req_id, keys, save_class=save_class, parent=parent, tokens=tokens)
+            if t is None:
+                for d_, t_ in zip(self.directs, tickets):
+                    d_.abort(t_, "another_rank_refused")
+                return None
+            tickets.append(t)
+        with self._lock:
+            self._pending[job_id] = _Pending(self.ranks, tickets)
+        return [RankSave(tuple(t.page_slots), t.fence, t.fence_token) for t in tickets]
+
+    # ---- reports ----
+    def report(self, meta: KVConnectorWorkerMetadata | None) -> None:
+        """A step's worker reports (vLLM's output path): kept until the scheduler side settles them."""
+        if isinstance(meta, KvprocWorkerMeta) and meta.done:
+            with self._lock:
+                self._reports.update(meta.done)
+
+    def settled(self) -> list[tuple[int, bool]]:
+        """Jobs every rank has reported since the last call: (job id, ok). A rank's save is committed (or its slots
+        given back) as soon as that rank reported it."""
+        with self._lock:
+            reports, self._reports = self._reports, {}
+        out = []
+        for (rank, job_id), ok in sorted(reports.items()):
+            with self._lock:
+                p = self._pending.get(job_id)
+            if p is None or rank in p.reported:
+                continue
+            if p.saves is not None:
+                d, t = self.directs[rank], p.saves[rank]
+                if ok:
+                    ok = d.commit(t)
+                else:
+                    d.abort(t, "write_failed")
+            p.reported[rank] = ok
+            if len(p.reported) == p.ranks:
+                with self._lock:
+                    self._pending.pop(job_id, None)
+                out.append((job_id, all(p.reported.values())))
+        return out
+
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
+    def close(self) -> None:
+        """Saves no rank will report any more (shutdown): their slots go back now rather than at the tier's TTL."""
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        for p in pending.values():
+            for rank, t in enumerate(p.saves or ()):
+                if rank not in p.reported:
+                    self.directs[rank].abort(t, "shutdown")
+
+
+@dataclass
+class WorkerRuntime:
+    """A TP worker's share of the runtime: its moves and counters (the store is in the scheduler's process)."""
+
+    counters: dict[str, int] = field(default_factory=dict)
+    moves: Any = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self.counters[name] = self.counters.get(name, 0) + n
