@@ -18,15 +18,26 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from kvproc.core import pool as P
 from kvproc.demo import single
 from kvproc.engine import engine as E
 
 _info: dict[str, dict[str, Any]] = {}
+# (pool serial, block) -> the last events that wrote or read it: what each block held, and since when
+_trail: dict[tuple[int, int], list[str]] = {}
+_clock = {"step": 0}
 
 
-def _page_bytes(model: Any, rank: int, block: int) -> list[bytes]:
+def _note(pool: Any, ids: Any, what: str) -> None:
+    for b in ids:
+        t = _trail.setdefault((pool.serial, int(b)), [])
+        t.append(f"s{_clock['step']}:{what}")
+        del t[:-8]
+
+
+def _page_bytes(model: Any, block: int) -> list[bytes]:
     out = []
-    for _, arena in model.arenas(rank):
+    for _, arena in model.arenas(0):  # each rank's tiny model is a whole model of its own (its rank 0)
         flat = arena.tensor.view(-1)
         out.append(bytes(flat[block * arena.block_stride: block * arena.block_stride + arena.bytes_per_block].numpy()))
     return out
@@ -34,6 +45,26 @@ def _page_bytes(model: Any, rank: int, block: int) -> list[bytes]:
 
 def _instrument() -> None:
     start, step = E.Engine._start, E.Engine.step
+    commit, pin, reserve = P.BlockPool.commit_loaded_blocks, P.BlockPool.pin, P.BlockPool.reserve_loaded_blocks
+
+    def noted_commit(self: Any, reservation: Any, hold: Any, hashes: Any) -> None:
+        ids = list(reservation.block_ids)
+        commit(self, reservation, hold, hashes)
+        _note(self, ids, f"loaded[{len(ids)}] after hold of {hold.num_blocks if not hold.consumed else '?'}")
+
+    def noted_reserve(self: Any, n: int, *a: Any, **k: Any) -> Any:
+        res = reserve(self, n, *a, **k)
+        if res is not None:
+            _note(self, res.block_ids, f"reserved[{n}]")
+        return res
+
+    def noted_pin(self: Any, ids: Any, *a: Any, **k: Any) -> Any:
+        _note(self, ids, "pinned(save)")
+        return pin(self, ids, *a, **k)
+
+    P.BlockPool.commit_loaded_blocks = noted_commit  # type: ignore[method-assign]
+    P.BlockPool.reserve_loaded_blocks = noted_reserve  # type: ignore[method-assign]
+    P.BlockPool.pin = noted_pin  # type: ignore[method-assign]
 
     def recorded_start(self: Any, r: Any) -> None:
         pre = None if r.prefixes is None else [
@@ -44,6 +75,12 @@ def _instrument() -> None:
             _info[r.req.req_id] = {"prefixes": pre, "computed": [k.num_computed for k in a.kvs]}
 
     def checked_step(self: Any) -> Any:
+        _clock["step"] += 1
+        for a in list(self._running.values()):
+            for k in a.kvs:  # pages this step may compute into (the decode's, or a prefill chunk's)
+                P_ = self.page_tokens
+                first = k.num_computed // P_
+                _note(k.pool, k.block_ids[first: first + 1 + self.chunk_tokens // P_], f"computable by {a.req.req_id}")
         try:
             return step(self)
         except RuntimeError as e:
@@ -65,16 +102,40 @@ def _report(engine: Any, error: str) -> None:
               _info[rid]["computed"], "now", [k.num_computed for k in kvs], flush=True)
         for page in range(min(len(k.block_ids) for k in kvs)):
             ids = [k.block_ids[page] for k in kvs]
-            if _page_bytes(engine.models[0], 0, ids[0]) != _page_bytes(engine.models[1], 1, ids[1]):
+            if _page_bytes(engine.models[0], ids[0]) != _page_bytes(engine.models[1], ids[1]):
                 hashes = [k.page_hashes[page] if page < len(k.page_hashes) else None for k in kvs]
                 print("DEBUG page", page, "differs: blocks", ids, "generations",
                       [int(k.pool.paged.generation[b]) for k, b in zip(kvs, ids)], "hashes agree",
                       hashes[0] == hashes[1], flush=True)
+                import numpy as np
+                a0 = np.frombuffer(b"".join(_page_bytes(engine.models[0], ids[0])), dtype=np.float32)
+                a1 = np.frombuffer(b"".join(_page_bytes(engine.models[1], ids[1])), dtype=np.float32)
+                print("DEBUG   float32 view: max |diff|", float(np.abs(a0 - a1).max()), "max |value|",
+                      float(np.abs(a0).max()), "values differing", int((a0 != a1).sum()), "of", a0.size, flush=True)
+                for k, b in zip(kvs, ids):
+                    print("DEBUG   trail", k.pool.label, b, _trail.get((k.pool.serial, b)), flush=True)
         print("DEBUG outcomes", engine.store.outcomes.for_request(rid), flush=True)
         for r in (0, 1):
             print(f"DEBUG rank{r}", {k: v for k, v in engine.store.stats()[f"rank{r}"].items() if v}, flush=True)
 
 
+def _count_rounding() -> None:
+    """Each engine's steps whose ranks were float rounding apart (the engine goes on: `Engine._check_lock_step`)."""
+    init = E.Engine.__init__
+    engines: list[Any] = []
+
+    def kept(self: Any, *a: Any, **k: Any) -> None:
+        init(self, *a, **k)
+        engines.append(self)
+
+    E.Engine.__init__ = kept  # type: ignore[method-assign]
+    import atexit
+
+    atexit.register(lambda: print("ROUNDING_APART_STEPS", sum(e.counters["rank_rounding_apart"] for e in engines),
+                                  flush=True))
+
+
 if __name__ == "__main__":
     _instrument()
+    _count_rounding()
     sys.exit(single.main(["--ranks", "2", "--scale", "0.25", "--runs", "kvproc", *sys.argv[1:]]))
