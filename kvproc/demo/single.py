@@ -357,7 +357,8 @@ def _main_pd(args: argparse.Namespace) -> int:
     print(format_table(summaries))
     for n, c in pd_counts.items():
         print(f"{n:<12} hand-offs completed {c.get('handoffs_completed', 0)}, rejected "
-              f"{c.get('handoffs_rejected', 0)}, retried {c.get('handoffs_retried', 0)}")
+              f"{c.get('handoffs_rejected', 0)}, retried {c.get('handoffs_retried', 0)}, computed by decode "
+              f"{c.get('handoffs_recomputed', 0)}")
     print(f"\nP/D outputs identical to the single-engine run: {identical}")
     diff = None if identical else first_difference(records)
     if diff:
@@ -367,8 +368,10 @@ def _main_pd(args: argparse.Namespace) -> int:
                "handoffs_completed": pd_counts["pd"].get("handoffs_completed", 0),
                "handoffs_rejected": pd_counts["pd"].get("handoffs_rejected", 0),
                "handoffs_retried": pd_counts["pd"].get("handoffs_retried", 0),
+               "handoffs_recomputed": pd_counts["pd"].get("handoffs_recomputed", 0),
                "barrier": {k: pd_counts["pd_barrier"].get(k, 0) for k in
-                           ("handoffs_completed", "handoffs_rejected", "handoffs_retried")},
+                           ("handoffs_completed", "handoffs_rejected", "handoffs_retried",
+                            "handoffs_recomputed")},
                "pd_outputs_identical": identical, "first_difference": diff, "model": args.model,
                "workload": asdict(spec), "scale": args.scale, "sizes": asdict(sizes),
                "stats": json.loads(json.dumps(stats, default=str))}

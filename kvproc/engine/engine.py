@@ -99,7 +99,8 @@ class Engine:
     def __init__(self, model: TinyModel | RankedModel, store: KvStore, *, ranks: int = 1, max_batch: int = 16,
                  chunk_tokens: int = 512, checkpoint_every_pages: int = 8, prefix_cache: bool = True,
                  scope: HashScope = DEFAULT_SCOPE, clock: Callable[[], float] = time.perf_counter,
-                 handoff_barrier: bool = False, handoff_deadline_s: float = 15.0) -> None:
+                 handoff_barrier: bool = False, handoff_deadline_s: float = 15.0,
+                 short_handoff: str = "recompute") -> None:
         if max_batch <= 0 or chunk_tokens < max_batch:
             raise ValueError(f"need max_batch > 0 and chunk_tokens >= max_batch, got {max_batch}, {chunk_tokens}")
         self.model, self.store = model, store
@@ -128,6 +129,12 @@ class Engine:
         # the decode side waits for them in full-hit mode).
         self.handoff_barrier = handoff_barrier
         self.handoff_deadline_s = handoff_deadline_s
+        # A hand-off whose KV the store does not hold whole by the deadline (the tier stalled, a save was lost):
+        # "recompute" (the decode side computes the committed prompt itself: a slower turn, never a failed one) or
+        # "reject" (the request fails as a short hit; a router may retry it through prefill).
+        if short_handoff not in ("recompute", "reject"):
+            raise ValueError(f"short_handoff must be 'recompute' or 'reject', got {short_handoff!r}")
+        self.short_handoff = short_handoff
         self._handing_off: list[tuple[Request, list[SealCursor]]] = []
         self._checkpointing: list[_Active] = []  # hand-offs waiting for a staging slot for their boundary copy
         self._emitted: list[Request] = []
@@ -275,11 +282,20 @@ class Engine:
             req = head.req
             if req.handoff_in is not None and head.kvs is None and not head.recompute and \
                     not self._handoff_hit_is_full(head):
-                # Short hit: reject before taking a slot; the router can retry through prefill.
+                # Short hit, before a slot is taken: nobody will read the producer's pages now.
                 got = head.prefix.hold.num_tokens if head.prefix is not None else 0
                 self._inbox.popleft()
                 self._drop(head)
                 self.store.revoke_handoff(req.handoff_in.producer_req_id)
+                if self.short_handoff == "recompute":
+                    # Computed here from the prompt (the committed tokens and the anchor, whose KV the producer never
+                    # wrote), as after a failed restore; the anchor is the turn's first output token already.
+                    assert req.handoff_in.anchor_token_id is not None  # an EOS anchor finished at intake
+                    req.output.append(req.handoff_in.anchor_token_id)
+                    req.handoff_recomputed = req.handoff_in.committed_len - got
+                    self.counters["handoffs_recomputed"] += 1
+                    self._inbox.appendleft(_Ready(req, None, recompute=True))
+                    continue
                 req.failed = (f"handoff: short hit ({got} of {req.handoff_in.committed_len} tokens in the store):"
                               " retry through prefill")
                 req.finished_at = self.clock()

@@ -5,8 +5,10 @@ envelope to a decode engine, and engine processes for `kvproc demo --pd`.
 engines may be in-process `Engine`s (tests) or `EngineProcess` proxies (the demo: each engine is its own scheduler
 process with its own copy worker, and both share one host tier started with `kvproc up`).
 
-A decode-side rejection for a short hit is retried through prefill (`max_retries`); a fingerprint mismatch or any
-other failure fails the turn with both engines' reasons.
+A hand-off the store did not deliver whole (a stalled tier, a lost save) is computed by the decode engine itself
+(`Engine(short_handoff="recompute")`, the default: counted `handoffs_recomputed`, the turn's `handoff_recomputed`);
+a decode engine that rejects it instead (`short_handoff="reject"`) has the turn retried through prefill
+(`max_retries`). A fingerprint mismatch or any other failure fails the turn with both engines' reasons.
 """
 
 from __future__ import annotations
@@ -101,6 +103,9 @@ class PdRouter:
             self._finish(t, failed=f"decode: {d.failed}")
             return
         self.counters["handoffs_completed"] += 1
+        if d.handoff_recomputed:  # the decode side computed what the store did not deliver: slower, not failed
+            self.counters["handoffs_recomputed"] += 1
+            t.user.handoff_recomputed = d.handoff_recomputed
         t.user.output = list(d.output)
         t.user.logits = list(d.logits)
         self._finish(t)

@@ -37,6 +37,8 @@ class Request:
     handoff_out: bool = False  # prefill side: stop after the first token, pad, seal with Handoff, emit `envelope`
     handoff_in: HandoffEnvelope | None = None  # decode side: continue from the producer's KV, never recompute it
     envelope: HandoffEnvelope | None = None  # set by the prefill side when the hand-off is emitted
+    # decode side: prompt tokens it computed itself because the hand-off's KV was not all in the store (0: none)
+    handoff_recomputed: int = 0
 
     @classmethod
     def make(cls, req_id: str, prompt: Sequence[int] | np.ndarray, max_output_tokens: int, **kw: object) -> Request:

@@ -99,6 +99,55 @@ def test_a_pd_run_equals_a_single_engine_run(shared_tier: str, name: str) -> Non
         assert tier["open_handoffs"] == 0 and tier["open_leases"] == 0
 
 
+def _stall_tier_after_first_turn(runtime_dir: str, seconds: float) -> tuple[object, list[int]]:
+    """An `on_turn` hook: SIGSTOP of the shared host tier once the first turn is done, SIGCONT `seconds` later."""
+    import signal
+    import threading
+
+    from kvproc.runtime import manifest as mf
+
+    (pid,) = [p.pid for p in mf.read_manifest(runtime_dir).processes if p.role == "host_tier"]
+    stalls: list[int] = []
+
+    def on_turn(_rec: object) -> None:
+        if not stalls:
+            stalls.append(pid)
+            os.kill(pid, signal.SIGSTOP)
+            threading.Timer(seconds, os.kill, (pid, signal.SIGCONT)).start()
+    return on_turn, stalls
+
+
+@pytest.mark.parametrize("short_handoff", ["recompute", "reject"])
+def test_pd_through_a_4s_tier_stall_fails_no_turn(shared_tier: str, short_handoff: str) -> None:
+    """Issue 39 item 3: the shared tier SIGSTOPped for 4 s under P/D (the stores' heartbeats call it dead; hand-offs
+    come short). With the decode side computing what the store did not deliver, every turn completes with one
+    engine's tokens. The control (`short_handoff="reject"`, one retry through prefill) fails turns."""
+    spec = WorkloadSpec(conversations=4, turns=3, first_input=45, new_per_turn=20, output_per_turn=6, concurrency=2)
+    model = build_model("dense", num_blocks=BLOCKS, num_slots=LIVE + STAGING, page_tokens=PAGE, seed=0)
+    store = build_local_store(model, live_slots=LIVE, host_bytes=16 << 20)
+    try:
+        want = sorted((r.conversation, r.turn, r.output) for r in drive(
+            Engine(model, store, max_batch=LIVE, chunk_tokens=64, checkpoint_every_pages=2), spec, model.vocab_size))
+    finally:
+        store.close()
+    with ClusterStore.start(16 << 20, tier_runtime_dir=shared_tier) as P, \
+            ClusterStore.start(16 << 20, tier_runtime_dir=shared_tier) as D:
+        prefill = engine_on(P, "dense", handoff_deadline_s=2.0)
+        decode = engine_on(D, "dense", handoff_deadline_s=2.0, short_handoff=short_handoff)
+        router = PdRouter(prefill, decode)
+        on_turn, stalls = _stall_tier_after_first_turn(shared_tier, 4.0)
+        recs = drive(router, spec, model.vocab_size, on_turn=on_turn)
+        time.sleep(4.5)  # the tier is running again before the stores close
+    assert stalls
+    failed = [r for r in recs if r.failed is not None]
+    if short_handoff == "reject":
+        assert failed, "the control: rejecting short hand-offs fails turns under this stall"
+        return
+    assert not failed, [r.failed for r in failed]
+    assert sorted((r.conversation, r.turn, r.output) for r in recs) == want
+    assert router.counters["handoffs_recomputed"] >= 1, router.counters
+
+
 def test_a_fingerprint_mismatch_is_rejected_at_intake_with_both_strings(dense_tier: str) -> None:
     with ClusterStore.start(16 << 20, tier_runtime_dir=dense_tier) as D:
         decode = engine_on(D, "dense")
@@ -109,9 +158,34 @@ def test_a_fingerprint_mismatch_is_rejected_at_intake_with_both_strings(dense_ti
         assert env.fingerprint in str(e.value) and decode.fingerprint in str(e.value)
 
 
-def test_a_missing_page_rejects_before_a_slot_is_taken(dense_tier: str) -> None:
+def test_a_missing_page_is_computed_by_the_decode_side_with_the_tokens_of_one_engine(dense_tier: str) -> None:
+    """Issue 39 item 3: a hand-off whose pages never reach the store (here: never prefilled; in the chaos run, a
+    stalled tier) is a slower turn, not a failed one: the decode engine computes the committed prompt and the anchor
+    itself, and its tokens are one engine's over prompt + anchor."""
+    prompt = np.arange(2, 42)
     with ClusterStore.start(16 << 20, tier_runtime_dir=dense_tier) as D:
         decode = engine_on(D, "dense", handoff_deadline_s=0.3)
+        env = HandoffEnvelope("never-prefilled-2", decode.fingerprint, committed_len=40, anchor_token_id=5)
+        req = Request.make("d2r", prompt, 4, handoff_in=env)
+        decode.submit(req)
+        done: list[Request] = []
+        while decode.has_work:
+            done += decode.step()
+        assert done == [req] and req.failed is None and req.handoff_recomputed == 40
+        assert decode.counters["handoffs_recomputed"] == 1 and decode.counters["handoffs_rejected"] == 0
+    model = build_model("dense", num_blocks=BLOCKS, num_slots=LIVE + STAGING, page_tokens=PAGE, seed=0)
+    store = build_local_store(model, live_slots=LIVE, host_bytes=16 << 20)
+    try:
+        alone = Request.make("alone", np.concatenate([prompt, [5]]), 3)
+        Engine(model, store, max_batch=LIVE, chunk_tokens=64).run([alone])
+    finally:
+        store.close()
+    assert req.output == [5, *alone.output]
+
+
+def test_a_missing_page_rejects_before_a_slot_is_taken(dense_tier: str) -> None:
+    with ClusterStore.start(16 << 20, tier_runtime_dir=dense_tier) as D:
+        decode = engine_on(D, "dense", handoff_deadline_s=0.3, short_handoff="reject")
         env = HandoffEnvelope("never-prefilled", decode.fingerprint, committed_len=40, anchor_token_id=5)
         req = Request.make("d2", np.arange(2, 42), 4, handoff_in=env)
         decode.submit(req)

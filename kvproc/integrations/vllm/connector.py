@@ -232,6 +232,11 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
                                   "cache group: vLLM cannot hear of a failed synchronous load of several groups")
         if self.ranks > 1:
             self._check_tp(ktc.kv_role)
+        if role == KVConnectorRole.SCHEDULER and self.options.load_failure_policy == "recompute" and \
+                ktc.kv_load_failure_policy != "recompute":
+            # vLLM reads it after building this half (its scheduler): a failed load is then recomputed, not an error.
+            log.info("kvproc_load_failures_recomputed", vllm_policy_was=ktc.kv_load_failure_policy)
+            ktc.kv_load_failure_policy = "recompute"
         engine_id = str(ktc.engine_id)
         # The direct path (one copy each way) unless P/D (its hand-offs go through the store's resolve and seal) or
         # the cma mover (the copy worker reaches vLLM's memory and the staging arenas, not the tier's segment) needs

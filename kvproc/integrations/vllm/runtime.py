@@ -79,10 +79,18 @@ class RuntimeOptions:
     # (`--kv-events-config`: enable_kv_cache_events): a router reading vLLM's endpoint then sees both tiers. Opt-in:
     # they carry kvproc's page hashes, not vLLM's (a router that matches prompts by token ids wants kv_events_tokens).
     kv_events_into_vllm: bool = False
+    # What vLLM does with a request whose kvproc load failed (a lease lost, a stalled tier, a dead copy worker):
+    # "recompute" (the connector sets vLLM's kv_load_failure_policy so: the request's tokens are computed, a slower
+    # step, never a failed request) or "vllm" (vLLM's own setting stands; its default, "fail", ends the request with
+    # an error).
+    load_failure_policy: str = "recompute"
 
     def __post_init__(self) -> None:
         if self.mover not in ("local", "cma"):
             raise ValueError(f"kv_connector_extra_config: mover must be 'local' or 'cma', got {self.mover!r}")
+        if self.load_failure_policy not in ("recompute", "vllm"):
+            raise ValueError("kv_connector_extra_config: load_failure_policy must be 'recompute' or 'vllm', got "
+                             f"{self.load_failure_policy!r}")
         if self.path not in (None, "direct", "staging"):
             raise ValueError(f"kv_connector_extra_config: path must be 'direct' or 'staging', got {self.path!r}")
         if self.path == "direct" and self.mover == "cma":

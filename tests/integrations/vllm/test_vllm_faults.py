@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import structlog
 
-from tests.integrations.vllm.conftest import engine, kvproc_transfer_config, live_runtime, multi_turn
+from tests.integrations.vllm.conftest import engine, generate, kvproc_transfer_config, live_runtime, multi_turn
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -79,3 +79,36 @@ def test_sigkill_mid_generate_with_moves_in_flight(tiny_llama: Path, victim: str
     # The connector's own word on the outage: once if any of its moves failed (however many batches did), never
     # per batch.
     assert sum(e["event"] == "kvproc_moves_failing" for e in logs) == (1 if failed_batches else 0), failed_batches
+
+
+@pytest.mark.parametrize("policy", ["recompute", "vllm"])
+def test_a_failed_load_is_recomputed_not_a_failed_request(tiny_llama: Path, policy: str,
+                                                          reference: list[tuple[list[int], list[int]]],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 39 item 3 on vLLM: every load of the replay fails its after-copy check (a mock of the tier's side: the
+    slots read as handed to a save). With the connector's default `load_failure_policy="recompute"` vLLM computes
+    those tokens and every request ends with its own tokens. The control keeps vLLM's default policy ("fail"): the
+    same failed loads end requests with an error."""
+    from kvproc.store.tier_slots import TierSlots
+
+    with engine(tiny_llama, kvproc_transfer_config(load_failure_policy=policy)) as llm:
+        multi_turn(llm)  # every page saved
+        rt = live_runtime()
+        assert rt.moves is not None and rt.moves.idle(60)
+        rt.store.flush_saves(0, 60)
+        c0 = dict(rt.counters)
+        monkeypatch.setattr(TierSlots, "intact", lambda self, *a: False)
+        assert llm.reset_prefix_cache()
+        prompts = [p for p, _ in reference[-4:]]
+        try:
+            outs: list[list[int]] | None = generate(llm, prompts)
+        except Exception:  # noqa: BLE001 - vLLM's "fail" policy may surface as an exception
+            if policy == "recompute":
+                raise
+            outs = None
+        counters = {k: v - c0.get(k, 0) for k, v in rt.counters.items()}
+    assert counters.get("loads_lease_lost", 0) > 0, sorted(counters.items())
+    if policy == "recompute":
+        assert outs == [o for _, o in reference[-4:]]
+    else:
+        assert outs != [o for _, o in reference[-4:]]
