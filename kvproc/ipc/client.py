@@ -445,6 +445,14 @@ class RpcClient:
                     log.warning("server_rejected_frame", peer=self.peer, code=msg.code, detail=msg.message)
                 else:
                     self._complete(msg.call_id, msg)
+                if type(msg) is m.Failed and msg.code == "not_authenticated" and self._welcome.done():
+                    # The server does not know our session: another process answers at the endpoint now (a tier
+                    # restarted on its runtime dir: ZeroMQ reconnected us to it silently), or it forgot us. Its
+                    # refusals would otherwise count as heard heartbeats and keep this client "alive" forever
+                    # (issue 39, item 4): dead, so that the owner reconnects with a Hello of its own.
+                    self.mark_dead(f"{self.peer}: the server does not know this connection's session (it was "
+                                   f"replaced or restarted, or it forgot us): {msg.message}")
+                    return
             elif kind is m.Goodbye:
                 self.mark_dead(f"{self.peer}: said goodbye: {msg.reason}")
             elif kind is m.Welcome:

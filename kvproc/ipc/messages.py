@@ -371,6 +371,11 @@ class Configured(Payload, tag=400):
     fingerprint: str = ""
     token_ids: bool = False  # the tier's KV events carry token ids: send them with each `ReserveSave`
     kv_events: bool = False  # the tier publishes KV events: send each `ReserveSave` its `SaveEvents` (parent page)
+    # Random per tier process: a store reconnecting after its client died tells a stalled tier (same incarnation:
+    # its leases, saves and slots stand) from a replaced one (a `kvproc up` restarted on the runtime dir: nothing of
+    # the old one is trusted, the store re-attaches; `ClusterStore._reconnect_external`). A pid cannot tell them
+    # apart: a restarted container reuses its pids.
+    incarnation: int = 0
 
 
 class TierMiss(Payload, tag=401):
@@ -464,6 +469,10 @@ class AttachArenas(Request, tag=500):
     # default (memmove on CPU, cuda on a GPU); "torch" = the torch rows mover on CPU arenas (the GPU path's logic);
     # "cuda_mapped" = GPU arenas moved by the mapped CUDA mover (`kvproc/workers/mapped_mover.py`, never run).
     mover: str = ""
+    # Which attachment of the host tier this is (0, then +1 each time the store re-attaches to a replaced tier):
+    # a `LoadOrder` names the one its slots come from, and the worker refuses one from another (its slots index
+    # another tier's segment).
+    host_epoch: int = 0
 
 
 class Save(Request, tag=501):

@@ -42,6 +42,9 @@ class LoadOrder(msgspec.Struct, array_like=True, frozen=True, gc=False):
     # the store freed after giving up on this order are never written by it. -1: no fence (an in-process copier).
     fence: int = -1
     fence_token: int = 0
+    # The host-tier attachment its slots come from (`AttachArenas.host_epoch`): the worker refuses an order from
+    # another one -- a hit from a replaced tier, loaded after the worker re-attached to the new tier's segment.
+    host_epoch: int = 0
 
 
 class SlotCopy(msgspec.Struct, array_like=True, frozen=True, gc=False):

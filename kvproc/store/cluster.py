@@ -41,6 +41,7 @@ from kvproc.contract import (
 )
 from kvproc.ipc import messages as m
 from kvproc.ipc.client import RpcClient
+from kvproc.ipc.errors import RemoteError
 from kvproc.ipc.segment import Segment, SegmentBusyError
 from kvproc.runtime import manifest as mf
 from kvproc.runtime.config import RoleConfig
@@ -84,6 +85,16 @@ def fingerprint(model: KvModel, layout: ArenaLayout) -> str:
     name = type(model).__name__
     return (f"kvproc/{m.PROTOCOL_VERSION} model={name} id={require_model_id(layout.spec, name)} "
             f"page={layout.spec.page_tokens} groups={groups} arenas={arenas}")
+
+
+def _shared_tier_endpoint(runtime_dir: str, rank: int) -> tuple[str, str]:
+    """Rank `rank`'s endpoint and the auth token of the shared cluster at `runtime_dir`, as its manifest says now (a
+    `kvproc up` restarted on the dir writes new ones); raises while there is none (no manifest yet, tier not up)."""
+    manifest = mf.read_manifest(mf.find_runtime_dir(runtime_dir=runtime_dir))
+    tier = next((p for p in manifest.processes if p.role == "host_tier" and p.rank == rank and p.state == "up"), None)
+    if tier is None:
+        raise RuntimeError(f"no running host tier[{rank}] in the cluster at {runtime_dir}")
+    return tier.endpoint, mf.read_token(manifest.runtime_dir)
 
 
 def _connect_external_tiers(runtime_dir: str, ranks: int, timeout: float) -> tuple[list[RpcClient], str]:
@@ -158,7 +169,15 @@ class ClusterStore:
         # their manifest, watched by heartbeats (no sentinel to wait on), and never shut down by this store.
         self._external_tiers: list[RpcClient] = []
         self._external_token = ""
+        self._tier_runtime_dir = ""  # where a shared tier's manifest is (read again when it is replaced)
         self.tier_reconnects = 0  # shared tiers reconnected after a stall
+        # What re-attaching to a replaced shared tier needs (`_reattach`): per rank with a tier of its own, the
+        # Configure it sent and the incarnation that answered; every rank's layout; whether one tier serves them all.
+        self._configures: list[m.Configure] = []
+        self._incarnations: list[int] = []
+        self._layouts: list[ArenaLayout] = []
+        self._one_tier = False
+        self.tier_reattaches = 0  # shared tiers replaced by another process and re-attached
 
     @classmethod
     def start(cls, host_bytes: int, *, name: str | None = None, ranks: int = 1, lease_ttl_s: float = 30.0,
@@ -238,6 +257,7 @@ class ClusterStore:
         cs = cls(cluster, host_bytes, ranks, copy_timeout_s=copy_timeout_s, shutdown_deadline_s=shutdown_deadline_s)
         cs._external_tiers = external
         cs._external_token = token
+        cs._tier_runtime_dir = tier_runtime_dir or ""
         cs.device_kv_events = device_kv_events
         cs.kv_events_interval_s = kv_events_interval_s
         cs.copy_mover = copy_mover
@@ -257,29 +277,78 @@ class ClusterStore:
                              name="kvproc-tier-reconnect").start()
 
     def _reconnect_external(self, rank: int, old: RpcClient, reason: str) -> None:
-        """Reconnect to the same tier process once it answers again (a stall); a tier that was replaced by another
-        process (its index and segment are not the ones this store attached to) is not re-attached: this store then
-        serves without it, as before."""
+        """Reconnect once a tier answers at the shared cluster's endpoint again, every 0.5 s until one does (the
+        endpoint and token read again from the runtime dir each time: a restarted `kvproc up` writes new ones). The
+        store's Configure, sent again, says which tier it is (`Configured.incarnation`; a pid cannot tell, a restarted
+        container reuses pids): the same process (a stall) -- its leases, saves and slots stand, and what the stall
+        kept back is sent; another one (`kvproc up` restarted on the dir) -- re-attached with nothing of the old one
+        trusted (`_reattach`). A tier that refuses the store (another model's) is left: the store serves without."""
         log.warning("shared_tier_unresponsive", rank=rank, reason=reason)
         while not self._closed:
-            client = RpcClient(old.endpoint, token=self._external_token, name="engine", peer=old.peer)
+            try:
+                endpoint, token = (_shared_tier_endpoint(self._tier_runtime_dir, rank) if self._tier_runtime_dir
+                                   else (old.endpoint, self._external_token))
+            except Exception:  # noqa: BLE001 - no manifest (yet), the tier not up: try again
+                time.sleep(0.5)
+                continue
+            client = RpcClient(endpoint, token=token, name="engine", peer=old.peer)
+            conf: m.Configured | None = None
             try:
                 client.connect(1.0)
-            except Exception:  # noqa: BLE001 - not answering yet (or gone): try again
+                if rank < len(self._configures):  # a model is attached: which tier is this?
+                    conf = client.request(self._configures[rank], timeout=5.0)
+            except RemoteError as e:  # it answered, and refused this store: not ours to use
+                log.error("shared_tier_refused", rank=rank, code=e.code, error=str(e))
+                client.close()
+                return
+            except Exception:  # noqa: BLE001 - not answering yet (or gone), or a stale token: try again
                 client.close()
                 time.sleep(0.5)
                 continue
-            if client.server_pid != old.server_pid or self._closed:
-                log.error("shared_tier_replaced", rank=rank, old_pid=old.server_pid, new_pid=client.server_pid)
+            if self._closed:
                 client.close()
                 return
+            replaced = conf is not None and conf.incarnation != self._incarnations[rank]
+            if replaced:
+                assert conf is not None
+                self._rebind(rank, conf)  # before the client is in place: nothing of the old tier reaches the new
             self._external_tiers[rank] = client
             client.add_death_listener(functools.partial(self._external_tier_dead, rank, client))
-            self.tier_reconnects += 1
-            log.info("shared_tier_reconnected", rank=rank, pid=client.server_pid)
             old.close()
-            self._tier_client_reconnected("host_tier", rank)
+            if replaced:
+                assert conf is not None
+                self._rehost(rank, conf)
+                self.tier_reattaches += 1
+                log.warning("shared_tier_reattached", rank=rank, old_pid=old.server_pid, pid=client.server_pid,
+                            segment=conf.segment)
+            else:
+                self.tier_reconnects += 1
+                log.info("shared_tier_reconnected", rank=rank, pid=client.server_pid)
+                self._tier_client_reconnected("host_tier", rank)
             return
+
+    def _rebind(self, rank: int, conf: m.Configured) -> None:
+        """A replaced tier, before the store's client to it is in place: the store's tier object speaks for the new
+        one (the next epoch, no backlog of old ids, the new segment's slot table mapped and the old one's unmapped),
+        and the store forgets where the old one held pages (its slot hints)."""
+        layout = layout_from_wire(conf.layout)
+        self.tiers[rank].rebind(layout, conf.segment, wants_token_ids=conf.token_ids, wants_parent_key=conf.kv_events)
+        self.host_layouts[rank], self.host_segments[rank] = layout, conf.segment
+        self._incarnations[rank] = conf.incarnation
+        if self.store is not None:
+            self.store.slot_caches[rank].clear()
+
+    def _rehost(self, rank: int, conf: m.Configured) -> None:
+        """The copy workers that used the replaced tier attach to the new tier's segment (as the next host epoch:
+        a load from the old tier's slots is refused) and let go of the old one's. A worker that cannot keeps its old
+        attachment: its loads from the new tier are then refused and recomputed, never read from the wrong slots."""
+        for r in range(self.ranks) if self._one_tier else [rank]:
+            wire = layout_to_wire(self.host_layouts[rank].for_layout(self._layouts[r])) if self._one_tier and r \
+                else conf.layout
+            try:
+                self.copiers[r].rehost(conf.segment, wire, 10.0)
+            except Exception as e:  # noqa: BLE001 - see above: its loads are refused, the store recomputes
+                log.error("copy_worker_rehost_failed", rank=r, error=repr(e))
 
     def _tier_client_reconnected(self, role: str, rank: int) -> None:
         """A tier answers again after a stall, through a new client: what the stall kept back goes now (the aborts of
@@ -375,9 +444,10 @@ class ClusterStore:
                     wires[r] = layout_to_wire(self.host_layouts[0].for_layout(layout))
                     continue
                 planned = HostLayout.plan(layout, self.host_bytes, bounded_fraction)
-                conf = self._tier_client(r).request(
-                    m.Configure(fingerprint(model, layout), layout_to_wire(planned), required),
-                    timeout=attach_timeout_s)
+                configure = m.Configure(fingerprint(model, layout), layout_to_wire(planned), required)
+                conf = self._tier_client(r).request(configure, timeout=attach_timeout_s)
+                self._configures.append(configure)  # sent again on a reconnect: it says which tier answers
+                self._incarnations.append(conf.incarnation)
                 wires[r] = conf.layout
                 self.host_segments.append(conf.segment)
                 self.host_layouts.append(layout_from_wire(conf.layout))  # a joined tier's layout wins over our plan
@@ -396,6 +466,7 @@ class ClusterStore:
                                   load_fences=LoadFences(words.numpy().view(np.int64)))
             copier.attach_now(attach_timeout_s)  # fail here (bad repack path, bad arena) rather than at first copy
             self.copiers.append(copier)
+        self._layouts, self._one_tier = layouts, shared
         tiers = self.tiers * self.ranks if shared else self.tiers
         self.store = KvStore(layouts, live_slots=live_slots, tiers=tiers or None, copiers=self.copiers, config=config,
                              step_fence=step_fence)

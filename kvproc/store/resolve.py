@@ -42,11 +42,17 @@ class Degrade(Exception):
         self.reason = reason
 
 
+def tier_epoch(tier: Any) -> int:
+    """The tier's current attachment (`RemoteTier.epoch`; 0 for one that is never replaced): a speculative load's
+    slots come from hints about it."""
+    return int(getattr(tier, "epoch", 0))
+
+
 def load_order(req_id: str, res: Hit, reservation: Any) -> LoadOrder:
     """A hit's page slots into the reservation's blocks, and its bounded artifacts into the reserved staging slots."""
     staging = reservation.staging
     return LoadOrder(req_id, list(res.page_slots), reservation.block_ids,
-                     [BoundedCopy(g, staging[g][0], res.bounded_slots[g]) for g in staging])
+                     [BoundedCopy(g, staging[g][0], res.bounded_slots[g]) for g in staging], host_epoch=res.epoch)
 
 
 class MissBreaker:
@@ -258,7 +264,8 @@ class Resolver:
         if reservation is None:
             return None
         store.count("speculative_loads_started")
-        load = asyncio.ensure_future(store.copiers[rank].load(LoadOrder(req_id, slots, reservation.block_ids, [])))
+        order = LoadOrder(req_id, slots, reservation.block_ids, [], host_epoch=tier_epoch(store.tier_of(rank)))
+        load = asyncio.ensure_future(store.copiers[rank].load(order))
         return _Speculation(slots, gens, reservation, load, skip_query)
 
     def _drop_speculation(self, rank: int, req_id: str, spec: _Speculation) -> None:

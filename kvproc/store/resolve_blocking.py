@@ -45,7 +45,7 @@ from kvproc.ipc.cancel import CancelToken
 from kvproc.ipc.direct import LATE
 from kvproc.ipc.errors import reason_of
 from kvproc.ipc.orders import LoadOrder
-from kvproc.store.resolve import Degrade, Resolver, Started, load_order
+from kvproc.store.resolve import Degrade, Resolver, Started, load_order, tier_epoch
 from kvproc.store.types import KvPrefix, ResolvePolicy
 from kvproc.tiers.api import BlockingCopier, BlockingTier
 from kvproc.tiers.host_index import Hit, Miss
@@ -190,8 +190,8 @@ class BlockingResolver:
                   spec: Any) -> int:
         """Every wanted page is in the slot cache and verified against the tier's slot table: load, verify again,
         and ask the tier only for what did not verify (`kvproc/tiers/slot_table.py`)."""
-        self._run_load(rank, req_id, st, tier, copier, LoadOrder(req_id, slots, spec.block_ids, []), spec,
-                       lambda: None, cancel)
+        order = LoadOrder(req_id, slots, spec.block_ids, [], host_epoch=tier_epoch(tier))
+        self._run_load(rank, req_id, st, tier, copier, order, spec, lambda: None, cancel)
         ok = self.resolver.keep_verified(rank, req_id, st.hashes, st.prefix.hold, st.dev, slots, gens, spec)
         if ok == len(slots):
             self.resolver.breaker.hit(scope)
@@ -224,7 +224,8 @@ class BlockingResolver:
         def lease() -> int | None:  # the query's lease, if it answered Hit (it has, whenever the load's wait began)
             return answer[0].lease_id if answer and isinstance(answer[0], Hit) else None
 
-        self._run_load(rank, req_id, st, tier, copier, LoadOrder(req_id, slots, spec.block_ids, []), spec, lease,
+        order = LoadOrder(req_id, slots, spec.block_ids, [], host_epoch=tier_epoch(tier))
+        self._run_load(rank, req_id, st, tier, copier, order, spec, lease,
                        cancel, overlap=ask)
         try:
             res = self._hit_or_raise(answer[0] if answer else RuntimeError("no answer"), st, tier, scope, policy,

@@ -30,6 +30,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import re
+import secrets
 import threading
 import time
 from collections import defaultdict
@@ -115,6 +116,7 @@ class HostTierRole(Role):
         self._settled: list[tuple[SaveTicket, bool]] = []  # filled by on_settled under the lock, answered after
         # Reserves whose store gave up on them (their ticket never reached it): found and aborted, or refused.
         self.reservations = Reservations(self.save_ttl_s, time.monotonic)
+        self.incarnation = secrets.randbits(62) | 1  # `Configured.incarnation`: never 0 (0 is "not said")
         self._wake = threading.Condition(self._lock)
         self._stopping = False
         # KV events for routers (`kv_events.py`): off unless the `kv_events` option asks.
@@ -178,7 +180,7 @@ class HostTierRole(Role):
                                            settled=self._answer_settled, key_found=self._key_landed_remote,
                                            key_wanted=self._key_awaited, handoff_ttl_s=self.handoff_ttl_s)
             self._configured = m.Configured(seg.name, msg.layout, msg.fingerprint, self.events_tokens,
-                                            self.events is not None)
+                                            self.events is not None, self.incarnation)
             self.counters.inc("configured")
             log.info("host_tier_configured", fingerprint=msg.fingerprint, segment=seg.name,
                      bytes=layout.total_bytes, page_slots=layout.page_slots, bounded=layout.bounded_slots)

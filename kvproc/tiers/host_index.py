@@ -66,6 +66,7 @@ class Hit:
     page_slots: tuple[int, ...]
     bounded_slots: dict[str, int]  # artifacts of the checkpoint at `pages`
     page_gens: tuple[int, ...] = ()  # each page slot's generation (a speculative load checks its guess against it)
+    epoch: int = 0  # the store's attachment of the tier that answered (`RemoteTier.epoch`): its loads carry it
 
 
 QueryResult = Miss | Loading | Hit
@@ -176,7 +177,9 @@ class HostIndex:
             raise ValueError(f"max_remembered_revokes must be positive, got {max_remembered_revokes}")
         self.max_remembered_revokes = max_remembered_revokes
         self.revoked: dict[str, float] = {}
-        self._ids = itertools.count(1)
+        # Lease and save ids from a random base per index: an id a store kept from a tier that was replaced (a
+        # `kvproc up` restarted on its runtime dir) never names a lease or save of the new one.
+        self._ids = itertools.count((secrets.randbits(40) << 20) + 1)
         self.counters: Counter[str] = Counter()
         self.on_settled: Callable[[SaveTicket, bool], None] | None = None
         # KV events (`kv_events.py`), when the tier publishes them: appended here under the caller's lock, taken by

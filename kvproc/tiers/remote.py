@@ -132,9 +132,10 @@ async def await_sync_call(client: RpcClient, msg: m.RequestBody, timeout: float,
     return reply.unwrap()
 
 
-def _query_result(res: Any) -> QueryResult:
+def _query_result(res: Any, epoch: int = 0) -> QueryResult:
     if isinstance(res, m.TierHit):
-        return Hit(res.pages, res.lease_id, tuple(res.page_slots), dict(res.bounded_slots), tuple(res.page_gens))
+        return Hit(res.pages, res.lease_id, tuple(res.page_slots), dict(res.bounded_slots), tuple(res.page_gens),
+                   epoch)
     if isinstance(res, m.TierLoading):
         return Loading(res.ready_pages, res.save_id)
     return Miss()
@@ -175,10 +176,42 @@ class RemoteTier:
         self._backlog_lock = threading.Lock()
         self._table_segment: Segment | None = None
         self.slot_table: np.ndarray | None = None
+        self._map_table(segment)
+        # Which attachment of the tier this is: 0, then +1 each time the tier is replaced (`rebind`). Its hits carry
+        # it into their loads, and the copy worker refuses a load from another one (`AttachArenas.host_epoch`).
+        self.epoch = 0
+
+    def _map_table(self, segment: str) -> None:
+        layout = self.layout
         if segment and layout.slot_table_offset >= 0:
             self._table_segment = Segment.attach(segment, offset=layout.slot_table_offset,
                                                  nbytes=layout.slot_table_bytes)
             self.slot_table = self._table_segment.numpy(np.int64, 0, ROWS * layout.page_slots).reshape(ROWS, -1)
+
+    def _unmap_table(self) -> None:
+        seg, self._table_segment, self.slot_table = self._table_segment, None, None
+        if seg is not None:
+            try:
+                seg.close()
+            except SegmentBusyError:  # a resolving thread still reads it: unmapped with its last view
+                pass
+
+    def rebind(self, layout: HostLayout, segment: str, *, wants_token_ids: bool, wants_parent_key: bool) -> None:
+        """The tier was replaced (another process, same endpoint): from here on this object speaks for the new one,
+        with nothing of the old one kept -- the next epoch (the old one's hits load nothing: the worker refuses
+        them), no backlog of its ids (the new tier's ids start elsewhere anyway: `HostIndex`), and the new
+        segment's slot table mapped in place of the old one's, which is unmapped. Called before the store's client
+        to the new tier is put in place, so nothing of the old epoch reaches it."""
+        self.epoch += 1
+        with self._backlog_lock:
+            self.counters["oneway_replay_other_tier"] += len(self._backlog)
+            self._backlog = deque()
+        self._unmap_table()
+        self.layout = layout
+        self.wants_token_ids = wants_token_ids
+        self.wants_parent_key = wants_parent_key
+        self._map_table(segment)
+        self.counters["rebinds"] += 1
 
     @property
     def available(self) -> bool:
@@ -193,9 +226,10 @@ class RemoteTier:
         msg = m.Query(req_id, list(hashes), parent if self.wants_parent_key else None)
         sync = self._client()
         ac = self._link.get(sync)
+        epoch = self.epoch  # the attachment the answer's slots belong to, even if the tier is replaced meanwhile
         if ac is None:
-            return _query_result(await await_sync_call(sync, msg, timeout, on_late=self._late_answer))
-        return _query_result(await ac.call_keeping_late(msg, self._late_answer, timeout=max(timeout, 0.001)))
+            return _query_result(await await_sync_call(sync, msg, timeout, on_late=self._late_answer), epoch)
+        return _query_result(await ac.call_keeping_late(msg, self._late_answer, timeout=max(timeout, 0.001)), epoch)
 
     def query_blocking(self, req_id: str, hashes: Sequence[bytes], *, deadline: float,
                        cancel: CancelToken | None = None, overlap: Callable[[], None] | None = None,
@@ -204,12 +238,13 @@ class RemoteTier:
         `QueryAbandoned` when `deadline` passes or `cancel` fires first. An answer that comes after that is still
         read: a late Hit's lease is released, never left to the TTL. `overlap` runs while the query is in flight."""
         msg = m.Query(req_id, list(hashes), parent if self.wants_parent_key else None)
-        res = self._client().request(msg, deadline=deadline + LATE_REPLY_GRACE_S,
-                                     wait_until=deadline, on_late=self._late_answer, cancel_token=cancel,
-                                     overlap=overlap, spin_s=spin_s)
+        client = self._client()
+        epoch = self.epoch  # read after the client: a client to a new tier is only ever put in place after `rebind`
+        res = client.request(msg, deadline=deadline + LATE_REPLY_GRACE_S, wait_until=deadline,
+                             on_late=self._late_answer, cancel_token=cancel, overlap=overlap, spin_s=spin_s)
         if res is LATE:
             raise QueryAbandoned("the resolve stopped waiting (deadline or cancellation)")
-        return _query_result(res)
+        return _query_result(res, epoch)
 
     def _late_answer(self, reply: Any) -> None:
         if isinstance(reply, m.Ok) and isinstance(reply.payload, m.TierHit):
@@ -350,12 +385,7 @@ class RemoteTier:
     def close(self) -> None:
         self._closed = True
         self._link.close()
-        seg, self._table_segment, self.slot_table = self._table_segment, None, None
-        if seg is not None:
-            try:
-                seg.close()
-            except SegmentBusyError:  # a resolving thread still reads it: unmapped with its last view
-                pass
+        self._unmap_table()
 
 
 class RemoteCopier:
@@ -381,6 +411,15 @@ class RemoteCopier:
         # resolving thread at a time; with several, the count is a statistic, not a per-call record).
         self.load_copy_ns: deque[int] = deque(maxlen=1024)
         self.loads_copied = 0
+
+    def rehost(self, segment: str, layout: m.HostLayoutSpec, timeout: float) -> None:
+        """The host tier was replaced: attach the worker to the new tier's segment (the old one is unmapped there
+        once no copy uses it), as the next host epoch, so that a load from the old tier's slots is refused. Sent
+        now, not before the next order, so the old segment is let go of at once."""
+        self.attach_msg = msgspec.structs.replace(self.attach_msg, host_segment=segment, host_layout=layout,
+                                                  host_epoch=self.attach_msg.host_epoch + 1)
+        self._attached_to = None  # an order racing this one attaches again first: harmless
+        self.attach_now(timeout)
 
     def attach_now(self, timeout: float) -> None:
         """Blocking first attach (before the store runs), so a bad arena or repack path fails at build time."""

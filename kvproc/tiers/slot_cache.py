@@ -105,6 +105,13 @@ class SlotCache:
         ok = verified_run(table, slots, gens, keys)
         return slots[:ok], gens[:ok], len(slots)
 
+    def clear(self) -> None:
+        """Forget every hint (the tier was replaced: its slots say nothing about the new one's)."""
+        with self._lock:
+            if self._map is not None and NATIVE is not None:
+                self._map = NATIVE.SlotMap(self.capacity)
+            self._where.clear()
+
     def forget(self, keys: Sequence[bytes]) -> None:
         if self._map is not None:
             with self._lock:

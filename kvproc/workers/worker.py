@@ -71,6 +71,7 @@ class _Attachment:
     arenas: int
     host_bytes: int
     load_fences: np.ndarray | None = None  # the store's load-fence words (`kvproc/tiers/load_fence.py`)
+    host_epoch: int = 0  # `AttachArenas.host_epoch`: a load from another attachment's tier is refused
 
 
 class CopyWorkerRole(Role):
@@ -154,7 +155,7 @@ class CopyWorkerRole(Role):
         executor = CopyExecutor(layout, host, host_layout, repack, threads=self.threads, mover=mover)
         del host, arenas, layout  # only the executor holds views now (so retired segments can unmap)
         new = _Attachment(executor, segments, len(msg.arenas), host_layout.total_bytes if host_layout else 0,
-                          load_fences=fences)
+                          load_fences=fences, host_epoch=msg.host_epoch)
         del fences
         with self._lock:
             self._current = new
@@ -188,8 +189,14 @@ class CopyWorkerRole(Role):
 
     # ---- orders ----
 
-    def _execute(self, kind: str, fn: Callable[[CopyExecutor], int]) -> m.Copied:
+    def _execute(self, kind: str, fn: Callable[[CopyExecutor], int], host_epoch: int | None = None) -> m.Copied:
         att = self._attachment()
+        if host_epoch is not None and host_epoch != att.host_epoch:
+            # Its slots index a replaced tier's segment, not the one mapped now: reading them would load another
+            # tier's pages. Refused whole; the store recomputes.
+            self.counters.inc(f"{kind}s_stale_host_tier")
+            raise HandlerError("stale_host_tier", f"{kind} order from host attachment {host_epoch}, attached to "
+                                                  f"{att.host_epoch} (the host tier was replaced)")
         t0 = time.perf_counter_ns()
         try:
             n = fn(att.executor)  # not cancellable: no ctx.check() from here to the reply
@@ -215,7 +222,8 @@ class CopyWorkerRole(Role):
     def save(self, msg: m.Save, ctx: CallContext) -> m.Copied:
         return self._execute("save", lambda ex: ex.save(msg.order))
 
-    def _fenced(self, kind: str, fence: int, token: int, fn: Callable[[CopyExecutor], int]) -> m.Copied:
+    def _fenced(self, kind: str, fence: int, token: int, fn: Callable[[CopyExecutor], int],
+                host_epoch: int | None = None) -> m.Copied:
         """Holds the order's load fence for the whole write: an order its store gave up on (it may have freed the
         blocks or slots, e.g. while this process was stopped) writes nothing (`kvproc/tiers/load_fence.py`)."""
         fences = self._attachment().load_fences
@@ -225,14 +233,14 @@ class CopyWorkerRole(Role):
             self.counters.inc(f"{kind}s_fence_revoked")
             raise HandlerError("fence_revoked", str(e)) from None
         try:
-            return self._execute(kind, fn)
+            return self._execute(kind, fn, host_epoch)
         finally:
             save_fence.release(fences, fence, token)
 
     @handles(m.Load)
     def load(self, msg: m.Load, ctx: CallContext) -> m.Copied:
         order = msg.order
-        return self._fenced("load", order.fence, order.fence_token, lambda ex: ex.load(order))
+        return self._fenced("load", order.fence, order.fence_token, lambda ex: ex.load(order), order.host_epoch)
 
     @handles(m.DeviceCopy)
     def device_copy(self, msg: m.DeviceCopy, ctx: CallContext) -> m.Copied:
