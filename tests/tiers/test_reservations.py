@@ -5,6 +5,7 @@ The stall that makes this happen end to end is in `test_tier_replay.py`."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
@@ -19,7 +20,7 @@ _CONFIGURE = m.Configure("test-fingerprint", m.HostLayoutSpec([m.RegionSpec("kv"
 
 @pytest.fixture(scope="module")
 def tier() -> Iterator[Cluster]:
-    with launch([RoleConfig("host_tier", options={"host_bytes": 1 << 20})], cluster_name="resv") as c:
+    with launch([RoleConfig("host_tier", options={"host_bytes": 1 << 20})], cluster_name=f"resv{os.getpid()}") as c:
         c.client("host_tier").request(_CONFIGURE, timeout=10)
         yield c
 
