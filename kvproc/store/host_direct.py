@@ -14,6 +14,7 @@ thread (the connector's mover thread, or its scheduler for a lookup's result): t
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -97,14 +98,21 @@ class HostDirect:
                 tokens: Sequence[int] | None = None) -> SaveTicket | None:
         """The first half of a save whose bytes another process may write (`TierSlots.write_fenced` with the
         ticket's fence): the slots, or None (the outcome is recorded: the tier is away or full)."""
+        return self.store.submit(self.reserve_async(req_id, keys, bounded_groups=bounded_groups,
+                                                    save_class=save_class, parent=parent, tokens=tokens)).result()
+
+    async def reserve_async(self, req_id: str, keys: Sequence[bytes], *, bounded_groups: Sequence[str] = (),
+                            save_class: SaveClass = SaveClass.CACHEABLE, parent: bytes | None = None,
+                            tokens: Sequence[int] | None = None) -> SaveTicket | None:
+        """`reserve` on the store's loop (it ends within the tier call's deadline)."""
         if not self.tier.available:
             self._settled(req_id, "shed", "tier_unavailable")
             return None
         try:
-            ticket = self.store.submit(self.tier.reserve_save(
+            ticket = await asyncio.wait_for(self.tier.reserve_save(
                 req_id, list(keys), list(bounded_groups), save_class, timeout=self.timeout_s,
                 token_ids=np.asarray(tokens, dtype=np.int64) if tokens is not None and self.tier.wants_token_ids
-                else None, parent_key=parent if self.tier.wants_parent_key else None)).result(2 * self.timeout_s)
+                else None, parent_key=parent if self.tier.wants_parent_key else None), 2 * self.timeout_s)
         except Exception as e:  # noqa: BLE001 - a failed reservation is a lost save, recorded
             self._settled(req_id, "failed", reason_of(e))
             return None

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -37,6 +38,12 @@ from kvproc.tiers.layout import HostLayout
 
 if TYPE_CHECKING:
     from kvproc.store.host_direct import HostDirect
+
+
+# The longest vLLM's scheduler waits for a save's reservations on the ranks' tiers (each usually answers in well under
+# a millisecond): past it the save is skipped (a future miss), rather than hold every request's step for a stalled
+# tier until its call deadline.
+RESERVE_WAIT_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -119,19 +126,35 @@ class RankedTier:
     # ---- saves ----
     def reserve(self, job_id: int, req_id: str, keys: list[bytes], parent: bytes | None,
                 tokens: list[int] | None, save_class: SaveClass = SaveClass.CACHEABLE) -> list[RankSave] | None:
-        """Reserve the pages' slots on every rank's tier (None, and whatever was reserved given back, when one
-        cannot take them: the save is lost, recorded per rank)."""
-        tickets: list[SaveTicket] = []
-        for d in self.directs:
-            t = d.reserve(req_id, keys, save_class=save_class, parent=parent, tokens=tokens)
-            if t is None:
-                for d_, t_ in zip(self.directs, tickets):
-                    d_.abort(t_, "another_rank_refused")
-                return None
-            tickets.append(t)
+        """Reserve the pages' slots on every rank's tier at once (None, and whatever was reserved given back, when
+        one cannot take them: the save is lost, recorded per rank). vLLM's scheduler thread waits for this, so at
+        most `RESERVE_WAIT_S`: a slower tier (stalled) loses the save, and the reservations that land later are
+        given back as they land."""
+        async def every_rank() -> list[SaveTicket | None]:
+            return list(await asyncio.gather(*(
+                d.reserve_async(req_id, keys, save_class=save_class, parent=parent, tokens=tokens)
+                for d in self.directs)))
+
+        fut = self.directs[0].store.submit(every_rank())
+        try:
+            got = fut.result(RESERVE_WAIT_S)
+        except concurrent.futures.TimeoutError:
+            fut.add_done_callback(functools.partial(self._give_back, "reserve_too_slow"))
+            return None
+        if any(t is None for t in got):
+            self._give_back("another_rank_refused", fut)
+            return None
+        tickets = [t for t in got if t is not None]
         with self._lock:
             self._pending[job_id] = _Pending(self.ranks, tickets)
         return [RankSave(tuple(t.page_slots), t.fence, t.fence_token) for t in tickets]
+
+    def _give_back(self, reason: str, fut: concurrent.futures.Future[list[SaveTicket | None]]) -> None:
+        if fut.cancelled() or fut.exception() is not None:
+            return
+        for d, t in zip(self.directs, fut.result()):
+            if t is not None:
+                d.abort(t, reason)
 
     # ---- reports ----
     def report(self, meta: KVConnectorWorkerMetadata | None) -> None:
