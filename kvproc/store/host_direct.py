@@ -40,6 +40,8 @@ class HostDirect:
         self.segment = segment
         self.slots = TierSlots(segment, tier.layout)
         self.views = self.slots.views
+        # The tier's attachment these views are of (`remap_if_replaced`; a tier in this process is never replaced).
+        self.epoch: int = getattr(tier, "epoch", 0)
         self.timeout_s = store.config.tier_call_timeout_s
 
     # -- loads ------------------------------------------------------------------------------------------------------
@@ -67,6 +69,19 @@ class HostDirect:
             self.tier.release_lease(got.lease_id)
         self.store.outcomes.record("resolve", req_id, "ok", "miss")
         return None
+
+    def remap_if_replaced(self) -> TierSlots | None:
+        """The tier was replaced (`kvproc up` restarted on the same runtime dir, re-attached by the store: another
+        `RemoteTier.epoch`): map the new tier's segment in place of the old one's and return the old mapping, for the
+        caller to close once it dropped what it took from `views`; None when nothing changed. Call it from the one
+        thread that copies (the old views must not be in use)."""
+        epoch, segment = getattr(self.tier, "epoch", 0), getattr(self.tier, "segment", "")
+        if epoch == self.epoch or not segment:
+            return None
+        old = self.slots
+        self.slots = TierSlots(segment, self.tier.layout)
+        self.segment, self.layout, self.views, self.epoch = segment, self.tier.layout, self.slots.views, epoch
+        return old
 
     def intact(self, slots: Sequence[int], gens: Sequence[int], leased_at: float, now: float) -> bool:
         return self.slots.intact(slots, gens, leased_at, now)

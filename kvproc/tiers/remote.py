@@ -163,6 +163,7 @@ class RemoteTier:
         (`Configured.kv_events`), so each save's parent page goes with it."""
         self._client = client
         self.layout = layout
+        self.segment = segment  # the tier's host segment (a replaced tier's: `rebind`)
         self.wants_token_ids = wants_token_ids
         self.wants_parent_key = wants_parent_key
         self.oneway_timeout_s = oneway_timeout_s
@@ -208,6 +209,7 @@ class RemoteTier:
             self._backlog = deque()
         self._unmap_table()
         self.layout = layout
+        self.segment = segment
         self.wants_token_ids = wants_token_ids
         self.wants_parent_key = wants_parent_key
         self._map_table(segment)

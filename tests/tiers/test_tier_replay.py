@@ -101,8 +101,11 @@ def test_a_save_whose_ticket_a_stalled_tier_swallowed_is_aborted_once_it_answers
                 assert time.monotonic() - t0 < 20  # the save TTL is 162 s: the abort, not the reaper
                 assert tier.counters["reservations_abandoned"] == n
             st = store.stats()["tier"]
-            # Served (the save opened, then was aborted by its reservation) or refused (the abort came first).
-            assert st.get("saves_aborted_abandoned", 0) + st.get("reserves_refused_abandoned", 0) >= 1, st
+            # Served (the save opened, then was aborted by its reservation), refused (the abort came first), or never
+            # delivered (the reserve was still in the dead client's socket when it closed: the abort finds nothing,
+            # remembered in case it still comes; failed once in a full run).
+            assert st.get("saves_aborted_abandoned", 0) + st.get("reserves_refused_abandoned", 0) + \
+                st.get("reservations_abandoned_unseen", 0) >= 1, st
             assert st.get("saves_reclaimed_by_ttl", 0) == 0 and st.get("saves_committed", 0) == 0
             # The tier serves saves again (the pages are not stuck pending): a prompt saves and commits.
             kv = RequestKv(store.pools[0], "c", list(range(100, 112)), 4)

@@ -360,6 +360,8 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         if self._tp_worker:
             self._copy_rank(jobs, to_vllm)
             return
+        if self.direct is not None:
+            self._follow_replaced_tier()
         if self.direct is not None and not to_vllm:
             for j in jobs:
                 if not self.direct.save(j.req_id, j.keys, functools.partial(self._write_save, j),
@@ -371,10 +373,28 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         if self.direct is not None:  # a direct load (one job a batch): its leased slots must still be the hit's
             now = time.monotonic()
             for j in jobs:
+                if j.leased_at and j.epoch != self.direct.epoch:
+                    self.rt.count("loads_tier_replaced")
+                    raise RuntimeError(f"request {j.req_id!r}: its lease is of a host tier since replaced: its slots "
+                                       "are not the new tier's (vLLM recomputes)")
                 if j.leased_at and not self.direct.intact(j.staging, j.gens, j.leased_at, now):
                     self.rt.count("loads_lease_lost")
                     raise RuntimeError(f"request {j.req_id!r}: its lease on the host tier's slots was too old or a "
                                        "slot was handed to a save: the copy is not trusted (vLLM recomputes)")
+
+    def _follow_replaced_tier(self) -> None:
+        """On the mover thread, before a copy: a shared tier replaced under this engine (`kvproc up` restarted;
+        the store re-attached) has another segment; the copies go to the new one from here on, and the old mapping
+        is let go of once nothing here refers to it."""
+        assert self.direct is not None
+        old = self.direct.remap_if_replaced()
+        if old is None:
+            return
+        for name in self._staging:
+            self._staging[name] = self.direct.views[f"vllm.{name}"]
+        old.close()
+        self.rt.count("tier_remapped")
+        log.warning("kvproc_tier_remapped", segment=self.direct.segment, epoch=self.direct.epoch)
 
     def _copy_rank(self, jobs: list[CopyJob], to_vllm: bool) -> None:
         """A tensor-parallel worker's part of a direct move (`tp.py`): its rank's slots, reserved or leased by the
@@ -1120,7 +1140,7 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         job = CopyJob(next(self._job_ids), r.req_id, staging[a:b], tuple(vllm), states or [])
         if r.lease is not None:  # direct: checked after the copy (`HostDirect.intact`)
             job.gens = list(r.lease.page_gens[a:b]) if r.lease.page_gens else []
-            job.leased_at = r.leased_at
+            job.leased_at, job.epoch = r.leased_at, r.lease.epoch
         if self.ranked is not None:  # tensor parallel: each rank copies its own tier's slots
             job.rank_slots = [list(h.page_slots[a:b]) for h in r.leases]
             job.rank_gens = [list(h.page_gens[a:b]) for h in r.leases]

@@ -56,6 +56,7 @@ class CopyJob:
     # `HostDirect.intact`).
     gens: list[int] = field(default_factory=list)
     leased_at: float = 0.0
+    epoch: int = 0  # the tier attachment the lease is of (a replaced tier's slots are not the lease's)
     # Tensor parallel (`tp.py`): each rank's part, picked by its worker: a load's slots and their generations in that
     # rank's tier, a save's reserved slots and fence there (`tp.RankSave`).
     rank_slots: list[list[int]] = field(default_factory=list)

@@ -112,3 +112,63 @@ def test_a_failed_load_is_recomputed_not_a_failed_request(tiny_llama: Path, poli
         assert outs == [o for _, o in reference[-4:]]
     else:
         assert outs != [o for _, o in reference[-4:]]
+
+
+@pytest.mark.parametrize("remap", [True, False])
+def test_a_replaced_shared_tier_serves_hits_again_without_a_restart(tiny_llama: Path, remap: bool,
+                                                                   reference: list[tuple[list[int], list[int]]],
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 39 item 4 on vLLM's direct path: `kvproc up` SIGKILLed and started again on the same runtime dir under a
+    running engine. The store re-attaches; the connector's mover maps the new tier's segment before its next copy,
+    and hits come back with vLLM alone's tokens. The control keeps the old mapping (`remap_if_replaced` a no-op):
+    every save then fails its fence in the old segment, and the replay finds nothing to load."""
+    import subprocess
+    import sys
+    import time
+
+    from kvproc.store.host_direct import HostDirect
+    from tests.integrations.vllm.conftest import metrics
+
+    if not remap:
+        monkeypatch.setattr(HostDirect, "remap_if_replaced", lambda self: None)
+    cluster = f"vllmrep{os.getpid()}{int(remap)}"
+    rd = f"/tmp/kvup-{cluster}"
+
+    def up() -> subprocess.Popen[str]:
+        p = subprocess.Popen([sys.executable, "-m", "kvproc", "up", "--cluster", cluster, "--runtime-dir", rd,
+                              "--host-mib", "64"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        assert p.stdout is not None and "up; manifest" in p.stdout.readline()
+        return p
+
+    first = up()
+    second = None
+    try:
+        with engine(tiny_llama, kvproc_transfer_config(tier_runtime_dir=rd)) as llm:
+            rt = live_runtime()
+            multi_turn(llm, turns=1)
+            first.kill()
+            first.wait(10)
+            second = up()
+            deadline = time.monotonic() + 60
+            while rt.cluster.tier_reattaches < 1:
+                assert time.monotonic() < deadline, "the store never re-attached the new tier"
+                time.sleep(0.2)
+            assert multi_turn(llm) == reference
+            assert rt.moves is not None and rt.moves.idle(60)
+            assert llm.reset_prefix_cache()
+            m0, c0 = metrics(llm), dict(rt.counters)
+            outs = generate(llm, [p for p, _ in reference[-4:]])
+            hits = metrics(llm)["vllm:external_prefix_cache_hits"] - m0["vllm:external_prefix_cache_hits"]
+            remapped = rt.counters.get("tier_remapped", 0)
+    finally:
+        subprocess.run([sys.executable, "-m", "kvproc", "down", "--runtime-dir", rd, "--timeout", "10"], check=False,
+                       capture_output=True)
+        for p in (first, second):
+            if p is not None:
+                p.kill()
+                p.wait(10)
+    assert outs == [o for _, o in reference[-4:]]
+    if remap:
+        assert remapped == 1 and hits > 0, (remapped, hits, c0)
+    else:
+        assert hits == 0
