@@ -113,7 +113,7 @@ class RankedTier:
                     d.tier.release_lease(h.lease_id)
             return None
         # Trimmed to the common prefix: no state groups under TP (`KvprocConnector`), so any page boundary will do.
-        return [Hit(pages, h.lease_id, h.page_slots[:pages], {}, h.page_gens[:pages]) for h in hits]
+        return [Hit(pages, h.lease_id, h.page_slots[:pages], {}, h.page_gens[:pages], h.epoch) for h in hits]
 
     def release(self, leases: Sequence[Hit]) -> None:
         for d, h in zip(self.directs, leases):
