@@ -22,13 +22,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvproc.ipc.errors import reason_of
-from kvproc.store.tier_slots import LEASE_SAFE_S, TierSlots
+from kvproc.store.tier_slots import TierSlots
 from kvproc.tiers.host_index import Hit, Loading, SaveClass, SaveTicket, Shed
 
 if TYPE_CHECKING:
     from kvproc.store.kv_store import KvStore
 
-__all__ = ["LEASE_SAFE_S", "HostDirect"]
+__all__ = ["HostDirect"]
 
 
 class HostDirect:

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvproc.store.host_direct import LEASE_SAFE_S, HostDirect
+from kvproc.store.host_direct import HostDirect
+from kvproc.store.tier_slots import LEASE_SAFE_S
 from tests.conftest import cluster_store
 
 

@@ -43,6 +43,7 @@ import itertools
 import time
 import multiprocessing
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -405,9 +406,7 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         for j in jobs:
             if not to_vllm:
                 save = j.rank_saves[self.rank]
-                keep = [i for i, s_ in enumerate(save.slots) if s_ is not None]
-                rows = CopyJob(j.job_id, j.req_id, [save.slots[i] for i in keep],
-                               tuple([ids[i] for i in keep] if ids else [] for ids in j.vllm))
+                rows = _new_pages(j, save.slots)
                 slots.write_fenced(save.fence, save.token, functools.partial(self._copy_rows, [rows], False))
                 continue
             mine = CopyJob(j.job_id, j.req_id, j.rank_slots[self.rank], j.vllm)
@@ -441,13 +440,10 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
     def _write_save(self, job: CopyJob, ticket: SaveTicket) -> None:
         """A direct save's bytes into the slots of its ticket: pages the tier has already (slot None) and state groups
         whose checkpoint it has are skipped."""
-        keep = [i for i, slot in enumerate(ticket.page_slots) if slot is not None]
         by_index = {g.index: g.name for g in self.contract.states}
         states = [(gi, slot, b) for gi, _, b in job.states
                   if (slot := ticket.bounded_slots.get(by_index[gi])) is not None]
-        rows = CopyJob(job.job_id, job.req_id, [ticket.page_slots[i] for i in keep],  # type: ignore[misc]
-                       tuple([ids[i] for i in keep] if ids else [] for ids in job.vllm), states)
-        self._copy_rows([rows], False)
+        self._copy_rows([_new_pages(job, ticket.page_slots, states)], False)
 
     def _copy_rows(self, jobs: list[CopyJob], to_vllm: bool) -> None:
         """Runs of consecutive blocks on both sides are coalesced: one memcpy (or one iovec) per run per layer.
@@ -1375,6 +1371,14 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         if self.ranked is not None:
             self.ranked.close()  # saves no rank reports any more: slots given back now, not at the tier's TTL
         rt_mod.release(self.rt)
+
+
+def _new_pages(job: CopyJob, slots: Sequence[int | None], states: list[tuple[int, int, int]] | None = None) -> CopyJob:
+    """The part of a save `job` its reserved `slots` ask for (None: the tier has that page already), as rows to copy:
+    one rank's (tensor parallel) or the one tier's."""
+    keep = [i for i, slot in enumerate(slots) if slot is not None]
+    return CopyJob(job.job_id, job.req_id, [slots[i] for i in keep],  # type: ignore[misc]
+                   tuple([ids[i] for i in keep] if ids else [] for ids in job.vllm), states or [])
 
 
 def _envelope_of(request: "Request") -> HandoffEnvelope | None:
