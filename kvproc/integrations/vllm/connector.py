@@ -28,7 +28,8 @@ vLLM's own prefix cache stays the device tier; kvproc is the tier below it. Per 
 P/D (`kv_role="kv_producer"` / `"kv_consumer"`, docs/vllm.md): the producer also saves the prompt's partial last
 page in the prefill step, pads and seals it all with `SaveClass.HANDOFF`, and `request_finished` returns kvproc's
 `HandoffEnvelope` as `kv_transfer_params`; a consumer request carrying it is checked against this engine's
-fingerprint and resolved in full-hit mode, its pages loaded straight from the resolve's hold into vLLM's blocks.
+fingerprint and resolved in full-hit mode, its pages loaded (asynchronously, as any hit) into vLLM's blocks. A model
+with state groups hands off up to its deepest checkpoint (a page boundary): vLLM keeps no state inside a page.
 
 Nothing here can make vLLM wait forever or compute with wrong KV: a resolve that fails is a miss; a load that fails
 reports its blocks to vLLM (`get_block_ids_with_load_errors`: vLLM recomputes them); a save that fails is a future
@@ -78,6 +79,7 @@ from kvproc import (
     handoff_resolve_policy,
     padded_chain,
 )
+from kvproc.core.bounded import CopyKind
 from kvproc.core.holds import PrefixHold
 from kvproc.integrations.vllm import runtime as rt_mod
 from kvproc.integrations.vllm.contract import VllmGroup, VllmKvContract, contract_from_vllm, model_identity
@@ -152,6 +154,9 @@ class _Req:
     handoff: HandoffEnvelope | None = None
     hold: PrefixHold | None = None
     padded: bool = False  # P/D producer: the partial last prompt page is padded and sealed
+    # State groups: the deepest page boundary whose checkpoint this request sealed (a P/D producer's hand-off ends
+    # there: vLLM keeps a state only at page boundaries, so the consumer computes the prompt's tail itself)
+    checkpoint_at: int = 0
     # State groups: the hit's checkpoint, as the RESTORE orders of the mirror's prefix (each a staging slot to copy
     # into vLLM's state block at the hit), fenced once the load settled or was not needed; and the hit's tokens.
     restores: list[CopyOrder] = field(default_factory=list)
@@ -218,16 +223,6 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
                                                            model_id=model_identity(vllm_config, self.options.model_id))
         self.page = self.contract.block_tokens
         self._groups = len(self.contract.groups)
-        if self.contract.states and ktc.kv_role == "kv_producer":
-            # A hand-off ends at the prompt's partial last page, where vLLM keeps no state: not deliverable yet.
-            raise KvContractError("KvprocConnector: P/D producer (kv_role='kv_producer') for a model with state "
-                                  f"groups ({[g.vllm_spec for g in self.contract.states]}) is not supported yet")
-        if self._groups > 1 and ktc.kv_role == "kv_consumer":
-            # A hand-off's load lands before the forward (synchronous), and vLLM has no way to hear of a failed
-            # synchronous load for a model of several KV cache groups (its block ids do not name one group).
-            raise KvContractError(f"KvprocConnector: P/D consumer (kv_role='kv_consumer') for a model of "
-                                  f"{self._groups} KV cache groups ({[g.vllm_spec for g in self.contract.groups]}) is "
-                                  "not supported yet")
         if self._groups > 1 and not self.options.async_moves:
             raise KvContractError("KvprocConnector: async_moves=false (synchronous loads) needs a model of one KV "
                                   "cache group: vLLM cannot hear of a failed synchronous load of several groups")
@@ -707,7 +702,9 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         # The committed prompt tokens, the padded page's real rows included; vLLM computes the rest (the anchor).
         ext = max(0, env.committed_len - num_computed_tokens)
         r.pending_load = (num_computed_tokens, ext) if ext else None
-        return ext, False
+        # Asynchronous as any hit (vLLM holds the request back until the mover reports the load): a failed load of a
+        # model of several KV cache groups can then be reported by request, and vLLM recomputes it.
+        return ext, ext > 0 and self.options.async_moves
 
     def _start_handoff_mirror(self, r: _Req, env: HandoffEnvelope) -> bool:
         """The consumer's own mirror of a hand-off request, so that it saves the pages it computes (the padded
@@ -729,14 +726,19 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         if not kv.try_admit(k - 1 if padded else k):
             self.rt.count("staging_full")
             kv.release()
-            return True
+            return self._hold_only(r)
         try:
             orders = kv.adopt_handoff_prefix(r.hold, env.committed_len)  # consumes the hold
         except ValueError as e:  # checked before anything is consumed: the hold is still ours
             log.error("kvproc_handoff_adopt_refused", req_id=r.req_id, error=str(e))
             kv.release()
-            return True
+            return self._hold_only(r)
         r.hold = None
+        # State groups: their checkpoint at the hand-off's end goes straight into vLLM's state blocks (the load),
+        # not into the mirror's live slots; the padded page's private copy is made here.
+        r.restores = [o for o in orders if o.kind == CopyKind.RESTORE]
+        r.restore_at = env.committed_len
+        orders = [o for o in orders if o.kind != CopyKind.RESTORE]
         if orders and not self.store.execute_copies(0, orders):  # the padded page's private copy, fenced
             log.warning("kvproc_handoff_privatize_failed", req_id=r.req_id)
             self.rt.count("handoffs_short")
@@ -746,6 +748,18 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         r.mirror = kv
         r.cursor = SealCursor.after_prefix(env.committed_len // self.page)  # the producer sealed those
         return True
+
+    def _hold_only(self, r: _Req) -> bool:
+        """No mirror for a hand-off: its hold alone is the load's source (True), except for a model with state groups,
+        whose checkpoint is loaded through the mirror's restore orders only: the hold is given back and vLLM computes
+        the prompt itself (False)."""
+        if not self.contract.states:
+            return True
+        assert r.hold is not None
+        r.hold.release()
+        r.hold, r.handoff = None, None
+        self.rt.count("handoffs_short")
+        return False
 
     # ---- the direct path: vLLM's blocks <-> the host tier's slots ----
 
@@ -899,16 +913,18 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
             pool.fence(o, True)
         r.restores = []
 
-    def _plan_handoff_load(self, r: _Req, meta: KvprocConnectorMetadata) -> None:
+    def _plan_handoff_load(self, r: _Req, meta: KvprocConnectorMetadata, into: list[CopyJob]) -> None:
         """The hold's pages (the padded one whole: its pad rows are overwritten by vLLM before they are read) into
         vLLM's blocks."""
         assert r.hold is not None and r.pending_load is not None
         local, ext = r.pending_load
         r.pending_load = None
         a, b = local // self.page, -(-(local + ext) // self.page)
-        if self._load_job(r, r.hold.block_ids, a, b, meta, meta.loads):
+        if self._load_job(r, r.hold.block_ids, a, b, meta, into):
             self.rt.count("hit_tokens_loaded", ext)
             self.rt.count("handoff_tokens_loaded", ext)
+            if into is meta.async_loads:
+                self.rt.count("loads_async")
 
     def _start_mirror(self, r: _Req, prefix: KvPrefix | None) -> None:
         """Admit the request's mirror in the staging pool with the resolve's prefix (or none)."""
@@ -950,7 +966,7 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         elif r.pending_load is not None and r.pending_load[1] != num_external_tokens:
             # vLLM trimmed the external hit (a partial local block): load what it kept, from the same start
             r.pending_load = (r.pending_load[0] + r.pending_load[1] - num_external_tokens, num_external_tokens)
-        if r.pending_load is not None and self._active(r) and r.handoff is None and self.options.async_moves:
+        if r.pending_load is not None and (self._active(r) or r.hold is not None) and self.options.async_moves:
             self._async_ready.append(r)  # vLLM holds it back for the load: planned in this step's meta
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
@@ -965,7 +981,11 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         meta = KvprocConnectorMetadata()
         ready, self._async_ready = self._async_ready, []
         for held in ready:
-            if held.pending_load is not None and self._active(held) and not held.finishing:
+            if held.pending_load is None or held.finishing:
+                continue
+            if held.hold is not None:  # a hand-off adopted without a mirror: its hold is the source
+                self._plan_handoff_load(held, meta, meta.async_loads)
+            elif self._active(held):
                 self._plan_load(held, meta, meta.async_loads)
         for req_id in scheduler_output.preempted_req_ids or ():
             pre = self._reqs.get(req_id)
@@ -1008,7 +1028,7 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             r = self._reqs.get(req_id)
             if r is not None and r.hold is not None and r.pending_load is not None and req_id in computed:
-                self._plan_handoff_load(r, meta)
+                self._plan_handoff_load(r, meta, meta.loads)  # synchronous (async_moves=False)
             if r is None or not self._active(r) or req_id not in computed:
                 continue
             if r.pending_load is not None:  # synchronous loads (async_moves=False): landed before the forward
@@ -1036,38 +1056,44 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         if self.direct is not None:
             self._save_offered_states(offers)
             return
-        pool = self.store.pools[0]
         for req_id, entries in offers.items():
             r = self._reqs.get(req_id)
-            kv = r.mirror if r is not None else None
-            if r is None or kv is None or r.cursor is None or not r.saving or r.finishing or r.job is not None:
-                continue
-            at = {(gi, n): b for gi, b, n in entries if b != NULL_BLOCK}
-            boundary = kv.num_computed
-            if not any(n == boundary for _, n in at):
-                self.rt.count("state_offers_missed", len(entries))  # not where the mirror stands: not saved
-                continue
-            orders = kv.seal_by_copy()  # none where the checkpoint exists already (the hit's own)
-            if not orders:
-                continue
-            states, by_group = [], {g.name: g.index for g in self.contract.states}
-            for o in orders:
-                b = at.get((by_group[o.group], boundary))
-                if b is not None:
-                    states.append((by_group[o.group], o.dst_slot, b))
-            job = CopyJob(next(self._job_ids), r.req_id, [], tuple([] for _ in self.contract.groups), states)
-            moves.submit([job], to_vllm=False)
-            moves.wait([job.job_id], self.options.move_wait_s)  # past it: poisoned, reported failed
-            ok = bool(moves.take_outcome(job.job_id)) and len(states) == len(orders)
-            for o in orders:
-                pool.fence(o, ok)
-            self.rt.count("state_checkpoints_sealed" if ok else "state_checkpoints_failed")
-            if ok:
-                try:
-                    self.store.seal(0, kv, r.cursor, self._save_class)
-                except Exception as e:  # noqa: BLE001 - refused by the store: counted there; a future miss
-                    log.warning("kvproc_seal_refused", req_id=r.req_id, error=repr(e))
-                    r.saving = False
+            if r is not None and not r.finishing:
+                self._seal_request_states(r, entries)
+
+    def _seal_request_states(self, r: _Req, entries: list[tuple[int, int, int]]) -> None:
+        """One request's offered states (`_seal_offered_states`), into its mirror's checkpoint where it stands."""
+        moves, kv = self.rt.moves, r.mirror
+        if moves is None or kv is None or r.cursor is None or not r.saving or r.job is not None:
+            return
+        at = {(gi, n): b for gi, b, n in entries if b != NULL_BLOCK}
+        boundary = kv.num_computed
+        if not any(n == boundary for _, n in at):
+            self.rt.count("state_offers_missed", len(entries))  # not where the mirror stands: not saved
+            return
+        orders = kv.seal_by_copy()  # none where the checkpoint exists already (the hit's own)
+        if not orders:
+            return
+        states, by_group = [], {g.name: g.index for g in self.contract.states}
+        for o in orders:
+            b = at.get((by_group[o.group], boundary))
+            if b is not None:
+                states.append((by_group[o.group], o.dst_slot, b))
+        job = CopyJob(next(self._job_ids), r.req_id, [], tuple([] for _ in self.contract.groups), states)
+        moves.submit([job], to_vllm=False)
+        moves.wait([job.job_id], self.options.move_wait_s)  # past it: poisoned, reported failed
+        ok = bool(moves.take_outcome(job.job_id)) and len(states) == len(orders)
+        pool = self.store.pools[0]
+        for o in orders:
+            pool.fence(o, ok)
+        self.rt.count("state_checkpoints_sealed" if ok else "state_checkpoints_failed")
+        if ok:
+            try:
+                self.store.seal(0, kv, r.cursor, self._save_class)
+                r.checkpoint_at = boundary
+            except Exception as e:  # noqa: BLE001 - refused by the store: counted there; a future miss
+                log.warning("kvproc_seal_refused", req_id=r.req_id, error=repr(e))
+                r.saving = False
 
     def _active(self, r: _Req) -> bool:
         """kvproc follows this request's pages: its mirror (staging path) or its hashes (direct path)."""
@@ -1241,7 +1267,8 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         if ok:
             r.mirror.apply()
             try:
-                if self.producer and not r.padded and r.mirror.num_computed == r.request.num_prompt_tokens:
+                if self.producer and not r.padded and not self.contract.states and \
+                        r.mirror.num_computed == r.request.num_prompt_tokens:
                     r.mirror.pad_to_boundary()  # the partial last page gets its name (pad rows never read)
                     r.padded = True
                 self.store.seal(0, r.mirror, r.cursor, self._save_class)
@@ -1264,6 +1291,8 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         r = self._reqs.get(request.request_id)
         if r is None:
             return False, None
+        if self.producer and self.contract.states and r.req_id in self._offers:
+            self._seal_last_offers(r)
         r.finishing = True
         if r.resolve is not None:  # finished (aborted) while its resolve ran: drop the prefix when it lands
             r.resolve.add_done_callback(_release_prefix)
@@ -1286,18 +1315,35 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
             self._retire(r)
         return delay, params
 
+    def _seal_last_offers(self, r: _Req) -> None:
+        """A P/D producer's request ends in the step whose forward wrote its last offered states (vLLM offered them
+        in that step's scheduling pass, read at its meta): they are sealed now, while vLLM still keeps the request's
+        blocks, after the pages up to them landed (the step's save, waited for)."""
+        entries = self._offers.pop(r.req_id)
+        moves = self.rt.moves
+        if moves is None:
+            return
+        if r.job is not None:
+            if not moves.wait([r.job], self.options.move_wait_s):
+                self.rt.count("flush_save_waits_timed_out")
+            self._drain()
+        self._seal_request_states(r, entries)
+
     def _envelope_out(self, r: _Req, request: "Request") -> dict[str, Any] | None:
         """The producer's hand-off envelope as vLLM's kv_transfer_params: the prompt's KV (its save in flight or
-        done: the consumer's full-hit resolve waits for it), the anchor = the first sampled token."""
+        done: the consumer's full-hit resolve waits for it), the anchor = the first sampled token. A model with state
+        groups hands off up to its deepest checkpoint (a page boundary: vLLM keeps no state inside a page); the
+        consumer computes the prompt's tail beyond it."""
         prompt = request.num_prompt_tokens
-        if r.mirror is None or not r.saving or request.num_computed_tokens < prompt:
+        committed = r.checkpoint_at if self.contract.states else prompt
+        if r.mirror is None or not r.saving or request.num_computed_tokens < prompt or committed <= 0:
             self.rt.count("handoffs_not_made")  # not saved (no staging room, a refusal) or aborted mid-prefill
             return None
         out = request.output_token_ids
-        env = HandoffEnvelope(r.req_id, self.fingerprint, committed_len=prompt,
+        env = HandoffEnvelope(r.req_id, self.fingerprint, committed_len=committed,
                               anchor_token_id=int(out[0]) if out else None,
                               chain_key=chain_key(self.store.pools[0].hasher, list(request.prompt_token_ids or []),
-                                                  prompt, _scope(request)))
+                                                  committed, _scope(request)))
         self.rt.count("handoffs_made")
         return {HANDOFF_KEY: msgspec.to_builtins(env)}
 
