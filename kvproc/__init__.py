@@ -66,6 +66,11 @@ _EXPORTS: dict[str, str] = {
     "StoreConfig": "kvproc.store.types",
     "build_local_store": "kvproc.store.build",
     "ClusterStore": "kvproc.store.cluster",
+    # what the reference engine needs from a model (beyond the contract)
+    "EngineModel": "kvproc.engine.model_protocol",
+    "RankedEngineModel": "kvproc.engine.model_protocol",
+    "RankStep": "kvproc.engine.model_protocol",
+    "SeqBatchItem": "kvproc.engine.models.base",
     # processes
     "launch": "kvproc.runtime",
     "CancelToken": "kvproc.ipc.cancel",
@@ -107,6 +112,8 @@ if TYPE_CHECKING:
     from kvproc.core.ownership import ForeignHandleError
     from kvproc.core.paged import PoolExhaustedError, StaleBlockError
     from kvproc.core.pool import BlockPool
+    from kvproc.engine.model_protocol import EngineModel, RankedEngineModel, RankStep
+    from kvproc.engine.models.base import SeqBatchItem
     from kvproc.core.request_kv import LifetimeExceededError, RequestKv, RequestStateError
     from kvproc.ipc.cancel import CancelToken
     from kvproc.runtime import launch

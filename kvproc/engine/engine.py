@@ -14,10 +14,11 @@ so two runs of the same requests are comparable token for token.
 Everything about KV (blocks, slots, checkpoints, cursors, saves) is kvproc's; the engine only calls it.
 
 Tensor parallel (`ranks=N`): N ranks in lock step, each with its own device pool (and tier, copy worker) in the
-store and its own model replica (`RankedModel`). Every request has one `RequestKv`, prefix and seal cursor per rank:
-each rank resolves, seals and retires its own shard; the ranks' holds are trimmed to their common prefix
-(`align_holds`) before admission, admission takes every rank or none, and each step runs every rank on the same
-tokens. Rank 0's logits are sampled; another rank's that differ mean its KV differs (a wrong restore): an error.
+store and its own model step (`RankedEngineModel.rank_model(r)`, `kvproc/engine/model_protocol.py`). Every request
+has one `RequestKv`, prefix and seal cursor per rank: each rank resolves, seals and retires its own shard; the
+ranks' holds are trimmed to their common prefix (`align_holds`) before admission, admission takes every rank or
+none, and each step runs every rank on the same tokens. Rank 0's logits are sampled; another rank's that differ mean
+its KV differs (a wrong restore): an error.
 
 P/D hand-off (reference design section 6): a `handoff_out` request is prefilled only: its first sampled token is the
 anchor, the partial last page is padded, every group checkpointed and everything sealed with `SaveClass.HANDOFF`, and
@@ -43,8 +44,8 @@ from kvproc.core.hashing import DEFAULT_SCOPE, HashScope
 from kvproc.core.holds import align_holds
 from kvproc.core.request_kv import RequestKv
 from kvproc.engine.checkpoints import CheckpointPolicy
-from kvproc.engine.models import SeqBatchItem, TinyModel
-from kvproc.engine.models.ranked import RankedModel, rank_models
+from kvproc.engine.model_protocol import EngineModel, RankedEngineModel, rank_steps
+from kvproc.engine.models import SeqBatchItem
 from kvproc.engine.request import Request
 from kvproc.store.handoff import (
     HandoffEnvelope,
@@ -96,7 +97,7 @@ class _Active:
 
 
 class Engine:
-    def __init__(self, model: TinyModel | RankedModel, store: KvStore, *, ranks: int = 1, max_batch: int = 16,
+    def __init__(self, model: EngineModel | RankedEngineModel, store: KvStore, *, ranks: int = 1, max_batch: int = 16,
                  chunk_tokens: int = 512, checkpoint_every_pages: int = 8, prefix_cache: bool = True,
                  scope: HashScope = DEFAULT_SCOPE, clock: Callable[[], float] = time.perf_counter,
                  handoff_barrier: bool = False, handoff_deadline_s: float = 15.0,
@@ -104,11 +105,10 @@ class Engine:
         if max_batch <= 0 or chunk_tokens < max_batch:
             raise ValueError(f"need max_batch > 0 and chunk_tokens >= max_batch, got {max_batch}, {chunk_tokens}")
         self.model, self.store = model, store
-        self.models = rank_models(model)
-        if ranks < 1 or len(self.models) != ranks or len(store.pools) != ranks:
-            raise ValueError(f"ranks={ranks} needs a model of {ranks} rank(s) (RankedModel for more than one) and a "
-                             f"store of {ranks} rank(s); got a {len(self.models)}-rank model and a "
-                             f"{len(store.pools)}-rank store")
+        if ranks < 1 or len(store.pools) != ranks:
+            raise ValueError(f"ranks={ranks} needs a store of {ranks} rank(s); got a {len(store.pools)}-rank store")
+        # what the engine calls on each rank (kvproc.EngineModel / kvproc.RankedEngineModel: model_protocol.py)
+        self.models = rank_steps(model, ranks)
         self.ranks = range(ranks)
         self.pool = store.pools[0]
         self.max_batch, self.chunk_tokens = max_batch, chunk_tokens

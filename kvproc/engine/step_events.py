@@ -58,12 +58,12 @@ class StepEvents:
 def step_fence_of(models: Sequence[TinyModel]) -> StepFence | None:
     """The store's `step_fence` for an engine running these per-rank models (`rank_models`): rank r's latest step
     event; None when they run on the CPU (no fence, no call)."""
-    if all(m.step_events is None for m in models):
+    if all(getattr(m, "step_events", None) is None for m in models):
         return None
     ranks = list(models)
 
     def fence(rank: int) -> bytes | None:
-        events = ranks[rank].step_events
+        events = getattr(ranks[rank], "step_events", None)
         return events.latest if events is not None else None
 
     return fence

@@ -19,7 +19,8 @@ from kvproc.engine.models import Allocator, TinyModel, build_model, default_allo
 
 
 class RankedModel:
-    """N replicas of `build_model(name, **kwargs)`, one per rank; implements `kvproc.KvModel` for all ranks."""
+    """N replicas of `build_model(name, **kwargs)`, one per rank; a `kvproc.RankedEngineModel` (the engine's protocol
+    for N ranks, which a user's own TP model implements the same way)."""
 
     def __init__(self, name: str, ranks: int, *, allocator: Allocator = default_allocator, **kwargs: Any) -> None:
         if ranks < 1:
@@ -39,6 +40,10 @@ class RankedModel:
 
     def spec(self) -> KvSpec:
         return self.replicas[0].spec()  # one seed: every replica has the same weights, so the same model_id
+
+    def rank_model(self, rank: int) -> TinyModel:
+        """Rank `rank`'s replica: what the engine steps on that rank (`kvproc.RankedEngineModel`)."""
+        return self.replicas[rank]
 
     def arenas(self, rank: int) -> list[tuple[str, KvArena]]:
         if not 0 <= rank < len(self.replicas):
