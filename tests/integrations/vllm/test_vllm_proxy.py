@@ -22,7 +22,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,14 +44,18 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _serve(model: Path, role: str, tier: str, port: int, log: Path) -> subprocess.Popen[bytes]:
+# The tiny Llama's engine arguments (conftest's `engine` defaults)
+LLAMA_ARGS = ("--dtype", "float32", "--max-model-len", str(MAX_LEN), "--block-size", str(BLOCK),
+              "--num-gpu-blocks-override", str(VLLM_BLOCKS))
+
+
+def _serve(model: Path, role: str, tier: str, port: int, log: Path,
+           model_args: Sequence[str] = LLAMA_ARGS) -> subprocess.Popen[bytes]:
     cfg = kvproc_transfer_config(tier_runtime_dir=tier)
     cfg["kv_role"] = role
     args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(port),
-            "--host", "127.0.0.1", "--dtype", "float32", "--enforce-eager",
-            "--max-model-len", str(MAX_LEN), "--block-size", str(BLOCK), "--num-gpu-blocks-override",
-            str(VLLM_BLOCKS), "--max-num-seqs", "2", "--enable-prefix-caching", "--no-async-scheduling", "--seed", "0",
-            "--kv-transfer-config", json.dumps(cfg)]
+            "--host", "127.0.0.1", "--enforce-eager", *model_args, "--max-num-seqs", "2", "--enable-prefix-caching",
+            "--no-async-scheduling", "--seed", "0", "--kv-transfer-config", json.dumps(cfg)]
     # VLLM_ENABLE_V1_MULTIPROCESSING=0 (conftest sets it too): on CPU the model runs in the engine-core process, not in
     # a daemonic worker where the connector refuses to start (docs/vllm.md).
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[3]), VLLM_ENABLE_V1_MULTIPROCESSING="0")
@@ -97,9 +101,17 @@ class Servers:
 
 @pytest.fixture(scope="module")
 def servers(tiny_llama: Path, shared_tier: str, run_tmpdir: Path) -> Iterator[Servers]:
+    with serving(tiny_llama, shared_tier, run_tmpdir) as s:
+        yield s
+
+
+@contextlib.contextmanager
+def serving(model: Path, tier: str, logdir: Path, model_args: Sequence[str] = LLAMA_ARGS) -> Iterator[Servers]:
+    """A kv_producer and a kv_consumer `vllm serve` of `model` on one shared tier; stopped by SIGTERM at the end, and
+    nothing of theirs may be left in /dev/shm."""
     ports = {"producer": _free_port(), "consumer": _free_port()}
-    logs = {side: run_tmpdir / f"serve-{side}.log" for side in ports}
-    procs = {side: _serve(tiny_llama, f"kv_{side}", shared_tier, port, logs[side]) for side, port in ports.items()}
+    logs = {side: logdir / f"serve-{model.name}-{side}.log" for side in ports}
+    procs = {side: _serve(model, f"kv_{side}", tier, port, logs[side], model_args) for side, port in ports.items()}
     try:
         yield Servers(*(f"http://127.0.0.1:{ports[s]}" for s in ("producer", "consumer")), procs, logs)
     finally:
