@@ -54,6 +54,7 @@ _EXPORTS: dict[str, str] = {
     "HandoffEnvelope": "kvproc.store.handoff",
     "FingerprintMismatch": "kvproc.store.handoff",
     "fingerprint": "kvproc.store.handoff",
+    "model_label": "kvproc.store.handoff",
     "check_fingerprint": "kvproc.store.handoff",
     "check_envelope": "kvproc.store.handoff",
     "chain_key": "kvproc.store.handoff",
@@ -127,6 +128,7 @@ if TYPE_CHECKING:
         check_fingerprint,
         fingerprint,
         handoff_resolve_policy,
+        model_label,
         padded_chain,
     )
     from kvproc.store.kv_store import KvStore

@@ -143,8 +143,9 @@ class KvSpec:
 
 @dataclass(frozen=True, order=True)
 class ArenaId:
-    """Which arena a repack batch belongs to: its name, and its position among its group's arenas (declaration
-    order; e.g. the layer of a per-layer arena)."""
+    """Which arena a repack batch belongs to: its name, and its position among its group's arenas in the order
+    `arenas(rank)` lists them. With one arena per layer that is the layer; with K and V as two arenas of one group
+    (K0, V0, K1, V1, ...), layer i's K is index 2i and its V 2i + 1: use the name, or your own map, to tell them."""
 
     name: str
     index: int

@@ -54,6 +54,7 @@ from kvproc.store.handoff import (
     check_fingerprint,
     fingerprint,
     handoff_resolve_policy,
+    model_label,
     padded_chain,
 )
 from kvproc.store.kv_store import KvStore
@@ -123,7 +124,7 @@ class Engine:
         self._running: dict[str, _Active] = {}
         self.counters: Counter[str] = Counter()
         # P/D: equal fingerprints mean the other engine's KV can be restored here (shape, layout, page, hashing).
-        self.fingerprint = fingerprint(model.name, validate_layout(model.spec(), model.arenas(0)),
+        self.fingerprint = fingerprint(model_label(model), validate_layout(model.spec(), model.arenas(0)),
                                        self.pool.hasher.algorithm)
         # "KV ready" barrier: emit a hand-off only once its Handoff saves are visible in the tier (else at once, and
         # the decode side waits for them in full-hit mode).

@@ -33,12 +33,12 @@ from kvproc.contract import (
     KvArena,
     KvContractError,
     KvModel,
-    Sharding,
     check_hooks_agree,
     check_repack_hook,
     require_model_id,
     validate_layout,
 )
+from kvproc.core.hashing import HashAlgorithm
 from kvproc.ipc import messages as m
 from kvproc.ipc.client import RpcClient
 from kvproc.ipc.errors import RemoteError
@@ -48,6 +48,8 @@ from kvproc.runtime.config import RoleConfig
 from kvproc.runtime.event_interval import DEFAULT_INTERVAL_S, check_interval
 from kvproc.runtime.launcher import Cluster, launch
 from kvproc.store.device_events import DevicePublishers
+from kvproc.store.handoff import DEFAULT_HASH, FingerprintMismatch, model_label
+from kvproc.store.handoff import fingerprint as handoff_fingerprint
 from kvproc.store.kv_store import KvStore
 from kvproc.store.types import StepFence, StoreConfig
 from kvproc.tiers.host import layout_from_wire, layout_to_wire
@@ -77,14 +79,10 @@ def _call_if_alive(method: "weakref.WeakMethod[Any]", *args: Any) -> None:
         fn(*args)
 
 
-def fingerprint(model: KvModel, layout: ArenaLayout) -> str:
-    """Human-readable capability string: two engines may share a host tier only if theirs are equal."""
-    groups = ",".join(f"{g.name}:{g.kind.value}{':replicated' if g.sharding is Sharding.REPLICATED else ''}"
-                      for g in layout.spec.groups)
-    arenas = ",".join(a.layout_tag for _, a in layout.arenas)
-    name = type(model).__name__
-    return (f"kvproc/{m.PROTOCOL_VERSION} model={name} id={require_model_id(layout.spec, name)} "
-            f"page={layout.spec.page_tokens} groups={groups} arenas={arenas}")
+def fingerprint(model: KvModel, layout: ArenaLayout, algorithm: HashAlgorithm = DEFAULT_HASH) -> str:
+    """The tier's fingerprint of `model`: the one definition (`kvproc.fingerprint`, the hand-off's), with the model
+    named by `model_label(model)`; two engines may share a host tier only if theirs are equal."""
+    return handoff_fingerprint(model_label(model), layout, algorithm)
 
 
 def _shared_tier_endpoint(runtime_dir: str, rank: int) -> tuple[str, str]:
@@ -97,21 +95,23 @@ def _shared_tier_endpoint(runtime_dir: str, rank: int) -> tuple[str, str]:
     return tier.endpoint, mf.read_token(manifest.runtime_dir)
 
 
-def _connect_external_tiers(runtime_dir: str, ranks: int, timeout: float) -> tuple[list[RpcClient], str]:
-    """Rank r's client to `host_tier[r]` of a shared cluster (`kvproc up --ranks N`), for r < `ranks`; its token."""
+def _connect_external_tiers(runtime_dir: str, ranks: int, timeout: float) -> tuple[list[RpcClient], str, str]:
+    """Rank r's client to `host_tier[r]` of a shared cluster (`kvproc up --ranks N`), for the ranks r < `ranks` it
+    runs from 0 on; its token; and, where it runs fewer than `ranks`, why a PER_RANK model cannot attach (a
+    REPLICATED model needs rank 0's only: `ClusterStore.attach_model` decides, knowing the model)."""
     manifest = mf.read_manifest(mf.find_runtime_dir(runtime_dir=runtime_dir))
     tiers = {p.rank: p for p in manifest.processes if p.role == "host_tier" and p.state == "up"}
-    if not tiers:
-        raise RuntimeError(f"no running host tier in the cluster at {runtime_dir} (start one with `kvproc up`)")
-    missing = [r for r in range(ranks) if r not in tiers]
-    if missing:
-        raise RuntimeError(
-            f"the shared cluster at {runtime_dir} runs host tiers for ranks {sorted(tiers)}; this store has {ranks}"
-            f" rank(s) and each needs its own (a tier's keys carry no rank): start it with `kvproc up --ranks {ranks}`")
+    if 0 not in tiers:
+        raise RuntimeError(f"no running host tier[0] in the cluster at {runtime_dir} (start one with `kvproc up`)")
+    present = next(r for r in range(ranks + 1) if r == ranks or r not in tiers)
+    short = "" if present == ranks else (
+        f"the shared cluster at {runtime_dir} runs host tiers for ranks {sorted(tiers)}; this store has {ranks}"
+        f" rank(s) and a PER_RANK model needs one per rank (a tier's keys carry no rank): start it with "
+        f"`kvproc up --ranks {ranks}` (a REPLICATED model is stored once, in host tier[0]: `kvproc up` serves it)")
     clients: list[RpcClient] = []
     token = mf.read_token(manifest.runtime_dir)
     try:
-        for r in range(ranks):
+        for r in range(present):
             clients.append(RpcClient(tiers[r].endpoint, token=token, name="engine",
                                      peer=f"shared host tier[{r}] ({manifest.cluster})"))
             clients[-1].connect(timeout)
@@ -119,7 +119,7 @@ def _connect_external_tiers(runtime_dir: str, ranks: int, timeout: float) -> tup
         for c in clients:
             c.close()
         raise
-    return clients, token
+    return clients, token, short
 
 
 def _pinned(roles: list[RoleConfig], cpus: Mapping[str, Sequence[int]]) -> list[RoleConfig]:
@@ -169,6 +169,7 @@ class ClusterStore:
         # their manifest, watched by heartbeats (no sentinel to wait on), and never shut down by this store.
         self._external_tiers: list[RpcClient] = []
         self._external_token = ""
+        self._too_few_shared_tiers = ""  # why a PER_RANK model cannot attach to the shared tiers ("": it can)
         self._tier_runtime_dir = ""  # where a shared tier's manifest is (read again when it is replaced)
         self.tier_reconnects = 0  # shared tiers reconnected after a stall
         # What re-attaching to a replaced shared tier needs (`_reattach`): per rank with a tier of its own, the
@@ -230,9 +231,9 @@ class ClusterStore:
                              "kv_events=True")
         save_ttl_s = derived_save_ttl(copy_timeout_s, save_ttl_s, StoreConfig.tier_call_timeout_s)
         external: list[RpcClient] = []
-        token = ""
+        token = short = ""
         if tier_runtime_dir is not None:
-            external, token = _connect_external_tiers(tier_runtime_dir, ranks, ready_timeout_s)
+            external, token, short = _connect_external_tiers(tier_runtime_dir, ranks, ready_timeout_s)
             host_bytes = host_bytes or 1
         name = name or f"cs{os.getpid()}x{next(_names)}"
         roles: list[RoleConfig] = []
@@ -257,6 +258,7 @@ class ClusterStore:
         cs = cls(cluster, host_bytes, ranks, copy_timeout_s=copy_timeout_s, shutdown_deadline_s=shutdown_deadline_s)
         cs._external_tiers = external
         cs._external_token = token
+        cs._too_few_shared_tiers = short
         cs._tier_runtime_dir = tier_runtime_dir or ""
         cs.device_kv_events = device_kv_events
         cs.kv_events_interval_s = kv_events_interval_s
@@ -415,8 +417,13 @@ class ClusterStore:
                      attach_timeout_s: float = 10.0, step_fence: StepFence | None = None) -> KvStore:
         """Configure the host tier for the model, attach every rank's copy worker, and return the `KvStore`.
 
-        `repack` is the "module:function" import path of a `(group, direction, src, dst)` callable the copy workers
-        run where the model's stored layout differs from its execution layout (required then).
+        `repack` is the "module:function" import path of a `(group, direction, src, dst, arena)` callable (arena: an
+        `ArenaId(name, index)`) the copy workers run for the blocks of every arena that declares a `stored_layout`:
+        required then, and refused (`KvContractError` naming the arenas) when no arena declares one (it would never
+        run). Attach runs sample rows through it and the model's own `repack` and refuses a pair that disagrees.
+
+        A shared tier (`start(tier_runtime_dir=)`) configured for another fingerprint refuses the model:
+        `FingerprintMismatch` (a `KvContractError`) naming both fingerprints.
 
         `step_fence` (an engine on a GPU whose steps run asynchronously): `step_fence(rank)` -> the CUDA IPC handle of
         the event recorded after its latest step on that rank, or None; every save and device copy the store issues
@@ -428,7 +435,14 @@ class ClusterStore:
         layouts[0].spec.check_sharding(self.ranks)
         # A REPLICATED model is stored once: rank 0's tier serves every rank (the other ranks' tiers stay unused).
         shared = self.ranks > 1 and layouts[0].spec.replicated
+        if self._too_few_shared_tiers and not shared:
+            raise RuntimeError(self._too_few_shared_tiers)
         differs = layouts[0].repacked_arenas
+        if repack and not differs:
+            raise KvContractError(
+                f"{type(model).__name__}: repack={repack!r} was given but no arena declares a stored_layout, so it "
+                f"would never run (arenas {[a.name for _, a in layouts[0].arenas]}); declare KvArena(..., "
+                "stored_layout='my-layout-v1') on the arenas it converts, or drop repack=")
         if differs and repack:  # the workers' hook must be the model's: checked here, once, before any process
             check_hooks_agree(model, check_repack_hook(import_callable(repack), repack), layouts[0], repack)
         if differs and not repack:
@@ -445,7 +459,12 @@ class ClusterStore:
                     continue
                 planned = HostLayout.plan(layout, self.host_bytes, bounded_fraction)
                 configure = m.Configure(fingerprint(model, layout), layout_to_wire(planned), required)
-                conf = self._tier_client(r).request(configure, timeout=attach_timeout_s)
+                try:
+                    conf = self._tier_client(r).request(configure, timeout=attach_timeout_s)
+                except RemoteError as e:
+                    if e.code == "fingerprint_mismatch":  # a shared tier serving another model: the page's typed error
+                        raise FingerprintMismatch(f"host tier[{r}] refused {type(model).__name__}: {e.message}") from e
+                    raise
                 self._configures.append(configure)  # sent again on a reconnect: it says which tier answers
                 self._incarnations.append(conf.incarnation)
                 wires[r] = conf.layout

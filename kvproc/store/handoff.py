@@ -22,7 +22,7 @@ from typing import Sequence
 import msgspec
 import numpy as np
 
-from kvproc.contract import ArenaLayout, Sharding, require_model_id
+from kvproc.contract import ArenaLayout, KvContractError, Sharding, require_model_id
 from kvproc.core.hashing import DEFAULT_SCOPE, HASH_LAYOUT_VERSION, PAD_TOKEN_ID, BlockHasher, HashAlgorithm, HashScope
 from kvproc.core.holds import ReusePolicy
 from kvproc.core.ownership import ForeignHandleError
@@ -48,12 +48,33 @@ class HandoffEnvelope(msgspec.Struct, frozen=True, omit_defaults=True):
     chain_key: str = ""
 
 
-class FingerprintMismatch(ValueError):
-    """The two engines cannot exchange KV: different weights (model id), model shape, layout, page size or hashing."""
+class FingerprintMismatch(KvContractError):
+    """The two engines cannot exchange KV: different weights (model id), model shape, layout, page size or hashing.
+    Raised by `check_fingerprint` (a hand-off) and by `ClusterStore.attach_model` (a shared tier serving another
+    fingerprint)."""
 
 
-def fingerprint(model_name: str, layout: ArenaLayout, algorithm: HashAlgorithm, salt_version: str = "") -> str:
-    """A human-readable capability string: equal strings mean the decode side can restore the producer's KV."""
+# The hash family every store's pools use unless built with another hasher (`BlockHasher`'s default).
+DEFAULT_HASH = HashAlgorithm.BLAKE2B_128
+
+
+def model_label(model: object) -> str:
+    """How a fingerprint names a model: its `name` attribute when it is a non-empty string, else its class name.
+    A label only (read by people, in refusals): the identity of the weights is `spec().model_id`."""
+    name = getattr(model, "name", None)
+    return name if isinstance(name, str) and name else type(model).__name__
+
+
+def fingerprint(model_name: str, layout: ArenaLayout, algorithm: HashAlgorithm = DEFAULT_HASH,
+                salt_version: str = "") -> str:
+    """The one fingerprint (a human-readable capability string): equal strings mean the two engines can restore each
+    other's KV, through a hand-off (`check_fingerprint`) or a shared host tier (its Configure carries it).
+
+    `model_name`: `model_label(model)` (a label); `layout`: `validate_layout(model.spec(), model.arenas(0))`;
+    `algorithm`: the pools' hash family (`pool.hasher.algorithm`, `DEFAULT_HASH` unless you built the pools with
+    another); `salt_version`: a version of your cache-salt scheme, if you have one. It covers the weights
+    (`model_id`), page size, every group (kind, optional, checkpointable, replicated), every arena's
+    `name:stored bytes:stored layout`, and the hash family."""
     spec = layout.spec
     groups = ",".join(
         f"{g.name}:{g.kind.value}{':opt' if g.optional else ''}{':nockpt' if not g.checkpointable else ''}"
