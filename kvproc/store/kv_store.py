@@ -373,10 +373,13 @@ class KvStore:
                             "IPC handle as bytes (torch.cuda.Event.ipc_handle()) or None")
         return event
 
-    def drop_device_cache(self, rank: int) -> int:
+    def drop_device_cache(self, rank: int, timeout: float | None = 60.0) -> int:
         """Evict rank `rank`'s device prefix cache (what nobody holds): the next resolve of those prompts goes to the
-        host tier. Returns the blocks and staging slots freed (`BlockPool.evict_cached`)."""
+        host tier. It first waits (up to `timeout`) for the rank's saves in flight (`flush_saves`): a save pins the
+        blocks it reads, which would otherwise survive the drop. Returns the blocks and staging slots freed
+        (`BlockPool.evict_cached`)."""
         self._check_rank(rank)
+        self.flush_saves(rank, timeout)
         return self.pools[rank].evict_cached()
 
     def handoff_unavailable_reason(self, rank: int = 0) -> str | None:
