@@ -30,6 +30,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from kvproc.contract import GroupKind, GroupSpec, KvSpec
+from kvproc.core.eviction import DEFAULT_HALF_LIFE_S, POLICIES
 from kvproc.core.hashing import BlockHasher, HashAlgorithm
 from kvproc.core.holds import ReusePolicy
 from kvproc.core.pool import BlockPool
@@ -231,6 +232,31 @@ def _plot(rows: list[dict[str, Any]], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def _compare_policies(args: argparse.Namespace) -> int:
+    from kvproc.bench.eviction_sim import compare, format_rows
+    from kvproc.bench.synthetic_trace import synthetic_trace
+
+    traces: dict[str, list[TraceRequest]] = {}
+    for name in args.traces.split(","):
+        if name == "conversation":
+            traces[name] = load_trace(args.trace, args.limit)
+        elif name == "synthetic":
+            traces[name] = synthetic_trace(requests=args.limit or 12000)
+        else:
+            print(f"kvproc bench replay: unknown trace {name!r} (conversation, synthetic)", file=sys.stderr)
+            return 2
+    policies = args.policy.split(",")
+    for p in policies:
+        if p != "belady" and p not in POLICIES:
+            print(f"kvproc bench replay: unknown policy {p!r}", file=sys.stderr)
+            return 2
+    rows = compare(traces, [_capacity(c) for c in args.capacity.split(",")], policies, half_life=args.half_life)
+    print(format_rows(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"policies": rows}, indent=2))
+    return 0
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="kvproc bench replay", description=__doc__.splitlines()[0])
     ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
@@ -244,10 +270,20 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--sweep", action="store_true", help="hit ratio against capacity, 1e4..1e8 tokens")
     ap.add_argument("--plot", default=None, help="PNG path for --sweep")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--capacity", default=None,
+                    help="eviction comparison: capacities in tokens (e.g. 1e6,3e6,1e7), 512-token blocks "
+                         "(kvproc/bench/eviction_sim.py), on the conversation and the synthetic trace")
+    ap.add_argument("--policy", default="lru,lfu,lrfu,belady",
+                    help=f"with --capacity: policies ({','.join(POLICIES)},belady)")
+    ap.add_argument("--half-life", type=float, default=DEFAULT_HALF_LIFE_S,
+                    help="lrfu's half-life, seconds of trace time")
+    ap.add_argument("--traces", default="conversation,synthetic", help="with --capacity: which traces")
     args = ap.parse_args(argv)
     if not args.trace.exists():
         print(f"kvproc bench replay: trace not found: {args.trace}", file=sys.stderr)
         return 2
+    if args.capacity:
+        return _compare_policies(args)
     trace = load_trace(args.trace, args.limit)
     if args.sweep:
         rows = sweep(trace, args)

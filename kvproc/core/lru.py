@@ -17,6 +17,8 @@ from kvproc.native import NATIVE
 
 
 class RunLru:
+    wants_keys = False  # the eviction protocol (`kvproc.core.eviction`): LRU keeps no history by content
+
     def __init__(self, capacity: int) -> None:
         self.stamp = np.full(capacity, -1, dtype=np.int64)  # run sequence a block is in; -1: not in the LRU
         self.runs: OrderedDict[int, np.ndarray | list[int]] = OrderedDict()  # a list until eviction reaches it
@@ -94,6 +96,9 @@ class RunLru:
             need -= take.size
         self._count -= n
         return np.concatenate(out).tolist() if out else []
+
+    def bind(self, ids: np.ndarray | Sequence[int], keys: Sequence[bytes]) -> None:
+        """Not called (`wants_keys` is False): the protocol's hook for policies that key history by content."""
 
     def _compact(self) -> None:
         for seq in list(self.runs):
