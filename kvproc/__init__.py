@@ -72,6 +72,8 @@ _EXPORTS: dict[str, str] = {
     "RankedEngineModel": "kvproc.engine.model_protocol",
     "RankStep": "kvproc.engine.model_protocol",
     "SeqBatchItem": "kvproc.engine.models.base",
+    # kvproc check: prove a model's contract
+    "check_model": "kvproc.check.api",
     # processes
     "launch": "kvproc.runtime",
     "CancelToken": "kvproc.ipc.cancel",
@@ -107,6 +109,7 @@ if TYPE_CHECKING:
         Sharding,
         validate_layout,
     )
+    from kvproc.check.api import check_model
     from kvproc.core.bounded import CopyKind, CopyOrder
     from kvproc.core.hashing import DEFAULT_SCOPE, PAD_TOKEN_ID, BlockHasher, HashAlgorithm, HashScope, PageHashes
     from kvproc.core.holds import HoldConsumedError, MissReason, Pin, PrefixHold, Reservation, ReusePolicy, align_holds

@@ -12,6 +12,7 @@ from typing import Callable, Sequence
 # subcommand -> (module, function taking argv, one-line help)
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "demo": ("kvproc.demo.single", "main", "run the reference engine demo (the main job)"),
+    "check": ("kvproc.check.cli", "main", "prove a model's KV contract: kvproc check MODULE:FACTORY"),
     "bench": ("kvproc.bench.cli", "main", "benchmarks: replay, copy, ipc, hash"),
     "console": ("kvproc.runtime.console", "main", "inspect a running cluster: status, profile"),
     "up": ("kvproc.runtime.standalone", "up_main", "start a standalone host tier shared by engines on this node"),
