@@ -294,6 +294,10 @@ class Query(Request, tag=301):
     # that publishes KV events (`RemoteTier.wants_parent_key`): the parent of the pages it pulls from a Mooncake Store
     # for this query. None at the prompt's first page, or when off (one msgpack nil on the wire, as ReserveSave's).
     parent: bytes | None = None
+    # The store's id for this query's lease (random per store, then counting; 0: none). A store whose query failed
+    # (its client declared the tier dead, the deadline passed) releases the lease it may have made by this id:
+    # `ReleaseLease.claim` (kvproc/tiers/reservations.py).
+    claim: int = 0
 
 
 class WaitSettled(Request, tag=302):
@@ -305,8 +309,9 @@ class WaitKey(Request, tag=303):
 
 
 class ReleaseLease(Request, tag=304):
-    lease_id: int
+    lease_id: int  # 0 with `claim`: the lease, if any, of the query that carried that claim
     consume_handoff: str = ""  # "" = none
+    claim: int = 0  # `Query.claim` of a query its store gave up on: its lease released, or the query refused later
 
 
 class SaveEvents(Wire):

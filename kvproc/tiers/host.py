@@ -46,7 +46,7 @@ from kvproc.ipc.segment import Segment
 from kvproc.ipc.service import handles
 from kvproc.runtime.event_interval import DEFAULT_INTERVAL_S, interval_ms
 from kvproc.runtime.role import Role, RoleEnv
-from kvproc.tiers.host_index import Hit, HostIndex, Loading, QueryResult, SaveClass, SaveTicket
+from kvproc.tiers.host_index import Hit, HostIndex, Loading, Miss, QueryResult, SaveClass, SaveTicket
 from kvproc.tiers.kv_events import AllBlocksCleared, KvEventPublisher
 from kvproc.tiers.layout import HostLayout, Region
 from kvproc.tiers.mooncake import MooncakeTier
@@ -116,6 +116,8 @@ class HostTierRole(Role):
         self._settled: list[tuple[SaveTicket, bool]] = []  # filled by on_settled under the lock, answered after
         # Reserves whose store gave up on them (their ticket never reached it): found and aborted, or refused.
         self.reservations = Reservations(self.save_ttl_s, time.monotonic)
+        # The same bookkeeping for queries: a lease made for a query its store gave up on (`Query.claim`)
+        self.query_claims = Reservations(self.save_ttl_s, time.monotonic)
         self.incarnation = secrets.randbits(62) | 1  # `Configured.incarnation`: never 0 (0 is "not said")
         self._wake = threading.Condition(self._lock)
         self._stopping = False
@@ -197,19 +199,44 @@ class HostTierRole(Role):
     def query(self, msg: m.Query, ctx: CallContext) -> m.TierMiss | m.TierLoading | m.TierHit | Deferred:
         remote = self.remote
         with self._lock:
+            if msg.claim and self.query_claims.refuse(msg.claim):  # its store gave up on it before it arrived
+                self._index().counters["queries_refused_abandoned"] += 1
+                return m.TierMiss()
             start = remote.wants_probe(msg.hashes) if remote is not None else -1
             if start < 0:
-                res = self._index().query(msg.req_id, msg.hashes)
+                res = self._claimed(msg.claim, self._index().query(msg.req_id, msg.hashes))
         if remote is not None and start >= 0:  # pages this tier lacks: ask Mooncake, answer once it has answered
-            remote.probe(msg.req_id, msg.hashes, start, ctx.remaining(), lambda r: ctx.ok(_query_answer(r)),
-                         msg.parent)
+            def answer(r: QueryResult) -> bool:
+                with self._lock:
+                    r = self._claimed(msg.claim, r)
+                return ctx.ok(_query_answer(r))
+
+            remote.probe(msg.req_id, msg.hashes, start, ctx.remaining(), answer, msg.parent)
             return ctx.defer()
         return _query_answer(res)
+
+    def _claimed(self, claim: int, res: QueryResult) -> QueryResult:
+        """A Hit's lease under its query's claim (under the lock); a claim abandoned meanwhile releases it: a miss."""
+        if claim and isinstance(res, Hit):
+            if self.query_claims.refuse(claim):
+                self._index().release_lease(res.lease_id)
+                self._index().counters["queries_refused_abandoned"] += 1
+                return Miss()
+            self.query_claims.opened(claim, res.lease_id)
+        return res
 
     @handles(m.ReleaseLease)
     def release_lease(self, msg: m.ReleaseLease, ctx: CallContext) -> m.Done:
         with self._lock:
-            self._index().release_lease(msg.lease_id, consume_handoff=msg.consume_handoff or None)
+            index = self._index()
+            if msg.claim:  # by the query's claim: its store gave up on the query (its lease, or the query later)
+                lease_id = self.query_claims.abandon(msg.claim)
+                if lease_id is not None and index.release_lease(lease_id):
+                    index.counters["leases_released_abandoned"] += 1
+                    log.info("abandoned_lease_released", lease_id=lease_id, claim=msg.claim)
+            else:
+                index.release_lease(msg.lease_id, consume_handoff=msg.consume_handoff or None)
+                self.query_claims.settled(msg.lease_id)
         return m.Done()
 
     @handles(m.TouchPages)
@@ -416,6 +443,8 @@ class HostTierRole(Role):
             return
         out = self.index.reap()
         self.reservations.expire()
+        self.query_claims.expire()
+        self.query_claims.prune(lambda lease_id: lease_id in self.index.leases)  # leases the TTL ended
         for what, req_ids in out.items():
             for rid in req_ids:
                 # Every TTL reclaim is a missed release elsewhere: log it with the request and count it.

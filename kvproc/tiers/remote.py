@@ -225,13 +225,19 @@ class RemoteTier:
                     parent: bytes | None = None) -> QueryResult:
         """Awaited on the store's loop. If the awaiting resolve gives up (its deadline, its cancel token) and the answer
         still comes, a late Hit's lease is released, not left to the TTL."""
-        msg = m.Query(req_id, list(hashes), parent if self.wants_parent_key else None)
+        claim = next(self._reservations)
+        msg = m.Query(req_id, list(hashes), parent if self.wants_parent_key else None, claim)
         sync = self._client()
         ac = self._link.get(sync)
         epoch = self.epoch  # the attachment the answer's slots belong to, even if the tier is replaced meanwhile
-        if ac is None:
-            return _query_result(await await_sync_call(sync, msg, timeout, on_late=self._late_answer), epoch)
-        return _query_result(await ac.call_keeping_late(msg, self._late_answer, timeout=max(timeout, 0.001)), epoch)
+        try:
+            if ac is None:
+                return _query_result(await await_sync_call(sync, msg, timeout, on_late=self._late_answer), epoch)
+            return _query_result(await ac.call_keeping_late(msg, self._late_answer, timeout=max(timeout, 0.001)),
+                                 epoch)
+        except BaseException:
+            self._abandon_claim(claim)
+            raise
 
     def query_blocking(self, req_id: str, hashes: Sequence[bytes], *, deadline: float,
                        cancel: CancelToken | None = None, overlap: Callable[[], None] | None = None,
@@ -239,14 +245,28 @@ class RemoteTier:
         """`query` on the calling thread's own socket; raises what the call raises (the resolver degrades), and
         `QueryAbandoned` when `deadline` passes or `cancel` fires first. An answer that comes after that is still
         read: a late Hit's lease is released, never left to the TTL. `overlap` runs while the query is in flight."""
-        msg = m.Query(req_id, list(hashes), parent if self.wants_parent_key else None)
+        claim = next(self._reservations)
+        msg = m.Query(req_id, list(hashes), parent if self.wants_parent_key else None, claim)
         client = self._client()
         epoch = self.epoch  # read after the client: a client to a new tier is only ever put in place after `rebind`
-        res = client.request(msg, deadline=deadline + LATE_REPLY_GRACE_S, wait_until=deadline,
-                             on_late=self._late_answer, cancel_token=cancel, overlap=overlap, spin_s=spin_s)
+        try:
+            res = client.request(msg, deadline=deadline + LATE_REPLY_GRACE_S, wait_until=deadline,
+                                 on_late=self._late_answer, cancel_token=cancel, overlap=overlap, spin_s=spin_s)
+        except BaseException:
+            self._abandon_claim(claim)
+            raise
         if res is LATE:
+            self._abandon_claim(claim)
             raise QueryAbandoned("the resolve stopped waiting (deadline or cancellation)")
         return _query_result(res, epoch)
+
+    def _abandon_claim(self, claim: int) -> None:
+        """A query whose answer this store will not use: a late answer on a live socket is released by its lease id
+        (`_late_answer`), but one the tier serves after this store's client declared it dead (a stall) reaches nobody.
+        So the lease is released by the query's claim, now or -- the client being dead -- once reconnected to that
+        tier process; a tier that has not served the query yet refuses it if it still comes (a miss nobody reads)."""
+        self.counters["query_claims_abandoned"] += 1
+        self._oneway(m.ReleaseLease(0, "", claim))
 
     def _late_answer(self, reply: Any) -> None:
         if isinstance(reply, m.Ok) and isinstance(reply.payload, m.TierHit):

@@ -59,6 +59,12 @@ class Reservations:
         self._abandoned[reservation] = self._clock() + self.remember_s
         return None
 
+    def prune(self, alive: Callable[[int], bool]) -> None:
+        """Forget the open entries whose id ended without `settled` (a lease the TTL reclaimed)."""
+        for reservation, opened_id in [(r, i) for r, i in self._open.items() if not alive(i)]:
+            del self._open[reservation]
+            self._by_save.pop(opened_id, None)
+
     def expire(self) -> None:
         now, abandoned = self._clock(), self._abandoned
         while abandoned and (first := next(iter(abandoned.items())))[1] <= now:

@@ -8,6 +8,8 @@ a tier until the engine restarted): the wait for the re-attach below times out t
 
 from __future__ import annotations
 
+import contextlib
+
 import os
 import signal
 import subprocess
@@ -89,7 +91,8 @@ def test_an_engine_reattaches_to_a_kvproc_up_restarted_on_its_runtime_dir(tmp_pa
 
             os.kill(up.pid, signal.SIGKILL)  # the operator's tier goes, its children with it (parent_death.py)
             up.wait(30)
-            psutil.wait_procs([psutil.Process(old_pid)], timeout=30) if psutil.pid_exists(old_pid) else None
+            with contextlib.suppress(psutil.NoSuchProcess):  # it may be gone between any two calls
+                psutil.wait_procs([psutil.Process(old_pid)], timeout=30)
             wait_for(lambda: not os.path.exists(rd), timeout=60, what="the janitor removed the old runtime dir")
             up = _up(rd)  # the operator starts it again, on the same runtime dir
             new_pid = _tier_pid(rd)

@@ -233,7 +233,8 @@ def test_without_kv_events_a_reserve_save_carries_one_nil_byte_more() -> None:
 
 def test_without_kv_events_a_query_carries_one_nil_byte_more() -> None:
     """`Query.parent` (the page before the query's first, for the pages a tier pulls from Mooncake) costs a query
-    one msgpack nil when the tier publishes no events, and a tier from before it reads the query."""
+    one msgpack nil when the tier publishes no events (and `Query.claim`, after it, one byte when 0), and a tier from
+    before both reads the query."""
     import msgspec
 
     class Before(msgspec.Struct, array_like=True, omit_defaults=True, tag=301):  # Query before `parent`
@@ -242,7 +243,7 @@ def test_without_kv_events_a_query_carries_one_nil_byte_more() -> None:
 
     args = ("r1", [b"k" * 16] * 8)
     now, before = msgspec.msgpack.encode(m.Query(*args)), msgspec.msgpack.encode(Before(*args))
-    assert len(now) == len(before) + 1 and now.endswith(b"\xc0")
+    assert len(now) == len(before) + 2 and now.endswith(b"\xc0\x00")
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(m.Query(*args, b"p" * 16)), type=Before) == Before(*args)
 
 

@@ -87,3 +87,49 @@ def test_remembered_abandons_expire_and_are_bounded() -> None:
     assert r.abandon(4) is None
     r.opened(5, 50)
     assert r.abandon(5) == 50 and r.abandon(5) is None  # found once; the repeat (a replay) is harmless
+
+
+def _saved(c: RpcClient, key: bytes) -> None:
+    ticket = c.request(m.ReserveSave("s", [key], [], "cacheable", None, 0), timeout=10)
+    assert isinstance(ticket, m.TierSaveTicket)
+    c.request(m.CommitSave(ticket.save_id), timeout=10)
+
+
+def test_a_query_claim_abandoned_after_the_query_releases_its_lease(tier: Cluster) -> None:
+    c = tier.client("host_tier")
+    key = b"claimed".ljust(16, b"k")
+    _saved(c, key)
+    before = _stats(c)
+    hit = c.request(m.Query("q", [key], None, 4004), timeout=10)
+    assert isinstance(hit, m.TierHit) and _stats(c)["open_leases"] == before["open_leases"] + 1
+    c.request(m.ReleaseLease(0, "", 4004), timeout=10)
+    st = _stats(c)
+    assert st["open_leases"] == before["open_leases"]
+    assert st["leases_released_abandoned"] == before.get("leases_released_abandoned", 0) + 1
+    c.request(m.ReleaseLease(0, "", 4004), timeout=10)  # a replay of the same release: nothing more
+    assert _stats(c)["leases_released_abandoned"] == st["leases_released_abandoned"]
+
+
+def test_a_query_claim_abandoned_before_the_query_makes_the_tier_answer_a_miss(tier: Cluster) -> None:
+    c = tier.client("host_tier")
+    key = b"early".ljust(16, b"k")
+    _saved(c, key)
+    before = _stats(c)
+    c.request(m.ReleaseLease(0, "", 5005), timeout=10)  # the query is still on its way (a stalled tier's socket)
+    assert isinstance(c.request(m.Query("q", [key], None, 5005), timeout=10), m.TierMiss)
+    st = _stats(c)
+    assert st["open_leases"] == before["open_leases"]
+    assert st["queries_refused_abandoned"] == before.get("queries_refused_abandoned", 0) + 1
+    hit = c.request(m.Query("q", [key], None, 5006), timeout=10)  # another claim is served
+    assert isinstance(hit, m.TierHit)
+    c.request(m.ReleaseLease(hit.lease_id), timeout=10)  # released by its id: its claim is settled
+    c.request(m.ReleaseLease(0, "", 5006), timeout=10)
+    assert _stats(c).get("leases_released_abandoned", 0) == before.get("leases_released_abandoned", 0)
+
+
+def test_open_claims_whose_lease_ended_otherwise_are_pruned() -> None:
+    r = Reservations(remember_s=10.0, clock=lambda: 0.0)
+    r.opened(6, 60)
+    r.opened(7, 70)
+    r.prune(lambda lease_id: lease_id == 70)  # lease 60 was reclaimed by its TTL
+    assert r.abandon(6) is None and r.abandon(7) == 70

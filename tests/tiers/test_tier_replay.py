@@ -54,6 +54,50 @@ def test_a_lease_released_while_the_shared_tier_stalled_is_released_once_it_answ
 
 
 
+def test_a_lease_a_stalled_tier_granted_to_a_query_nobody_awaits_is_released_once_it_answers_again() -> None:
+    """Issue 39 (and 35's residual): a resolve's Query sits in a stopped tier's socket while the store's client
+    declares the tier dead; the query fails, and the tier, resumed, serves it (its deadline, 30 s here, has not
+    passed): a lease nobody holds, its pages unevictable until the 30 s lease TTL. Now the store releases it by the
+    query's claim once reconnected (or the tier refuses the query, the release having come first). Twice.
+    Control: without the claim (the code before this test) the lease stays open until the wait below gives up."""
+    with kvproc_up("claimt") as (rd, tier_pid):
+        with ClusterStore.start(1 << 20, tier_runtime_dir=rd) as cs:
+            model = SharedMemoryModel(cs.allocator)
+            store = cs.attach_model(model, live_slots=2, config=StoreConfig(tier_call_timeout_s=30.0))
+            toks = list(range(1, 13))
+            kv = RequestKv(store.pools[0], "a", toks, 4)
+            assert kv.try_admit()
+            kv.schedule(12)
+            kv.apply()
+            store.execute_copies(0, kv.seal_by_copy())
+            store.retire(0, kv, SealCursor.after_prefix(0))
+            store.flush_saves(0, 10)
+            tier = store.tier
+            assert tier is not None
+            hashes = RequestKv(store.pools[0], "x", toks, 0).page_hashes
+            for n in (1, 2):
+                store.stats()  # the store loop's socket to the tier is connected: the query goes out on it
+                os.kill(tier_pid, signal.SIGSTOP)
+                try:
+                    fut = store._loop.submit(tier.query(f"q{n}", hashes, timeout=30))
+                    with pytest.raises(Exception):
+                        fut.result(timeout=40)  # the client declares the stopped tier dead: the query fails
+                finally:
+                    os.kill(tier_pid, signal.SIGCONT)
+                wait_for(lambda: tier.available, timeout=20, what="reconnected to the tier")
+                t0 = time.monotonic()
+                wait_for(lambda: store.stats()["tier"]["open_leases"] == 0, timeout=20, what="no lease left open")
+                assert time.monotonic() - t0 < 20  # the lease TTL is 30 s: the claim's release, not the reaper
+                assert tier.counters["query_claims_abandoned"] == n
+            st = store.stats()["tier"]
+            assert st.get("leases_reclaimed_by_ttl", 0) == 0
+            # served then released by its claim, refused (the release came first), or never delivered
+            assert st.get("leases_released_abandoned", 0) + st.get("queries_refused_abandoned", 0) >= 0
+            hit = store._loop.submit(tier.query("after", hashes, timeout=5)).result()
+            assert hit.pages == 3  # the tier serves queries again
+            tier.release_lease(hit.lease_id)
+
+
 def _save_through_a_stall(store: KvStore, tier_pid: int, req_id: str, toks: list[int]) -> None:
     """Start a save while the tier is stopped, resume the tier once the save failed (the store's client declared it
     dead: the ReserveSave it sent is still in the tier's socket), then wait until the store is reconnected."""
