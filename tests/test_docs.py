@@ -63,7 +63,9 @@ def test_every_rule_on_the_contract_page_names_a_test_that_exists() -> None:
 
 
 def test_the_contract_page_stays_one_page() -> None:
-    assert len(CONTRACT.read_text().splitlines()) <= 240  # an engine author reads it in 15 minutes
+    # an engine author reads it in 15 minutes; v3 (issue 40) holds runnable P/D and TP examples
+    # (tests/test_contract_page.py) beside the rules table, hence the longer budget
+    assert len(CONTRACT.read_text().splitlines()) <= 340
 
 
 def test_the_handoff_api_on_this_page_is_exported_from_kvproc() -> None:
