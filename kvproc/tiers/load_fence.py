@@ -14,12 +14,15 @@ is settled, before the blocks can be freed:
 
 - revoked: the worker either finished or will never start (its claim fails: `fence_revoked`): the blocks are safe;
 - busy: the worker is in the middle of the write (stopped or killed mid-copy): the store waits until the write ends,
-  or until the worker's process is gone (then nothing can write: the word is taken back by force).
+  or until the worker's process is gone (then nothing can write: the word is taken back by force). The worker is
+  known by its pid *and its start time* (`ProcessId`): once it is dead the kernel may give its pid to another
+  process, which must not read as the worker still alive (the wait would never end).
 """
 
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -29,17 +32,41 @@ LOAD_FENCE_WORDS = 1024  # loads in flight per copier at once (each resolving th
 SETTLE_POLL_S = 0.02  # while a stalled worker holds a word mid-write: how often to look again
 
 
-def process_gone(pid: int) -> bool:
-    """The process is dead (exited or a zombie): it cannot write anything any more. A pid already reused by another
-    process reads as alive: the caller keeps waiting (never wrong bytes)."""
-    if pid <= 0:
-        return False
+def _stat(pid: int) -> list[str] | None:
+    """/proc/<pid>/stat's fields after the command name (state first), or None: no such process."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
+            return f.read().rsplit(")", 1)[1].split()
     except (FileNotFoundError, ProcessLookupError, IndexError):
+        return None
+
+
+@dataclass(frozen=True)
+class ProcessId:
+    """A process: its pid and its start time (clock ticks after boot, /proc/<pid>/stat field 22; 0: unknown)."""
+
+    pid: int
+    start: int = 0
+
+    @classmethod
+    def of(cls, pid: int) -> ProcessId:
+        """Read while the process is known alive (it has just answered): later, its pid may name another one."""
+        fields = _stat(pid) if pid > 0 else None
+        return cls(pid, int(fields[19]) if fields is not None and len(fields) > 19 else 0)
+
+
+def process_gone(proc: ProcessId | int) -> bool:
+    """The process is dead (exited, a zombie, or its pid now names a process started later): it cannot write
+    anything any more. A bare pid (no start time known) already reused by another process reads as alive: the
+    caller keeps waiting (never wrong bytes)."""
+    if isinstance(proc, int):
+        proc = ProcessId(proc)
+    if proc.pid <= 0:
+        return False
+    fields = _stat(proc.pid)
+    if fields is None or fields[0] in ("Z", "X"):
         return True
-    return state in ("Z", "X")
+    return bool(proc.start) and len(fields) > 19 and int(fields[19]) != proc.start
 
 
 class LoadFences:
@@ -55,7 +82,7 @@ class LoadFences:
         with self._lock:
             return self._table.issue()
 
-    def try_settle(self, index: int, token: int, writer_pid: int) -> bool:
+    def try_settle(self, index: int, token: int, writer_pid: ProcessId | int) -> bool:
         """Make the load unwritable: True once done (the word is free again), False while a live worker writes."""
         with self._lock:
             state = self._table.revoke(index, token)

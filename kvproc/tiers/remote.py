@@ -44,7 +44,7 @@ from kvproc.ipc.segment import Segment, SegmentBusyError
 from kvproc.tiers.api import LATE_REPLY_GRACE_S
 from kvproc.tiers.host_index import Hit, Loading, Miss, QueryResult, SaveClass, SaveTicket, Shed
 from kvproc.tiers.layout import HostLayout
-from kvproc.tiers.load_fence import SETTLE_POLL_S, LoadFences, process_gone
+from kvproc.tiers.load_fence import SETTLE_POLL_S, LoadFences, ProcessId, process_gone
 from kvproc.tiers.slot_table import ROWS
 
 log = structlog.get_logger("kvproc.remote")
@@ -428,6 +428,7 @@ class RemoteCopier:
         self._link = _LoopLink(client)
         self._sync_attach = threading.Lock()  # attaches made from resolving threads (load_blocking)
         self.attaches = 0
+        self._writer_id: ProcessId | None = None  # the worker last seen serving orders (`_writer`)
         # The worker's own time for each recent Load (`Copied.ns`), newest last, and how many have completed: what
         # a load's bytes cost where they moved (`kvproc bench ipc` pairs each resolve with its load's copy time, one
         # resolving thread at a time; with several, the count is a statistic, not a per-call record).
@@ -476,16 +477,16 @@ class RemoteCopier:
         self.loads_copied += 1
 
     async def save(self, order: SaveOrder) -> int:
-        pid = 0
+        pid = ProcessId(0)
         try:
             client = await self.ensure_attached()
-            pid = client.server_pid
+            pid = self._writer(client.server_pid)
             return int((await _acall(self._link, client, m.Save(order), self.copy_timeout_s)).nbytes)
         except Exception as e:
             # The worker that had the order is gone (killed, maybe in the middle of the write): say so, so the tier
             # takes back the fence claim it left instead of quarantining the slots for good. A worker that is only
             # stalled is alive: its claim is a write in progress, and the tier waits for it.
-            e.writer_dead = bool(pid) and process_gone(pid)  # type: ignore[attr-defined]
+            e.writer_dead = process_gone(pid)  # type: ignore[attr-defined]
             raise
 
     def _word(self) -> tuple[int, int] | None:
@@ -502,7 +503,7 @@ class RemoteCopier:
             return order, None
         return msgspec.structs.replace(order, fence=word[0], fence_token=word[1]), word
 
-    async def _settle(self, word: tuple[int, int] | None, writer_pid: int) -> None:
+    async def _settle(self, word: tuple[int, int] | None, writer_pid: ProcessId) -> None:
         """Before the caller may free the load's blocks: the worker can no longer write them (waits while it is in the
         middle of the write, on the store's loop without blocking it)."""
         if self._settled_at_once(word, writer_pid):
@@ -511,27 +512,27 @@ class RemoteCopier:
         while not self.load_fences.try_settle(word[0], word[1], writer_pid):
             await asyncio.sleep(SETTLE_POLL_S)
 
-    def _settle_blocking(self, word: tuple[int, int] | None, writer_pid: int) -> None:
+    def _settle_blocking(self, word: tuple[int, int] | None, writer_pid: ProcessId) -> None:
         if self._settled_at_once(word, writer_pid):
             return
         assert word is not None and self.load_fences is not None
         while not self.load_fences.try_settle(word[0], word[1], writer_pid):
             time.sleep(SETTLE_POLL_S)
 
-    def _settled_at_once(self, word: tuple[int, int] | None, writer_pid: int) -> bool:
+    def _settled_at_once(self, word: tuple[int, int] | None, writer_pid: ProcessId) -> bool:
         """No fence, or settled at the first try; else counted and logged (the caller then waits it out)."""
         if word is None or self.load_fences is None or self.load_fences.try_settle(word[0], word[1], writer_pid):
             return True
         self.load_fences.waited += 1
-        log.warning("load_fence_wait", fence=word[0], worker_pid=writer_pid)
+        log.warning("load_fence_wait", fence=word[0], worker_pid=writer_pid.pid)
         return False
 
     async def load(self, order: LoadOrder) -> int:
         fenced, word = self._fence(order)
-        pid = 0
+        pid = ProcessId(0)
         try:
             client = await self.ensure_attached()
-            pid = client.server_pid
+            pid = self._writer(client.server_pid)
             res = await _acall(self._link, client, m.Load(fenced), self.copy_timeout_s)
         finally:
             await self._settle(word, pid)
@@ -542,10 +543,10 @@ class RemoteCopier:
         """Fenced like a load: the destination slots are written by this order only until the store settles it."""
         word = self._word()
         msg = m.DeviceCopy(list(copies), *(word if word is not None else (-1, 0)), after_event)
-        pid = 0
+        pid = ProcessId(0)
         try:
             client = await self.ensure_attached()
-            pid = client.server_pid
+            pid = self._writer(client.server_pid)
             res = await _acall(self._link, client, msg, self.copy_timeout_s)
         finally:
             await self._settle(word, pid)
@@ -567,7 +568,7 @@ class RemoteCopier:
                     self._attached_to = client
                     self.attaches += 1
         fenced, word = self._fence(order)
-        pid = client.server_pid
+        pid = self._writer(client.server_pid)
 
         def late(reply: Any) -> None:  # on the thread that delivers the late reply: settle, then free the blocks
             self._settle_blocking(word, pid)
@@ -585,6 +586,14 @@ class RemoteCopier:
         self._settle_blocking(word, pid)
         self._loaded(res)
         return int(res.nbytes)
+
+    def _writer(self, pid: int) -> ProcessId:
+        """The copy worker serving this copier's orders, known by pid and start time (read the first time that pid
+        answers: later, once it is dead, the pid may name another process)."""
+        w = self._writer_id
+        if w is None or w.pid != pid:
+            w = self._writer_id = ProcessId.of(pid)
+        return w
 
     def close(self) -> None:
         self._attached_to = None

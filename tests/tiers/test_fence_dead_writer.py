@@ -66,3 +66,28 @@ def test_a_worker_killed_mid_save_write_leaves_no_quarantined_slots_in_the_tier(
         assert tier["quarantined_saves"] == 0, "the dead worker's claim kept the save's slots out of use"
         assert tier["fences_taken_from_dead_writers"] == 1
         cs.cluster.wait_available("copy_worker", timeout=15)
+
+
+def test_a_writer_whose_pid_now_names_another_process_is_dead_and_its_load_fence_is_settled() -> None:
+    """Issue 35's residual: the settle wait of a load fence a killed worker left claimed ended only when its pid was
+    gone; a pid the kernel gave to another process read as the worker alive, and the wait never ended. The worker is
+    now known by pid and start time. Simulated without waiting for the kernel to reuse a pid: a live process (this
+    one) under another start time is exactly what a reused pid looks like.
+    Control: the same live pid without its start time (today's bare pid) reads as alive, and the fence stays busy."""
+    import numpy as np
+
+    from kvproc.tiers.load_fence import LoadFences, ProcessId
+    from kvproc.tiers.save_fence import claim
+
+    me = ProcessId.of(os.getpid())
+    assert me.start > 0 and not process_gone(me)
+    reused = ProcessId(me.pid, me.start - 1)  # the worker started earlier, died; its pid went to this process
+    assert process_gone(reused)
+    assert not process_gone(me.pid)  # the control: a bare pid cannot tell
+
+    fences = LoadFences(np.zeros(4, dtype=np.int64))
+    word = fences.issue()
+    assert word is not None
+    claim(fences._table.row, *word)  # the worker claimed the word, then was killed mid-write
+    assert not fences.try_settle(*word, me.pid)  # control: busy for good under a bare pid that lives on
+    assert fences.try_settle(*word, reused) and fences.forced == 1
