@@ -19,6 +19,18 @@ def forkserver_context(configs: Sequence[RoleConfig]) -> Any:
     return ctx
 
 
+def own_mp_temp_dir() -> str | None:
+    """The multiprocessing temp dir of this process (its forkserver's socket lives there), made now if there is none
+    yet: then it is the launcher's own, returned so that its janitor can remove it should the launcher be SIGKILLed
+    (multiprocessing removes it only at a clean exit). None: another user of multiprocessing in this process made it,
+    and it is not ours to remove."""
+    from multiprocessing import process, util
+
+    if process.current_process()._config.get("tempdir") is not None:  # type: ignore[attr-defined]
+        return None
+    return str(util.get_temp_dir())
+
+
 @contextlib.contextmanager
 def parent_main_hidden() -> Iterator[None]:
     """Keep the forkserver from re-running the launcher's main script in each child.

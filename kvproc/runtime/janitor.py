@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import select
+import shutil
 import signal
 import time
 from dataclasses import dataclass
@@ -47,6 +48,7 @@ class JanitorSpec:
     runtime_dir: str
     launcher: mf.ProcessIdentity | None  # the runtime dir's marker must still name it for the dir to be removed
     sweep_deadline_s: float = 60.0  # the longest it waits for the dead launcher's children to let go of theirs
+    mp_temp_dir: str | None = None  # the launcher's own multiprocessing temp dir (`own_mp_temp_dir`): removed too
 
 
 class Janitor:
@@ -151,7 +153,9 @@ def _sweep(spec: JanitorSpec, note: Note) -> int:
             break
         time.sleep(0.1)
     dir_removal = mf.remove_runtime_dir(spec.runtime_dir, spec.launcher) if spec.runtime_dir else None
+    if spec.mp_temp_dir:  # only the dead launcher used it (its forkserver's socket): nobody else can
+        shutil.rmtree(spec.mp_temp_dir, ignore_errors=True)
     note.write("janitor_swept_after_launcher_death", level="warning", cluster=spec.cluster,
                launcher_pid=spec.launcher_pid, segments=removed, left=left,
-               runtime_dir=dir_removal.message if dir_removal else None)
+               runtime_dir=dir_removal.message if dir_removal else None, mp_temp_dir=spec.mp_temp_dir)
     return 0 if not left else 1

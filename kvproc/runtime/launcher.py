@@ -45,7 +45,7 @@ from kvproc.runtime import procutil
 from kvproc.runtime.child import ChildSpec, child_main
 from kvproc.runtime.config import ClusterStartError, PeerEvent, RoleConfig
 from kvproc.runtime.control import start_control_server
-from kvproc.runtime.forking import forkserver_context, parent_main_hidden
+from kvproc.runtime.forking import forkserver_context, own_mp_temp_dir, parent_main_hidden
 from kvproc.runtime.janitor import Janitor, JanitorSpec, start_janitor
 from kvproc.runtime.roles import resolve_role_class
 from kvproc.runtime.supervisor import PROCESS_LOCK, ChildHandle, Supervisor, describe_exit
@@ -96,6 +96,9 @@ class Cluster:
         self._restart_lock = threading.Lock()
         self._stopping = False
         self._done = threading.Event()
+        # Before the forkserver starts (it puts its socket in the process's multiprocessing temp dir): a dir made
+        # here is this launcher's, and its janitor removes it if the launcher is killed.
+        self._mp_temp_dir = own_mp_temp_dir()
         self._mp = forkserver_context(configs)
         self._supervisor = Supervisor(self._on_exit)
         self._control: Any = None
@@ -219,7 +222,7 @@ class Cluster:
             self._janitor.pop().stop()
 
     def _start_janitor(self, timeout: float) -> None:
-        spec = JanitorSpec(self.name, os.getpid(), self.runtime_dir, self.identity)
+        spec = JanitorSpec(self.name, os.getpid(), self.runtime_dir, self.identity, mp_temp_dir=self._mp_temp_dir)
         try:
             self._janitor.append(start_janitor(self._mp, spec, timeout))
         except Exception as e:  # noqa: BLE001 - never fail a start over it: the next start's sweep remains

@@ -27,7 +27,8 @@ _LAUNCHER = textwrap.dedent("""
     cluster = launch([RoleConfig("host_tier", options={"segment_bytes": 65536}), RoleConfig("copy_worker")],
                      cluster_name=sys.argv[1], runtime_dir=sys.argv[2])
     arena = Segment.create(sys.argv[1], "arena", 1 << 16)  # the launcher's own (an engine's arena)
-    print("ready", cluster._janitor[0].pid if cluster._janitor else 0, flush=True)
+    from multiprocessing import util
+    print("ready", cluster._janitor[0].pid if cluster._janitor else 0, util.get_temp_dir(), flush=True)
     time.sleep(600)
 """)
 
@@ -48,7 +49,9 @@ def _wait_gone(pid: int, timeout: float) -> bool:
 
 def test_a_launcher_killed_with_its_whole_tree_leaves_nothing(tmp_path: Path) -> None:
     cluster, runtime_dir = JT + "k", str(tmp_path / "rt")
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    tmp = tmp_path / "tmp"  # the launcher's TMPDIR: its multiprocessing temp dir is made here, seen by this test only
+    tmp.mkdir()
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]), TMPDIR=str(tmp))
     proc = subprocess.Popen([sys.executable, "-c", _LAUNCHER, cluster, runtime_dir], stdout=subprocess.PIPE,
                             text=True, env=env)
     janitor = 0
@@ -59,7 +62,8 @@ def test_a_launcher_killed_with_its_whole_tree_leaves_nothing(tmp_path: Path) ->
             if line.startswith("ready"):
                 break
         assert line.startswith("ready"), f"the launcher did not start: {line!r}"
-        janitor = int(line.split()[1])
+        janitor, mp_dir = int(line.split()[1]), line.split()[2]
+        assert os.path.isdir(mp_dir) and mp_dir.startswith(str(tmp))
         assert len(list_segments(cluster)) == 2  # the host tier's and the launcher's own
         assert os.path.isdir(runtime_dir)
         tree = psutil.Process(proc.pid).children(recursive=True)
@@ -70,10 +74,12 @@ def test_a_launcher_killed_with_its_whole_tree_leaves_nothing(tmp_path: Path) ->
         proc.kill()
         proc.wait(30)
         end = time.monotonic() + 90  # generous: the machine may be loaded; no timing is asserted
-        while (_left(cluster) or os.path.exists(runtime_dir)) and time.monotonic() < end:
+        while (_left(cluster) or os.path.exists(runtime_dir) or os.path.exists(mp_dir)) and time.monotonic() < end:
             time.sleep(0.1)
         assert not _left(cluster), f"left in /dev/shm: {_left(cluster)}"
         assert not os.path.exists(runtime_dir)
+        # issue 35's residual: the launcher's multiprocessing temp dir (its forkserver's socket) went with it
+        assert not os.path.exists(mp_dir), f"left: {os.listdir(mp_dir)}"
         assert _wait_gone(janitor, 30), "the janitor did not exit after its sweep"
     finally:
         if proc.poll() is None:
