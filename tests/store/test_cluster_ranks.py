@@ -82,8 +82,9 @@ def test_pd_handoff_across_two_ranks_through_shared_per_rank_tiers() -> None:
                            "--host-mib", "8", "--ranks", "2"], stdout=subprocess.PIPE, text=True)
     try:
         assert "up; manifest" in (up.stdout.readline() if up.stdout else "")
-        with pytest.raises(RuntimeError, match=r"ranks \[0, 1\].*kvproc up --ranks 3"):
-            ClusterStore.start(1 << 20, ranks=3, tier_runtime_dir=rd)
+        with ClusterStore.start(1 << 20, ranks=3, tier_runtime_dir=rd) as three:  # PER_RANK: refused at attach
+            with pytest.raises(RuntimeError, match=r"ranks \[0, 1\].*kvproc up --ranks 3"):
+                three.attach_model(per_rank_model(three, 3), live_slots=1)
         with ClusterStore.start(1 << 20, ranks=2, tier_runtime_dir=rd) as P, \
                 ClusterStore.start(1 << 20, ranks=2, tier_runtime_dir=rd) as D:
             mp, md = per_rank_model(P, 2), per_rank_model(D, 2)
