@@ -85,7 +85,11 @@ def check_model(model: KvModel, *, ranks: int | None = None, seed: int = 0) -> C
     if not spec.prefix_caching:
         report.notes.append(f"no store proofs: prefix caching is off ({spec.prefix_caching_off_reason})")
         return report
-    store = build_local_store(model, live_slots=1, host_bytes=_host_bytes(layouts[0]), ranks=n)
+    try:
+        store = build_local_store(model, live_slots=1, host_bytes=_host_bytes(layouts[0]), ranks=n)
+    except (KvContractError, ValueError) as e:  # e.g. a repack hook without the `arena` parameter
+        report.failures.append(Failure("contract", ",".join(g.name for g in spec.groups), str(e)))
+        return report
     try:
         for name, run in (("host round trip", lambda: store_checks.round_trips(store, layouts, report, gen)),
                           ("P/D hand-off", lambda: _handoff(model, store, layouts[0], report, gen))):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from kvproc.check.blocks import compare, snapshot
-from kvproc.check.report import CheckReport
+from kvproc.check.report import CheckReport, Failure
 from kvproc.contract import ArenaLayout, GroupKind, Sharding
 from kvproc.engine.models.base import SeqBatchItem
 
@@ -42,7 +42,7 @@ def ranks_compute(model: object, layouts: list[ArenaLayout], report: CheckReport
                          expected_as=f"on rank 0 (rank {r})")]
         if g.sharding is Sharding.REPLICATED and diffs:
             first = diffs[0]
-            report.failures.append(type(first)(
+            report.failures.append(Failure(
                 "sharding", g.name, f"declared REPLICATED, but the ranks compute other KV for one prompt ("
                 f"{first.detail}): it would be stored once from rank 0 and restored as rank 0's on every rank; "
                 "declare Sharding.PER_RANK (each rank its own shard)", first.arena, first.offset))
