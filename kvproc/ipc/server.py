@@ -235,6 +235,7 @@ class RpcServer:
         self.peers_expired_idle = 0  # forgotten: untracked and silent for `peer_idle_s`
         self.goodbye_unknown = 0  # Goodbyes of peers already forgotten (their close overtook them)
         self.peers_evicted = 0  # forgotten: its client identity was at `max_peers_per_client`
+        self.peers_unroutable = 0  # forgotten: a reply to it found its connection gone
         self.conns_dropped_no_hello = 0  # connections closed at their Hello deadline
 
     # ---- lifecycle ----
@@ -451,6 +452,12 @@ class RpcServer:
         except zmq.ZMQError:  # peer gone (EHOSTUNREACH)
             self.dropped += 1
             self.dropped_unroutable += 1
+            # Its connection is gone for good (clients take no chosen routing id: a reconnect is a new id). Most often
+            # its close was reported already; but a Hello read after its connection closed (queued while this thread
+            # was held up: a stalled tier) was admitted to no connection to follow, and would stay `peer_idle_s`.
+            if self._peers.get(ident) is not None:
+                self.peers_unroutable += 1
+                self._forget(ident)
 
     def _flush_outbox(self) -> None:
         out = self._outbox
@@ -705,5 +712,6 @@ class RpcServer:
             "peers_expired_idle": self.peers_expired_idle,
             "goodbye_unknown": self.goodbye_unknown,
             "peers_evicted": self.peers_evicted,
+            "peers_unroutable": self.peers_unroutable,
             "conns_dropped_no_hello": self.conns_dropped_no_hello,
         }

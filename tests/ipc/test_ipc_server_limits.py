@@ -482,3 +482,33 @@ def test_replies_to_a_client_that_never_reads_are_dropped_at_the_send_high_water
         finally:
             c.close()
             hog.close()
+
+
+def test_a_hello_read_after_its_connection_closed_leaves_no_peer() -> None:
+    """Issue 35's residual ("one peer left in the tier's table after a long chaos run"): a Hello queued while the
+    server's socket thread was held up (a stalled tier) from a connection that closed meanwhile (the engine's
+    timed-out reconnect attempt) was admitted to no connection to follow: an untracked peer, kept `peer_idle_s`
+    (10 minutes). Its Welcome is unroutable: the peer is forgotten then. Simulated here by reading the server's
+    connection events before its thread runs (a held-up thread sees them first, then the Hello).
+    Control: without forgetting on an unroutable reply the peer stays in the table."""
+    with tempfile.TemporaryDirectory(prefix="kvlim-", dir="/tmp") as d:
+        srv = RpcServer(_Parking(), endpoints=[ipc_endpoint(d, "stale")], token=TOKEN, role="limits", workers=2)
+        (ep,) = srv.bind()
+        s = _dealer(ep)
+        s.send(m.encode(m.Hello(m.PROTOCOL_VERSION, TOKEN, "stale", new_session())))
+        assert srv._sock.poll(10_000, zmq.POLLIN), "the Hello never reached the server's socket"
+        s.close(linger=0)
+        mon = srv._mon
+        assert mon is not None
+        seen = []
+        while zmq.EVENT_DISCONNECTED not in seen:  # the connection is gone before the thread reads its Hello
+            assert mon.poll(10_000), f"no disconnect reported (events {seen})"
+            seen.append(recv_monitor_message(mon)["event"])
+        thread = srv.start()
+        try:
+            assert _eventually(lambda: srv.transport_stats()["peers_admitted"] == 1)
+            assert _eventually(lambda: srv.transport_stats()["peers"] == 0, timeout=5), srv.transport_stats()
+            assert srv.transport_stats()["peers_unroutable"] == 1
+        finally:
+            srv.stop()
+            thread.join(10)
