@@ -46,10 +46,10 @@ def _close(store: KvStore) -> None:
     store.close()
     for c in store.copiers:
         with contextlib.suppress(Exception):
-            c.close()  # type: ignore[attr-defined]
+            c.close()
     for t in dict.fromkeys(store.tiers):
         with contextlib.suppress(Exception):
-            t.close()  # type: ignore[attr-defined]
+            t.close()
 
 
 def check_model(model: KvModel, *, ranks: int | None = None, seed: int = 0) -> CheckReport:

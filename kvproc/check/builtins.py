@@ -10,32 +10,32 @@ from kvproc.contract import KvSpec, Sharding
 from kvproc.engine.models import TinyModel, build_model
 from kvproc.engine.models.ranked import RankedModel
 
-SIZES = {"num_blocks": 16, "num_slots": 4}
+BLOCKS, SLOTS = 16, 4  # enough for every proof's pages and checkpoints, small enough to check in a second
 
 
 def dense() -> TinyModel:
-    return build_model("dense", **SIZES)
+    return build_model("dense", num_blocks=BLOCKS, num_slots=SLOTS)
 
 
 def mla() -> TinyModel:
-    return build_model("mla", **SIZES)
+    return build_model("mla", num_blocks=BLOCKS, num_slots=SLOTS)
 
 
 def mla_mtp_drafter() -> TinyModel:
     """MLA with an optional MTP layer and a drafter (not checkpointable): prefix caching off, the table says why."""
-    return build_model("mla", mtp=True, drafter=True, **SIZES)
+    return build_model("mla", mtp=True, drafter=True, num_blocks=BLOCKS, num_slots=SLOTS)
 
 
 def hybrid() -> TinyModel:
-    return build_model("hybrid", **SIZES)
+    return build_model("hybrid", num_blocks=BLOCKS, num_slots=SLOTS)
 
 
 def swa() -> TinyModel:
-    return build_model("swa", **SIZES)
+    return build_model("swa", num_blocks=BLOCKS, num_slots=SLOTS)
 
 
 def dense_tp2() -> RankedModel:
-    return RankedModel("dense", 2, **SIZES)
+    return RankedModel("dense", 2, num_blocks=BLOCKS, num_slots=SLOTS)
 
 
 class ReplicatedMla(RankedModel):
@@ -49,4 +49,4 @@ class ReplicatedMla(RankedModel):
 
 
 def mla_tp2_replicated() -> ReplicatedMla:
-    return ReplicatedMla("mla", 2, **SIZES)
+    return ReplicatedMla("mla", 2, num_blocks=BLOCKS, num_slots=SLOTS)

@@ -26,13 +26,13 @@ def ranks_compute(model: object, layouts: list[ArenaLayout], report: CheckReport
                             "(kvproc.RankedEngineModel); the sharding proofs ran on random bytes only")
         return
     n = PAGES * spec.page_tokens
-    toks = torch.randint(0, int(model.vocab_size), (n,), generator=gen)  # type: ignore[attr-defined]
+    toks = torch.randint(0, int(model.vocab_size), (n,), generator=gen)
     bounded = [g.name for g in spec.bounded_groups]
     for r in range(len(layouts)):
-        step = model.rank_model(r)  # type: ignore[attr-defined]
-        for g in bounded:
-            step.reset_slot(g, 0)
-        step.forward([SeqBatchItem(toks, 0, list(range(PAGES)), {g: 0 for g in bounded})])
+        step = model.rank_model(r)
+        for name in bounded:
+            step.reset_slot(name, 0)
+        step.forward([SeqBatchItem(toks, 0, list(range(PAGES)), {name: 0 for name in bounded})])
     same: list[str] = []
     for g in spec.groups:
         ids = list(range(PAGES)) if g.kind is GroupKind.PAGED else [0]

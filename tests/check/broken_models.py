@@ -13,7 +13,7 @@ from kvproc.engine.models.dense import DenseModel
 from kvproc.engine.models.mla import MlaModel
 from kvproc.engine.models.ranked import RankedModel
 
-SIZES = {"num_blocks": 16, "num_slots": 4}
+BLOCKS, SLOTS = 16, 4
 BAD_BYTE = 100  # the byte of every latent row the wrong repack gets wrong
 
 
@@ -47,8 +47,8 @@ class WrongShardingDense(RankedModel):
     """Declares REPLICATED, but its ranks hold different KV (each rank its own heads: here, other weights)."""
 
     def __init__(self) -> None:
-        super().__init__("dense", 2, **SIZES)
-        self.replicas[1] = build_model("dense", seed=7, **SIZES)
+        super().__init__("dense", 2, num_blocks=BLOCKS, num_slots=SLOTS)
+        self.replicas[1] = build_model("dense", seed=7, num_blocks=BLOCKS, num_slots=SLOTS)
 
     def spec(self) -> KvSpec:
         spec = super().spec()
@@ -57,15 +57,15 @@ class WrongShardingDense(RankedModel):
 
 
 def wrong_repack() -> WrongRepackMla:
-    return WrongRepackMla(**SIZES)
+    return WrongRepackMla(num_blocks=BLOCKS, num_slots=SLOTS)
 
 
 def undeclared_layout() -> UndeclaredLayoutDense:
-    return UndeclaredLayoutDense(**SIZES)
+    return UndeclaredLayoutDense(num_blocks=BLOCKS, num_slots=SLOTS)
 
 
 def not_applied_layout() -> NotAppliedLayoutDense:
-    return NotAppliedLayoutDense(**SIZES)
+    return NotAppliedLayoutDense(num_blocks=BLOCKS, num_slots=SLOTS)
 
 
 def wrong_sharding() -> WrongShardingDense:

@@ -103,7 +103,7 @@ def test_a_model_missing_an_engine_member_is_refused_naming_it() -> None:
         def reset_slot(self, group: str, slot: int) -> None: ...
 
     model = NoForward()
-    store = build_local_store(model, live_slots=1)  # type: ignore[arg-type]
+    store = build_local_store(model, live_slots=1)
     try:
         with pytest.raises(TypeError, match=r"lacks \['forward'\].*kvproc.EngineModel"):
             Engine(model, store)  # type: ignore[arg-type]

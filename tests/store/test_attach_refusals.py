@@ -61,10 +61,10 @@ def test_a_replicated_model_needs_only_tier_0_of_a_shared_cluster() -> None:
         with ClusterStore.start(1 << 20, ranks=2, tier_runtime_dir=up.cluster.runtime_dir) as cs:
             model = RankShardModel(_spec(Sharding.PER_RANK), 2, cs.allocator)
             with pytest.raises(RuntimeError, match=r"kvproc up --ranks 2"):
-                cs.attach_model(model, live_slots=1)
+                cs.attach_model(model, live_slots=1)  # type: ignore[arg-type]  # no repack: none needed
         with ClusterStore.start(1 << 20, ranks=2, tier_runtime_dir=up.cluster.runtime_dir) as cs:
             model = RankShardModel(_spec(Sharding.REPLICATED), 2, cs.allocator)
-            store = cs.attach_model(model, live_slots=1)
+            store = cs.attach_model(model, live_slots=1)  # type: ignore[arg-type]
             written = _compute_and_retire(store, model, 0)
             for r in range(2):
                 host, pages = _restore(store, model, r)
