@@ -21,7 +21,7 @@ from typing import Protocol
 
 import numpy as np
 
-from kvproc.core.lru import RunLru
+from kvproc.core.eviction import make_policy
 from kvproc.native import NATIVE
 
 _NOT_NONE = partial(is_not, None)
@@ -56,7 +56,7 @@ class IndexListener(Protocol):
 
 
 class PagedBlocks:
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, eviction: str = "lru") -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -66,8 +66,8 @@ class PagedBlocks:
         self.block_hash: list[bytes | None] = [None] * num_blocks  # the hash each block is registered under
         # Stack: popping from the end hands out low ids first, which keeps early runs contiguous for the copy path.
         self.free: list[int] = list(range(num_blocks - 1, -1, -1))
-        # LRU of sealed, unreferenced blocks: first item is evicted first.
-        self.inactive = RunLru(num_blocks)
+        # Sealed, unreferenced blocks, ordered by the eviction policy (`kvproc.core.eviction`; LRU by default).
+        self.inactive = make_policy(eviction, num_blocks)
         self.index: dict[bytes, int] = {}
         self.evictions = 0
         # KV events: None (the default) costs one attribute test per register / unhash call, nothing per block.
@@ -197,6 +197,8 @@ class PagedBlocks:
         reachable, so it simply ages out of the LRU. This keeps registration one C-level dict update per call.
         """
         listener = self.listener
+        if self.inactive.wants_keys:  # a policy keeping history by content (lrfu): the pages' keys, one numpy pass
+            self.inactive.bind(ids, hashes)
         if NATIVE is not None:
             if listener is None:
                 NATIVE.paged_register(self.hashed, self.block_hash, self.index, ids, hashes)

@@ -60,6 +60,7 @@ class BlockPool:
         live_slots: int = 1,
         rank: int = 0,
         hasher: BlockHasher | None = None,
+        eviction: str = "lru",
     ) -> None:
         self.spec = spec
         self.hasher = hasher or BlockHasher(spec.page_tokens, namespace=spec.model_id)
@@ -69,7 +70,7 @@ class BlockPool:
         self.label = f"pool #{self.serial} (rank {rank})"
         self.page_tokens = spec.page_tokens
         self.lock = threading.Lock()
-        self.paged = PagedBlocks(num_blocks)
+        self.paged = PagedBlocks(num_blocks, eviction)  # eviction: a `kvproc.core.eviction` policy name
         bounded_slots = bounded_slots or {}
         self.slabs: dict[str, BoundedSlab] = {}
         for g in spec.bounded_groups:

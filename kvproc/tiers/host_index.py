@@ -36,7 +36,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from kvproc.core.lru import RunLru
+from kvproc.core.eviction import make_policy
 from kvproc.native import NATIVE
 from kvproc.tiers.kv_events import BlockRemoved, BlockStored, KvEvent, page_token_ids
 from kvproc.tiers.save_fence import BUSY, NO_FENCE, REVOKED, FenceTable
@@ -124,6 +124,7 @@ class HostIndex:
         clock: Callable[[], float] = time.monotonic,
         slot_table: np.ndarray | None = None,
         max_remembered_revokes: int = 65536,
+        eviction: str = "lru",
     ) -> None:
         if page_slots <= 0:
             raise ValueError(f"page_slots must be positive, got {page_slots}")
@@ -158,7 +159,8 @@ class HostIndex:
         self.lru_ok = np.zeros(page_slots, dtype=bool)  # committed and not pinned by a hand-off: evictable at 0 refs
         self.owners: dict[int, set[str]] = {}  # slot -> producer requests whose hand-off pins it
         self.bounded: dict[int, dict[str, int]] = {}  # slot -> {group: bounded slot} (checkpoint artifacts there)
-        self.lru = RunLru(page_slots)  # evictable slots, oldest first
+        # Evictable slots in eviction order (`kvproc.core.eviction`: LRU by default, or lrfu on the tier's clock).
+        self.lru = make_policy(eviction, page_slots, clock=clock)
         self.pending: dict[bytes, int] = {}  # key -> save id that will commit it
         self.saves: dict[int, SaveTicket] = {}
         # Per open save: the slots of its pages that were already present (deduplicated), held like a lease until the
@@ -434,6 +436,8 @@ class HostIndex:
             fresh.append(slot)
             fresh_keys.append(k)
         self.committed[fresh] = True
+        if self.lru.wants_keys:
+            self.lru.bind(fresh, fresh_keys)
         self.slot_tag[fresh] = key_tags(fresh_keys)  # the copy landed: these slots hold these pages, committed
         if self.events is not None and fresh_keys:
             self._stored_events(t)
