@@ -108,6 +108,7 @@ def replay(
     host_tokens: float = 0,
     algorithm: HashAlgorithm = HashAlgorithm.BLAKE2B_128,
     progress: bool = False,
+    eviction: str = "lru",
 ) -> ReplayResult:
     if TRACE_BLOCK % page_tokens:
         raise ValueError(f"--page-tokens must divide {TRACE_BLOCK}, got {page_tokens}")
@@ -119,11 +120,11 @@ def replay(
     dev_blocks = min(dev_blocks, total_pages)
     spec = KvSpec(page_tokens, (GroupSpec("kv", GroupKind.PAGED),))
     hasher = BlockHasher(page_tokens, algorithm)
-    pool = BlockPool(spec, max(dev_blocks, 1), hasher=hasher)
+    pool = BlockPool(spec, max(dev_blocks, 1), hasher=hasher, eviction=eviction)
     host: HostIndex | None = None
     if host_tokens:
         slots = total_pages if math.isinf(host_tokens) else max(min(int(host_tokens) // page_tokens, total_pages), 1)
-        host = HostIndex(slots, high_watermark=1.0)
+        host = HostIndex(slots, high_watermark=1.0, eviction=eviction)
 
     hit_blocks = total_blocks = 0
     dev_tokens_hit = host_tokens_hit = input_tokens = 0
@@ -278,6 +279,11 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--half-life", type=float, default=DEFAULT_HALF_LIFE_S,
                     help="lrfu's half-life, seconds of trace time")
     ap.add_argument("--traces", default="conversation,synthetic", help="with --capacity: which traces")
+    ap.add_argument("--eviction", default="lru", choices=POLICIES,
+                    help="the device pool's and host index's eviction policy in the full replay")
+    ap.add_argument("--vs-vllm", action="store_true",
+                    help="also replay the same trace through vLLM v1's KVCacheManager (in .venv-vllm), same run")
+    ap.add_argument("--vllm-python", type=Path, default=Path(__file__).resolve().parents[2] / ".venv-vllm/bin/python")
     args = ap.parse_args(argv)
     if not args.trace.exists():
         print(f"kvproc bench replay: trace not found: {args.trace}", file=sys.stderr)
@@ -299,12 +305,22 @@ def main(argv: list[str]) -> int:
             Path(args.json).write_text(json.dumps({"sweep": rows}, indent=2))
         return 0
     res = replay(trace, page_tokens=args.page_tokens, device_tokens=args.device_tokens,
-                 host_tokens=args.host_tokens, algorithm=HashAlgorithm(args.hash), progress=sys.stderr.isatty())
+                 host_tokens=args.host_tokens, algorithm=HashAlgorithm(args.hash), progress=sys.stderr.isatty(),
+                 eviction=args.eviction)
     print(f"requests {res.requests}  page {res.page_tokens}  hash {res.hash}")
     print(f"  block hit ratio {res.block_hit_ratio:.4f}   token hit ratio {res.token_hit_ratio:.4f} "
           f"(device {res.device_hit_ratio:.4f}, host {res.host_hit_ratio:.4f})")
     print(f"  {res.requests_per_s:,.0f} requests/s   {res.blocks_per_s:,.0f} trace blocks/s   "
           f"{res.pages_per_s:,.0f} pages/s   peak RSS {res.peak_rss_mib:,.0f} MiB")
+    out = res.to_json()
+    if args.vs_vllm:
+        from kvproc.bench.vs_vllm import run_vllm
+
+        v = run_vllm(args.vllm_python, args.trace, args.limit, HashAlgorithm(args.hash))
+        ratio = res.requests_per_s / v["requests_per_s"]
+        print(f"  vLLM v1 KVCacheManager ({v['hash']}): {v['requests_per_s']:,.0f} requests/s, token hit ratio "
+              f"{v['token_hit_ratio']:.4f}   kvproc ({res.hash}, {args.eviction}) / vLLM: {ratio:.2f}x")
+        out.update(vllm=v, vs_vllm=ratio)
     if args.json:
-        Path(args.json).write_text(json.dumps(res.to_json(), indent=2))
+        Path(args.json).write_text(json.dumps(out, indent=2))
     return 0
