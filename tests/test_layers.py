@@ -21,7 +21,7 @@ ROOT = pathlib.Path(kvproc.__file__).parent
 
 LAYERS: dict[str, int] = {
     "native": 0, "contract": 1, "core": 2, "ipc": 3, "runtime": 4, "tiers": 5, "workers": 6, "store": 7,
-    "engine": 8, "integrations": 8, "demo": 9, "bench": 9, "cli": 10, "__main__": 11,
+    "engine": 8, "integrations": 8, "demo": 9, "bench": 9, "check": 9, "cli": 10, "__main__": 11,
 }
 
 

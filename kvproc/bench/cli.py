@@ -14,6 +14,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "pooled": ("kvproc.bench.pooled", "the Mooncake trace over N nodes: local host tiers vs a shared remote tier"),
     "gpu": ("kvproc.bench.gpu_check", "the GPU data path check: round trips, mover bandwidth vs copy_ (CPU parts without CUDA)"),
     "chaos": ("kvproc.bench.chaos", "engines on a shared tier under cancellations and faults; every byte checked"),
+    "chaos-pd": ("kvproc.bench.chaos_pd", "P/D on a shared tier SIGSTOPped again and again; every turn checked"),
     # needs vLLM installed (`make venv-vllm`; run with .venv-vllm/bin/python)
     "vllm": ("kvproc.integrations.vllm.bench", "vLLM alone vs vLLM + kvproc vs vLLM + its disk connector"),
     # needs SGLang installed (`make venv-sglang`; run with .venv-sglang/bin/python)
