@@ -464,7 +464,7 @@ class AttachArenas(Request, tag=500):
     arenas: list[ArenaRef]
     host_segment: str  # "" = no host tier (device copies only)
     host_layout: Union[HostLayoutSpec, None] = None
-    repack: str = ""  # "module:function" of a (group, direction, src, dst) callable; "" = none
+    repack: str = ""  # "module:function" of a (group, direction, src, dst, arena) callable; "" = none
     page_tokens: int = 1
     # The store's load-fence words (`kvproc/tiers/load_fence.py`): segment, byte offset, int64 words. "" = none.
     load_fences: str = ""
