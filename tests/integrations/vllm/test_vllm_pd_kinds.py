@@ -23,14 +23,9 @@ from typing import Any, Callable, Iterator
 import pytest
 import torch
 
-from tests.integrations.vllm.conftest import (
-    VLLMPD_CLUSTER,
-    engine,
-    generate,
-    kvproc_transfer_config,
-    live_runtime,
-    random_tokens,
-)
+from tests.integrations.vllm.conftest import VLLMPD_CLUSTER, engine, generate, live_runtime, random_tokens
+from tests.integrations.vllm.test_vllm_pd import _pd_config as _config
+from tests.integrations.vllm.test_vllm_pd import _run
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -56,22 +51,6 @@ KINDS = {
                                                     "num_gpu_blocks_override": 48}, (700, 1024, 1100), (900,),
                          "mamba0", 512),
 }
-
-
-def _config(role: str, tier: str) -> dict[str, Any]:
-    cfg = kvproc_transfer_config(tier_runtime_dir=tier)
-    cfg["kv_role"] = role
-    return cfg
-
-
-def _run(llm: Any, prompt: list[int], max_tokens: int, params: dict[str, Any] | None = None) -> Any:
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    extra = {"kv_transfer_params": params} if params is not None else None
-    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, extra_args=extra)
-    (out,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], sp, use_tqdm=False)
-    return out
 
 
 def _committed(k: PdKind, prompt: list[int]) -> int:
