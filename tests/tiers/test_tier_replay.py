@@ -20,18 +20,23 @@ from tests.store.conftest import SharedMemoryModel
 pytestmark = pytest.mark.timeout(90)
 
 
+def _save_prompt(store: KvStore, req_id: str, toks: list[int]) -> None:
+    """Compute a prompt's pages (the test model's bytes) and retire it: its save to the tier is on its way."""
+    kv = RequestKv(store.pools[0], req_id, toks, 4)
+    assert kv.try_admit()
+    kv.schedule(len(toks))
+    kv.apply()
+    store.execute_copies(0, kv.seal_by_copy())
+    store.retire(0, kv, SealCursor.after_prefix(0))
+
+
 def test_a_lease_released_while_the_shared_tier_stalled_is_released_once_it_answers_again() -> None:
     with kvproc_up("replayt") as (rd, tier_pid):
         with ClusterStore.start(1 << 20, tier_runtime_dir=rd) as cs:
             model = SharedMemoryModel(cs.allocator)
             store = cs.attach_model(model, live_slots=2)
             toks = list(range(1, 13))
-            kv = RequestKv(store.pools[0], "a", toks, 4)
-            assert kv.try_admit()
-            kv.schedule(12)
-            kv.apply()
-            store.execute_copies(0, kv.seal_by_copy())
-            store.retire(0, kv, SealCursor.after_prefix(0))
+            _save_prompt(store, "a", toks)
             store.flush_saves(0, 10)
             tier = store.tier
             assert tier is not None
@@ -65,12 +70,7 @@ def test_a_lease_a_stalled_tier_granted_to_a_query_nobody_awaits_is_released_onc
             model = SharedMemoryModel(cs.allocator)
             store = cs.attach_model(model, live_slots=2, config=StoreConfig(tier_call_timeout_s=30.0))
             toks = list(range(1, 13))
-            kv = RequestKv(store.pools[0], "a", toks, 4)
-            assert kv.try_admit()
-            kv.schedule(12)
-            kv.apply()
-            store.execute_copies(0, kv.seal_by_copy())
-            store.retire(0, kv, SealCursor.after_prefix(0))
+            _save_prompt(store, "a", toks)
             store.flush_saves(0, 10)
             tier = store.tier
             assert tier is not None
@@ -106,12 +106,7 @@ def _save_through_a_stall(store: KvStore, tier_pid: int, req_id: str, toks: list
     store.stats()  # the store loop's own socket to the tier is connected and admitted: the reserve goes out on it
     os.kill(tier_pid, signal.SIGSTOP)
     try:
-        kv = RequestKv(store.pools[0], req_id, toks, 4)
-        assert kv.try_admit()
-        kv.schedule(len(toks))
-        kv.apply()
-        store.execute_copies(0, kv.seal_by_copy())
-        store.retire(0, kv, SealCursor.after_prefix(0))
+        _save_prompt(store, req_id, toks)
         wait_for(lambda: bool(store.outcomes.for_request(req_id, "save")), timeout=30,
                  what="the save failed while the tier is stopped")
     finally:
@@ -152,11 +147,6 @@ def test_a_save_whose_ticket_a_stalled_tier_swallowed_is_aborted_once_it_answers
                 st.get("reservations_abandoned_unseen", 0) >= 1, st
             assert st.get("saves_reclaimed_by_ttl", 0) == 0 and st.get("saves_committed", 0) == 0
             # The tier serves saves again (the pages are not stuck pending): a prompt saves and commits.
-            kv = RequestKv(store.pools[0], "c", list(range(100, 112)), 4)
-            assert kv.try_admit()
-            kv.schedule(12)
-            kv.apply()
-            store.execute_copies(0, kv.seal_by_copy())
-            store.retire(0, kv, SealCursor.after_prefix(0))
+            _save_prompt(store, "c", list(range(100, 112)))
             store.flush_saves(0, 20)
             assert store.outcomes.for_request("c", "save")[-1].state == "ok"
