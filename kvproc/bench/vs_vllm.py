@@ -5,6 +5,7 @@ sha256 (both collision-resistant), xxh3-128 with vLLM's xxhash."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -18,8 +19,12 @@ def run_vllm(python: Path, trace: Path, limit: int | None, algorithm: HashAlgori
     if not python.exists():
         raise SystemExit(f"kvproc bench replay --vs-vllm: {python} not found (make venv-vllm)")
     child = Path(__file__).with_name("vllm_replay_child.py")
+    # The child imports kvproc's trace reader from this source tree, not from whatever kvproc that venv installed
+    # (none yet while `make test` is still building it).
+    source_root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [source_root, os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run([str(python), str(child), str(trace), str(limit or 0), VLLM_HASH[algorithm]],
-                          capture_output=True, text=True, check=False, env=None)
+                          capture_output=True, text=True, check=False, env=env)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode or not lines:
         raise SystemExit(f"vLLM replay failed (rc {proc.returncode}): {proc.stderr[-2000:]}")
