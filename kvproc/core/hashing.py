@@ -4,13 +4,15 @@
 hashes mean equal token prefixes *and* equal scope, so a hit can be served; the chain makes every hash position-aware.
 
 Prompts are attacker-controlled: a crafted collision would serve one user's KV to another, so the default family is
-BLAKE2b-128 (collision-resistant, and faster than SHA-256 here: ~0.77 vs ~0.9 us per 16-token page). XXH3-128 (~0.23
-us per page) is non-cryptographic and used only when configured explicitly (`HashAlgorithm.XXH3_128`).
+BLAKE2b-128 (collision-resistant). SHA-256-128 is the other collision-resistant one; XXH3-128 is non-cryptographic and
+used only when configured explicitly (`HashAlgorithm.XXH3_128`).
 
 Tokens are serialised once per prompt in one C-level call (little-endian int32, so the bytes are the same on every
 machine and independent of `PYTHONHASHSEED`). Each page's hash depends on the previous one, so no numpy call can do
-the chain: BLAKE2b chains run in `kvproc.native._native` (one compression per 16-token page, ~0.2 us, without the GIL) where
-it is built, else as one hashlib call per page (~1.2 us, most of it call overhead). Both give the same bytes.
+the chain: it runs in `kvproc.native._native` where that is built, one C call per prompt without the GIL (per
+16-token page, measured on this project's 2-vCPU Xeon: BLAKE2b ~0.16 us, our own RFC 7693 code; SHA-256 ~0.10 us,
+OpenSSL's with the CPU's SHA extensions; XXH3 ~0.035 us, the xxhash package's), else as one hashlib / xxhash call per
+page (~0.5-1.2 us, most of it call overhead). Both give the same bytes.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Callable, Sequence
 import numpy as np
 import xxhash
 
-from kvproc.native import NATIVE
+from kvproc.native import NATIVE, NATIVE_CHAINS
 
 # A token id outside any vocabulary: pads the partial last page of a P/D hand-off so that every page has a name.
 PAD_TOKEN_ID: int = 2**31 - 1
@@ -49,6 +51,9 @@ def _blake2b(data: bytes | memoryview) -> bytes:
 def _sha256(data: bytes | memoryview) -> bytes:
     return hashlib.sha256(data).digest()[:16]
 
+
+_NATIVE_CHAIN_FN = {HashAlgorithm.BLAKE2B_128: "blake2b_chain", HashAlgorithm.SHA256_128: "sha256_chain",
+                    HashAlgorithm.XXH3_128: "xxh3_chain"}
 
 _HASH_FNS: dict[HashAlgorithm, Callable[[bytes], bytes]] = {
     HashAlgorithm.BLAKE2B_128: _blake2b,
@@ -155,6 +160,11 @@ class BlockHasher:
         self._fn = _HASH_FNS[algorithm]
         self._prefix = algorithm.value.encode() + len(namespace.encode()).to_bytes(4, "little") + namespace.encode()
         self._seeds: dict[HashScope, BlockHash] = {}  # scopes are few and frozen: hash each one once
+        # The whole chain in one C call where `kvproc.native` has it for this family (all three where it is built
+        # and hashlib / xxhash expose their C functions: `kvproc/native/digests.py`), else one hash call per page.
+        self._native_chain: Callable[[bytes, int, bytes], list[bytes]] | None = None
+        if NATIVE is not None and algorithm.value in NATIVE_CHAINS:
+            self._native_chain = getattr(NATIVE, _NATIVE_CHAIN_FN[algorithm])
 
     def seed(self, scope: HashScope = DEFAULT_SCOPE) -> BlockHash:
         seed = self._seeds.get(scope)
@@ -185,8 +195,9 @@ class BlockHasher:
         h = self.seed(scope) if parent is None else parent
         out = PageHashes()
         out.data, out.scope, out.parent, out.hasher_id = data, scope, parent, self.identity
-        if self.algorithm is HashAlgorithm.BLAKE2B_128 and NATIVE is not None:
-            out.extend(NATIVE.blake2b_chain(data, page_bytes, h))
+        chain = self._native_chain
+        if chain is not None:
+            out.extend(chain(data, page_bytes, h))
             return out
         # One vectorised split into per-page bytes objects (a numpy void dtype), then one loop per family with the
         # hash constructor inlined: a wrapper call per page would cost more than the hash of a 64-byte page itself.

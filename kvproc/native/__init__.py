@@ -23,6 +23,18 @@ _native = _load()
 NATIVE: ModuleType | None = None if os.environ.get("KVPROC_PURE_PYTHON") == "1" else _native
 
 
+def _chains() -> frozenset[str]:
+    if NATIVE is None:
+        return frozenset()
+    from kvproc.native.digests import install
+
+    return frozenset({"blake2b-128"}) | install(NATIVE)
+
+
+# The hash families (`HashAlgorithm` values) whose page chain runs in `NATIVE` (`kvproc.core.hashing`).
+NATIVE_CHAINS: frozenset[str] = _chains()
+
+
 def describe() -> str:
     """One word for logs and bench headers."""
     if NATIVE is not None:

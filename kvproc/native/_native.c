@@ -3,6 +3,9 @@
  * - blake2b_chain: the chained page hashes of `kvproc.core.hashing` (h_i = BLAKE2b-128(h_{i-1} || page_i)). Each hash
  *   depends on the one before, so Python pays a hashlib call per page (~1.2 us, most of it call overhead); here a
  *   page of 16 tokens is one BLAKE2b compression (~0.2 us) and the loop runs without the GIL.
+ * - sha256_chain / xxh3_chain (`_digest_chain.c`): the same chain for the other two families, through the hash
+ *   functions the process already loaded (OpenSSL's, xxhash's).
+ * - sketch_add (`_sketch.c`): lrfu's count-min sketch update and estimates for a batch of pages.
  * - pack_tokens: a token list as little-endian uint32 bytes, range-checked, in one pass (what the hash reads).
  * - paged_*: the per-block loops of `kvproc.core.paged.PagedBlocks` (refcounts, generations, the prefix index), one
  *   pass each where numpy needs several calls of fixed overhead on a resolve's few dozen ids.
@@ -920,6 +923,8 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "kvproc.native._nativ
 
 PyMODINIT_FUNC PyInit__native(void) {
     PyObject *mod = PyModule_Create(&module);
-    if (mod && (kvproc_add_slotmap(mod) < 0 || kvproc_add_kv_events(mod) < 0)) Py_CLEAR(mod);
+    if (mod && (kvproc_add_slotmap(mod) < 0 || kvproc_add_kv_events(mod) < 0 || kvproc_add_digest_chain(mod) < 0 ||
+                kvproc_add_sketch(mod) < 0))
+        Py_CLEAR(mod);
     return mod;
 }

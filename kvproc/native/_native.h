@@ -33,4 +33,10 @@ int kvproc_add_slotmap(PyObject *module);
 /* _kv_events.c: adds the EventLog type (a device pool's KV events, logged and written as msgpack); -1 with an exception set. */
 int kvproc_add_kv_events(PyObject *module);
 
+/* _digest_chain.c: adds sha256_chain, xxh3_chain and install_digests; -1 with an exception set on failure. */
+int kvproc_add_digest_chain(PyObject *module);
+
+/* _sketch.c: adds sketch_add (lrfu's count-min sketch update); -1 with an exception set on failure. */
+int kvproc_add_sketch(PyObject *module);
+
 #endif

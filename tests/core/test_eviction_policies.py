@@ -86,7 +86,7 @@ def test_heap_compaction_keeps_only_live_entries():
     p = FrequencyRecency(64, half_life=math.inf, history=False)
     for _ in range(2000):  # each re-insert leaves a stale heap entry behind
         p.insert(np.arange(8))
-    assert len(p) == 8 and len(p.heap) <= 4 * 8 + 4096 + 8
+    assert len(p) == 8 and p._stored <= 4 * 8 + 4096 + 8
     assert sorted(p.pop_oldest(8)) == list(range(8))
 
 
@@ -135,3 +135,58 @@ TestLfuPoolLifecycles = LfuPoolMachine.TestCase
 TestLrfuPoolLifecycles = LrfuPoolMachine.TestCase
 for _case in (TestLfuPoolLifecycles, TestLrfuPoolLifecycles):
     _case.settings = settings(max_examples=examples(60), stateful_step_count=40, deadline=None)
+
+
+@pytest.mark.parametrize("history", [True, False])
+@pytest.mark.parametrize("half_life", [2.0, math.inf])
+def test_lrfu_evicts_in_the_order_one_heap_of_every_id_would(history, half_life):
+    """Runs (one per insert, merged at eviction) pop ids in exactly the (score, insertion) order; `list(p)` sorts
+    every live entry at once, an independent path. Random batches, re-inserts, removals, evictions of 1..all; with
+    an infinite half-life (LFU) scores tie across runs, so the insertion order decides between runs too."""
+    rng = np.random.default_rng(7)
+    clock = Clock()
+    p = FrequencyRecency(300, half_life=half_life, history=history, clock=clock)
+    inside: set[int] = set()
+    for _ in range(400):
+        clock.t += float(rng.exponential(0.3))
+        op = rng.random()
+        outside = [i for i in range(300) if i not in inside]
+        if op < 0.5 and outside:
+            ids = rng.choice(outside, size=int(rng.integers(1, min(len(outside), 60) + 1)), replace=False).tolist()
+            if history:  # few distinct contents: equal scores across and within batches
+                p.bind(ids, [bytes([int(rng.integers(5))]) * 16 for _ in ids])
+            p.insert(ids)
+            inside.update(ids)
+        elif op < 0.7 and inside:
+            ids = rng.choice(sorted(inside), size=int(rng.integers(1, len(inside) + 1)), replace=False).tolist()
+            p.remove(ids)
+            inside.difference_update(ids)
+        elif inside:
+            n = int(rng.integers(1, len(inside) + 1))
+            want = list(p)[:n]
+            assert p.pop_oldest(n) == want
+            inside.difference_update(want)
+        assert len(p) == len(inside) and set(p) == inside
+
+
+def test_native_sketch_update_equals_numpy_s():
+    """`_sketch.c`'s update gives the cells and estimates numpy's add.at form gives, batches whose fingerprints share
+    cells included (a batch's pages see each other's increments)."""
+    import kvproc.core.eviction.sketch as sketch
+    from kvproc import native
+
+    if native.NATIVE is None:
+        pytest.skip("kvproc.native._native not built")
+    rng = np.random.default_rng(3)
+    a, b = sketch.DecayedSketch(1000, 30.0), sketch.DecayedSketch(1000, 30.0)
+    for step in range(60):
+        fps = rng.integers(0, 2**64 - 1, size=int(rng.integers(1, 500)), dtype=np.uint64)
+        fps[: len(fps) // 3] = fps[0]  # one content many times in the batch
+        got = a.add(fps, step * 11.0)
+        sketch.NATIVE = None
+        try:
+            want = b.add(fps, step * 11.0)
+        finally:
+            sketch.NATIVE = native.NATIVE
+        assert np.array_equal(got[0], want[0]) and got[1] == want[1]
+    assert np.array_equal(a.cells, b.cells)

@@ -9,11 +9,12 @@ import threading
 
 import numpy as np
 import pytest
+import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvproc import native
-from kvproc.core.hashing import BlockHasher, HashScope, tokens_to_bytes
+from kvproc.core.hashing import BlockHasher, HashAlgorithm, HashScope, tokens_to_bytes
 from kvproc.workers.copy_exec import plan_runs
 
 # CI builds the module (gcc is part of the machine); a missing build must fail loudly there, not fall back silently.
@@ -28,6 +29,16 @@ def reference_chain(data: bytes, page_bytes: int, seed: bytes) -> list[bytes]:
     h, out = seed, []
     for i in range(len(data) // page_bytes):
         h = hashlib.blake2b(h + data[i * page_bytes : (i + 1) * page_bytes], digest_size=16).digest()
+        out.append(h)
+    return out
+
+
+def reference_family_chain(family: str, data: bytes, page_bytes: int, seed: bytes) -> list[bytes]:
+    """The per-page hashlib / xxhash loop the C chains replace (`kvproc.core.hashing`'s fallback)."""
+    fn = {"sha256-128": lambda b: hashlib.sha256(b).digest()[:16], "xxh3-128": xxhash.xxh3_128_digest}[family]
+    h, out = seed, []
+    for i in range(len(data) // page_bytes):
+        h = fn(h + data[i * page_bytes : (i + 1) * page_bytes])
         out.append(h)
     return out
 
@@ -96,6 +107,52 @@ def test_chain_rejects_bad_arguments():
     with pytest.raises(TypeError):
         N.blake2b_chain("not bytes", 64, b"s" * 16)
     assert N.blake2b_chain(b"x" * 63, 64, b"s" * 16) == []  # no full page
+
+
+@needs_native
+def test_every_family_has_its_chain_in_c():
+    """CI's Python has OpenSSL behind hashlib and the xxhash wheel: the SHA-256 and XXH3 chains must be installed
+    there (`kvproc/native/digests.py`), not silently left to the per-page loop."""
+    assert native.NATIVE_CHAINS == {"blake2b-128", "sha256-128", "xxh3-128"}
+    for algorithm in HashAlgorithm:
+        assert BlockHasher(16, algorithm)._native_chain is not None, algorithm
+
+
+@needs_native
+@pytest.mark.parametrize("family", ["sha256-128", "xxh3-128"])
+@settings(max_examples=100, deadline=None)
+@given(data=st.binary(max_size=2000), page_bytes=st.sampled_from([4, 16, 64, 128, 256, 1024]),
+       seed=st.binary(min_size=16, max_size=16))
+def test_sha256_and_xxh3_chains_equal_the_per_page_loop(family, data, page_bytes, seed):
+    chain = N.sha256_chain if family == "sha256-128" else N.xxh3_chain
+    assert chain(data, page_bytes, seed) == reference_family_chain(family, data, page_bytes, seed)
+
+
+@needs_native
+@pytest.mark.parametrize("algorithm", list(HashAlgorithm))
+def test_hasher_gives_the_per_page_loop_s_hashes_for_every_family(algorithm):
+    """A prompt hashes to the same bytes with the C chain as with the loop it replaced (a store built without the
+    module reads a tier filled with it), here for every family, a chain continued from a parent included."""
+    tokens = np.random.default_rng(1).integers(0, 2**31 - 1, 16 * 300 + 5).tolist()
+    hasher = BlockHasher(16, algorithm)
+    want = reference_family_chain(algorithm.value, tokens_to_bytes(tokens), 64, hasher.seed()) \
+        if algorithm is not HashAlgorithm.BLAKE2B_128 else reference_chain(tokens_to_bytes(tokens), 64, hasher.seed())
+    assert hasher.hash_prompt(tokens) == want
+    head = hasher.hash_prompt(tokens[: 16 * 100])
+    assert head + hasher.hash_prompt(tokens[16 * 100 :], parent=head[-1]) == want
+
+
+@needs_native
+@pytest.mark.parametrize("chain", ["sha256_chain", "xxh3_chain"])
+def test_family_chains_reject_bad_arguments(chain):
+    fn = getattr(N, chain)
+    with pytest.raises(ValueError, match="seed must be 16 bytes"):
+        fn(b"x" * 64, 64, b"short")
+    with pytest.raises(ValueError, match="page_bytes must be positive"):
+        fn(b"x" * 64, 0, b"s" * 16)
+    with pytest.raises(TypeError):
+        fn("not bytes", 64, b"s" * 16)
+    assert fn(b"x" * 63, 64, b"s" * 16) == []
 
 
 @needs_native

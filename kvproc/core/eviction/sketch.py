@@ -19,6 +19,8 @@ import math
 
 import numpy as np
 
+from kvproc.native import NATIVE
+
 DEPTH = 4
 _MULTIPLIERS = np.array([0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB, 0xD6E8FEB86659FD93],
                         dtype=np.uint64)[:, None]
@@ -48,7 +50,11 @@ class DecayedSketch:
         if exp > _REBASE_AT:
             self.cells *= np.float32(2.0 ** -exp)
             self.t0, rebase, exp = now, exp, 0.0
-        idx = self._idx(fps).astype(np.int64)
-        np.add.at(self.cells, (np.broadcast_to(self.rows, idx.shape), idx), np.float32(2.0 ** exp))
-        est = self.cells[self.rows, idx].min(axis=0)
+        if NATIVE is not None:  # the same two passes in C (`_sketch.c`): add.at alone was ~0.6 us a page
+            est = np.frombuffer(NATIVE.sketch_add(self.cells, np.ascontiguousarray(fps, dtype=np.uint64),
+                                                  int(self.shift), float(np.float32(2.0 ** exp))), dtype=np.float32)
+        else:
+            idx = self._idx(fps).astype(np.int64)
+            np.add.at(self.cells, (np.broadcast_to(self.rows, idx.shape), idx), np.float32(2.0 ** exp))
+            est = self.cells[self.rows, idx].min(axis=0)
         return np.log2(est.astype(np.float64)), rebase
