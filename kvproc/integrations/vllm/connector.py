@@ -128,7 +128,10 @@ class KvprocConnectorMetadata(KVConnectorMetadata):
     # Tensor parallel (`tp.py`): where each rank's tier is, and the finished requests whose free waits for a save
     tiers: TierAttach | None = None
     delayed: list[str] = field(default_factory=list)
-    tp_taken: bool = False  # the worker side read the two above
+    # ... and, for a model with sliding-window groups, the saves still unsettled on the scheduler's side: each rank
+    # lands its part before this step's forward may overwrite a block a window gave back (`handle_preemptions`)
+    flush_jobs: list[int] = field(default_factory=list)
+    tp_taken: bool = False  # the worker side read the three above
     idle: bool = False  # vLLM scheduled no token this step: it only waits for moves (see get_finished)
 
 
@@ -297,14 +300,10 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
                  groups=[g.vllm_spec for g in self.contract.groups])
 
     def _check_tp(self, kv_role: str | None) -> None:
-        """What tensor parallel carries today (`tp.py`): the direct path of a model whose KV grows page by page."""
+        """What tensor parallel carries today (`tp.py`): the direct path, every KV kind, asynchronous moves."""
         why = ""
         if kv_role in ("kv_producer", "kv_consumer") or self.options.path == "staging" or self.options.mover == "cma":
             why = "P/D roles, path='staging' and mover='cma' move through the staging pool, which has one rank"
-        elif self.contract.has_sliding or self.contract.states:
-            why = (f"its groups {[g.vllm_spec for g in self.contract.groups]} need the scheduler to wait for a step's "
-                   "saves before the next forward (a sliding window's freed blocks, a state's offer), and under "
-                   "tensor parallel the saves run in the ranks' processes")
         elif not self.options.async_moves:
             why = "async_moves=false waits for moves that run in the ranks' processes"
         if why:
@@ -401,10 +400,11 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         for j in jobs:
             if not to_vllm:
                 save = j.rank_saves[self.rank]
-                rows = _new_pages(j, save.slots)
+                rows = _new_pages(j, save.slots, self._state_rows(j, save.bounded))
                 slots.write_fenced(save.fence, save.token, functools.partial(self._copy_rows, [rows], False))
                 continue
-            mine = CopyJob(j.job_id, j.req_id, j.rank_slots[self.rank], j.vllm)
+            mine = CopyJob(j.job_id, j.req_id, j.rank_slots[self.rank], j.vllm,
+                           j.rank_states[self.rank] if j.rank_states else [])
             self._copy_rows([mine], True)
             if not slots.intact(mine.staging, j.rank_gens[self.rank], j.leased_at, time.monotonic()):
                 self.rt.count("loads_lease_lost")
@@ -435,10 +435,12 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
     def _write_save(self, job: CopyJob, ticket: SaveTicket) -> None:
         """A direct save's bytes into the slots of its ticket: pages the tier has already (slot None) and state groups
         whose checkpoint it has are skipped."""
+        self._copy_rows([_new_pages(job, ticket.page_slots, self._state_rows(job, ticket.bounded_slots))], False)
+
+    def _state_rows(self, job: CopyJob, bounded: dict[str, int | None]) -> list[tuple[int, int, int]]:
+        """A save's state copies into the checkpoint slots a tier reserved (None: that tier has the checkpoint)."""
         by_index = {g.index: g.name for g in self.contract.states}
-        states = [(gi, slot, b) for gi, _, b in job.states
-                  if (slot := ticket.bounded_slots.get(by_index[gi])) is not None]
-        self._copy_rows([_new_pages(job, ticket.page_slots, states)], False)
+        return [(gi, slot, b) for gi, _, b in job.states if (slot := bounded.get(by_index[gi])) is not None]
 
     def _copy_rows(self, jobs: list[CopyJob], to_vllm: bool) -> None:
         """Runs of consecutive blocks on both sides are coalesced: one memcpy (or one iovec) per run per layer.
@@ -512,6 +514,8 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         if meta.wait_jobs:
             self.rt.count("preemption_waits")
             self._moves.wait(meta.wait_jobs, self.options.move_wait_s)  # else poisoned: reported failed, not sealed
+        if meta.flush_jobs and not self._moves.wait(meta.flush_jobs, self.options.move_wait_s):
+            self.rt.count("flush_save_waits_timed_out")  # poisoned: reported failed, never committed
         self._start_async_loads(meta)
 
     def _start_async_loads(self, meta: KvprocConnectorMetadata) -> None:
@@ -876,7 +880,10 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         job = CopyJob(next(self._job_ids), r.req_id, [], vllm, keys=r.hashes[have:target],
                       parent=r.hashes[have - 1] if have else None, tokens=tokens)
         if self.ranked is not None:  # tensor parallel: every rank's slots now, written by each rank after the forward
-            saves = self.ranked.reserve(job.job_id, r.req_id, job.keys, job.parent, tokens)
+            if self.contract.states:
+                self._with_offered_state(r, target, job)
+            saves = self.ranked.reserve(job.job_id, r.req_id, job.keys, job.parent, tokens,
+                                        bounded_groups=job.bounded)
             if saves is None:
                 self.rt.count("saves_refused")
                 r.saving = False
@@ -885,6 +892,17 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         r.job, r.save_to = job.job_id, target
         self._jobs[job.job_id] = r
         meta.saves.append(job)
+
+    def _with_offered_state(self, r: _Req, target: int, job: CopyJob) -> None:
+        """Tensor parallel: the checkpoint at the save's last page, where vLLM offered this step the states its
+        forward writes there (each rank copies its shard after the forward, before the next one can reuse the
+        block). An offer elsewhere is not saved: the chain's checkpoints are where the tier's pages end."""
+        entries = self._offers.get(r.req_id, ())
+        states = [(gi, -1, b) for gi, b, n in entries if n == target * self.page and b != NULL_BLOCK]
+        if len(states) == len(self.contract.states):
+            job.states, job.bounded = states, [g.name for g in self.contract.states]
+        elif entries:
+            self.rt.count("state_offers_missed", len(entries))
 
     def _state_loads(self, r: _Req, end_page: int) -> list[tuple[int, int, int]] | None:
         """Each state group's checkpoint at the hit into the vLLM block vLLM reads the state from (the group's block
@@ -1020,7 +1038,12 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
                 ids = live.get_block_ids(req_id)
                 if ids is not None:
                     self._reqs[req_id].vllm_blocks = [list(g) for g in ids]
-            if self.contract.states:
+            if self.contract.states and self.ranked is not None:
+                # Tensor parallel: only a rank's process can read its state shard, so this step's offers (states its
+                # forward writes) are saved with the pages they close, by each rank after the forward
+                # (`_plan_direct_save`).
+                self._offers = dict(live.boundary_state_offloads or {})
+            elif self.contract.states:
                 # Last step's offers: their states were written by its forward and are still in their blocks (this
                 # step's forward has not run), and the pages they close have landed in the mirrors (flushed above).
                 offers, self._offers = self._offers, dict(live.boundary_state_offloads or {})
@@ -1041,6 +1064,11 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         if self.ranked is not None:
             meta.tiers = self._tier_attach
             meta.delayed, self._delayed_next = self._delayed_next, []
+            if self.contract.has_sliding or self.contract.states:
+                # The wait above, in the ranks' processes (their movers run the saves): vLLM freed the blocks that
+                # slid out of a window in this step's scheduling, and may give an offered state's block to another
+                # request: a save planned last step may still read one.
+                meta.flush_jobs = list(self._jobs)
         return meta
 
     def _seal_offered_states(self, offers: dict[str, list[tuple[int, int, int]]]) -> None:
@@ -1166,6 +1194,9 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         if self.ranked is not None:  # tensor parallel: each rank copies its own tier's slots
             job.rank_slots = [list(h.page_slots[a:b]) for h in r.leases]
             job.rank_gens = [list(h.page_gens[a:b]) for h in r.leases]
+            names = {g.index: g.name for g in self.contract.states}
+            job.rank_states = [[(gi, h.bounded_slots[names[gi]], blk) for gi, _, blk in job.states]
+                               for h in r.leases]
             self.ranked.expect_load(job.job_id)
         self._loads[job.job_id] = r
         r.load_job = job.job_id

@@ -61,6 +61,7 @@ class CopyJob:
     # rank's tier, a save's reserved slots and fence there (`tp.RankSave`).
     rank_slots: list[list[int]] = field(default_factory=list)
     rank_gens: list[list[int]] = field(default_factory=list)
+    rank_states: list[list[tuple[int, int, int]]] = field(default_factory=list)  # a load's `states`, by rank
     rank_saves: list[Any] = field(default_factory=list)
 
     def vllm_blocks(self) -> set[int]:

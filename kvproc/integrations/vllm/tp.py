@@ -14,6 +14,12 @@ vLLM blocks and its rank's tier segment, which it maps (`kvproc/store/tier_slots
 - **save**: the scheduler reserves the pages' slots on every rank's tier when it plans the save, before the forward
   that computes them; each worker writes its rank's slots holding that save's fence, after the forward; the
   scheduler commits each rank's save when that rank's worker reports it written.
+- **bounded groups**: a sliding window gives blocks back, and vLLM may give an offered state's block to another
+  request, from the next step's scheduling on: each rank lands the step's saves before its next forward (the step's
+  metadata names them: `flush_jobs`). A state group's checkpoint is saved with the pages it closes, in the same job:
+  the scheduler reserves the pages and the checkpoint's slots on every rank's tier where vLLM offered the state in
+  this step (`boundary_state_offloads`), and each rank copies its shard of the state after the forward. A lookup hits
+  only where every rank's tier has the checkpoint at the same depth.
 - workers report each job's end (`KvprocWorkerMeta`, vLLM's worker -> scheduler channel, aggregated over the ranks
   by vLLM); a job is settled when every rank reported it, and ok only if every rank's part was.
 
@@ -57,11 +63,13 @@ class TierAttach:
 
 @dataclass(frozen=True)
 class RankSave:
-    """One rank's part of a save: its slots (None: that rank's tier has the page already) and the save's fence."""
+    """One rank's part of a save: its slots (None: that rank's tier has the page already), the state groups' slots of
+    the checkpoint at its last page (those that rank's tier does not have yet) and the save's fence."""
 
     slots: tuple[int | None, ...]
     fence: int
     token: int
+    bounded: dict[str, int | None] = field(default_factory=dict)  # None: that rank's tier has it already
 
 
 class KvprocWorkerMeta(KVConnectorWorkerMetadata):
@@ -107,13 +115,20 @@ class RankedTier:
         got = await asyncio.gather(*(d.lease_prefix(req_id, hashes) for d in self.directs))
         hits = [h for h in got if h is not None]
         pages = min((h.pages for h in hits), default=0) if len(hits) == self.ranks else 0
+        # A model with state groups restores only where a checkpoint is, on every rank: each rank's hit ends at its
+        # deepest one, so ranks that disagree (one rank's save failed) have no common checkpoint to trust. Their
+        # saves commit together, so this is rare: a miss, not a second round of queries.
+        if pages and any(h.bounded_slots for h in hits) and any(h.pages != pages for h in hits):
+            self.directs[0].store.outcomes.record("resolve", req_id, "degraded", "ranks_checkpoints_differ")
+            pages = 0
         if not pages:
             for d, h in zip(self.directs, got):
                 if h is not None:
                     d.tier.release_lease(h.lease_id)
             return None
-        # Trimmed to the common prefix: no state groups under TP (`KvprocConnector`), so any page boundary will do.
-        return [Hit(pages, h.lease_id, h.page_slots[:pages], {}, h.page_gens[:pages], h.epoch) for h in hits]
+        # Trimmed to the common prefix (a paged model: any page boundary will do).
+        return [Hit(pages, h.lease_id, h.page_slots[:pages], h.bounded_slots, h.page_gens[:pages], h.epoch)
+                for h in hits]
 
     def release(self, leases: Sequence[Hit]) -> None:
         for d, h in zip(self.directs, leases):
@@ -125,14 +140,16 @@ class RankedTier:
 
     # ---- saves ----
     def reserve(self, job_id: int, req_id: str, keys: list[bytes], parent: bytes | None,
-                tokens: list[int] | None, save_class: SaveClass = SaveClass.CACHEABLE) -> list[RankSave] | None:
+                tokens: list[int] | None, save_class: SaveClass = SaveClass.CACHEABLE,
+                bounded_groups: Sequence[str] = ()) -> list[RankSave] | None:
         """Reserve the pages' slots on every rank's tier at once (None, and whatever was reserved given back, when
         one cannot take them: the save is lost, recorded per rank). vLLM's scheduler thread waits for this, so at
         most `RESERVE_WAIT_S`: a slower tier (stalled) loses the save, and the reservations that land later are
         given back as they land."""
         async def every_rank() -> list[SaveTicket | None]:
             return list(await asyncio.gather(*(
-                d.reserve_async(req_id, keys, save_class=save_class, parent=parent, tokens=tokens)
+                d.reserve_async(req_id, keys, bounded_groups=bounded_groups, save_class=save_class, parent=parent,
+                                tokens=tokens)
                 for d in self.directs)))
 
         fut = self.directs[0].store.submit(every_rank())
@@ -147,7 +164,7 @@ class RankedTier:
         tickets = [t for t in got if t is not None]
         with self._lock:
             self._pending[job_id] = _Pending(self.ranks, tickets)
-        return [RankSave(tuple(t.page_slots), t.fence, t.fence_token) for t in tickets]
+        return [RankSave(tuple(t.page_slots), t.fence, t.fence_token, dict(t.bounded_slots)) for t in tickets]
 
     def _give_back(self, reason: str, fut: concurrent.futures.Future[list[SaveTicket | None]]) -> None:
         if fut.cancelled() or fut.exception() is not None:
