@@ -89,7 +89,8 @@ class BlockPool:
 
     @classmethod
     def from_layout(
-        cls, layout: ArenaLayout, *, live_slots: int, rank: int = 0, hasher: BlockHasher | None = None
+        cls, layout: ArenaLayout, *, live_slots: int, rank: int = 0, hasher: BlockHasher | None = None,
+        eviction: str = "lru",
     ) -> "BlockPool":
         return cls(
             layout.spec,
@@ -98,6 +99,7 @@ class BlockPool:
             live_slots=live_slots,
             rank=rank,
             hasher=hasher,
+            eviction=eviction,
         )
 
     # -- capacity -------------------------------------------------------------------------------------------------

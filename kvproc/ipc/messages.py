@@ -285,6 +285,9 @@ class Configure(Request, tag=300):
     fingerprint: str  # human-readable capability string (model, arenas, page size); a mismatch is refused
     layout: HostLayoutSpec
     required_bounded: list[str] = []  # bounded groups a checkpoint must hold to be a hit
+    # The store's eviction policy (`StoreConfig.eviction`) for the index this Configure creates; "" lets the tier
+    # choose. A tier started with its own (`kvproc up --eviction`) keeps that one.
+    eviction: str = ""
 
 
 class Query(Request, tag=301):
@@ -381,6 +384,7 @@ class Configured(Payload, tag=400):
     # the old one is trusted, the store re-attaches; `ClusterStore._reconnect_external`). A pid cannot tell them
     # apart: a restarted container reuses its pids.
     incarnation: int = 0
+    eviction: str = ""  # the policy the tier's index evicts by (its own, or the first Configure's)
 
 
 class TierMiss(Payload, tag=401):

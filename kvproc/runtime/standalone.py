@@ -1,6 +1,7 @@
 """`kvproc up` / `kvproc down`: a standalone host tier that several engines on one node share.
 
 kvproc up   [--cluster NAME] [--runtime-dir DIR] [--tcp tcp://127.0.0.1:PORT] [--host-mib N] [--ranks N]
+            [--eviction lru|lfu|lrfu]
     runs in the foreground until `kvproc down`, SIGTERM or Ctrl-C; engines attach through the manifest
     (ipc, or tcp with the auth token from the runtime dir). `--ranks N` runs one host tier per rank (`host_tier[r]`,
     `--host-mib` each): engines of N ranks (tensor-parallel shards) attach rank r to tier r, since a tier's keys carry
@@ -26,6 +27,7 @@ import threading
 import time
 from typing import Any
 
+from kvproc.core.eviction import POLICIES
 from kvproc.ipc import messages as m
 from kvproc.ipc.client import RpcClient
 from kvproc.ipc.errors import IpcError
@@ -57,6 +59,9 @@ def up_main(argv: list[str]) -> int:
     parser.add_argument("--remote", default="", metavar="mooncake://HOST:PORT?metadata=URL",
                         help="a Mooncake Store below the host tier: committed pages written behind to it, host-tier "
                              "misses pulled from it (needs kvproc[remote]; see docs/remote.md)")
+    parser.add_argument("--eviction", default="lru", choices=POLICIES,
+                        help="the host tiers' eviction policy (kvproc.core.eviction; default lru): a shared tier "
+                             "keeps its own, whatever the attaching stores' StoreConfig.eviction says")
     parser.add_argument("--metrics", default=None, metavar="HOST:PORT",
                         help="serve Prometheus /metrics of every process here (port 0: a free one)")
     args = parser.parse_args(argv)
@@ -75,7 +80,7 @@ def up_main(argv: list[str]) -> int:
 
     options = {"host_bytes": args.host_mib << 20, "lease_ttl_s": args.lease_ttl, "handoff_ttl_s": args.handoff_ttl,
                "kv_events": args.kv_events, "kv_events_interval_s": interval_s,
-               "kv_events_tokens": args.kv_events_tokens, "remote": args.remote}
+               "kv_events_tokens": args.kv_events_tokens, "remote": args.remote, "eviction": args.eviction}
     try:
         cluster = launch(
             [RoleConfig("host_tier", r, tcp=_rank_tcp(args.tcp, r), options=options) for r in range(args.ranks)],

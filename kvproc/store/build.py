@@ -42,7 +42,7 @@ def build_local_store(model: KvModel, *, live_slots: int, host_bytes: int | None
             tier, host_layout = tiers[0], tiers[0].layout.for_layout(layout)
         else:
             host_layout = HostLayout.plan(layout, host_bytes, bounded_fraction)
-            tier = LocalTier(host_layout, required)
+            tier = LocalTier(host_layout, required, eviction=config.eviction)
         tiers.append(tier)
         copiers.append(LocalCopier(CopyExecutor(layout, tier.host, host_layout, model_repack(model, layout))))
     return KvStore(layouts, live_slots=live_slots, tiers=tiers, copiers=copiers, config=config)

@@ -176,6 +176,9 @@ class ClusterStore:
         # Configure it sent and the incarnation that answered; every rank's layout; whether one tier serves them all.
         self._configures: list[m.Configure] = []
         self._incarnations: list[int] = []
+        # Per rank with a tier of its own: the eviction policy its index evicts by, as its `Configured` said (the
+        # store's `StoreConfig.eviction`, or a shared tier's own `kvproc up --eviction`).
+        self.tier_evictions: list[str] = []
         self._layouts: list[ArenaLayout] = []
         self._one_tier = False
         self.tier_reattaches = 0  # shared tiers replaced by another process and re-attached
@@ -337,6 +340,7 @@ class ClusterStore:
         self.tiers[rank].rebind(layout, conf.segment, wants_token_ids=conf.token_ids, wants_parent_key=conf.kv_events)
         self.host_layouts[rank], self.host_segments[rank] = layout, conf.segment
         self._incarnations[rank] = conf.incarnation
+        self.tier_evictions[rank] = conf.eviction  # a replaced `kvproc up` may have been started with another one
         if self.store is not None:
             self.store.slot_caches[rank].clear()
 
@@ -458,7 +462,8 @@ class ClusterStore:
                     wires[r] = layout_to_wire(self.host_layouts[0].for_layout(layout))
                     continue
                 planned = HostLayout.plan(layout, self.host_bytes, bounded_fraction)
-                configure = m.Configure(fingerprint(model, layout), layout_to_wire(planned), required)
+                configure = m.Configure(fingerprint(model, layout), layout_to_wire(planned), required,
+                                        eviction=config.eviction)
                 try:
                     conf = self._tier_client(r).request(configure, timeout=attach_timeout_s)
                 except RemoteError as e:
@@ -467,6 +472,7 @@ class ClusterStore:
                     raise
                 self._configures.append(configure)  # sent again on a reconnect: it says which tier answers
                 self._incarnations.append(conf.incarnation)
+                self.tier_evictions.append(conf.eviction)
                 wires[r] = conf.layout
                 self.host_segments.append(conf.segment)
                 self.host_layouts.append(layout_from_wire(conf.layout))  # a joined tier's layout wins over our plan

@@ -110,7 +110,8 @@ class KvStore:
         self.step_fence = step_fence
         self.layouts = tuple(layouts)
         self.pools = tuple(pools) if pools is not None else tuple(
-            BlockPool.from_layout(lay, live_slots=live_slots, rank=r) for r, lay in enumerate(layouts)
+            BlockPool.from_layout(lay, live_slots=live_slots, rank=r, eviction=config.eviction)
+            for r, lay in enumerate(layouts)
         )
         self.spec = self.layouts[0].spec
         # Errors name a foreign handle's owner by store and rank: two stores in one process each have a rank 0.

@@ -20,7 +20,7 @@ from kvproc.workers.copy_exec import CopyExecutor
 
 class LocalTier:
     def __init__(self, layout: HostLayout, required_bounded: Sequence[str], *, host: np.ndarray | None = None,
-                 lease_ttl_s: float = 30.0, handoff_ttl_s: float = 300.0) -> None:
+                 lease_ttl_s: float = 30.0, handoff_ttl_s: float = 300.0, eviction: str = "lru") -> None:
         self.layout = layout
         self.wants_token_ids = self.wants_parent_key = False  # an in-process tier publishes no KV events
         self.host = host if host is not None else np.zeros(layout.total_bytes, dtype=np.uint8)
@@ -30,7 +30,8 @@ class LocalTier:
             off = layout.slot_table_offset
             self.slot_table = self.host[off : off + layout.slot_table_bytes].view(np.int64).reshape(ROWS, -1)
         self.index = HostIndex(layout.page_slots, dict(layout.bounded_slots), required_bounded=required_bounded,
-                               lease_ttl_s=lease_ttl_s, handoff_ttl_s=handoff_ttl_s, slot_table=self.slot_table)
+                               lease_ttl_s=lease_ttl_s, handoff_ttl_s=handoff_ttl_s, slot_table=self.slot_table,
+                               eviction=eviction)
         self.index.on_settled = self._settled
         self._save_waiters: dict[int, list[asyncio.Future[bool]]] = {}
         self._key_waiters: dict[bytes, list[asyncio.Future[bool]]] = {}

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Deque, NamedTuple
 
+from kvproc.core.eviction import POLICIES
 from kvproc.core.hashing import PageHashes
 from kvproc.core.holds import PrefixHold, ReusePolicy
 from kvproc.tiers.host_index import SaveClass
@@ -57,6 +58,17 @@ class StoreConfig:
     # times slower (`kvproc/ipc/direct.py`; A/B in bench/RESULTS.md, "Control path", sixth session). It costs that
     # CPU time per wait; 0 turns it off.
     reply_spin_s: float = 0.001
+    # The eviction policy (`kvproc.core.eviction`: lru, lfu, lrfu) of this store's device pools and of the host tiers
+    # it configures: sent with its `Configure`, so a tier the store's own cluster started (`ClusterStore.start`) and
+    # an in-process one (`build_local_store`) evict by it. A shared `kvproc up` tier keeps its own (`--eviction`; the
+    # store reads it back as `ClusterStore.tier_evictions`). LRU stays the default: lrfu roughly doubles the hit
+    # ratio at small capacity on the conversation trace but loses to LRU at 3e6 tokens on the synthetic one
+    # (bench/RESULTS.md, "Trace replay").
+    eviction: str = "lru"
+
+    def __post_init__(self) -> None:
+        if self.eviction not in POLICIES:  # here, not at the first eviction: a typo must not start a store
+            raise ValueError(f"StoreConfig.eviction must be one of {', '.join(POLICIES)}, got {self.eviction!r}")
 
 
 @dataclass(frozen=True)

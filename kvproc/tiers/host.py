@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 import structlog
 
+from kvproc.core.eviction import POLICIES
 from kvproc.ipc import messages as m
 from kvproc.ipc.context import CallContext, Deferred
 from kvproc.ipc.errors import HandlerError
@@ -100,6 +101,11 @@ class HostTierRole(Role):
         # Default: outlives the default copy deadline of the stores that may share this tier (`kvproc up`).
         self.save_ttl_s = float(opts.get("save_ttl_s") or derived_save_ttl(DEFAULT_COPY_TIMEOUT_S))
         self.reap_interval_s = float(opts.get("reap_interval_s", 1.0))
+        # `kvproc up --eviction`: this tier's own policy, whatever its stores ask for (several share it). Unset (a
+        # tier a store's cluster started for it alone): the first Configure's (`StoreConfig.eviction`), else LRU.
+        self.eviction = str(opts.get("eviction") or "")
+        if self.eviction and self.eviction not in POLICIES:
+            raise ValueError(f"host tier: unknown eviction policy {self.eviction!r} (known: {', '.join(POLICIES)})")
         if nbytes := int(opts.get("segment_bytes", 0)):
             self.create_segment(nbytes)  # scratch segment (runtime tests of segment clean-up)
         self._lock = threading.Lock()
@@ -166,9 +172,13 @@ class HostTierRole(Role):
             table = None
             if layout.slot_table_offset >= 0:
                 table = seg.numpy(np.int64, layout.slot_table_offset, ROWS * layout.page_slots).reshape(ROWS, -1)
+            eviction = self.eviction or msg.eviction or "lru"
+            if eviction not in POLICIES:
+                raise HandlerError("bad_eviction", f"unknown eviction policy {eviction!r} (known: "
+                                                   f"{', '.join(POLICIES)})")
             index = HostIndex(layout.page_slots, dict(layout.bounded_slots), required_bounded=msg.required_bounded,
                               lease_ttl_s=self.lease_ttl_s, handoff_ttl_s=self.handoff_ttl_s,
-                              save_ttl_s=self.save_ttl_s, slot_table=table)
+                              save_ttl_s=self.save_ttl_s, slot_table=table, eviction=eviction)
             index.on_settled = self._on_settled
             if self.events is not None:
                 index.events = [AllBlocksCleared()]  # a new incarnation holds nothing: subscribers start over
@@ -182,7 +192,7 @@ class HostTierRole(Role):
                                            settled=self._answer_settled, key_found=self._key_landed_remote,
                                            key_wanted=self._key_awaited, handoff_ttl_s=self.handoff_ttl_s)
             self._configured = m.Configured(seg.name, msg.layout, msg.fingerprint, self.events_tokens,
-                                            self.events is not None, self.incarnation)
+                                            self.events is not None, self.incarnation, index.eviction)
             self.counters.inc("configured")
             log.info("host_tier_configured", fingerprint=msg.fingerprint, segment=seg.name,
                      bytes=layout.total_bytes, page_slots=layout.page_slots, bounded=layout.bounded_slots)

@@ -161,6 +161,7 @@ class HostIndex:
         self.bounded: dict[int, dict[str, int]] = {}  # slot -> {group: bounded slot} (checkpoint artifacts there)
         # Evictable slots in eviction order (`kvproc.core.eviction`: LRU by default, or lrfu on the tier's clock).
         self.lru = make_policy(eviction, page_slots, clock=clock)
+        self.eviction = eviction
         self.pending: dict[bytes, int] = {}  # key -> save id that will commit it
         self.saves: dict[int, SaveTicket] = {}
         # Per open save: the slots of its pages that were already present (deduplicated), held like a lease until the
