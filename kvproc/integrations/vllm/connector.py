@@ -257,7 +257,7 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
             self.hasher = self.rt.store.pools[0].hasher
             self.store = self.rt.store
             if self.ranks > 1:
-                self.ranked = RankedTier(self.rt.directs)
+                self.ranked = RankedTier(self.rt.directs, self.ranks)
                 self._tier_attach = self.ranked.attach
             # Equal strings mean a producer's KV can be restored here (weights, shapes, stored layout, page, hashing).
             self.fingerprint = fingerprint("vllm", self.store.layouts[0], self.store.pools[0].hasher.algorithm)
@@ -401,7 +401,9 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
             if not to_vllm:
                 save = j.rank_saves[self.rank]
                 rows = _new_pages(j, save.slots, self._state_rows(j, save.bounded))
-                slots.write_fenced(save.fence, save.token, functools.partial(self._copy_rows, [rows], False))
+                if rows.staging or rows.states:  # else nothing of it is this rank's to write (a REPLICATED model's
+                    # other ranks; pages its tier has already)
+                    slots.write_fenced(save.fence, save.token, functools.partial(self._copy_rows, [rows], False))
                 continue
             mine = CopyJob(j.job_id, j.req_id, j.rank_slots[self.rank], j.vllm,
                            j.rank_states[self.rank] if j.rank_states else [])

@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvproc import GroupKind, GroupSpec, KvContractError, KvSpec
+from kvproc import GroupKind, GroupSpec, KvContractError, KvSpec, Sharding
 
 # vLLM spec class name -> (kvproc group name prefix, kind). Exact class names: a subclass of FullAttentionSpec
 # (sliding-window MLA, sink attention, ...) has another layout or another notion of a prefix and must not pass.
@@ -172,7 +172,12 @@ def contract_from_vllm(kv_cache_config: Any, *, model_id: str) -> VllmKvContract
     block = next(iter(sizes.values()))
     if block <= 0 or block & (block - 1):
         raise KvContractError(f"vLLM block_size={block}: kvproc pages must be a power of two tokens")
-    kv_spec = KvSpec(block, tuple(GroupSpec(g.name, _SUPPORTED[g.vllm_spec][1]) for g in groups), model_id=model_id)
+    # An MLA latent is the same on every tensor-parallel rank: a model of MLA groups only is stored once (rank 0's
+    # save, every rank's load). Beside other groups it is stored per rank, with them (a page is one unit).
+    replicated = all(g.vllm_spec == "MLAAttentionSpec" for g in groups)
+    sharding = Sharding.REPLICATED if replicated else Sharding.PER_RANK
+    kv_spec = KvSpec(block, tuple(GroupSpec(g.name, _SUPPORTED[g.vllm_spec][1], sharding=sharding) for g in groups),
+                     model_id=model_id)
     return VllmKvContract(spec=kv_spec, groups=tuple(groups), block_tokens=block,
                           vllm_num_blocks=int(kv_cache_config.num_blocks))
 

