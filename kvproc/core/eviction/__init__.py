@@ -13,12 +13,11 @@ import math
 import time
 from typing import Callable
 
-from kvproc.core.eviction.arc import AdaptiveReplacement
 from kvproc.core.eviction.frequency import FrequencyRecency
 from kvproc.core.eviction.protocol import EvictionPolicy
 from kvproc.core.lru import RunLru
 
-POLICIES = ("lru", "lfu", "lrfu", "arc")
+POLICIES = ("lru", "lfu", "lrfu")
 DEFAULT_HALF_LIFE_S = 300.0
 
 
@@ -31,8 +30,6 @@ def make_policy(name: str, capacity: int, *, half_life: float = DEFAULT_HALF_LIF
         return FrequencyRecency(capacity, half_life=math.inf, history=True, clock=clock)
     if name == "lrfu":
         return FrequencyRecency(capacity, half_life=half_life, history=True, clock=clock)
-    if name == "arc":
-        return AdaptiveReplacement(capacity)
     raise ValueError(f"unknown eviction policy {name!r} (known: {', '.join(POLICIES)})")
 
 
