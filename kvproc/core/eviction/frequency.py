@@ -79,7 +79,10 @@ class FrequencyRecency:
         self.fp[np.asarray(ids, dtype=np.int64)] = fps
 
     def _rebase(self, by: float) -> None:
-        """Lower every stored score by `by` (the same float64 subtraction everywhere: the order is unchanged)."""
+        """Lower every stored score by `by` (the same float64 subtraction everywhere: the order is unchanged, except
+        that two scores within an ulp of each other can round to one; entries tied that way may then pop in their old
+        order rather than by seq (the one-heap form had the same caveat). Rare: a rebase comes every 64 half-lives
+        with the sketch, every 512 without."""
         for run in self.runs.values():
             run[0] -= by
         self.heap = [(k - by, s, r) for k, s, r in self.heap]  # order unchanged: still a heap
