@@ -1,8 +1,9 @@
 """Eviction candidates issue 35 measured and dropped (not shipped): SLRU (2Q-like), LFU with dynamic aging (LFUDA),
 and LRFU without history, in the same reference model as
-`kvproc bench replay --capacity` (512-token blocks, no resident prompt, token hit ratio; kvproc/bench/eviction_sim.py).
+`kvproc bench replay --capacity` (512-token blocks, no resident prompt, token hit ratio; kvproc/bench/eviction_sim.py);
+and two lrfu variants: exact history (the sketch's ideal) and depth-weighted cost-aware priorities.
 
-Usage: .venv/bin/python bench/eviction_candidates_probe.py [conversation|synthetic]
+Usage: .venv/bin/python bench/eviction_candidates_probe.py [conversation|synthetic] [candidate,...]
 Prints each candidate's token hit ratio at 1e6 / 3e6 / 1e7 tokens. Per-block dict/heap code: a probe, not a policy.
 """
 
@@ -129,10 +130,48 @@ class LrfuNoHistory(HeapPolicy):
         del self.v[b]
 
 
-CANDIDATES = {"slru": Slru, "lfuda": Lfuda, "lrfu-nohistory": LrfuNoHistory}
+class LrfuExact(HeapPolicy):
+    """The shipped lrfu's score (half-life 300 s) with exact history (a dict of every block ever seen, never
+    forgotten: the sketch's ideal), the baseline of the depth-weighted variant below."""
+
+    def __init__(self, half_life: float = 300.0) -> None:
+        super().__init__()
+        self.lam = 1.0 / half_life
+        self.v: dict[int, float] = {}
+        self.depth: dict[int, int] = {}
+        self.now = 0.0
+
+    def begin(self, ids: Any, h: int, now: float) -> None:
+        self.now = now
+        self.depth.update(zip(ids, range(len(ids))))
+
+    def priority(self, b: int) -> float:
+        return math.log2(self.v[b])
+
+    def touch(self, b: int) -> None:
+        self.v[b] = self.v.get(b, 0.0) + 2.0 ** (self.lam * self.now)
+        self.push(b, self.priority(b))
+
+    add = touch
+
+
+class LrfuDepthCost(LrfuExact):
+    """Cost-aware lrfu: expected reuse x what losing the block costs to recompute. Prefill of the block at depth d
+    (512-token blocks) attends over d blocks before it: cost ~ C0 + d, C0 = 8 blocks (where the MLP's share equals
+    attention's, roughly, at 4k tokens). Priority = log2(decayed count) + log2(C0 + d): deep blocks are kept longer."""
+
+    C0 = 8.0
+
+    def priority(self, b: int) -> float:
+        return math.log2(self.v[b]) + math.log2(self.C0 + self.depth[b])
+
+
+CANDIDATES = {"slru": Slru, "lfuda": Lfuda, "lrfu-nohistory": LrfuNoHistory, "lrfu-exact": LrfuExact,
+              "lrfu-depth-cost": LrfuDepthCost}
 
 if __name__ == "__main__":
     which = sys.argv[1] if len(sys.argv) > 1 else "conversation"
     trace = load_trace(DEFAULT_TRACE) if which == "conversation" else synthetic_trace()
-    for name, cls in CANDIDATES.items():
+    names = sys.argv[2].split(",") if len(sys.argv) > 2 else list(CANDIDATES)
+    for name, cls in ((n, CANDIDATES[n]) for n in names):
         print(which, name, [round(run(trace, c, cls()), 4) for c in (1e6, 3e6, 1e7)], flush=True)
