@@ -18,8 +18,9 @@ block is vLLM's block as is.
 
 All paged groups share kvproc's page (vLLM's block size must be the same in every group: a model whose groups have
 other block sizes is refused, naming them) and one block id in kvproc's pool; each keeps its own vLLM block table.
-Anything else (Mamba / linear-attention state, chunked local, cross attention, quantised or padded KV, a subclass of
-these specs) is refused with a `KvContractError` naming the spec and the reason, never served as full attention.
+Anything else (Mamba state outside "align" mode, chunked local, cross attention, quantised or padded KV, a subclass
+of these specs) is refused with a `KvContractError` naming the spec and the reason, never served as full attention.
+`describe_groups` says the same per group, without raising (`kvproc check --vllm`).
 
 This module imports no vLLM at import time: it reads the config's fields by name, so it is testable on its own.
 """
@@ -133,6 +134,48 @@ def _check_spec(spec: Any, kind_name: str) -> None:
                               f"page_size_padded={spec.page_size_padded})")
 
 
+@dataclass(frozen=True)
+class GroupMapping:
+    """One of vLLM's KV cache groups and what kvproc does with it (`kvproc check --vllm`)."""
+
+    index: int
+    vllm_spec: str
+    layers: int
+    block_tokens: int
+    group: str  # the kvproc group ("": refused)
+    cached: str  # what a hit restores ("" when refused)
+    refused: str  # why not ("" when mapped)
+
+
+_CACHED = {
+    "FullAttentionSpec": "every page of the prefix",
+    "MLAAttentionSpec": "every page of the prefix (the latent; stored once for all TP ranks when every group is MLA)",
+    "SlidingWindowSpec": "every page is saved; a hit loads the pages of the window before it ({window} tokens)",
+    "MambaSpec": "the state at the hit's page boundary (a checkpoint per page boundary vLLM offers)",
+}
+
+
+def describe_groups(kv_cache_config: Any) -> list[GroupMapping]:
+    """Every vLLM KV cache group, mapped or refused with the reason, each on its own (`contract_from_vllm` then
+    checks the groups together: one page size for all, a power of two, an attention group beside state groups)."""
+    out = []
+    for i, vg in enumerate(getattr(kv_cache_config, "kv_cache_groups", None) or []):
+        spec = vg.kv_cache_spec
+        kind_name = type(spec).__name__
+        row = dict(index=i, vllm_spec=kind_name, layers=len(vg.layer_names), block_tokens=int(spec.block_size))
+        try:
+            if kind_name not in _SUPPORTED:
+                raise KvContractError(_WHY_NOT.get(kind_name, "not supported yet"))
+            _check_spec(spec, kind_name)
+        except KvContractError as e:
+            out.append(GroupMapping(**row, group="", cached="", refused=str(e)))
+            continue
+        window = getattr(spec, "sliding_window", None)
+        out.append(GroupMapping(**row, group=f"{_SUPPORTED[kind_name][0]}{i}",
+                                cached=_CACHED[kind_name].format(window=window), refused=""))
+    return out
+
+
 def contract_from_vllm(kv_cache_config: Any, *, model_id: str) -> VllmKvContract:
     """Map vLLM's `KVCacheConfig` to a kvproc contract, or raise `KvContractError` naming what is unsupported.
 
@@ -171,7 +214,9 @@ def contract_from_vllm(kv_cache_config: Any, *, model_id: str) -> VllmKvContract
         raise KvContractError(f"kvproc pages are one size for every group; vLLM's groups have block sizes {sizes}")
     block = next(iter(sizes.values()))
     if block <= 0 or block & (block - 1):
-        raise KvContractError(f"vLLM block_size={block}: kvproc pages must be a power of two tokens")
+        hint = 1 << max(0, block - 1).bit_length()
+        raise KvContractError(f"vLLM block_size={block}: kvproc pages must be a power of two tokens (start vLLM with "
+                              f"block_size={hint}, a power of two vLLM accepts for this model as well)")
     # An MLA latent is the same on every tensor-parallel rank: a model of MLA groups only is stored once (rank 0's
     # save, every rank's load). Beside other groups it is stored per rank, with them (a page is one unit).
     replicated = all(g.vllm_spec == "MLAAttentionSpec" for g in groups)

@@ -91,3 +91,32 @@ def test_other_specs_are_refused_naming_the_spec(make: object, named: str) -> No
 def test_groups_of_other_block_sizes_are_refused_naming_them() -> None:
     with pytest.raises(KvContractError, match="block sizes .*'swa0': 16, 'full1': 32"):
         contract_from_vllm(_config(_swa(block=16), _full()), model_id="m")
+
+
+def test_an_mla_only_model_is_replicated_and_mla_beside_other_groups_is_not() -> None:
+    """An MLA latent is the same on every TP rank: stored once when every group is MLA; a page is one unit, so MLA
+    beside a per-rank group is stored per rank with it (a mixed spec would be refused by a multi-rank store)."""
+    from kvproc import Sharding
+
+    assert contract_from_vllm(_config(_mla()), model_id="m").spec.replicated
+    mixed = contract_from_vllm(_config(_mla(), _full()), model_id="m").spec
+    assert not mixed.replicated and {g.sharding for g in mixed.groups} == {Sharding.PER_RANK}
+    assert not contract_from_vllm(_config(_full()), model_id="m").spec.replicated
+
+
+def test_describe_groups_maps_each_group_or_says_why_not_without_raising() -> None:
+    """`kvproc check --vllm`'s rows: every group on its own, a refused one with contract_from_vllm's reason."""
+    from kvproc.integrations.vllm.contract import describe_groups
+
+    rows = describe_groups(_config(_swa(window=64), _mamba(mode="none"), _full(non_causal=True), _full()))
+    assert [(r.index, r.vllm_spec, r.group) for r in rows] == [
+        (0, "SlidingWindowSpec", "swa0"), (1, "MambaSpec", ""), (2, "FullAttentionSpec", ""),
+        (3, "FullAttentionSpec", "full3")]
+    assert "64 tokens" in rows[0].cached and not rows[0].refused
+    assert "mamba_cache_mode 'align'" in rows[1].refused and "non_causal" in rows[2].refused
+    assert rows[3].cached and rows[3].layers == 2 and rows[3].block_tokens == 32
+
+
+def test_a_block_size_not_a_power_of_two_is_refused_with_one_that_is() -> None:
+    with pytest.raises(KvContractError, match="block_size=384: .*block_size=512"):
+        contract_from_vllm(_config(_swa(block=384)), model_id="m")
