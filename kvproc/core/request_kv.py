@@ -368,17 +368,25 @@ class RequestKv:
         self._seal_full_pages()
 
     def revert(self) -> None:
-        """Undo the scheduled step: blocks it drew go back, entitlement restored."""
+        """Undo the scheduled step: blocks it drew go back, entitlement restored.
+
+        A drawn block that another handle (a save's pin) also references stays in the block table, with every drawn
+        block before it: given back, it would count as entitled again while the pin keeps it unavailable, and an
+        admitted request's later draw could fail (`available < entitled`). The next step reuses those blocks."""
         s, pool = self._s, self.pool
         self._require(s.scheduled is not None, "revert without a scheduled step")
         assert s.scheduled is not None
         _, drawn = s.scheduled
         with pool.lock:
             if drawn:
-                back = s.block_ids[-drawn:]
-                del s.block_ids[-drawn:]
-                pool.paged.release(back)
-                pool.entitled += drawn
+                shared = np.flatnonzero(pool.paged.refcount[np.asarray(s.block_ids[-drawn:], dtype=np.int64)] > 1)
+                keep = int(shared[-1]) + 1 if len(shared) else 0
+                give = drawn - keep
+                if give:
+                    back = s.block_ids[-give:]
+                    del s.block_ids[-give:]
+                    pool.paged.release(back)
+                    pool.entitled += give
             s.scheduled = None
         pool.notify_capacity()
 

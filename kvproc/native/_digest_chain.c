@@ -1,5 +1,6 @@
-/* Chained page hashes for the families `_native.c` does not implement itself: SHA-256 (truncated to 128 bits) and
- * XXH3-128, `h_i = H(h_{i-1} || page_i)` as in `kvproc.core.hashing`.
+/* Chained page hashes, `h_i = H(h_{i-1} || page_i)` as in `kvproc.core.hashing`: the one chain loop every family
+ * runs (`kvproc_page_chain`; `_native.c`'s BLAKE2b too), and the families `_native.c` does not implement itself:
+ * SHA-256 (truncated to 128 bits) and XXH3-128.
  *
  * Why here and not in Python: the chain is sequential, so Python pays one hashlib / xxhash call per page (~0.5 us,
  * most of it call overhead and a bytes object for `h + page`), which was ~60% of the trace replay with sha256. Why
@@ -13,8 +14,6 @@
 #include "_native.h"
 
 #include <string.h>
-
-#define CHAIN_DIGEST 16
 
 /* OpenSSL's low-level `SHA256_Init` / `SHA256_Update` / `SHA256_Final` (its one-shot `SHA256()` goes through an EVP
  * fetch per call in OpenSSL 3, several times the cost of one 80-byte hash). Their context is opaque here: 112 bytes
@@ -48,7 +47,7 @@ static void sha256_page(const uint8_t *buf, size_t len, uint8_t *out) {
     sha256_init(&ctx);
     sha256_update(&ctx, buf, len);
     sha256_final(md, &ctx);
-    memcpy(out, md, CHAIN_DIGEST);
+    memcpy(out, md, KVPROC_CHAIN_DIGEST);
 }
 
 static void xxh3_page(const uint8_t *buf, size_t len, uint8_t *out) {
@@ -58,9 +57,7 @@ static void xxh3_page(const uint8_t *buf, size_t len, uint8_t *out) {
     store64_be(out + 8, v.low64);
 }
 
-typedef void (*page_fn)(const uint8_t *, size_t, uint8_t *);
-
-static PyObject *chain(PyObject *args, page_fn page, int installed, const char *what) {
+PyObject *kvproc_page_chain(PyObject *args, kvproc_page_fn page, int installed, const char *what) {
     Py_buffer data, seed;
     Py_ssize_t page_bytes;
     if (!PyArg_ParseTuple(args, "y*ny*", &data, &page_bytes, &seed)) return NULL;
@@ -74,30 +71,30 @@ static PyObject *chain(PyObject *args, page_fn page, int installed, const char *
         PyErr_SetString(PyExc_ValueError, "page_bytes must be positive");
         goto done;
     }
-    if (seed.len != CHAIN_DIGEST) {
-        PyErr_Format(PyExc_ValueError, "seed must be %d bytes, got %zd", CHAIN_DIGEST, seed.len);
+    if (seed.len != KVPROC_CHAIN_DIGEST) {
+        PyErr_Format(PyExc_ValueError, "seed must be %d bytes, got %zd", KVPROC_CHAIN_DIGEST, seed.len);
         goto done;
     }
     Py_ssize_t n = data.len / page_bytes;
-    digests = PyMem_RawMalloc((size_t)(n ? n : 1) * CHAIN_DIGEST);
-    buf = PyMem_RawMalloc((size_t)(CHAIN_DIGEST + page_bytes));
+    digests = PyMem_RawMalloc((size_t)(n ? n : 1) * KVPROC_CHAIN_DIGEST);
+    buf = PyMem_RawMalloc((size_t)(KVPROC_CHAIN_DIGEST + page_bytes));
     if (!digests || !buf) {
         PyErr_NoMemory();
         goto done;
     }
     const uint8_t *pages = (const uint8_t *)data.buf;
-    memcpy(buf, seed.buf, CHAIN_DIGEST);
+    memcpy(buf, seed.buf, KVPROC_CHAIN_DIGEST);
     Py_BEGIN_ALLOW_THREADS /* the buffers are pinned by Py_buffer; the hash functions touch no Python object */
     for (Py_ssize_t i = 0; i < n; i++) {
-        memcpy(buf + CHAIN_DIGEST, pages + i * page_bytes, (size_t)page_bytes);
-        page(buf, (size_t)(CHAIN_DIGEST + page_bytes), digests + i * CHAIN_DIGEST);
-        memcpy(buf, digests + i * CHAIN_DIGEST, CHAIN_DIGEST); /* the parent of the next page */
+        memcpy(buf + KVPROC_CHAIN_DIGEST, pages + i * page_bytes, (size_t)page_bytes);
+        page(buf, (size_t)(KVPROC_CHAIN_DIGEST + page_bytes), digests + i * KVPROC_CHAIN_DIGEST);
+        memcpy(buf, digests + i * KVPROC_CHAIN_DIGEST, KVPROC_CHAIN_DIGEST); /* the parent of the next page */
     }
     Py_END_ALLOW_THREADS
     result = PyList_New(n);
     if (!result) goto done;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *b = PyBytes_FromStringAndSize((const char *)digests + i * CHAIN_DIGEST, CHAIN_DIGEST);
+        PyObject *b = PyBytes_FromStringAndSize((const char *)digests + i * KVPROC_CHAIN_DIGEST, KVPROC_CHAIN_DIGEST);
         if (!b) {
             Py_CLEAR(result);
             goto done;
@@ -114,12 +111,12 @@ done:
 
 /* sha256_chain(data, page_bytes, seed) -> list[bytes]: SHA-256 truncated to 16 bytes, chained over every full page. */
 static PyObject *sha256_chain(PyObject *self, PyObject *args) {
-    return chain(args, sha256_page, sha256_final != NULL, "sha256");
+    return kvproc_page_chain(args, sha256_page, sha256_final != NULL, "sha256");
 }
 
 /* xxh3_chain(data, page_bytes, seed) -> list[bytes]: XXH3-128 (canonical bytes), chained over every full page. */
 static PyObject *xxh3_chain(PyObject *self, PyObject *args) {
-    return chain(args, xxh3_page, installed_xxh3 != NULL, "xxh3");
+    return kvproc_page_chain(args, xxh3_page, installed_xxh3 != NULL, "xxh3");
 }
 
 /* install_digests(sha256_init, sha256_update, sha256_final, xxh3_128bits): the functions' addresses (0: leave that

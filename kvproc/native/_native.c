@@ -109,56 +109,10 @@ static void b2b_hash(const uint8_t *in, size_t len, uint8_t *out, size_t outlen)
     for (size_t i = 0; i < outlen; i++) out[i] = (uint8_t)(h[i / 8] >> (8 * (i % 8)));
 }
 
-#define DIGEST 16
+static void b2b_page(const uint8_t *buf, size_t len, uint8_t *out) { b2b_hash(buf, len, out, KVPROC_CHAIN_DIGEST); }
 
 /* blake2b_chain(data, page_bytes, seed) -> list[bytes]: the 16-byte chained hash of every full page of `data`. */
-static PyObject *blake2b_chain(PyObject *self, PyObject *args) {
-    Py_buffer data, seed;
-    Py_ssize_t page_bytes;
-    if (!PyArg_ParseTuple(args, "y*ny*", &data, &page_bytes, &seed)) return NULL;
-    PyObject *result = NULL;
-    uint8_t *digests = NULL, *buf = NULL;
-    if (page_bytes <= 0) {
-        PyErr_SetString(PyExc_ValueError, "page_bytes must be positive");
-        goto done;
-    }
-    if (seed.len != DIGEST) {
-        PyErr_Format(PyExc_ValueError, "seed must be %d bytes, got %zd", DIGEST, seed.len);
-        goto done;
-    }
-    Py_ssize_t n = data.len / page_bytes;
-    digests = PyMem_RawMalloc((size_t)(n ? n : 1) * DIGEST);
-    buf = PyMem_RawMalloc((size_t)(DIGEST + page_bytes));
-    if (!digests || !buf) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    const uint8_t *pages = (const uint8_t *)data.buf;
-    memcpy(buf, seed.buf, DIGEST);
-    Py_BEGIN_ALLOW_THREADS /* the buffers are pinned by Py_buffer; nothing below touches a Python object */
-    for (Py_ssize_t i = 0; i < n; i++) {
-        memcpy(buf + DIGEST, pages + i * page_bytes, (size_t)page_bytes);
-        b2b_hash(buf, (size_t)(DIGEST + page_bytes), digests + i * DIGEST, DIGEST);
-        memcpy(buf, digests + i * DIGEST, DIGEST); /* the parent of the next page */
-    }
-    Py_END_ALLOW_THREADS
-    result = PyList_New(n);
-    if (!result) goto done;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *b = PyBytes_FromStringAndSize((const char *)digests + i * DIGEST, DIGEST);
-        if (!b) {
-            Py_CLEAR(result);
-            goto done;
-        }
-        PyList_SET_ITEM(result, i, b);
-    }
-done:
-    PyMem_RawFree(digests);
-    PyMem_RawFree(buf);
-    PyBuffer_Release(&data);
-    PyBuffer_Release(&seed);
-    return result;
-}
+static PyObject *blake2b_chain(PyObject *self, PyObject *args) { return kvproc_page_chain(args, b2b_page, 1, "blake2b"); }
 
 /* b2b(data, digest_size) -> bytes: plain BLAKE2b, for the tests' comparison with hashlib. */
 static PyObject *b2b(PyObject *self, PyObject *args) {

@@ -33,6 +33,13 @@ int kvproc_add_slotmap(PyObject *module);
 /* _kv_events.c: adds the EventLog type (a device pool's KV events, logged and written as msgpack); -1 with an exception set. */
 int kvproc_add_kv_events(PyObject *module);
 
+/* _digest_chain.c: the chained page hash loop of every family. `page` hashes one buffer (the parent's
+ * KVPROC_CHAIN_DIGEST bytes then the page) into the page's digest; args are (data, page_bytes, seed); a family whose
+ * function is not `installed` raises RuntimeError naming `what`. Returns a list of bytes, or NULL with an exception. */
+#define KVPROC_CHAIN_DIGEST 16
+typedef void (*kvproc_page_fn)(const uint8_t *, size_t, uint8_t *);
+PyObject *kvproc_page_chain(PyObject *args, kvproc_page_fn page, int installed, const char *what);
+
 /* _digest_chain.c: adds sha256_chain, xxh3_chain and install_digests; -1 with an exception set on failure. */
 int kvproc_add_digest_chain(PyObject *module);
 

@@ -374,8 +374,12 @@ class PoolMachine(RuleBasedStateMachine):
     def revert(self, i: int) -> None:
         m = self._pick([r for r in self.reqs if r.step is not None and not r.released], i)
         assert m.kv is not None and m.step is not None
+        # A block of the step that a pin also holds keeps its draw, with every drawn block before it (revert's rule).
+        pinned = {b for pm in self.pins for b in pm.ids}
+        drawn = m.blocks[m.step[1] :]
+        keep = max((k + 1 for k, b in enumerate(drawn) if b in pinned), default=0)
         m.kv.revert()
-        m.blocks = m.blocks[: m.step[1]]
+        m.blocks = m.blocks[: m.step[1] + keep]
         m.step = None
         assert m.kv.block_ids == m.blocks
 
@@ -749,6 +753,26 @@ def test_pinning_evictable_blocks_never_breaks_an_admitted_draw() -> None:
         pool.pin([0])  # declining (raising) is acceptable; taking an entitled block is not
     assert pool.available >= pool.entitled
     kv.schedule(16)
+
+
+def test_revert_of_a_step_whose_block_a_pin_holds_keeps_the_floor() -> None:
+    """A pin of a block the open step just drew, then revert: the block stays pinned, so giving it back would count
+    it entitled while unavailable (found by the state machine: available 1 < entitled 2). The draw stands instead."""
+    pool = BlockPool(PAGED_SPEC, 3)
+    kv = RequestKv(pool, "a", list(range(3 * P)), 0)
+    assert kv.try_admit()  # lifetime 3 pages, entitled 3
+    kv.schedule(P)
+    kv.apply()
+    table = kv.schedule(P)  # draws block table[1]
+    pin = pool.pin([table[1]], kv.block_generations()[1:2])
+    kv.revert()
+    assert pool.available >= pool.entitled
+    assert kv.block_ids == table[:2], "the pinned draw stays in the table"
+    kv.schedule(2 * P)  # the rest of the prompt: the kept block is reused, one more drawn
+    kv.apply()
+    pin.release()
+    kv.release()
+    assert pool.entitled == 0 and pool.available == 3
 
 
 def test_pin_of_a_freed_block_fails_cleanly() -> None:
