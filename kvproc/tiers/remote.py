@@ -203,7 +203,6 @@ class RemoteTier:
         them), no backlog of its ids (the new tier's ids start elsewhere anyway: `HostIndex`), and the new
         segment's slot table mapped in place of the old one's, which is unmapped. Called before the store's client
         to the new tier is put in place, so nothing of the old epoch reaches it."""
-        self.epoch += 1
         with self._backlog_lock:
             self.counters["oneway_replay_other_tier"] += len(self._backlog)
             self._backlog = deque()
@@ -213,6 +212,10 @@ class RemoteTier:
         self.wants_token_ids = wants_token_ids
         self.wants_parent_key = wants_parent_key
         self._map_table(segment)
+        # Last: a thread that reads the epoch and then the segment and layout (`HostDirect.remap_if_replaced`, on a
+        # copying thread) sees a new epoch only with the new tier's segment, never the old segment under the new
+        # epoch (it would keep that mapping for good, and the new tier's leases would pass its epoch check).
+        self.epoch += 1
         self.counters["rebinds"] += 1
 
     @property

@@ -248,6 +248,8 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         self.rank = 0
         self.ranked: RankedTier | None = None  # tensor parallel, the scheduler side: every rank's tier
         self._tier_slots: TierSlots | None = None  # tensor parallel, a worker: its rank's tier, mapped
+        self._tier_wanted: TierAttach | None = None  # ... the tiers the latest step named (mapped by the mover)
+        self._tier_mapped: tuple[str, int] = ("", -1)  # ... the (segment, epoch) `_tier_slots` is of
         self._delayed_next: list[str] = []  # tensor parallel: frees delayed since the last meta (sent in the next)
         if not self._tp_worker:
             self.rt = rt_mod.acquire(engine_id, self.contract, self.options,
@@ -394,9 +396,7 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
     def _copy_rank(self, jobs: list[CopyJob], to_vllm: bool) -> None:
         """A tensor-parallel worker's part of a direct move (`tp.py`): its rank's slots, reserved or leased by the
         scheduler side; a save written holding its fence, a load checked after the copy."""
-        slots = self._tier_slots
-        if slots is None:
-            raise RuntimeError("no step has named this rank's host tier yet")
+        slots, epoch = self._follow_rank_tier()
         for j in jobs:
             if not to_vllm:
                 save = j.rank_saves[self.rank]
@@ -405,6 +405,10 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
                     # other ranks; pages its tier has already)
                     slots.write_fenced(save.fence, save.token, functools.partial(self._copy_rows, [rows], False))
                 continue
+            if j.rank_epochs and j.rank_epochs[self.rank] != epoch:
+                self.rt.count("loads_tier_replaced")
+                raise RuntimeError(f"request {j.req_id!r}: its lease is of rank {self.rank}'s host tier since "
+                                   "replaced: its slots are not the new tier's (vLLM recomputes)")
             mine = CopyJob(j.job_id, j.req_id, j.rank_slots[self.rank], j.vllm,
                            j.rank_states[self.rank] if j.rank_states else [])
             self._copy_rows([mine], True)
@@ -413,16 +417,35 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
                 raise RuntimeError(f"request {j.req_id!r}: its lease on rank {self.rank}'s host tier slots was too old "
                                    "or a slot was handed to a save: the copy is not trusted (vLLM recomputes)")
 
+    def _follow_rank_tier(self) -> tuple[TierSlots, int]:
+        """On the mover thread, before a copy: this rank's tier as the latest step named it, mapped (the first time,
+        or in place of a replaced tier's segment, which is let go of: the copies go to the new one from here on),
+        and the epoch of that mapping. Only this thread copies, so no copy is using the old views."""
+        want = self._tier_wanted
+        if want is None:
+            raise RuntimeError("no step has named this rank's host tier yet")
+        target = (want.segments[self.rank], want.epochs[self.rank] if want.epochs else 0)
+        if self._tier_slots is None or target != self._tier_mapped:
+            new = TierSlots(target[0], want.layouts[self.rank])
+            old, self._tier_slots, self._tier_mapped = self._tier_slots, new, target
+            for name in self.contract.layer_names:
+                self._staging[name] = new.views[f"vllm.{name}"]
+            if old is not None:
+                old.close()
+                self.rt.count("tier_remapped")
+                log.warning("kvproc_tier_remapped", rank=self.rank, segment=target[0], epoch=target[1])
+        assert self._tier_slots is not None
+        return self._tier_slots, self._tier_mapped[1]
+
     def _take_tp_meta(self, meta: KvprocConnectorMetadata) -> None:
-        """A TP worker's share of the step's meta: its rank's tier (mapped at the first step), and the frees the
-        scheduler delayed for saves (reported once this rank's moves of the request settled)."""
+        """A TP worker's share of the step's meta: its rank's tier (mapped by the mover before its next copy:
+        `_follow_rank_tier`), and the frees the scheduler delayed for saves (reported once this rank's moves of the
+        request settled)."""
         if not self._tp_worker or meta.tp_taken:
             return
         meta.tp_taken = True
-        if self._tier_slots is None and meta.tiers is not None:
-            self._tier_slots = TierSlots(meta.tiers.segments[self.rank], meta.tiers.layouts[self.rank])
-            for name in self.contract.layer_names:
-                self._staging[name] = self._tier_slots.views[f"vllm.{name}"]
+        if meta.tiers is not None:
+            self._tier_wanted = meta.tiers
         for req_id in meta.delayed:
             self._moves.delay_free(req_id)
 
@@ -1064,6 +1087,11 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
                 self._plan_save(r, computed[req_id] + n, meta)
         meta.idle = scheduler_output.total_num_scheduled_tokens == 0
         if self.ranked is not None:
+            if self.ranked.follow_replaced():  # a rank's tier replaced and re-attached: the workers map the new one
+                self._tier_attach = self.ranked.attach
+                self.rt.count("tier_remapped")
+                log.warning("kvproc_tier_remapped", segments=self._tier_attach.segments,
+                            epochs=self._tier_attach.epochs)
             meta.tiers = self._tier_attach
             meta.delayed, self._delayed_next = self._delayed_next, []
             if self.contract.has_sliding or self.contract.states:
@@ -1196,6 +1224,7 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         if self.ranked is not None:  # tensor parallel: each rank copies its own tier's slots
             job.rank_slots = [list(h.page_slots[a:b]) for h in r.leases]
             job.rank_gens = [list(h.page_gens[a:b]) for h in r.leases]
+            job.rank_epochs = [h.epoch for h in r.leases]
             names = {g.index: g.name for g in self.contract.states}
             job.rank_states = [[(gi, h.bounded_slots[names[gi]], blk) for gi, _, blk in job.states]
                                for h in r.leases]

@@ -63,6 +63,7 @@ class CopyJob:
     rank_gens: list[list[int]] = field(default_factory=list)
     rank_states: list[list[tuple[int, int, int]]] = field(default_factory=list)  # a load's `states`, by rank
     rank_saves: list[Any] = field(default_factory=list)
+    rank_epochs: list[int] = field(default_factory=list)  # a load's: the tier attachment each rank's lease is of
 
     def vllm_blocks(self) -> set[int]:
         """The vLLM blocks this job writes when it is a load (what vLLM must recompute if it fails)."""

@@ -24,7 +24,9 @@ vLLM blocks and its rank's tier segment, which it maps (`kvproc/store/tier_slots
   by vLLM); a job is settled when every rank reported it, and ok only if every rank's part was.
 
 Everything a rank needs from the store travels in the step's metadata (`TierAttach`, the jobs' slots and fences);
-nothing of the store is shared in memory but the tiers' segments.
+nothing of the store is shared in memory but the tiers' segments. A tier replaced under the engine (`kvproc up`
+restarted on its runtime dir, re-attached by the store) is named anew in the next step's `TierAttach` (its segment
+and epoch), and each worker maps it before its next copy; a load leased from the old tier is refused by its epoch.
 """
 
 from __future__ import annotations
@@ -55,10 +57,15 @@ RESERVE_WAIT_S = 0.25
 @dataclass(frozen=True)
 class TierAttach:
     """Where each rank's host tier keeps its slots: sent in every step's metadata (a few names), mapped by each worker
-    at the first step it sees it."""
+    before its first copy, and again when a rank's epoch changes (its tier was replaced: `kvproc up` restarted on its
+    runtime dir, re-attached by the store), in place of the old mapping."""
 
     segments: tuple[str, ...]
     layouts: tuple[HostLayout, ...]
+    # Each rank's tier attachment (`RemoteTier.epoch`): a load job carries its leases' (`CopyJob.rank_epochs`), and a
+    # worker mapped to another epoch refuses it (the slots are another tier's). A save needs none: its fence token
+    # is random per tier, so it claims nothing in another tier's segment (`save_fence.claim`).
+    epochs: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -112,7 +119,20 @@ class RankedTier:
     @property
     def attach(self) -> TierAttach:
         return TierAttach(tuple(self._per_rank([d.segment for d in self.directs])),
-                          tuple(self._per_rank([d.layout for d in self.directs])))
+                          tuple(self._per_rank([d.layout for d in self.directs])),
+                          tuple(self._per_rank([d.epoch for d in self.directs])))
+
+    def follow_replaced(self) -> bool:
+        """A rank's tier replaced under the engine (the store re-attached it: another `RemoteTier.epoch`): this side's
+        mapping of it moves to the new segment (the old one let go of), so that the next `attach` names it to the
+        workers. True when one moved. On the scheduler's thread: nothing on this side copies through the views."""
+        moved = False
+        for d in self.directs:
+            old = d.remap_if_replaced()
+            if old is not None:
+                old.close()
+                moved = True
+        return moved
 
     # ---- loads ----
     def lookup(self, req_id: str, hashes: list[bytes]) -> concurrent.futures.Future[list[Hit] | None]:

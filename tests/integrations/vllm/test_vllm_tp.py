@@ -17,6 +17,7 @@ restored KV, not a recompute.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -167,3 +168,116 @@ def test_tp2_refuses_what_it_cannot_carry_by_name() -> None:
                                (RuntimeOptions(async_moves=False), "kv_both", "async_moves")]:
         with pytest.raises(KvContractError, match=why):
             check(_Probe(options), role)  # type: ignore[arg-type]
+
+
+def test_tp2_ranks_follow_a_replaced_shared_tier(tiny_llama: Path, tp2_env: None,
+                                                 reference: list[tuple[list[int], list[int]]]) -> None:
+    """Issue 39 item 4 at TP 2: `kvproc up --ranks 2` SIGKILLed and started again on the same runtime dir under a
+    running engine. The store re-attaches both tiers; each rank's worker maps its new tier's segment before its next
+    copy (the step's `TierAttach` names it, with its epoch), so saves land in the new tiers and loads come back from
+    them: vLLM hits again, every load ok on every rank (a job is ok only when each rank's part is), tokens vLLM
+    alone's (float32: TP 2's equal TP 1's). Before, the workers kept the first segment: each save failed its fence
+    there, and the replay found nothing."""
+    import subprocess
+    import sys
+    import time
+
+    cluster = f"vllmtprep{os.getpid()}"
+    rd = f"/tmp/kvup-{cluster}"
+
+    def up() -> subprocess.Popen[str]:
+        p = subprocess.Popen([sys.executable, "-m", "kvproc", "up", "--cluster", cluster, "--runtime-dir", rd,
+                              "--ranks", "2", "--host-mib", "64"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                             text=True)
+        assert p.stdout is not None and "up; manifest" in p.stdout.readline()
+        return p
+
+    first = up()
+    second = None
+    try:
+        with engine(tiny_llama, kvproc_transfer_config(tier_runtime_dir=rd), tensor_parallel_size=2) as llm:
+            rt = live_runtime()
+            assert len(rt.directs) == 2
+            multi_turn(llm, turns=1)
+            first.kill()
+            first.wait(10)
+            second = up()
+            deadline = time.monotonic() + 60
+            while rt.cluster.tier_reattaches < 2:
+                assert time.monotonic() < deadline, "the store never re-attached both new tiers"
+                time.sleep(0.2)
+            assert multi_turn(llm) == reference
+            generate(llm, [[5, 6, 7]], 1)  # one more step: the workers report the last saves, the scheduler commits
+            saved = [_tier_stats(rt, t).get("pages_saved", 0) for t in range(2)]
+            assert llm.reset_prefix_cache()
+            m0, c0 = metrics(llm), dict(rt.store.outcomes.counts)
+            outs = generate(llm, [p for p, _ in reference[-4:]])
+            hits = metrics(llm)["vllm:external_prefix_cache_hits"] - m0["vllm:external_prefix_cache_hits"]
+            c1 = dict(rt.store.outcomes.counts)
+            loads = {k: c1.get(k, 0) - c0.get(k, 0) for k in ("load.ok", "load.failed")}
+    finally:
+        subprocess.run([sys.executable, "-m", "kvproc", "down", "--runtime-dir", rd, "--timeout", "10"], check=False,
+                       capture_output=True)
+        for p in (first, second):
+            if p is not None:
+                p.kill()
+                p.wait(10)
+    figures = dict(saved=saved, external_hits=hits, **loads)
+    print(f"after the replacement: {figures}")
+    assert outs == [o for _, o in reference[-4:]]
+    assert saved[0] > 0 and saved[0] == saved[1], figures  # each rank's shard of every page, in its new tier
+    assert hits > 0 and loads["load.ok"] > 0 and loads["load.failed"] == 0, figures
+
+
+def test_a_tp_worker_maps_a_replaced_tier_and_refuses_a_load_leased_from_the_old_one() -> None:
+    """The worker side of a replaced tier, over two real segments laid out as a tier's (one 64-byte region, a slot
+    table whose generations are all 0 in both: the after-copy check cannot tell them apart). The connector's state is
+    a probe and `_copy_rows` records the rows it would copy instead of reaching vLLM's blocks (a mock of vLLM's side).
+    A step naming the new tier (epoch 1) moves the mapping before the next copy and lets go of the old one; a load
+    whose lease is of epoch 0 is then refused (its slots are the old tier's), one of epoch 1 is copied from the new
+    segment. The control (the epoch check taken out) copies the stale load, and its check passes: wrong bytes."""
+    import functools
+    import time
+    import types
+
+    from kvproc.integrations.vllm.connector import KvprocConnector
+    from kvproc.integrations.vllm.moves import CopyJob
+    from kvproc.integrations.vllm.tp import TierAttach, WorkerRuntime
+    from kvproc.ipc.segment import Segment
+    from kvproc.tiers.layout import SLOT_TABLE_BYTES, HostLayout, Region
+
+    slots = 4
+    layout = HostLayout((Region("vllm.L0", "full0", 0, 64, slots),), slots, {}, 4096 + slots * SLOT_TABLE_BYTES, 4096)
+    segs = [Segment.create(f"tpremap{os.getpid()}", "host_tier", layout.total_bytes) for _ in range(2)]
+    for seg, fill in zip(segs, (0xAA, 0xBB)):  # each tier's page in slot 2: its own bytes
+        seg.numpy(np.uint8, 0, 64 * slots).reshape(slots, 64)[2] = fill
+    copied: list[int] = []  # the first byte of each slot a load copied
+    probe = types.SimpleNamespace(rank=0, rt=WorkerRuntime(), contract=types.SimpleNamespace(layer_names=["L0"]),
+                                  _staging={}, _tier_slots=None, _tier_mapped=("", -1), _tier_wanted=None,
+                                  _copy_rows=lambda jobs, to_vllm: copied.extend(
+                                      int(probe._staging["L0"][j.staging[0], 0]) for j in jobs))
+    probe._follow_rank_tier = functools.partial(KvprocConnector._follow_rank_tier, probe)
+
+    def load(epoch: int) -> list[CopyJob]:
+        return [CopyJob(1, "r", [], ([7],), [], leased_at=time.monotonic(), rank_slots=[[2]], rank_gens=[[0]],
+                        rank_epochs=[epoch])]
+
+    try:
+        probe._tier_wanted = TierAttach((segs[0].name,), (layout,), (0,))
+        KvprocConnector._copy_rank(probe, load(0), True)  # type: ignore[arg-type]
+        first = probe._tier_slots
+        probe._tier_wanted = TierAttach((segs[1].name,), (layout,), (1,))  # the next step: the tier was replaced
+        with pytest.raises(RuntimeError, match="since replaced"):
+            KvprocConnector._copy_rank(probe, load(0), True)  # type: ignore[arg-type]
+        assert probe._tier_mapped == (segs[1].name, 1) and probe._tier_slots is not first
+        assert first is not None and first.views == {} and first._segment.closed  # the old mapping let go of
+        KvprocConnector._copy_rank(probe, load(1), True)  # type: ignore[arg-type]
+        assert probe.rt.counters == {"tier_remapped": 1, "loads_tier_replaced": 1}
+        assert copied == [0xAA, 0xBB]  # each load from its own tier's segment
+    finally:
+        if probe._tier_slots is not None:
+            probe._tier_slots.close()
+        probe._staging.clear()
+        for s in segs:
+            s.close()
+            s.unlink()
