@@ -11,7 +11,8 @@ pool holds a running prompt, `replay(...)` measures that).
 The online policies are the shipped ones (`kvproc.core.eviction.make_policy`) driven through their protocol on slot
 ids, with the block id as the content fingerprint and the trace's timestamp (seconds) as the clock. Belady is offline:
 evict the block whose next use is furthest in the future (never used again: infinitely far); ties go to the least
-recently accessed block.
+recently accessed block. It cannot bypass (every missed block is inserted); Belady with bypass was measured and is
+worth +0.0003 at most here, so this bound holds for admitting policies too (bench/RESULTS.md, "Trace replay").
 """
 
 from __future__ import annotations
