@@ -2,7 +2,8 @@
 
 Steps: cancelled already -> empty prefix; probe the device pool (the hold pins the match); ask the tier for the rest
 under one deadline (Miss / Loading -> wait for the tier's notification / Hit); reserve destination blocks only above
-the admission floor, else release the lease and wait on the pool's capacity waiter; load (not cancellable: its
+the admission floor, else release the lease and wait on the pool's capacity waiter (only a resolve that holds no
+device blocks waits; one that holds some goes on with its device hit: `pool_pressure`); load (not cancellable: its
 reservation travels with it until it settles, even past the deadline); commit into the index; return the hold.
 The lease is released on every path that does not consume it.
 
@@ -333,9 +334,16 @@ class Resolver:
             groups = [g for g in staging_groups if g in res.bounded_slots]
             reservation = pool.reserve_loaded_blocks(res.pages, groups)
             if reservation is None:
-                # A pool that cannot hold the prefix could not admit the request either: wait for capacity
-                # (released lease first, so the tier can evict meanwhile), then query again.
-                tier.release_lease(res.lease_id)
+                tier.release_lease(res.lease_id)  # first, so the tier can evict meanwhile
+                if hold.num_blocks:
+                    # Never wait for blocks while holding some: two resolves that each hold what the other needs
+                    # would wait for each other until the deadline (measured: 15 s stalls in the 2-rank demo at half
+                    # the working set, `resolve_degraded_deadline_pool_pressure`). The request goes on with its
+                    # device hit, where the engine's admission may release holds; a resolve cannot.
+                    store.count("resolve_pool_pressure_with_hold")
+                    raise Degrade("pool_pressure")
+                # A pool that cannot hold the prefix could not admit the request either: wait for capacity (this
+                # resolve pins nothing meanwhile), then query again.
                 store.count("resolve_waited_for_pool")
                 await self._wait(self._capacity(pool), deadline, cancel, "pool_pressure")
                 continue

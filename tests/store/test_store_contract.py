@@ -348,3 +348,36 @@ def test_the_miss_breaker_counts_only_cold_misses_and_skips_the_tier_while_open(
         calls = tier.query_gate.calls
         store.resolve_prefix_sync(0, "skipped", [300] * 17).hold.release()
         assert tier.query_gate.calls == calls and store.stats()["store"]["breaker_skips"] == 1
+
+
+def test_two_resolves_that_each_hold_what_the_other_needs_do_not_wait_for_each_other():
+    """Each resolve holds its device prefix (3 of the pool's 6 blocks) and needs 2 more blocks for its host hit.
+    Waiting for capacity would keep each hold's blocks from the other until the deadline (the 2-rank demo at half the
+    working set stalled 15 s a turn that way); a resolve that holds blocks ends at once with its device hit instead,
+    `degraded(pool_pressure)`, leases released. Control: with the wait, both are still waiting 10 s later."""
+    store, model, tier, _ = make_store(num_blocks=6, config=StoreConfig(resolve_deadline_s=60.0))
+    assert tier is not None
+    X, Y = list(range(1, 21)), list(range(101, 121))  # 5 pages each (PAGE 4)
+    with store:
+        for rid, toks in (("x", X), ("y", Y)):
+            kv, cur, _, _ = compute(store, model, rid, toks)
+            store.retire(0, kv, cur)
+            store.flush_saves(0)
+        churn(store)
+        for rid, toks in (("x3", X[:13]), ("y3", Y[:13])):  # 3 pages of each back on the device, nothing else
+            pre = store.resolve_prefix_sync(0, rid, toks)
+            assert pre.host_tokens == 12
+            pre.hold.release()
+        assert store.pools[0].stats()["inactive_blocks"] == 6
+        tier.query_gate.ev.clear()  # both probe (and hold) before either asks the tier
+        futs = [store.submit_resolve(0, rid, toks + [0]) for rid, toks in (("x5", X), ("y5", Y))]
+        deadline = time.monotonic() + 30
+        while tier.query_gate.calls < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        tier.query_gate.ev.set()
+        pres = [f.result(10) for f in futs]
+        assert [(p.device_tokens, p.host_tokens) for p in pres] == [(12, 0), (12, 0)]
+        assert store.stats()["outcomes"]["resolve.degraded.pool_pressure"] == 2
+        assert tier.index.stats()["open_leases"] == 0
+        for p in pres:
+            p.hold.release()
