@@ -1,10 +1,10 @@
 """How a resolving thread waits for the copy worker's reply, A/B: paired batches of blocking 64-page host hits.
 
-    .venv/bin/python bench/wait_ab.py [--knob spin|receive] [--blocks 64] [--batches 40] [--spin-us 500]
+    .venv/bin/python bench/wait_ab.py [--blocks 64] [--batches 40]
 
-`spin`: `StoreConfig.reply_spin_s` = `--spin-us` against 0 (the thread polls for the reply without sleeping, or
-sleeps at once). `receive`: the direct call's blocking receive against a `zmq_poll` of the socket and the death fd
-(`kvproc.ipc.direct.BLOCKING_RECEIVE`), both without a spin. Each batch runs 5 resolves per arm (the order of the
+The direct call's blocking receive against a `zmq_poll` of the socket and the death fd
+(`kvproc.ipc.direct.BLOCKING_RECEIVE`). (Its `spin` knob, a poll for the reply without sleeping, went with the spin
+itself: bench/RESULTS.md, "Control path", the end-to-end A/B.) Each batch runs 5 resolves per arm (the order of the
 arms alternating) and 5 raw round trips, after the bench's pool churn each, so the two arms of a batch see the same
 moment of a noisy shared host; printed: medians of the per-batch medians of resolve time less its Load's copy
 (`Copied.ns`), the median paired difference, and the same over the batches whose raw round trip was below / above
@@ -14,7 +14,6 @@ the median (a fast and a slow phase of the host).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import sys
 import time
@@ -27,10 +26,8 @@ from kvproc.store.types import StoreConfig
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--knob", choices=("spin", "receive"), default="spin")
     ap.add_argument("--blocks", type=int, default=64)
     ap.add_argument("--batches", type=int, default=40)
-    ap.add_argument("--spin-us", type=float, default=500.0)
     args = ap.parse_args()
     per = 5
     n_prompts = args.batches * per * 2 + per
@@ -48,34 +45,27 @@ def main() -> int:
         for _ in range(per):  # warm-up
             b.resolve(next(it), args.blocks)
         arms = ("on", "off")
-        base = store.config
         rows: list[dict[str, float]] = []
         try:
             for i in range(args.batches):
                 row: dict[str, float] = {}
                 for arm in arms if i % 2 == 0 else arms[::-1]:
-                    if args.knob == "spin":
-                        store.config = dataclasses.replace(base, reply_spin_s=args.spin_us / 1e6 if arm == "on" else 0)
-                    else:
-                        store.config = dataclasses.replace(base, reply_spin_s=0.0)
-                        direct.BLOCKING_RECEIVE = arm == "on"
+                    direct.BLOCKING_RECEIVE = arm == "on"
                     b.net.clear()
                     for _ in range(per):
                         b.resolve(next(it), args.blocks, arm="x")
                     row[arm] = statistics.median(b.net["x"])
-                store.config = base
                 direct.BLOCKING_RECEIVE = True
                 row["raw"] = statistics.median(b.raw_trips(raw, 1) for _ in range(per))
                 rows.append(row)
         finally:
-            store.config = base
             direct.BLOCKING_RECEIVE = True
             b.close()
     finally:
         raw.stop()
         cs.close()
     cut = statistics.median(r["raw"] for r in rows)
-    label = {"spin": f"spin {args.spin_us:.0f} us / no spin", "receive": "blocking receive / poll"}[args.knob]
+    label = "blocking receive / poll"
     print(f"# {args.blocks}-page verified host hits, {args.batches} batches x {per} per arm; {label}; net of the copy")
     for name, sel in (("all", rows), ("fast half", [r for r in rows if r["raw"] < cut]),
                       ("slow half", [r for r in rows if r["raw"] >= cut])):

@@ -21,9 +21,6 @@ DEALER/ROUTER round trip measured in the same run.
   otherwise) timed after the same churn, interleaved with the resolves: the baseline under the same cache state and
   the same moment of a noisy shared host (the first round trip after a churn is the slower one, so raw1 is not
   raw2 / 2);
-- raw1_spin: raw1 with a client that polls for its reply as long as the store's resolving threads do
-  (`--reply-spin-us`, default `StoreConfig.reply_spin_s`) before it sleeps: a spin also shortens the transport's own
-  wake-up, so the overhead against this baseline credits the store only with what it saves beyond that;
 - burst: blocking resolves back to back (one churn per 6, the first dropped), against raw2_burst (raw pairs back to
   back): the case of an engine admitting several requests in a row;
 - overhead, in raw round trips: `beyond needed` = median over the resolves of (resolve - its own Load's copy in situ)
@@ -75,7 +72,6 @@ import zmq
 from kvproc import native
 from kvproc.contract import ArenaId, GroupKind, GroupSpec, KvArena, KvSpec, RepackDirection
 from kvproc.core.request_kv import RequestKv
-from kvproc.ipc.direct import spin_for_message
 from kvproc.ipc.segment import Segment
 from kvproc.runtime import procutil
 from kvproc.store.cluster import ClusterStore
@@ -89,7 +85,7 @@ ARENA_BLOCK = 2048
 CONCURRENCY = 16
 # Interleaved arms per size: blocking / loop resolves after a pool churn each (caches trashed, as after an engine
 # step), raw2 (two raw round trips after the same churn), burst (blocking resolves back to back) and raw2_burst.
-ARMS = ("blocking", "speculative", "plain", "submit", "loop", "raw1", "raw1_spin", "raw2", "burst", "raw2_burst")
+ARMS = ("blocking", "speculative", "plain", "submit", "loop", "raw1", "raw2", "burst", "raw2_burst")
 # (arm, its raw baseline when it needs one round trip, when it needs two)
 RESOLVE_ARMS = (("blocking", "raw1", "raw2"), ("speculative", "raw1", "raw2"), ("plain", "raw1", "raw2"),
                 ("submit", "raw1", "raw2"), ("loop", "raw1", "raw2"), ("burst", "raw2_burst", "raw2_burst"))
@@ -149,16 +145,12 @@ class _RawEcho:
         self._sock.connect(ep)
         self._data = b"x" * 64
 
-    def round_trips(self, k: int = 1, spin_s: float = 0.0) -> float:
-        """Seconds for `k` back-to-back round trips; `spin_s`: poll for each reply that long before sleeping, as a
-        resolving thread does (`StoreConfig.reply_spin_s`, `kvproc.ipc.direct.spin_for_message`)."""
+    def round_trips(self, k: int = 1) -> float:
+        """Seconds for `k` back-to-back round trips."""
         sock, data = self._sock, self._data
-        fds = (int(sock.getsockopt(zmq.FD)),)
         t = time.perf_counter()
         for _ in range(k):
             sock.send(data)
-            if spin_s > 0:  # the very spin a resolving thread runs
-                spin_for_message(sock, fds, time.monotonic() + spin_s)
             sock.recv()
         return time.perf_counter() - t
 
@@ -248,12 +240,11 @@ class IpcBench:
         self.store.flush_saves(0, 30)
         return time.perf_counter() - t
 
-    def raw_trips(self, raw: _RawEcho, k: int = 2, churn: bool = True, spin: bool = False) -> float:
-        """`k` raw round trips after the same churn a timed resolve gets (same cache state, same machine moment);
-        `spin`: the client polls for each reply as long as the store's resolving threads do."""
+    def raw_trips(self, raw: _RawEcho, k: int = 2, churn: bool = True) -> float:
+        """`k` raw round trips after the same churn a timed resolve gets (same cache state, same machine moment)."""
         if churn:
             self.churn()
-        return raw.round_trips(k, self.store.config.reply_spin_s if spin else 0.0)
+        return raw.round_trips(k)
 
     def resolve(self, tokens: list[int], blocks: int, path: str = "blocking", churn: bool = True,
                 arm: str | None = None, keep: bool = True) -> float:
@@ -463,8 +454,6 @@ def main(argv: list[str]) -> int:
                     help="also compare resolves on the loop's own sockets vs the client I/O threads (N batches each)")
     ap.add_argument("--ab-native", type=int, default=0, metavar="N",
                     help="also compare blocking resolves with the store side's compiled helpers on vs off (N batches)")
-    ap.add_argument("--reply-spin-us", type=float, default=StoreConfig().reply_spin_s * 1e6, metavar="US",
-                    help="StoreConfig.reply_spin_s in microseconds (0: resolving threads sleep at once)")
     ap.add_argument("--kvproc-cpus", default=None, metavar="CPUS",
                     help="run the copy worker, the host tier and the raw echo server on these CPUs (e.g. 1 or 2,3): "
                          "kvproc's processes on cores of their own (default: wherever the OS puts them)")
@@ -519,7 +508,7 @@ def main(argv: list[str]) -> int:
     try:
         model = IpcBenchModel(cs.allocator, 2048)
         store = cs.attach_model(model, live_slots=CONCURRENCY, config=StoreConfig(
-            cacheable_pin_fraction=1.0, reply_spin_s=args.reply_spin_us / 1e6))
+            cacheable_pin_fraction=1.0))
         b = IpcBench(cs, store, model)
         try:
             for blocks in sizes:
@@ -544,8 +533,6 @@ def main(argv: list[str]) -> int:
                     for arm in ARMS if i % 2 == 0 else ARMS[::-1]:  # ABC.. ..CBA: no arm always goes first
                         if arm in ("raw1", "raw2"):  # the round trip(s) a host hit needs, after the same churn
                             res_t[arm] += [b.raw_trips(raw, int(arm[-1])) for _ in range(5)]
-                        elif arm == "raw1_spin":  # the same, its client polling for the reply as the store's does
-                            res_t[arm] += [b.raw_trips(raw, 1, spin=True) for _ in range(5)]
                         elif arm == "raw2_burst":
                             b.churn()
                             res_t[arm] += [b.raw_trips(raw, churn=False) for _ in range(6)][1:]
@@ -585,11 +572,6 @@ def main(argv: list[str]) -> int:
                     row[f"{arm}_overhead_beyond_needed_replayed_copy"] = round(
                         (us - load_us - needed * rtt_us) / rtt_us, 2)
                     row[f"{arm}_overhead_beyond_2_rtts"] = round((net_us - 2 * rtt2_us) / rtt2_us, 2)
-                    # against a raw client that polls for its reply as long as the store's resolving threads do: the
-                    # part of a spin's gain that is the transport's (a faster wake-up) is in the baseline too
-                    spin_us = _median_us(res_t["raw1_spin"])
-                    row["raw_rtt_raw1_spin_us"] = round(spin_us, 1)
-                    row[f"{arm}_overhead_beyond_needed_spinning_raw"] = round((net_us - needed * spin_us) / spin_us, 2)
                     row[f"{arm}_overhead_total_rtts"] = round(net_us / raw_us, 2)
                 results.append(row)
                 seals.append({"blocks": blocks, "seal_us": round(seal_us, 1), "copy_us": round(save_us, 1),
@@ -610,27 +592,25 @@ def main(argv: list[str]) -> int:
         print(f"# observed: {observed['metrics_scrapes']} /metrics scrapes, {observed['kv_event_batches_read']} KV "
               "event batches read during the run")
     load = os.getloadavg()[0]
-    spin_us = args.reply_spin_us
     print(f"# control path, median of >= {n} per arm, raw 64 B round trip {raw_us:.0f} us hot (tight loop), "
-          f"load {load:.2f}, hashing/pool/copy planning: {native.describe()}, reply spin {spin_us:.0f} us, "
+          f"load {load:.2f}, hashing/pool/copy planning: {native.describe()}, "
           f"kvproc's processes and the raw echo "
           f"server on " + (f"CPUs {list(cpus)}" if cpus else "any CPU (not pinned)"))
     print("| blocks | copy in situ / replayed (us) | raw RTT after churn, 1 / 2 trips (us per trip) | blocking (us) "
           "| verified | RTTs needed | **overhead beyond them** | with the replayed copy "
-          "| raw RTT, spinning client (us) | overhead beyond them, against it | beyond 2 RTTs "
+          "| beyond 2 RTTs "
           "| speculative (us) | overhead beyond its 2 RTTs "
           "| plain (us) | overhead beyond its 2 RTTs | submit (us) | overhead beyond its needed RTTs "
           "| loop (us) | verified | overhead beyond its needed RTTs "
           "| raw RTT, burst (us) | blocking, burst (us) | overhead beyond its needed RTTs "
           "| seal (us) | seal overhead (hot RTTs) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r, s in zip(results, seals):
         print(f"| {r['blocks']} | {r['blocking_copy_in_situ_us']:.0f} / {r['copy_us']:.0f} | "
               f"{r['raw_rtt_raw1_us']:.0f} / {r['raw_rtt_raw2_us']:.0f} | "
               f"{r['resolve_blocking_us']:.0f} | {r['blocking_verified_share']:.0%} | {r['blocking_rtts_needed']} | "
               f"**{r['blocking_overhead_beyond_needed']:.2f}** | "
               f"{r['blocking_overhead_beyond_needed_replayed_copy']:.2f} | "
-              f"{r['raw_rtt_raw1_spin_us']:.0f} | {r['blocking_overhead_beyond_needed_spinning_raw']:.2f} | "
               f"{r['blocking_overhead_beyond_2_rtts']:.2f} | "
               f"{r['resolve_speculative_us']:.0f} | {r['speculative_overhead_beyond_2_rtts']:.2f} | "
               f"{r['resolve_plain_us']:.0f} | {r['plain_overhead_beyond_2_rtts']:.2f} | "

@@ -73,9 +73,6 @@ def _parser() -> argparse.ArgumentParser:
                         " 1.0 holds a third of all conversations' KV")
     p.add_argument("--pin-fraction", type=float, default=StoreConfig().cacheable_pin_fraction,
                    help="StoreConfig.cacheable_pin_fraction: share of the pool cacheable saves may pin")
-    p.add_argument("--reply-spin-us", type=float, default=StoreConfig().reply_spin_s * 1e6,
-                   help="StoreConfig.reply_spin_s in microseconds: how long a resolving thread polls for a reply "
-                        "before it sleeps (0: never)")
     p.add_argument("--runs", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--plot", metavar="PATH", help="write a PNG of TTFT per turn index")
@@ -176,7 +173,7 @@ def run_one(mode: str, args: argparse.Namespace, spec: WorkloadSpec, sizes: Pool
             after: Callable[[Topology], None] | None = None) -> tuple[RunSummary, list[TurnRecord], dict[str, Any]]:
     """One run; `after(topo)` is called once the workload is done, before the store closes (a caller that reads
     the run's cluster, e.g. its /metrics)."""
-    config = StoreConfig(cacheable_pin_fraction=args.pin_fraction, reply_spin_s=args.reply_spin_us / 1e6)
+    config = StoreConfig(cacheable_pin_fraction=args.pin_fraction)
     metrics = getattr(args, "metrics", None)
     with make_store(mode, args.model, sizes, seed=args.seed, config=config,
                     processes=not args.in_process, ranks=args.ranks, metrics=metrics,

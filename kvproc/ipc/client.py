@@ -250,13 +250,11 @@ class RpcClient:
         on_late: Callable[[Any], None] | None = None,
         overlap: Callable[[], None] | None = None,
         wake_on: CancelToken | None = None,
-        spin_s: float = 0.0,
     ) -> Any:
         """Blocking form of `call`: returns the payload or raises RemoteError / CallCancelled / PeerDeadError.
         `overlap` (must not raise) runs once the request is sent, while its reply is awaited (unless the call fails
         before it is sent). `wake_on`: a token whose cancellation ends a `wait_until` wait early (LATE) without
-        cancelling the call itself (it is not sent to the server). `spin_s`: on this thread's own socket, poll for the
-        reply (without sleeping, without the GIL) at most that long before sleeping (`direct.py`).
+        cancelling the call itself (it is not sent to the server).
 
         With `wait_until` (before the deadline) and `on_late`: if no reply has come by `wait_until`, returns `LATE`
         and the call's one terminal reply (Ok / Failed / Cancelled / PeerDead) goes to `on_late` when it comes, on
@@ -269,7 +267,7 @@ class RpcClient:
             raise CallCancelled(cancel_token.id)
         if self.server_pid and not self._closing:  # handshake done (a Future.done() would take a lock)
             # this thread's own socket: no hand-off
-            reply = self._direct.request(msg, deadline, cancel_token, wait_until, on_late, overlap, wake_on, spin_s)
+            reply = self._direct.request(msg, deadline, cancel_token, wait_until, on_late, overlap, wake_on)
             if reply is LATE:
                 return LATE
             if reply is not None:

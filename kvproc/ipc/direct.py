@@ -24,13 +24,6 @@ socket closes (the thread ended, or the client closed): then its pending replies
 log a failure that did not happen); what still has no reply then is reported as PeerDead "closed before the reply
 was read".
 
-A caller may also ask for a spin (`spin_s`): before it sleeps, the thread polls the socket's ZMQ_FD (and the fds its
-wait watches) without sleeping and without the GIL, for at most that long (`kvproc.native._native.spin_readable`). On a
-virtualised host a thread that sleeps through a wait of a few hundred microseconds wakes on a cold CPU, and the wake-up
-and the code after it run several times slower (bench/RESULTS.md, "Control path", sixth session: a 64-block host hit
-~120-170 us faster). It costs the CPU time of the spin, so at most one thread of the process spins at a time (the
-others sleep).
-
 A caller that must stop waiting before the call's own deadline but still needs its outcome (a resolve whose deadline
 passes during a copy order, which is not cancellable and keeps its destination reserved until it ends) passes
 `wait_until` and `on_late`: if no reply has come by `wait_until`, the thread gives the socket up -- it is handed,
@@ -55,7 +48,6 @@ from kvproc.ipc import messages as m
 from kvproc.ipc.errors import HandshakeRefused, PeerDeadError
 from kvproc.ipc.sockets import EVENTS, GOODBYE_LINGER_MS, NOBLOCK, POLLIN, configure_socket, new_session
 from kvproc.ipc.undecodable import failed_for
-from kvproc.native import NATIVE
 
 if TYPE_CHECKING:
     from kvproc.ipc.cancel import CancelToken
@@ -67,25 +59,6 @@ ONEWAY_SETTLE_S = 0.5  # how long a closing socket waits for the replies of its 
 # The longest a blocking receive sleeps before it looks at the client's death mark and the deadline again (`_wait`).
 DEATH_CHECK_MS = 50
 BLOCKING_RECEIVE = True  # False: always poll (the A/B arm of bench/RESULTS.md)
-_SPINNER = threading.Lock()  # held by the one thread of the process that spins (`_spin`)
-
-
-def spin_for_message(sock: zmq.Socket[Any], fds: tuple[int, ...], until: float) -> bool:
-    """Poll `fds` (the socket's ZMQ_FD first) without sleeping and without the GIL until the socket has a message,
-    another of the fds is readable, or `until` (time.monotonic) passes; False, at once, when this thread may not spin
-    (another thread of the process does, or `kvproc.native._native` is not built). The module docstring says why."""
-    if NATIVE is None or not _SPINNER.acquire(blocking=False):
-        return False
-    try:
-        # ZMQ_FD is edge-triggered: it signals only what arrives after ZMQ_EVENTS was last read, so read that first
-        # (a message already queued would never make the fd readable) and again each time the fd says "look" (a
-        # message, or only ZeroMQ's own commands: then spin on).
-        while not cast(int, sock.getsockopt(EVENTS)) & POLLIN and (left := until - time.monotonic()) > 0:
-            if NATIVE.spin_readable(fds, left) > 0:
-                return True  # another fd: the caller's wait handles it
-        return True
-    finally:
-        _SPINNER.release()
 
 
 class _Late:
@@ -100,13 +73,12 @@ _GONE = object()  # `_read`: the peer said Goodbye
 
 
 class _Owned:
-    __slots__ = ("sock", "poller", "busy", "oneways", "on_thread_exit", "rcvtimeo", "fds", "session")
+    __slots__ = ("sock", "poller", "busy", "oneways", "on_thread_exit", "rcvtimeo", "session")
 
     def __init__(self, sock: zmq.Socket[Any], poller: zmq.Poller) -> None:
         self.sock, self.poller, self.busy = sock, poller, False
         self.session = new_session()  # this socket's session id: its every message carries it (`messages.py`)
         self.rcvtimeo = -1  # the socket's ZMQ_RCVTIMEO as last set (ms; -1: ZeroMQ's default, block)
-        self.fds: tuple[int, ...] = ()  # what a spin watches: the socket's ZMQ_FD first, then its wait's fds
         self.oneways: dict[int, Callable[[Any], None]] = {}  # fire-and-forget calls whose reply is not read yet
         self.on_thread_exit: weakref.finalize[Any, Any] | None = None
 
@@ -196,7 +168,6 @@ class DirectCalls:
         poller.register(sock, POLLIN)
         poller.register(self.death_fd, POLLIN)
         owned = _Owned(sock, poller)
-        owned.fds = (cast(int, sock.getsockopt(zmq.FD)), self.death_fd)
         sock.connect(self._client.endpoint)
         # The threads' sockets of one process share a client identity: the server bounds their number (and evicts
         # the least recently used past it), so a process that leaks them cannot lock others out.
@@ -219,29 +190,21 @@ class DirectCalls:
         self._local.owned, self._local.keeper = owned, keeper
         return owned
 
-    def _wait(self, owned: _Owned, call_id: int, deadline: float, polled: bool = False,
-              spin_until: float = 0.0) -> Any:
+    def _wait(self, owned: _Owned, call_id: int, deadline: float, polled: bool = False) -> Any:
         """Wait until the terminal reply to `call_id` (0: the handshake reply) arrives; None if the client dies or
         the deadline passes.
 
         Without `polled` the thread sleeps in a blocking receive of at most `DEATH_CHECK_MS` at a time (module
         docstring): a peer declared dead is noticed within that slice. `polled`: poll the socket with the fds
-        registered on the poller (the death fd, and a cancel token's eventfd: a cancel must end the wait at once).
-        `spin_until`: spin until then first (module docstring)."""
+        registered on the poller (the death fd, and a cancel token's eventfd: a cancel must end the wait at once)."""
         sock = owned.sock
         while True:
             # Read what is already there first (ZMQ_EVENTS: no poll syscall, and no zmq.Again exception, which costs
             # tens of microseconds to build); wait only when nothing is waiting.
             if not cast(int, sock.getsockopt(EVENTS)) & POLLIN:
-                now = time.monotonic()
-                left = deadline - now
+                left = deadline - time.monotonic()
                 if left <= 0 or self._client._dead is not None:
                     return None
-                if spin_until > now:
-                    spun = self._spin(owned, min(spin_until, deadline))
-                    spin_until = 0.0  # one spin per wait
-                    if spun:
-                        continue
                 if not polled and BLOCKING_RECEIVE:
                     timeout_ms = DEATH_CHECK_MS if left * 1000 >= DEATH_CHECK_MS else int(left * 1000) + 1
                     if timeout_ms != owned.rcvtimeo:
@@ -269,11 +232,6 @@ class DirectCalls:
                     return msg
             elif kind is m.Welcome or kind is m.Refused:
                 return msg
-
-    @staticmethod
-    def _spin(owned: _Owned, until: float) -> bool:
-        """`spin_for_message` on the socket, the death fd and a polled wait's cancel fd (`owned.fds`)."""
-        return spin_for_message(owned.sock, owned.fds, until)
 
     def _read(self, owned: _Owned, closing: bool = False) -> Any:
         """One waiting frame, decoded: None when it was consumed here (unreadable, or a oneway's reply handed to its
@@ -304,14 +262,12 @@ class DirectCalls:
 
     def request(self, msg: m.RequestBody, deadline: float, token: CancelToken | None,
                 wait_until: float | None = None, on_late: Callable[[Any], None] | None = None,
-                overlap: Callable[[], None] | None = None, wake_on: CancelToken | None = None,
-                spin_s: float = 0.0) -> Any:
+                overlap: Callable[[], None] | None = None, wake_on: CancelToken | None = None) -> Any:
         """One terminal reply (a Reply struct); None when this path cannot be used (caller falls back, and `overlap`
         has not run); `LATE` when `wait_until` passed first and `on_late` will receive the reply (see the module
         docstring). `overlap` runs once the request is on its way, before the wait: work that fills the round
         trip (it must not raise). `wake_on`: a token that ends a `wait_until` wait without being sent to the server
-        (a call that cannot be taken back, e.g. a copy order, is still waited out by the reaper). `spin_s`: spin at most
-        that long before sleeping (module docstring)."""
+        (a call that cannot be taken back, e.g. a copy order, is still waited out by the reaper)."""
         client = self._client
         # A new socket's handshake waits no longer than the caller does (a hung peer: the I/O-thread path then
         # returns LATE at once).
@@ -331,14 +287,13 @@ class DirectCalls:
             owned.sock.send(data)
             if token is not None and not token.add_listener(client._send_cancel):
                 client._send_cancel(token.id)
-            spin_until = time.monotonic() + spin_s if spin_s > 0 else 0.0
             if overlap is not None:
                 overlap()
             if on_late is not None and wait_until is not None and wait_until < deadline:
-                reply = self._wait_or_cancel(owned, call_id, wait_until, wake_on or token, spin_until)
+                reply = self._wait_or_cancel(owned, call_id, wait_until, wake_on or token)
                 late = reply is None and client._dead is None and not self._closed
             else:
-                reply = self._wait(owned, call_id, deadline + client._grace, spin_until=spin_until)
+                reply = self._wait(owned, call_id, deadline + client._grace)
         finally:
             if late:
                 if owned.on_thread_exit is not None:
@@ -359,13 +314,11 @@ class DirectCalls:
             return reply
         return self._no_reply(call_id)
 
-    def _wait_or_cancel(self, owned: _Owned, call_id: int, until: float, token: CancelToken | None,
-                        spin_until: float = 0.0) -> Any:
+    def _wait_or_cancel(self, owned: _Owned, call_id: int, until: float, token: CancelToken | None) -> Any:
         """`_wait` that also stops when `token` is cancelled (a caller that may give up on a call it cannot take
-        back: its reply then goes to `on_late`). The token's listener writes an eventfd polled (and spun on) with the
-        socket."""
+        back: its reply then goes to `on_late`). The token's listener writes an eventfd polled with the socket."""
         if token is None:
-            return self._wait(owned, call_id, until, spin_until=spin_until)
+            return self._wait(owned, call_id, until)
         efd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
         lock = threading.Lock()
         open_ = [True]
@@ -379,12 +332,9 @@ class DirectCalls:
             os.close(efd)
             return None  # cancelled already
         owned.poller.register(efd, POLLIN)
-        spun_fds = owned.fds
-        owned.fds = (*spun_fds, efd)
         try:
-            return self._wait(owned, call_id, until, polled=True, spin_until=spin_until)
+            return self._wait(owned, call_id, until, polled=True)
         finally:
-            owned.fds = spun_fds
             owned.poller.unregister(efd)
             token.remove_listener(wake)
             with lock:

@@ -14,8 +14,6 @@
  * - SlotMap (`_slotmap.c`): the store's slot cache as one open-addressing table, its lookups and the check before
  *   the copy in one pass (`slot_cache.py`).
  * - EventLog (`_kv_events.c`): a device pool's KV events logged as its index changes, each batch written as msgpack.
- * - spin_readable: a bounded poll of a few fds without sleeping and without the GIL (a resolving thread waiting for
- *   a reply: `kvproc/ipc/direct.py`).
  * - copy_plan: the run split of a copy order (`kvproc.workers.copy_exec.split_runs` + `_bounds`) in one pass over
  *   the two id lists, where numpy's version costs ~25 calls of fixed overhead whatever the order's size.
  * - copy_rows: the copy itself for arenas of packed or strided rows: ids checked, then one memmove per run (the GIL
@@ -27,9 +25,7 @@
  */
 #include "_native.h"
 
-#include <poll.h>
 #include <string.h>
-#include <time.h>
 
 /* ---- BLAKE2b (RFC 7693) ------------------------------------------------------------------------------------- */
 
@@ -770,64 +766,6 @@ done:
     return result;
 }
 
-/* ---- waiting for a reply ------------------------------------------------------------------------------------ */
-
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
-/* spin_readable(fds, seconds) -> int: the index in `fds` (a sequence of at most 8 file descriptors) of one that is
- * readable, polled without sleeping and without the GIL (other threads of the process keep running) for at most
- * `seconds`; -1 if none became readable. Why: on a virtualised host a thread that sleeps for a reply a few hundred
- * microseconds away wakes on a cold CPU (whatever ran there meanwhile took its caches), and both the wake-up and the
- * code after it run several times slower (bench/RESULTS.md, "Control path", sixth session). `kvproc.ipc.direct`
- * spins on a ZeroMQ socket's ZMQ_FD (readable once the socket has something to look at) before it blocks. */
-static PyObject *spin_readable(PyObject *self, PyObject *args) {
-    PyObject *fds_o;
-    double seconds;
-    if (!PyArg_ParseTuple(args, "Od", &fds_o, &seconds)) return NULL;
-    PyObject *seq = PySequence_Fast(fds_o, "fds must be a sequence of file descriptors");
-    if (!seq) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    if (n < 1 || n > 8) {
-        Py_DECREF(seq);
-        PyErr_Format(PyExc_ValueError, "spin_readable: 1 to 8 fds, got %zd", n);
-        return NULL;
-    }
-    struct pollfd p[8];
-    for (Py_ssize_t i = 0; i < n; i++) {
-        long fd = PyLong_AsLong(PySequence_Fast_GET_ITEM(seq, i));
-        if (fd == -1 && PyErr_Occurred()) {
-            Py_DECREF(seq);
-            return NULL;
-        }
-        if (fd < 0 || fd > INT32_MAX) {
-            Py_DECREF(seq);
-            PyErr_Format(PyExc_ValueError, "spin_readable: bad fd %ld", fd);
-            return NULL;
-        }
-        p[i] = (struct pollfd){(int)fd, POLLIN, 0};
-    }
-    Py_DECREF(seq);
-    int ready = -1;
-    Py_BEGIN_ALLOW_THREADS
-    double end = now_s() + seconds;
-    do {
-        if (poll(p, (nfds_t)n, 0) > 0) {
-            for (Py_ssize_t i = 0; i < n; i++)
-                if (p[i].revents) {
-                    ready = (int)i;
-                    break;
-                }
-            break;
-        }
-    } while (now_s() < end);
-    Py_END_ALLOW_THREADS
-    return PyLong_FromLong(ready);
-}
-
 /* fence_cas(row, index, expected, desired) -> bool: one atomic compare-and-swap of row[index] (a writable int64 buffer,
  * in shared memory: the host tier's save-fence row, `kvproc/tiers/save_fence.py`). The tier and the copy workers are
  * separate processes writing the same word, so the read-compare-write must be one instruction. */
@@ -865,8 +803,6 @@ static PyMethodDef methods[] = {
     {"paged_register", paged_register, METH_VARARGS, "paged_register(hashed, block_hash, index, ids, hashes, added=None) -> n"},
     {"paged_unhash", paged_unhash, METH_VARARGS, "paged_unhash(hashed, block_hash, index, ids, removed=None)"},
     {"lru_stamp", lru_stamp, METH_VARARGS, "lru_stamp(stamp, ids, seq) -> ids already stamped"},
-    {"spin_readable", spin_readable, METH_VARARGS,
-     "spin_readable(fds, seconds) -> index of a readable fd, or -1 (polls without sleeping, without the GIL)"},
     {"slot_verify", slot_verify, METH_VARARGS, "slot_verify(gen_row, tag_row, slots, gens, keys) -> leading matches"},
     {"fence_cas", fence_cas, METH_VARARGS, "fence_cas(row, index, expected, desired) -> swapped (atomic)"},
     {NULL, NULL, 0, NULL},

@@ -136,7 +136,7 @@ class BlockingResolver:
         try:
             try:
                 answer: Any = tier.query_blocking(req_id, want, deadline=st.deadline, cancel=cancel,
-                                                  overlap=reserve_early, spin_s=store.config.reply_spin_s,
+                                                  overlap=reserve_early,
                                                   parent=st.hashes[st.dev - 1] if st.dev else None)
             except Exception as e:  # noqa: BLE001 - PeerDead / RemoteError / abandoned: the prefix stays as it is
                 answer = e
@@ -216,7 +216,6 @@ class BlockingResolver:
         def ask() -> None:  # runs once the Load is on its way
             try:
                 answer.append(tier.query_blocking(req_id, want, deadline=st.deadline, cancel=cancel,
-                                                  spin_s=store.config.reply_spin_s,
                                                   parent=st.hashes[st.dev - 1] if st.dev else None))
             except Exception as e:  # noqa: BLE001 - judged after the load, like the plain path's
                 answer.append(e)
@@ -294,7 +293,7 @@ class BlockingResolver:
             raise Degrade("cancelled")
         try:
             copied = copier.load_blocking(order, wait_until=st.deadline, on_late=settle_abandoned, cancel=cancel,
-                                          overlap=overlap, spin_s=store.config.reply_spin_s)
+                                          overlap=overlap)
         except Exception as e:  # noqa: BLE001 - the copy failed (or its worker died): nothing was committed
             give_back()
             store.outcomes.record("load", req_id, "failed", reason_of(e))

@@ -52,12 +52,6 @@ class StoreConfig:
     # continues one that must wait (Loading, pool pressure) on the loop without holding its thread; full-hit waits go
     # to the loop directly. 0: every `submit_resolve` runs on the loop. A/B in bench/RESULTS.md ("Control path").
     resolve_threads: int = 2
-    # A resolving thread that waits for the tier's answer or the copy worker's reply polls for it (without sleeping,
-    # without the GIL) this long before it sleeps, one thread of the process at a time: on a virtualised host a
-    # thread that sleeps through such a wait wakes on a cold CPU, and the wake-up and the code after it run several
-    # times slower (`kvproc/ipc/direct.py`; A/B in bench/RESULTS.md, "Control path", sixth session). It costs that
-    # CPU time per wait; 0 turns it off.
-    reply_spin_s: float = 0.001
     # The eviction policy (`kvproc.core.eviction`: lru, lfu, lrfu) of this store's device pools and of the host tiers
     # it configures: sent with its `Configure`, so a tier the store's own cluster started (`ClusterStore.start`) and
     # an in-process one (`build_local_store`) evict by it. A shared `kvproc up` tier keeps its own (`--eviction`; the

@@ -101,10 +101,10 @@ class BlockingTier(Protocol):
 
     def query_blocking(self, req_id: str, hashes: Sequence[bytes], *, deadline: float,
                        cancel: CancelToken | None = None, overlap: Callable[[], None] | None = None,
-                       spin_s: float = 0.0, parent: bytes | None = None) -> QueryResult:
+                       parent: bytes | None = None) -> QueryResult:
         """`parent` as `query`'s. Raises on failure, and once `deadline` passes or `cancel` fires (a late Hit's
         lease is then released by the tier side's client). `overlap` (must not raise) runs once the query is on its
-        way. `spin_s`: how long the thread may poll for the answer before it sleeps (`StoreConfig.reply_spin_s`)."""
+        way."""
         ...
 
 
@@ -112,8 +112,7 @@ class BlockingTier(Protocol):
 class BlockingCopier(Protocol):
     """Optional: a copier that can run a load from the calling thread. Returns the bytes copied, or
     `kvproc.ipc.direct.LATE` when `wait_until` passed first: the order still runs, and its terminal reply
-    (Ok / Failed / PeerDead) goes to `on_late` when it ends. `spin_s` as for `BlockingTier.query_blocking`."""
+    (Ok / Failed / PeerDead) goes to `on_late` when it ends."""
 
     def load_blocking(self, order: LoadOrder, *, wait_until: float, on_late: Callable[[Any], None],
-                      cancel: CancelToken | None = None, overlap: Callable[[], None] | None = None,
-                      spin_s: float = 0.0) -> Any: ...
+                      cancel: CancelToken | None = None, overlap: Callable[[], None] | None = None) -> Any: ...

@@ -244,7 +244,7 @@ class RemoteTier:
 
     def query_blocking(self, req_id: str, hashes: Sequence[bytes], *, deadline: float,
                        cancel: CancelToken | None = None, overlap: Callable[[], None] | None = None,
-                       spin_s: float = 0.0, parent: bytes | None = None) -> QueryResult:
+                       parent: bytes | None = None) -> QueryResult:
         """`query` on the calling thread's own socket; raises what the call raises (the resolver degrades), and
         `QueryAbandoned` when `deadline` passes or `cancel` fires first. An answer that comes after that is still
         read: a late Hit's lease is released, never left to the TTL. `overlap` runs while the query is in flight."""
@@ -254,7 +254,7 @@ class RemoteTier:
         epoch = self.epoch  # read after the client: a client to a new tier is only ever put in place after `rebind`
         try:
             res = client.request(msg, deadline=deadline + LATE_REPLY_GRACE_S, wait_until=deadline,
-                                 on_late=self._late_answer, cancel_token=cancel, overlap=overlap, spin_s=spin_s)
+                                 on_late=self._late_answer, cancel_token=cancel, overlap=overlap)
         except BaseException:
             self._abandon_claim(claim)
             raise
@@ -556,8 +556,7 @@ class RemoteCopier:
         return int(res.nbytes)
 
     def load_blocking(self, order: LoadOrder, *, wait_until: float, on_late: Callable[[Any], None],
-                      cancel: CancelToken | None = None, overlap: Callable[[], None] | None = None,
-                      spin_s: float = 0.0) -> int | Any:
+                      cancel: CancelToken | None = None, overlap: Callable[[], None] | None = None) -> int | Any:
         """`load` on the calling thread's own socket: the bytes copied, or `LATE` once `wait_until` passes or
         `cancel` fires (the order is not cancellable: the worker's terminal reply then goes to `on_late`:
         Ok(Copied) / Failed / PeerDead). Raises like `load`. `overlap` (must not raise) runs once the order is on
@@ -580,7 +579,7 @@ class RemoteCopier:
         # `cancel` only ends this thread's wait: a copy order is not cancellable, so the token is not sent along.
         try:
             res = client.request(m.Load(fenced), timeout=self.copy_timeout_s, wait_until=wait_until, on_late=late,
-                                 wake_on=cancel, overlap=overlap, spin_s=spin_s)
+                                 wake_on=cancel, overlap=overlap)
         except BaseException:
             self._settle_blocking(word, pid)
             raise

@@ -390,35 +390,35 @@ def test_pooled_replies_reach_the_caller_while_the_socket_thread_sleeps_in_its_i
         assert not thread.is_alive()  # stop() is seen at the slice's end
 
 
-def test_a_spinning_wait_gets_its_reply_and_a_cancel_or_a_death_still_ends_it_at_once(served: Served) -> None:
-    """`spin_s`: the thread polls for the reply before it sleeps; the fds its wait watches are polled too, so a cancel
-    token or the peer's death ends a long spin at once rather than at its end."""
+def test_a_wait_on_the_threads_socket_gets_its_reply_and_a_cancel_or_a_death_ends_it_at_once(served: Served) -> None:
+    """The calling thread's own socket: the reply comes back, and a cancel token (`wake_on`) or the peer's death ends
+    a long wait at once rather than at its deadline."""
     c = served.client()
     try:
-        assert c.request(m.Ping(b"s"), timeout=5, spin_s=0.5).data == b"s"
+        assert c.request(m.Ping(b"s"), timeout=5).data == b"s"
         token = new_token()
         threading.Timer(0.1, token.cancel).start()
         t0 = time.monotonic()
         res = c.request(m.Sleep(1.0), timeout=5, wait_until=time.monotonic() + 4, on_late=lambda r: None,
-                        wake_on=token, spin_s=3.0)
+                        wake_on=token)
         assert res is LATE and time.monotonic() - t0 < 0.8
         threading.Timer(0.1, c.mark_dead, args=("declared dead by the test",)).start()
         t0 = time.monotonic()
         with pytest.raises(PeerDeadError):
-            c.request(m.Sleep(2.0), timeout=5, spin_s=3.0)
+            c.request(m.Sleep(2.0), timeout=5)
         assert time.monotonic() - t0 < 0.8
     finally:
         c.close()
 
 
-def test_threads_that_ask_to_spin_at_once_all_get_their_replies(client: RpcClient) -> None:
-    """One thread of a process spins at a time; the others sleep as usual and lose nothing."""
+def test_threads_that_ask_at_once_all_get_their_replies(client: RpcClient) -> None:
+    """Each thread waits on its own socket; four at once lose nothing."""
     got: list[bytes] = []
     lock = threading.Lock()
 
     def ask(i: int) -> None:
         for j in range(20):
-            data = client.request(m.Echo(b"%d-%d" % (i, j)), timeout=10, spin_s=0.01).data
+            data = client.request(m.Echo(b"%d-%d" % (i, j)), timeout=10).data
             with lock:
                 got.append(data)
 
