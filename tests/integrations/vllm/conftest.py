@@ -161,3 +161,48 @@ def cpu_async_scheduling() -> Iterator[None]:
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(CpuPlatform, "check_and_update_config", classmethod(keep_async))
         yield
+
+
+class ReplaceableTier:
+    """A `kvproc up` tier the test starts, SIGKILLs and starts again on the same runtime dir under a running engine
+    (issue 39 item 4): the replacement, the wait for the engine's store to re-attach every rank's new tier, and the
+    cleanup, for every test that replaces a tier."""
+
+    def __init__(self, cluster: str, ranks: int = 1, host_mib: int = 64) -> None:
+        self.cluster, self.ranks, self.host_mib = cluster, ranks, host_mib
+        self.runtime_dir = f"/tmp/kvup-{cluster}"
+        self._procs: list[Any] = []
+        self._start()
+
+    def _start(self) -> None:
+        import subprocess
+        import sys
+
+        p = subprocess.Popen([sys.executable, "-m", "kvproc", "up", "--cluster", self.cluster, "--runtime-dir",
+                              self.runtime_dir, "--ranks", str(self.ranks), "--host-mib", str(self.host_mib)],
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self._procs.append(p)
+        assert p.stdout is not None and "up; manifest" in p.stdout.readline()
+
+    def replace_under(self, rt: Any, timeout_s: float = 60.0) -> None:
+        """SIGKILL the running tier, start another on the same runtime dir, and wait until `rt`'s store has
+        re-attached each of its ranks."""
+        import time
+
+        self._procs[-1].kill()
+        self._procs[-1].wait(10)
+        self._start()
+        deadline = time.monotonic() + timeout_s
+        while rt.cluster.tier_reattaches < self.ranks:
+            assert time.monotonic() < deadline, f"the store re-attached {rt.cluster.tier_reattaches} of {self.ranks}"
+            time.sleep(0.2)
+
+    def close(self) -> None:
+        import subprocess
+        import sys
+
+        subprocess.run([sys.executable, "-m", "kvproc", "down", "--runtime-dir", self.runtime_dir, "--timeout", "10"],
+                       check=False, capture_output=True)
+        for p in self._procs:
+            p.kill()
+            p.wait(10)

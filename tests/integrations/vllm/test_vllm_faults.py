@@ -122,37 +122,17 @@ def test_a_replaced_shared_tier_serves_hits_again_without_a_restart(tiny_llama: 
     running engine. The store re-attaches; the connector's mover maps the new tier's segment before its next copy,
     and hits come back with vLLM alone's tokens. The control keeps the old mapping (`remap_if_replaced` a no-op):
     every save then fails its fence in the old segment, and the replay finds nothing to load."""
-    import subprocess
-    import sys
-    import time
-
     from kvproc.store.host_direct import HostDirect
-    from tests.integrations.vllm.conftest import metrics
+    from tests.integrations.vllm.conftest import ReplaceableTier, metrics
 
     if not remap:
         monkeypatch.setattr(HostDirect, "remap_if_replaced", lambda self: None)
-    cluster = f"vllmrep{os.getpid()}{int(remap)}"
-    rd = f"/tmp/kvup-{cluster}"
-
-    def up() -> subprocess.Popen[str]:
-        p = subprocess.Popen([sys.executable, "-m", "kvproc", "up", "--cluster", cluster, "--runtime-dir", rd,
-                              "--host-mib", "64"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        assert p.stdout is not None and "up; manifest" in p.stdout.readline()
-        return p
-
-    first = up()
-    second = None
+    tier = ReplaceableTier(f"vllmrep{os.getpid()}{int(remap)}")
     try:
-        with engine(tiny_llama, kvproc_transfer_config(tier_runtime_dir=rd)) as llm:
+        with engine(tiny_llama, kvproc_transfer_config(tier_runtime_dir=tier.runtime_dir)) as llm:
             rt = live_runtime()
             multi_turn(llm, turns=1)
-            first.kill()
-            first.wait(10)
-            second = up()
-            deadline = time.monotonic() + 60
-            while rt.cluster.tier_reattaches < 1:
-                assert time.monotonic() < deadline, "the store never re-attached the new tier"
-                time.sleep(0.2)
+            tier.replace_under(rt)
             assert multi_turn(llm) == reference
             assert rt.moves is not None and rt.moves.idle(60)
             assert llm.reset_prefix_cache()
@@ -161,12 +141,7 @@ def test_a_replaced_shared_tier_serves_hits_again_without_a_restart(tiny_llama: 
             hits = metrics(llm)["vllm:external_prefix_cache_hits"] - m0["vllm:external_prefix_cache_hits"]
             remapped = rt.counters.get("tier_remapped", 0)
     finally:
-        subprocess.run([sys.executable, "-m", "kvproc", "down", "--runtime-dir", rd, "--timeout", "10"], check=False,
-                       capture_output=True)
-        for p in (first, second):
-            if p is not None:
-                p.kill()
-                p.wait(10)
+        tier.close()
     assert outs == [o for _, o in reference[-4:]]
     if remap:
         assert remapped == 1 and hits > 0, (remapped, hits, c0)

@@ -178,34 +178,16 @@ def test_tp2_ranks_follow_a_replaced_shared_tier(tiny_llama: Path, tp2_env: None
     them: vLLM hits again, every load ok on every rank (a job is ok only when each rank's part is), tokens vLLM
     alone's (float32: TP 2's equal TP 1's). Before, the workers kept the first segment: each save failed its fence
     there, and the replay found nothing."""
-    import subprocess
-    import sys
-    import time
+    from tests.integrations.vllm.conftest import ReplaceableTier
 
-    cluster = f"vllmtprep{os.getpid()}"
-    rd = f"/tmp/kvup-{cluster}"
-
-    def up() -> subprocess.Popen[str]:
-        p = subprocess.Popen([sys.executable, "-m", "kvproc", "up", "--cluster", cluster, "--runtime-dir", rd,
-                              "--ranks", "2", "--host-mib", "64"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                             text=True)
-        assert p.stdout is not None and "up; manifest" in p.stdout.readline()
-        return p
-
-    first = up()
-    second = None
+    tier = ReplaceableTier(f"vllmtprep{os.getpid()}", ranks=2)
     try:
-        with engine(tiny_llama, kvproc_transfer_config(tier_runtime_dir=rd), tensor_parallel_size=2) as llm:
+        with engine(tiny_llama, kvproc_transfer_config(tier_runtime_dir=tier.runtime_dir),
+                    tensor_parallel_size=2) as llm:
             rt = live_runtime()
             assert len(rt.directs) == 2
             multi_turn(llm, turns=1)
-            first.kill()
-            first.wait(10)
-            second = up()
-            deadline = time.monotonic() + 60
-            while rt.cluster.tier_reattaches < 2:
-                assert time.monotonic() < deadline, "the store never re-attached both new tiers"
-                time.sleep(0.2)
+            tier.replace_under(rt)
             assert multi_turn(llm) == reference
             generate(llm, [[5, 6, 7]], 1)  # one more step: the workers report the last saves, the scheduler commits
             saved = [_tier_stats(rt, t).get("pages_saved", 0) for t in range(2)]
@@ -216,12 +198,7 @@ def test_tp2_ranks_follow_a_replaced_shared_tier(tiny_llama: Path, tp2_env: None
             c1 = dict(rt.store.outcomes.counts)
             loads = {k: c1.get(k, 0) - c0.get(k, 0) for k in ("load.ok", "load.failed")}
     finally:
-        subprocess.run([sys.executable, "-m", "kvproc", "down", "--runtime-dir", rd, "--timeout", "10"], check=False,
-                       capture_output=True)
-        for p in (first, second):
-            if p is not None:
-                p.kill()
-                p.wait(10)
+        tier.close()
     figures = dict(saved=saved, external_hits=hits, **loads)
     print(f"after the replacement: {figures}")
     assert outs == [o for _, o in reference[-4:]]
