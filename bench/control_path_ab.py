@@ -10,15 +10,15 @@ end-to-end figure shows is a cost (bench/RESULTS.md, "Control path", the end-to-
 
 from __future__ import annotations
 
-import functools
 import json
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
-ARMS: dict[str, dict[str, object]] = {
+ARMS: dict[str, dict[str, Any]] = {
     "default": {},
     "lean": {"resolve_threads": 0, "speculative_loads": False, "verified_loads": False},
 }
@@ -28,7 +28,12 @@ def _child(arm: str, argv: list[str]) -> int:
     import kvproc.demo.single as demo
     from kvproc.store.types import StoreConfig
 
-    demo.StoreConfig = functools.partial(StoreConfig, **ARMS[arm])  # type: ignore[misc]
+    options = ARMS[arm]
+
+    def config(**kw: Any) -> StoreConfig:  # the demo's own settings win over the arm's
+        return StoreConfig(**{**options, **kw})
+
+    demo.StoreConfig = config  # type: ignore[misc,assignment]
     return demo.main(argv)
 
 
