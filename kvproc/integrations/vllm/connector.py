@@ -385,13 +385,18 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         is let go of once nothing here refers to it."""
         assert self.direct is not None
         old = self.direct.remap_if_replaced()
-        if old is None:
-            return
-        for name in self._staging:
-            self._staging[name] = self.direct.views[f"vllm.{name}"]
-        old.close()
-        self.rt.count("tier_remapped")
-        log.warning("kvproc_tier_remapped", segment=self.direct.segment, epoch=self.direct.epoch)
+        if old is not None:
+            self._map_tier_views(self.direct.slots, old, segment=self.direct.segment, epoch=self.direct.epoch)
+
+    def _map_tier_views(self, slots: TierSlots, old: TierSlots | None, **where: Any) -> None:
+        """The copies go through `slots`' views from here on; a replaced tier's mapping `old` is let go of (nothing
+        here refers to it any more), counted and logged with `where`. On the one thread that copies."""
+        for name in self.contract.layer_names:
+            self._staging[name] = slots.views[f"vllm.{name}"]
+        if old is not None:
+            old.close()
+            self.rt.count("tier_remapped")
+            log.warning("kvproc_tier_remapped", **where)
 
     def _copy_rank(self, jobs: list[CopyJob], to_vllm: bool) -> None:
         """A tensor-parallel worker's part of a direct move (`tp.py`): its rank's slots, reserved or leased by the
@@ -428,12 +433,7 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         if self._tier_slots is None or target != self._tier_mapped:
             new = TierSlots(target[0], want.layouts[self.rank])
             old, self._tier_slots, self._tier_mapped = self._tier_slots, new, target
-            for name in self.contract.layer_names:
-                self._staging[name] = new.views[f"vllm.{name}"]
-            if old is not None:
-                old.close()
-                self.rt.count("tier_remapped")
-                log.warning("kvproc_tier_remapped", rank=self.rank, segment=target[0], epoch=target[1])
+            self._map_tier_views(new, old, rank=self.rank, segment=target[0], epoch=target[1])
         assert self._tier_slots is not None
         return self._tier_slots, self._tier_mapped[1]
 

@@ -234,6 +234,7 @@ def test_a_tp_worker_maps_a_replaced_tier_and_refuses_a_load_leased_from_the_old
                                   _copy_rows=lambda jobs, to_vllm: copied.extend(
                                       int(probe._staging["L0"][j.staging[0], 0]) for j in jobs))
     probe._follow_rank_tier = functools.partial(KvprocConnector._follow_rank_tier, probe)
+    probe._map_tier_views = functools.partial(KvprocConnector._map_tier_views, probe)
 
     def load(epoch: int) -> list[CopyJob]:
         return [CopyJob(1, "r", [], ([7],), [], leased_at=time.monotonic(), rank_slots=[[2]], rank_gens=[[0]],
