@@ -58,7 +58,6 @@ _TERMINAL = (m.Ok, m.Failed, m.Cancelled, m.PeerDead)
 ONEWAY_SETTLE_S = 0.5  # how long a closing socket waits for the replies of its fire-and-forget calls
 # The longest a blocking receive sleeps before it looks at the client's death mark and the deadline again (`_wait`).
 DEATH_CHECK_MS = 50
-BLOCKING_RECEIVE = True  # False: always poll (the A/B arm of bench/RESULTS.md)
 
 
 class _Late:
@@ -205,7 +204,7 @@ class DirectCalls:
                 left = deadline - time.monotonic()
                 if left <= 0 or self._client._dead is not None:
                     return None
-                if not polled and BLOCKING_RECEIVE:
+                if not polled:
                     timeout_ms = DEATH_CHECK_MS if left * 1000 >= DEATH_CHECK_MS else int(left * 1000) + 1
                     if timeout_ms != owned.rcvtimeo:
                         sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
