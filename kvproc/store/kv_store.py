@@ -555,10 +555,13 @@ class KvStore:
         self._revoke_everywhere(producer_req_id, "handoff_revoked")
 
     def _revoke_everywhere(self, producer_req_id: str, counter: str, consumed: bool = False) -> None:
-        live = [t for _, t in self.distinct_tiers if t.available]  # every rank's shard of the hand-off
-        if live:
+        # Every rank's shard of the hand-off, a tier that is down included: a remote tier keeps a revoke its dead
+        # client could not send and sends it once reconnected to that tier process (`RemoteTier._defer`). Skipping
+        # it left a stalled tier's hand-off pinned until the hand-off TTL (found by test_vllm_proxy_stall.py).
+        tiers = [t for _, t in self.distinct_tiers]
+        if tiers:
             self.count(counter)
-        for t in live:
+        for t in tiers:
             self._loop.call(t.revoke_handoff, producer_req_id, consumed)
 
     # -- bounded copies through the worker ------------------------------------------------------------------------

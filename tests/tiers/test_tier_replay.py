@@ -13,7 +13,7 @@ import pytest
 from kvproc import RequestKv
 from kvproc.store.cluster import ClusterStore
 from kvproc.store.kv_store import KvStore
-from kvproc.store.types import SealCursor, StoreConfig
+from kvproc.store.types import SaveClass, SealCursor, StoreConfig
 from tests.conftest import kvproc_up, wait_for
 from tests.store.conftest import SharedMemoryModel
 
@@ -150,3 +150,37 @@ def test_a_save_whose_ticket_a_stalled_tier_swallowed_is_aborted_once_it_answers
             _save_prompt(store, "c", list(range(100, 112)))
             store.flush_saves(0, 20)
             assert store.outcomes.for_request("c", "save")[-1].state == "ok"
+
+
+def test_a_handoff_revoked_while_the_shared_tier_stalled_is_revoked_once_it_answers_again() -> None:
+    """A P/D consumer that finds a hand-off short while the shared tier is stopped revokes it ("nobody will read
+    it"); the tier, resumed, must drop its pins then, not at the 300 s hand-off TTL (CI: `test_vllm_proxy_stall.py`
+    left one hand-off open). Control: the store skipping tiers that are down (the code before this test) never sends
+    the revoke: the wait for it to be kept gives up."""
+    with kvproc_up("revokt") as (rd, tier_pid):
+        with ClusterStore.start(1 << 20, tier_runtime_dir=rd) as cs:
+            model = SharedMemoryModel(cs.allocator)
+            store = cs.attach_model(model, live_slots=2)
+            toks = list(range(1, 13))
+            kv = RequestKv(store.pools[0], "p", toks, 4)
+            assert kv.try_admit()
+            kv.schedule(len(toks))
+            kv.apply()
+            store.execute_copies(0, kv.seal_by_copy())
+            store.retire(0, kv, SealCursor.after_prefix(0), SaveClass.HANDOFF)
+            store.flush_saves(0, 10)
+            assert store.stats()["tier"]["open_handoffs"] == 1
+            tier = store.tier
+            assert tier is not None
+            os.kill(tier_pid, signal.SIGSTOP)
+            try:
+                wait_for(lambda: not tier.available, timeout=20, what="the stalled tier declared dead")
+                store.revoke_handoff("p")
+                wait_for(lambda: tier.counters["oneway_deferred_RevokeHandoff"] == 1, timeout=10,
+                         what="the revoke kept for the tier's return")
+            finally:
+                os.kill(tier_pid, signal.SIGCONT)
+            wait_for(lambda: tier.available, timeout=20, what="reconnected to the tier")
+            wait_for(lambda: store.stats()["tier"]["open_handoffs"] == 0, timeout=20, what="the hand-off revoked")
+            st = store.stats()["tier"]
+            assert st.get("handoffs_revoked", 0) == 1 and st.get("handoffs_reclaimed_by_ttl", 0) == 0

@@ -12,6 +12,7 @@ import os
 import random
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -94,6 +95,24 @@ def generate(llm: Any, prompts: list[list[int]], max_tokens: int = 16) -> list[l
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def reset_prefix_cache(llm: Any, timeout_s: float = 60.0) -> bool:
+    """vLLM's `reset_prefix_cache()`, once the blocks of finished requests are free. `generate` returns when the
+    outputs are done, but a request whose pages the connector still saves keeps its blocks until an engine step
+    collects the finished save (`get_finished`): on a loaded machine that step has not come yet, and the reset is
+    refused ("blocks not freed yet"; failed CI once). So the engine steps (an in-process engine core: with none
+    left to run, a step only collects) until the reset is taken or `timeout_s` passes."""
+    end = time.monotonic() + timeout_s
+    while True:
+        if llm.reset_prefix_cache():
+            return True
+        if time.monotonic() > end:
+            return False
+        core = llm.llm_engine.engine_core
+        if hasattr(core, "engine_core"):  # in-process: nothing steps it but this
+            core.engine_core.step()
+        time.sleep(0.02)
 
 
 def random_tokens(rng: random.Random, n: int) -> list[int]:

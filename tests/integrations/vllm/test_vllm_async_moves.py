@@ -19,6 +19,7 @@ from tests.integrations.vllm.conftest import (
     live_runtime,
     multi_turn,
     random_tokens,
+    reset_prefix_cache,
 )
 
 pytestmark = pytest.mark.timeout(600)
@@ -146,7 +147,7 @@ def test_idle_steps_wait_for_the_load_instead_of_spinning(tiny_llama: Path, monk
         # A finished request whose save was in flight keeps its blocks until vLLM hears the save settled, at a step:
         # one more short request makes that step (the direct path's saves, reserved in the tier, outlast a step).
         generate(llm, [[5, 6]], max_tokens=1)
-        assert llm.reset_prefix_cache()  # vLLM forgets it: the next run loads the prompt's pages from kvproc
+        assert reset_prefix_cache(llm)  # vLLM forgets it: the next run loads the prompt's pages from kvproc
         again = generate(llm, [prompt], max_tokens=4)
         counters = dict(live_runtime().counters)
     assert again == first

@@ -8,7 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.integrations.vllm.conftest import engine, generate, kvproc_transfer_config, live_runtime, metrics, multi_turn
+from tests.integrations.vllm.conftest import (
+    engine,
+    generate,
+    kvproc_transfer_config,
+    live_runtime,
+    metrics,
+    multi_turn,
+    reset_prefix_cache,
+)
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -21,7 +29,7 @@ def test_async_scheduling_same_tokens_and_hits_after_reset(tiny_llama: Path,
         got = multi_turn(llm)
         assert [o for _, o in got] == [o for _, o in reference]
         assert live_runtime().counters.get("pages_saved_from_vllm", 0) > 0
-        assert llm.reset_prefix_cache()
+        assert reset_prefix_cache(llm)
         before = metrics(llm)
         outs = generate(llm, [p for p, _ in reference[-4:]])
         assert outs == [o for _, o in reference[-4:]]

@@ -16,6 +16,7 @@ from tests.integrations.vllm.conftest import (
     metrics,
     multi_turn,
     random_tokens,
+    reset_prefix_cache,
 )
 
 pytestmark = pytest.mark.timeout(600)
@@ -30,7 +31,7 @@ def test_cma_mover_same_tokens_and_host_hits(tiny_llama: Path,
         assert [o for _, o in got] == [o for _, o in reference]
         rng = random.Random(21)
         generate(llm, [random_tokens(rng, 220) for _ in range(6)], max_tokens=4)  # out of the staging pool
-        assert llm.reset_prefix_cache()
+        assert reset_prefix_cache(llm)
         rt = live_runtime()
         c0, before = dict(rt.counters), metrics(llm)
         outs = generate(llm, [p for p, _ in reference[-4:]])

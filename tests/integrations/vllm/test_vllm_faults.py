@@ -12,7 +12,14 @@ from typing import Any
 import pytest
 import structlog
 
-from tests.integrations.vllm.conftest import engine, generate, kvproc_transfer_config, live_runtime, multi_turn
+from tests.integrations.vllm.conftest import (
+    engine,
+    generate,
+    kvproc_transfer_config,
+    live_runtime,
+    multi_turn,
+    reset_prefix_cache,
+)
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -98,7 +105,7 @@ def test_a_failed_load_is_recomputed_not_a_failed_request(tiny_llama: Path, poli
         rt.store.flush_saves(0, 60)
         c0 = dict(rt.counters)
         monkeypatch.setattr(TierSlots, "intact", lambda self, *a: False)
-        assert llm.reset_prefix_cache()
+        assert reset_prefix_cache(llm)
         prompts = [p for p, _ in reference[-4:]]
         try:
             outs: list[list[int]] | None = generate(llm, prompts)
@@ -135,7 +142,7 @@ def test_a_replaced_shared_tier_serves_hits_again_without_a_restart(tiny_llama: 
             tier.replace_under(rt)
             assert multi_turn(llm) == reference
             assert rt.moves is not None and rt.moves.idle(60)
-            assert llm.reset_prefix_cache()
+            assert reset_prefix_cache(llm)
             m0, c0 = metrics(llm), dict(rt.counters)
             outs = generate(llm, [p for p, _ in reference[-4:]])
             hits = metrics(llm)["vllm:external_prefix_cache_hits"] - m0["vllm:external_prefix_cache_hits"]

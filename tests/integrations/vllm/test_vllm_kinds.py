@@ -33,6 +33,7 @@ from tests.integrations.vllm.conftest import (
     live_runtime,
     metrics,
     multi_turn,
+    reset_prefix_cache,
 )
 
 pytestmark = pytest.mark.timeout(900)
@@ -105,7 +106,7 @@ def _churn_and_reset(llm: Any) -> None:
     assert rt.moves is not None and rt.moves.idle(60)  # the direct path's saves: the mover's (and their commits)
     rt.store.flush_saves(0, 60)  # the staging path's: the store's
     rt.store.drop_device_cache(0)
-    assert llm.reset_prefix_cache(), "vLLM refused to reset its prefix cache (blocks still in use)"
+    assert reset_prefix_cache(llm), "vLLM refused to reset its prefix cache (blocks still in use)"
 
 
 def test_the_contract_maps_every_group(kind: tuple[Any, ...], kv_llm: Any) -> None:

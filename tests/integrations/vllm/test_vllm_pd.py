@@ -15,7 +15,14 @@ from typing import Any
 
 import pytest
 
-from tests.integrations.vllm.conftest import engine, generate, kvproc_transfer_config, live_runtime, random_tokens
+from tests.integrations.vllm.conftest import (
+    engine,
+    generate,
+    kvproc_transfer_config,
+    live_runtime,
+    random_tokens,
+    reset_prefix_cache,
+)
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -107,7 +114,7 @@ def test_pd_producer_and_consumer_give_the_tokens_of_one_engine(tiny_llama: Path
         out = _run(llm, long + [env["anchor_token_id"]], LONG_TOKENS - 1, {HANDOFF_KEY: env})
         got = [env["anchor_token_id"]] + list(out.outputs[0].token_ids)
         assert got == want_long
-        assert llm.reset_prefix_cache()
+        assert reset_prefix_cache(llm)
         c0 = dict(rt.counters)
         known = long + got[:-1]  # 45 + 39 tokens: pages 0 (the producer's) and 1 (the padded one, completed here)
         nxt = _run(llm, known, 1)

@@ -33,6 +33,7 @@ from tests.integrations.vllm.conftest import (
     live_runtime,
     metrics,
     multi_turn,
+    reset_prefix_cache,
 )
 
 pytestmark = pytest.mark.timeout(900)
@@ -124,7 +125,7 @@ def _served_then_replayed(llm: Any, case: TpCase, reference: list[tuple[list[int
         for name in layers:
             view = rt.directs[corrupt_tier].views[f"vllm.{name}"]
             view[:] = noise.integers(0, 256, view.shape, dtype=np.uint8)
-    assert llm.reset_prefix_cache()
+    assert reset_prefix_cache(llm)
     m0, c0 = metrics(llm), dict(rt.counters)
     outs = _one_by_one(llm, last) if reference is None else generate(llm, last)
     m1, c1 = metrics(llm), dict(rt.counters)
@@ -191,7 +192,7 @@ def test_tp2_ranks_follow_a_replaced_shared_tier(tiny_llama: Path, tp2_env: None
             assert multi_turn(llm) == reference
             generate(llm, [[5, 6, 7]], 1)  # one more step: the workers report the last saves, the scheduler commits
             saved = [_tier_stats(rt, t).get("pages_saved", 0) for t in range(2)]
-            assert llm.reset_prefix_cache()
+            assert reset_prefix_cache(llm)
             m0, c0 = metrics(llm), dict(rt.store.outcomes.counts)
             outs = generate(llm, [p for p, _ in reference[-4:]])
             hits = metrics(llm)["vllm:external_prefix_cache_hits"] - m0["vllm:external_prefix_cache_hits"]

@@ -21,6 +21,7 @@ from tests.integrations.vllm.conftest import (
     live_runtime,
     metrics,
     multi_turn,
+    reset_prefix_cache,
 )
 
 pytestmark = pytest.mark.timeout(600)
@@ -41,7 +42,7 @@ def _replay(llm: Any, reference: list[tuple[list[int], list[int]]]) -> dict[str,
     assert rt.moves is not None and rt.moves.idle(60)
     rt.store.flush_saves(0, 60)
     rt.store.drop_device_cache(0)
-    assert llm.reset_prefix_cache()
+    assert reset_prefix_cache(llm)
     c0, w0, m0 = dict(rt.counters), _copy_worker(rt), metrics(llm)
     outs = generate(llm, [p for p, _ in reference[-4:]])
     assert outs == [o for _, o in reference[-4:]]
