@@ -85,7 +85,9 @@ from kvproc.integrations.vllm import runtime as rt_mod
 from kvproc.integrations.vllm.contract import VllmGroup, VllmKvContract, contract_from_vllm, model_identity
 from kvproc.integrations.vllm.event_forward import TierEventForwarder
 from kvproc.integrations.vllm.moves import NULL_BLOCK, CopyJob, MoveQueue
+from kvproc.integrations.vllm.sglang_format import SglangKeys, SglangPages
 from kvproc.integrations.vllm.tp import KvprocWorkerMeta, RankedTier, TierAttach, WorkerRuntime
+from kvproc.store.cluster import fingerprint as tier_fingerprint
 from kvproc.store.tier_slots import TierSlots
 from kvproc.tiers.host_index import Hit, SaveTicket
 from kvproc.tiers.remote import RemoteCopier
@@ -174,6 +176,7 @@ class _Req:
     save_to: int = 0  # the pages the tier has once the save in flight lands
     leased_at: float = 0.0  # when the lookup's answer came (a lease too old is not trusted: `HostDirect.intact`)
     leases: list[Hit] = field(default_factory=list)  # tensor parallel: every rank's (`lease` is rank 0's)
+    chain: list[str] = field(default_factory=list)  # page_format="sglang": SGLang's page keys behind `hashes`
 
 
 def _scope(request: "Request") -> HashScope:
@@ -245,6 +248,10 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         if path == "direct" and ktc.kv_role in ("kv_producer", "kv_consumer"):
             raise KvContractError("KvprocConnector: P/D roles move through the staging pool: path='staging'")
         self._direct_path = path == "direct"
+        # page_format="sglang": pages keyed and laid out as kvproc's SGLang backend stores them (`sglang_format.py`)
+        self._sgl = self._sglang_pages(kv_cache_config) if self.options.page_format == "sglang" \
+            else None
+        self._sgl_keys: SglangKeys | None = None
         self.rank = 0
         self.ranked: RankedTier | None = None  # tensor parallel, the scheduler side: every rank's tier
         self._tier_slots: TierSlots | None = None  # tensor parallel, a worker: its rank's tier, mapped
@@ -254,7 +261,7 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         if not self._tp_worker:
             self.rt = rt_mod.acquire(engine_id, self.contract, self.options,
                                      vllm_config.scheduler_config.max_num_seqs, direct=self._direct_path,
-                                     ranks=self.ranks)
+                                     ranks=self.ranks, tier_model=self._sglang_model())
             self.direct = self.rt.direct
             self.hasher = self.rt.store.pools[0].hasher
             self.store = self.rt.store
@@ -263,6 +270,8 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
                 self._tier_attach = self.ranked.attach
             # Equal strings mean a producer's KV can be restored here (weights, shapes, stored layout, page, hashing).
             self.fingerprint = fingerprint("vllm", self.store.layouts[0], self.store.pools[0].hasher.algorithm)
+            if self._sgl is not None:  # the SGLang backend's key namespace: its tier fingerprint, this one's too
+                self._sgl_keys = SglangKeys(tier_fingerprint(self.rt.model, self.store.layouts[0]), self.page)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -301,6 +310,34 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
                  ranks=self.ranks, layers=len(self.contract.layer_names),
                  groups=[g.vllm_spec for g in self.contract.groups])
 
+    def _sglang_pages(self, kv_cache_config: "KVCacheConfig") -> SglangPages:
+        """page_format="sglang": what it serves (one rank's full-attention KV on the direct path, the roles that
+        cache), refused by name otherwise, and the SGLang page of this engine's blocks."""
+        why = ""
+        if self.ranks > 1:
+            why = f"tensor_parallel_size={self.ranks} (one rank's pages only)"
+        elif not self._direct_path:
+            why = "the staging path (P/D roles, path='staging', mover='cma')"
+        elif [g.vllm_spec for g in self.contract.groups] != ["FullAttentionSpec"]:
+            why = f"KV cache groups {[g.vllm_spec for g in self.contract.groups]} (one FullAttentionSpec group only)"
+        if why:
+            raise KvContractError(f"KvprocConnector: page_format='sglang' does not serve {why}")
+        spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        return SglangPages.for_vllm(self.options.sglang_layout, self.contract.groups[0].layer_names,
+                                    int(spec.num_kv_heads), int(spec.head_size),
+                                    int(getattr(spec, "head_size_v", None) or spec.head_size),
+                                    spec.dtype.itemsize, str(spec.dtype).removeprefix("torch."), self.page)
+
+    def _sglang_model(self) -> Any:
+        """The tier model of page_format="sglang": the SGLang backend's own (`SglangPageModel`, its zero-copy
+        format), so that both attach to one tier under one fingerprint. None: the staging pool's."""
+        if self._sgl is None:
+            return None
+        from kvproc.integrations.sglang.model import SglangPageModel
+
+        fmt, model_id = self._sgl.format, self.contract.spec.model_id
+        return lambda allocator: SglangPageModel(fmt, model_id, True, allocator)
+
     def _check_tp(self, kv_role: str | None) -> None:
         """What tensor parallel carries today (`tp.py`): the direct path, every KV kind, asynchronous moves."""
         why = ""
@@ -319,6 +356,8 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         if missing:
             raise KvContractError(f"KvprocConnector: vLLM registered no KV tensor for layer(s) {missing}")
         staging = self.rt.staging_views if not self._tp_worker and not self._direct_path else {}
+        if self._sgl is not None:
+            self._check_sglang_tensors(kv_caches)
         for g in c.groups:
             row, stride = g.bytes_per_block, g.stride
             for name in g.layer_names:
@@ -337,13 +376,30 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
                 self._kv[name] = torch.as_strided(t, (c.vllm_num_blocks, per), (per, 1)).view(torch.uint8).numpy()
                 # kvproc's side of every copy: the host tier's slots (direct; a TP rank's when its first step
                 # names its tier) or the staging pool's blocks
-                if self.direct is not None:
+                if self._sgl is not None:
+                    pass  # one row per page for every layer: mapped below
+                elif self.direct is not None:
                     self._staging[name] = self.direct.views[f"vllm.{name}"]
                 elif not self._tp_worker:
                     self._staging[name] = staging[name].numpy()
                 self._bases[name] = t.data_ptr()
+        if self._sgl is not None and self.direct is not None:
+            self._map_tier_views(self.direct.slots, None)
         if self.rt.moves is None:
             self.rt.moves = MoveQueue(self._copy)
+
+    def _check_sglang_tensors(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """page_format="sglang" reads vLLM-CPU's attention block layout ([blocks, kv heads, tokens, K and V]); any
+        other tensor shape (another attention backend's) is refused rather than repacked wrongly."""
+        assert self._sgl is not None
+        want = (self.contract.vllm_num_blocks, self._sgl.heads, self.page, 2 * self._sgl.head_bytes)
+        for name in self._sgl.layers:
+            t = kv_caches[name]
+            got = (*t.shape[:3], t.shape[3] * t.element_size()) if t.dim() == 4 else tuple(t.shape)
+            if got != want or not t.is_contiguous():
+                raise KvContractError(f"KvprocConnector: page_format='sglang' needs vLLM-CPU's attention layout "
+                                      f"[blocks, kv heads, tokens, K and V] ({want}, bytes last), layer {name!r} has "
+                                      f"{tuple(t.shape)} {t.dtype}")
 
     @property
     def _moves(self) -> MoveQueue:
@@ -391,8 +447,12 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
     def _map_tier_views(self, slots: TierSlots, old: TierSlots | None, **where: Any) -> None:
         """The copies go through `slots`' views from here on; a replaced tier's mapping `old` is let go of (nothing
         here refers to it any more), counted and logged with `where`. On the one thread that copies."""
-        for name in self.contract.layer_names:
-            self._staging[name] = slots.views[f"vllm.{name}"]
+        if self._sgl is not None:  # one arena: a row per page, every layer in it
+            arena = self.rt.model.arena_name
+            self._staging[arena] = slots.views[arena]
+        else:
+            for name in self.contract.layer_names:
+                self._staging[name] = slots.views[f"vllm.{name}"]
         if old is not None:
             old.close()
             self.rt.count("tier_remapped")
@@ -471,6 +531,9 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         """Runs of consecutive blocks on both sides are coalesced: one memcpy (or one iovec) per run per layer.
         (torch's `index_copy_` on uint8 rows moves ~0.13 GiB/s here against ~4.7 GiB/s for this: bench/RESULTS.md,
         "vLLM connector".)"""
+        if self._sgl is not None:
+            self._copy_sglang_rows(jobs, to_vllm)
+            return
         staging_all = np.fromiter((b for j in jobs for b in j.staging), dtype=np.int64)
         pages = 0
         for g in self.contract.groups:
@@ -500,6 +563,23 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
                 else:
                     MEMMOVE.rows(sk.reshape(-1), row, staging_ids, vk.reshape(-1), vstride, vllm_ids, row, 0)
         self.rt.count("pages_loaded_into_vllm" if to_vllm else "pages_saved_from_vllm", pages)
+
+    def _copy_sglang_rows(self, jobs: list[CopyJob], to_vllm: bool) -> None:
+        """page_format="sglang": the batch's pages between vLLM's blocks (every layer) and the tier's rows in
+        SGLang's layout, one vectorised repack (`SglangPages`)."""
+        assert self._sgl is not None
+        slots = [s_ for j in jobs for s_ in j.staging]
+        ids = [b for j in jobs for b in j.vllm[0]]
+        if not ids:
+            return
+        rows = self._staging[self.rt.model.arena_name]
+        if to_vllm:
+            self._sgl.from_rows(rows, slots, self._kv, ids)
+        else:
+            self._sgl.to_rows(self._kv, ids, rows, slots)
+        g = self.contract.groups[0].name
+        self.rt.count(f"{'pages_loaded' if to_vllm else 'pages_saved'}.{g}", len(ids))
+        self.rt.count("pages_loaded_into_vllm" if to_vllm else "pages_saved_from_vllm", len(ids))
 
     def _move_in_copy_worker(self, g: VllmGroup, vllm_ids: list[int], staging_ids: list[int], to_vllm: bool) -> None:
         """One group's blocks of the batch moved by kvproc's copy worker process, reading or writing vLLM's own
@@ -796,7 +876,7 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         """Hash the prompt's pages under kvproc's chain and lease the longest prefix the tier holds (at most one
         token short of the prompt: vLLM computes the last one itself)."""
         try:
-            r.hashes = list(self.hasher.hash_prompt(tokens, _scope(r.request)))
+            r.hashes = self._page_keys(r, tokens)
         except (ValueError, TypeError) as e:  # tokens kvproc cannot key (an id past its range): vLLM serves it alone
             log.warning("kvproc_request_refused", req_id=r.req_id, error=repr(e))
             self.rt.count("requests_refused")
@@ -862,10 +942,21 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         if len(new) < (pages - have) * self.page or min(new) < 0:  # a placeholder of a token not sampled yet
             return False
         try:
-            r.hashes += list(self.hasher.hash_prompt(new, _scope(r.request), parent=r.hashes[-1] if have else None))
+            r.hashes += self._page_keys(r, new)
         except (ValueError, TypeError):
             return False
         return len(r.hashes) >= pages
+
+    def _page_keys(self, r: _Req, tokens: Sequence[int]) -> list[bytes]:
+        """The tier keys of the full pages of `tokens`, which follow the request's pages keyed so far: kvproc's hash
+        chain, or (page_format="sglang") SGLang's page keys in the SGLang backend's namespace, vLLM's cache_salt as
+        SGLang's. ValueError where the request cannot be keyed (vLLM then serves it alone)."""
+        scope = _scope(r.request)
+        if self._sgl_keys is None:
+            return list(self.hasher.hash_prompt(tokens, scope, parent=r.hashes[-1] if r.hashes else None))
+        if scope.lora_name:
+            raise ValueError("page_format='sglang': a LoRA adapter's pages have no SGLang key here")
+        return self._sgl_keys.extend(r.chain, tokens, scope.cache_salt or None)
 
     def _table_pages(self, r: _Req) -> int:
         """Pages every paged group's vLLM block table covers (a state group's table is not a page table)."""

@@ -84,6 +84,12 @@ class RuntimeOptions:
     # step, never a failed request) or "vllm" (vLLM's own setting stands; its default, "fail", ends the request with
     # an error).
     load_failure_policy: str = "recompute"
+    # How pages are keyed and laid out in the host tier. "vllm": kvproc's hash of the token ids, one arena per layer
+    # in vLLM's block layout. "sglang": as kvproc's SGLang HiCache backend stores them (SGLang's page keys, one row
+    # per page in SGLang's host layout `sglang_layout`), so that an SGLang engine with the same model_id on the same
+    # tier hits the pages this engine computed and the reverse (`sglang_format.py`, docs/sglang.md).
+    page_format: str = "vllm"
+    sglang_layout: str = "page_first"  # SGLang's --hicache-mem-layout, with page_format="sglang"
 
     def __post_init__(self) -> None:
         if self.mover not in ("local", "cma"):
@@ -93,6 +99,12 @@ class RuntimeOptions:
                              f"{self.load_failure_policy!r}")
         if self.path not in (None, "direct", "staging"):
             raise ValueError(f"kv_connector_extra_config: path must be 'direct' or 'staging', got {self.path!r}")
+        if self.page_format not in ("vllm", "sglang"):
+            raise ValueError(f"kv_connector_extra_config: page_format must be 'vllm' or 'sglang', got "
+                             f"{self.page_format!r}")
+        if self.page_format == "sglang" and (self.path == "staging" or self.mover == "cma"):
+            raise ValueError("kv_connector_extra_config: page_format='sglang' moves pages on the direct path "
+                             "(path='direct', mover='local')")
         if self.path == "direct" and self.mover == "cma":
             raise ValueError("kv_connector_extra_config: mover='cma' moves through the staging pool (path='staging')")
         if (self.kv_events_tokens or self.kv_events_interval_ms is not None or self.kv_events_into_vllm) and \
@@ -156,7 +168,7 @@ class KvprocRuntime:
     options: RuntimeOptions
     cluster: ClusterStore
     store: KvStore
-    model: _StagingModel
+    model: Any  # the tier's model: the staging pool's (`_StagingModel`), or SGLang's page model (page_format)
     users: int = 0
     closed: bool = False
     # Counters both sides bump (the scheduler side: hits; the worker side: copies); read by tests and docs.
@@ -190,10 +202,11 @@ class KvprocRuntime:
 
 
 def acquire(engine_id: str, contract: VllmKvContract, options: RuntimeOptions, max_running: int,
-            direct: bool = False, ranks: int = 1) -> KvprocRuntime:
+            direct: bool = False, ranks: int = 1, tier_model: Any = None) -> KvprocRuntime:
     """The engine's runtime, started by the first caller (the worker side, usually): one reference per caller.
     `direct`: the direct path (no staging pool to speak of: one block per arena). `ranks`: one host tier and pool
-    per tensor-parallel rank (the scheduler side's, `tp.py`)."""
+    per tensor-parallel rank (the scheduler side's, `tp.py`). `tier_model(allocator)`: the model attached to the
+    tier instead of the staging pool's (the direct path only: page_format="sglang" attaches SGLang's page model)."""
     with _lock:
         rt = _runtimes.get(engine_id)
         if rt is not None and not rt.closed:
@@ -213,7 +226,8 @@ def acquire(engine_id: str, contract: VllmKvContract, options: RuntimeOptions, m
                                 kv_events_interval_s=DEFAULT_INTERVAL_S if interval_ms is None else interval_ms / 1000)
         try:
             live = 1 if direct else max(1, max_running)
-            model = _StagingModel(contract, staging, cs.allocator, live, ranks)
+            model = _StagingModel(contract, staging, cs.allocator, live, ranks) if tier_model is None \
+                else tier_model(cs.allocator)
             store = cs.attach_model(model, live_slots=live, config=StoreConfig())
             # one per tier: a REPLICATED model (an MLA latent) has one for all its ranks
             directs = [HostDirect(store, seg, r) for r, seg in enumerate(cs.host_segments)] if direct else []

@@ -25,7 +25,7 @@ MODULE = "kvproc.integrations.sglang"
 
 
 def host_pool(kind: str = "mha", layout: str = "page_first", *, tokens: int = 256, layers: int = 3,
-              dtype: str = "bfloat16", heads: int = 2, head_dim: int = 8) -> Any:
+              dtype: str = "bfloat16", heads: int = 2, head_dim: int = 8, page: int = PAGE) -> Any:
     """One of SGLang's host pools on CPU (its device pool on CPU first: the host pool is built from its buffer
     info, as SGLang's scheduler builds it), filled with random bytes."""
     import torch
@@ -35,15 +35,15 @@ def host_pool(kind: str = "mha", layout: str = "page_first", *, tokens: int = 25
 
     dt = getattr(torch, dtype)
     if kind == "mha":
-        dev = MHATokenToKVPool(tokens, PAGE, dt, heads, head_dim, layers, "cpu", False, start_layer=0,
+        dev = MHATokenToKVPool(tokens, page, dt, heads, head_dim, layers, "cpu", False, start_layer=0,
                                end_layer=layers - 1)
-        pool = MHATokenToKVPoolHost(dev.get_device_pool_infos()[0].buffer_info, 2.0, 0, PAGE, layout,
+        pool = MHATokenToKVPoolHost(dev.get_device_pool_infos()[0].buffer_info, 2.0, 0, page, layout,
                                     pin_memory=False, device_capacity_tokens=dev.size, start_layer=0,
                                     end_layer=layers - 1, write_back_staging=dev.hicache_write_back_staging)
     else:
-        dev = MLATokenToKVPool(tokens, PAGE, dt, 4 * head_dim, head_dim, layers, "cpu", False, start_layer=0,
+        dev = MLATokenToKVPool(tokens, page, dt, 4 * head_dim, head_dim, layers, "cpu", False, start_layer=0,
                                end_layer=layers - 1)
-        pool = MLATokenToKVPoolHost(dev.get_device_pool_infos()[0].buffer_info, 2.0, 0, PAGE, layout,
+        pool = MLATokenToKVPoolHost(dev.get_device_pool_infos()[0].buffer_info, 2.0, 0, page, layout,
                                     pin_memory=False, device_capacity_tokens=dev.size, start_layer=0,
                                     end_layer=layers - 1, target_layer_num=layers)
     fill_random(pool, 0)
@@ -55,6 +55,23 @@ def fill_random(pool: Any, seed: int) -> None:
 
     flat = pool.kv_buffer.reshape(-1).view(torch.uint8)
     flat.copy_(torch.randint(0, 256, flat.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(seed)))
+
+
+def kv_at(pool: Any, layer: int, token: int) -> tuple[Any, Any]:
+    """K and V ([heads, head dim] tensors) of one layer and token of an MHA host pool, read from its kv_buffer as
+    SGLang's `init_kv_buffer` lays each layout out (not through the backend's page copies)."""
+    buf, n, layout = pool.kv_buffer, pool.page_size, pool.layout
+    if layout == "layer_first":  # (2, layers, tokens, heads, dim)
+        kv = buf[:, layer, token]
+    elif layout == "page_first":  # (2, tokens, layers, heads, dim)
+        kv = buf[:, token, layer]
+    elif layout == "page_first_direct":  # (2, pages, layers, page tokens, heads, dim)
+        kv = buf[:, token // n, layer, token % n]
+    elif layout == "page_head":  # (2, pages, heads, page tokens, layers, dim)
+        kv = buf[:, token // n, :, token % n, layer]
+    else:
+        raise ValueError(layout)
+    return kv[0], kv[1]
 
 
 def page_bytes(pool: Any, first_token: int) -> bytes:
