@@ -5,7 +5,7 @@ each time the block is handed out again, so a handle that crossed a boundary can
 trusted (a stale id would otherwise read someone else's KV).
 
 Hot-path rule: refcounts and generations are numpy arrays. Where `kvproc.native._native` is built each operation is one C
-pass over them (and over the prefix index dict); without it, one fancy-index numpy call per step, the only per-block
+pass over them (and over the prefix index, then a C table: `PrefixIndex`); without it, one fancy-index numpy call per step, the only per-block
 Python work being the prefix index's dict traffic. Both forms check every id before changing anything, and give the
 same results (tests run both). The C form matters because a resolve moves a few dozen ids at a time, where numpy's
 fixed cost per call (a 64-id list takes ~4 us just to become an array) is most of the work.
@@ -13,7 +13,7 @@ fixed cost per call (a 64-id list takes ~4 us just to become an array) is most o
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from functools import partial
 from itertools import takewhile
 from operator import is_not
@@ -28,6 +28,20 @@ _NOT_NONE = partial(is_not, None)
 # A registration's token ids (`IndexListener.stored`): a sequence of ints, an int array, or bytes -- a prompt's ids
 # packed as little-endian uint32 (`PageHashes.data`, what a restore registers), never one id per byte
 TokenIds = Sequence[int] | np.ndarray | bytes
+
+
+class PrefixIndexLike(Protocol):
+    """What the pool and its readers use of the prefix index: a mapping page hash -> block id (a dict, or the native
+    `PrefixIndex`, which also has `match`)."""
+
+    def __len__(self) -> int: ...
+    def __getitem__(self, key: bytes) -> int: ...
+    def __contains__(self, key: object) -> bool: ...
+    def __iter__(self) -> Iterator[bytes]: ...
+    def __setitem__(self, key: bytes, value: int) -> None: ...
+    def __delitem__(self, key: bytes) -> None: ...
+    def get(self, key: bytes, default: int | None = None) -> int | None: ...
+    def update(self, pairs: Iterable[tuple[bytes, int]]) -> None: ...
 
 
 class PoolExhaustedError(RuntimeError):
@@ -68,10 +82,18 @@ class PagedBlocks:
         self.free: list[int] = list(range(num_blocks - 1, -1, -1))
         # Sealed, unreferenced blocks, ordered by the eviction policy (`kvproc.core.eviction`; LRU by default).
         self.inactive = make_policy(eviction, num_blocks)
-        self.index: dict[bytes, int] = {}
+        # page hash -> block id. Where the native module is built, a C open-addressing table (`PrefixIndex`,
+        # kvproc/native/_prefix_index.c: no Python object per entry, whole chains per call) that reads as a mapping;
+        # else a dict. The C paged ops take only the table, the Python forms below only need the mapping.
+        self.index: PrefixIndexLike = NATIVE.PrefixIndex() if NATIVE is not None else {}
         self.evictions = 0
         # KV events: None (the default) costs one attribute test per register / unhash call, nothing per block.
         self.listener: IndexListener | None = None
+        if NATIVE is not None:
+            # One item per block, only ints / bytes / None, so never part of a cycle: out of the GC's scans, which
+            # would otherwise walk every block's item at each full collection.
+            NATIVE.untrack_atomic(self.free)
+            NATIVE.untrack_atomic(self.block_hash)
 
     # -- capacity -------------------------------------------------------------------------------------------------
     @property
@@ -194,7 +216,7 @@ class PagedBlocks:
 
         If a hash is already indexed (the same prefix was computed twice, or restored while computed) the newest
         block takes the index entry: both hold identical KV, and the displaced block keeps its hash but is no longer
-        reachable, so it simply ages out of the LRU. This keeps registration one C-level dict update per call.
+        reachable, so it simply ages out of the LRU. This keeps registration one C call over the chain.
         """
         listener = self.listener
         if self.inactive.wants_keys:  # a policy keeping history by content (lrfu): the pages' keys, one numpy pass
@@ -236,7 +258,10 @@ class PagedBlocks:
             listener.stored(all_hashes, new, tokens, first_page, parent)  # type: ignore[union-attr]
 
     def match(self, hashes: Sequence[bytes]) -> list[int]:
-        """Block ids of the longest indexed prefix of `hashes` (one dict probe per page, in C)."""
+        """Block ids of the longest indexed prefix of `hashes` (one C call over the chain where the table is built,
+        else one dict probe per page, in C)."""
+        if NATIVE is not None:
+            return self.index.match(hashes)  # type: ignore[attr-defined]  # the C table (__init__)
         get: Callable[[bytes], int | None] = self.index.get
         return list(takewhile(_NOT_NONE, map(get, hashes)))  # type: ignore[arg-type]
 

@@ -575,13 +575,17 @@ done:
 
 /* paged_register(hashed, block_hash, index, ids, hashes, added=None) -> blocks registered: each block not hashed yet
  * takes its hash (block_hash[id] = h, hashed[id] = True) and the index entry (index[h] = id: the newest block wins).
- * `added`, a list when the caller publishes KV events (else None: no extra work), gets the position in `hashes` of
- * every hash the index did not hold before (a displaced duplicate changes the entry's owner, not the key set). */
+ * `index` is a `PrefixIndex` (_prefix_index.c, which does the per-page work). `added`, a list when the caller
+ * publishes KV events (else None: no extra work), gets the position in `hashes` of every hash the index did not hold
+ * before (a displaced duplicate changes the entry's owner, not the key set). */
 static PyObject *paged_register(PyObject *self, PyObject *args) {
     PyObject *hashed_o, *bh, *index, *ids_o, *hashes_o, *added = Py_None;
-    if (!PyArg_ParseTuple(args, "OO!O!OO|O", &hashed_o, &PyList_Type, &bh, &PyDict_Type, &index, &ids_o, &hashes_o,
-                          &added))
+    if (!PyArg_ParseTuple(args, "OO!OOO|O", &hashed_o, &PyList_Type, &bh, &index, &ids_o, &hashes_o, &added))
         return NULL;
+    if (!kvproc_is_prefix_index(index)) {
+        PyErr_Format(PyExc_TypeError, "index must be a PrefixIndex, not %.100s", Py_TYPE(index)->tp_name);
+        return NULL;
+    }
     if (added == Py_None) added = NULL;
     else if (!PyList_Check(added)) {
         PyErr_SetString(PyExc_TypeError, "added must be a list or None");
@@ -599,32 +603,9 @@ static PyObject *paged_register(PyObject *self, PyObject *args) {
         PyErr_Format(PyExc_ValueError, "%zd blocks against %zd hashes", n, PySequence_Fast_GET_SIZE(hs));
         goto done;
     }
-    PyObject **items = PySequence_Fast_ITEMS(hs);
-    for (Py_ssize_t i = 0; i < n; i++)
-        if (!PyBytes_Check(items[i])) {
-            PyErr_Format(PyExc_TypeError, "hash %zd is a %.100s, not bytes", i, Py_TYPE(items[i])->tp_name);
-            goto done;
-        }
-    uint8_t *h = hashed.view.buf;
     Py_ssize_t done_n = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        int64_t b = ids[i];
-        if (h[b]) continue;
-        if (added) { /* events on: note the new keys (one more probe of the dict, only then) */
-            int had = PyDict_Contains(index, items[i]);
-            if (had < 0 || (!had && append_int(added, i))) goto done;
-        }
-        PyObject *id = PyLong_FromLongLong(b);
-        if (!id) goto done;
-        int rc = PyDict_SetItem(index, items[i], id);
-        Py_DECREF(id);
-        if (rc) goto done;
-        Py_INCREF(items[i]);
-        PyList_SetItem(bh, b, items[i]); /* steals the new reference, drops the old item */
-        h[b] = 1;
-        done_n++;
-    }
-    out = PyLong_FromSsize_t(done_n);
+    if (kvproc_prefix_register(index, hashed.view.buf, bh, ids, PySequence_Fast_ITEMS(hs), n, added, &done_n) == 0)
+        out = PyLong_FromSsize_t(done_n);
 done:
     Py_XDECREF(hs);
     PyMem_Free(ids);
@@ -633,12 +614,17 @@ done:
 }
 
 /* paged_unhash(hashed, block_hash, index, ids, removed=None): evicted blocks lose their hash, and their index entry
- * where they still own it (a displaced duplicate does not: that entry belongs to the newer block). `removed`, a list
- * when the caller publishes KV events (else None), gets every hash whose index entry went. */
+ * where they still own it (a displaced duplicate does not: that entry belongs to the newer block). `index` is a
+ * `PrefixIndex`; `removed`, a list when the caller publishes KV events (else None), gets every hash whose index entry
+ * went. */
 static PyObject *paged_unhash(PyObject *self, PyObject *args) {
     PyObject *hashed_o, *bh, *index, *ids_o, *removed = Py_None;
-    if (!PyArg_ParseTuple(args, "OO!O!O|O", &hashed_o, &PyList_Type, &bh, &PyDict_Type, &index, &ids_o, &removed))
+    if (!PyArg_ParseTuple(args, "OO!OO|O", &hashed_o, &PyList_Type, &bh, &index, &ids_o, &removed))
         return NULL;
+    if (!kvproc_is_prefix_index(index)) {
+        PyErr_Format(PyExc_TypeError, "index must be a PrefixIndex, not %.100s", Py_TYPE(index)->tp_name);
+        return NULL;
+    }
     if (removed == Py_None) removed = NULL;
     else if (!PyList_Check(removed)) {
         PyErr_SetString(PyExc_TypeError, "removed must be a list or None");
@@ -655,12 +641,9 @@ static PyObject *paged_unhash(PyObject *self, PyObject *args) {
         int64_t b = ids[i];
         PyObject *key = PyList_GET_ITEM(bh, b);
         if (key != Py_None) {
-            PyObject *owner = PyDict_GetItemWithError(index, key); /* borrowed */
-            if (!owner && PyErr_Occurred()) goto done;
-            if (owner && PyLong_Check(owner) && PyLong_AsLongLong(owner) == b) {
-                if (removed && PyList_Append(removed, key)) goto done; /* before the delete: a failure changes nothing */
-                if (PyDict_DelItem(index, key)) goto done;
-            }
+            /* the list first, so a failed append changes nothing */
+            if (removed && kvproc_prefix_owns(index, key, b) && PyList_Append(removed, key)) goto done;
+            kvproc_prefix_unhash(index, key, b);
             Py_INCREF(Py_None);
             PyList_SetItem(bh, b, Py_None);
         }
@@ -814,7 +797,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "kvproc.native._nativ
 PyMODINIT_FUNC PyInit__native(void) {
     PyObject *mod = PyModule_Create(&module);
     if (mod && (kvproc_add_slotmap(mod) < 0 || kvproc_add_kv_events(mod) < 0 || kvproc_add_digest_chain(mod) < 0 ||
-                kvproc_add_sketch(mod) < 0))
+                kvproc_add_sketch(mod) < 0 || kvproc_add_prefix_index(mod) < 0))
         Py_CLEAR(mod);
     return mod;
 }

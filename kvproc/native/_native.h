@@ -46,4 +46,15 @@ int kvproc_add_digest_chain(PyObject *module);
 /* _sketch.c: adds sketch_add (lrfu's count-min sketch update); -1 with an exception set on failure. */
 int kvproc_add_sketch(PyObject *module);
 
+/* _prefix_index.c: the PrefixIndex type (a device pool's prefix index) and the pool's per-page steps on it. */
+int kvproc_add_prefix_index(PyObject *module);
+int kvproc_is_prefix_index(PyObject *o);
+/* paged_register's work on a PrefixIndex: 0 (*done_n = blocks registered), or -1 with an exception set (nothing
+ * changed, except when appending to `added` failed). `hashed`/`bh`/`ids` already checked against each other. */
+int kvproc_prefix_register(PyObject *index, uint8_t *hashed, PyObject *bh, const int64_t *ids, PyObject **items,
+                           Py_ssize_t n, PyObject *added, Py_ssize_t *done_n);
+/* 1 if block `b` owns `key`'s entry (and, for unhash, the entry went), else 0; never fails. */
+int kvproc_prefix_owns(PyObject *index, PyObject *key, int64_t b);
+int kvproc_prefix_unhash(PyObject *index, PyObject *key, int64_t b);
+
 #endif

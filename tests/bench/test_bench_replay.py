@@ -46,7 +46,7 @@ def test_cli_writes_the_documented_json(tmp_path):
     assert main(["--trace", str(TINY), "--page-tokens", "512", "--json", str(out)]) == 0
     got = json.loads(out.read_text())
     for key in ("requests", "block_hit_ratio", "token_hit_ratio", "device_hit_ratio", "host_hit_ratio",
-                "requests_per_s", "blocks_per_s"):
+                "requests_per_s", "cpu_requests_per_s", "blocks_per_s"):
         assert key in got
     assert got["requests"] == 4
 
