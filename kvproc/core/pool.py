@@ -224,9 +224,11 @@ class BlockPool:
         """The deepest prefix of `ids[:depth]` whose evictable blocks can be held without eating the entitled floor."""
         if depth == 0:
             return 0
+        budget = self.paged.available - self.entitled
+        if depth <= budget:  # at most `depth` of them are evictable: all fit (no array work: the usual case)
+            return depth
         idx = np.asarray(ids[:depth], dtype=np.int64)
         inactive_cum = np.cumsum(self.paged.refcount[idx] == 0)
-        budget = self.paged.available - self.entitled
         if inactive_cum[-1] <= budget:
             return depth
         self.counters["probe_truncated_by_pressure"] += 1
