@@ -28,8 +28,11 @@ vLLM's own prefix cache stays the device tier; kvproc is the tier below it. Per 
 P/D (`kv_role="kv_producer"` / `"kv_consumer"`, docs/vllm.md): the producer also saves the prompt's partial last
 page in the prefill step, pads and seals it all with `SaveClass.HANDOFF`, and `request_finished` returns kvproc's
 `HandoffEnvelope` as `kv_transfer_params`; a consumer request carrying it is checked against this engine's
-fingerprint and resolved in full-hit mode, its pages loaded (asynchronously, as any hit) into vLLM's blocks. A model
-with state groups hands off up to its deepest checkpoint (a page boundary): vLLM keeps no state inside a page.
+fingerprint and resolved in full-hit mode, its pages loaded (asynchronously, as any hit) into vLLM's blocks. On the
+direct path (the default; `handoff_direct.py`) the producer's HANDOFF saves go straight into the tier's slots and the
+consumer leases the whole padded chain there and loads it straight into vLLM's blocks, at any TP. A model with state
+groups hands off (staging path only) up to its deepest checkpoint (a page boundary): vLLM keeps no state inside a
+page.
 
 Nothing here can make vLLM wait forever or compute with wrong KV: a resolve that fails is a miss; a load that fails
 reports its blocks to vLLM (`get_block_ids_with_load_errors`: vLLM recomputes them); a save that fails is a future
@@ -62,6 +65,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvproc import (
+    PAD_TOKEN_ID,
     CopyOrder,
     FingerprintMismatch,
     ForeignHandleError,
@@ -84,6 +88,7 @@ from kvproc.core.holds import PrefixHold
 from kvproc.integrations.vllm import runtime as rt_mod
 from kvproc.integrations.vllm.contract import VllmGroup, VllmKvContract, contract_from_vllm, model_identity
 from kvproc.integrations.vllm.event_forward import TierEventForwarder
+from kvproc.integrations.vllm.handoff_direct import full_hit, full_hit_ranked, handoff_keys, padded_tail_key
 from kvproc.integrations.vllm.moves import NULL_BLOCK, CopyJob, MoveQueue
 from kvproc.integrations.vllm.sglang_format import SglangKeys, SglangPages
 from kvproc.integrations.vllm.tp import KvprocWorkerMeta, RankedTier, TierAttach, WorkerRuntime
@@ -224,6 +229,7 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
             raise KvContractError(f"KvprocConnector: kv_role={ktc.kv_role!r} is not supported")
         # P/D: every request a producer finishes is handed off; a consumer adopts the requests that carry an envelope.
         self.producer = ktc.kv_role == "kv_producer"
+        self._consumer = ktc.kv_role == "kv_consumer"
         self.options = rt_mod.RuntimeOptions.from_extra(ktc.kv_connector_extra_config)
         self.contract: VllmKvContract = contract_from_vllm(kv_cache_config,
                                                            model_id=model_identity(vllm_config, self.options.model_id))
@@ -240,13 +246,15 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
             log.info("kvproc_load_failures_recomputed", vllm_policy_was=ktc.kv_load_failure_policy)
             ktc.kv_load_failure_policy = "recompute"
         engine_id = str(ktc.engine_id)
-        # The direct path (one copy each way) unless P/D (its hand-offs go through the store's resolve and seal) or
-        # the cma mover (the copy worker reaches vLLM's memory and the staging arenas, not the tier's segment) needs
-        # the staging pool.
-        path = self.options.path or ("staging" if ktc.kv_role in ("kv_producer", "kv_consumer")
-                                     or self.options.mover == "cma" else "direct")
-        if path == "direct" and ktc.kv_role in ("kv_producer", "kv_consumer"):
-            raise KvContractError("KvprocConnector: P/D roles move through the staging pool: path='staging'")
+        # The direct path (one copy each way) unless the cma mover (the copy worker reaches vLLM's memory and the
+        # staging arenas, not the tier's segment) or a P/D role of a model with state groups (its checkpoint is
+        # handed off through the staging pool's mirror: `_seal_last_offers`) needs the staging pool. P/D of the
+        # other models runs on either (`handoff_direct.py`).
+        state_pd = ktc.kv_role in ("kv_producer", "kv_consumer") and bool(self.contract.states)
+        path = self.options.path or ("staging" if self.options.mover == "cma" or state_pd else "direct")
+        if path == "direct" and state_pd:
+            raise KvContractError("KvprocConnector: P/D roles of a model with state groups move through the staging "
+                                  "pool: path='staging'")
         self._direct_path = path == "direct"
         # page_format="sglang": pages keyed and laid out as kvproc's SGLang backend stores them (`sglang_format.py`)
         self._sgl = self._sglang_pages(kv_cache_config) if self.options.page_format == "sglang" \
@@ -316,6 +324,8 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         why = ""
         if self.ranks > 1:
             why = f"tensor_parallel_size={self.ranks} (one rank's pages only)"
+        elif self.producer or self._consumer:
+            why = "P/D roles (a hand-off is keyed by kvproc's padded chain)"
         elif not self._direct_path:
             why = "the staging path (P/D roles, path='staging', mover='cma')"
         elif [g.vllm_spec for g in self.contract.groups] != ["FullAttentionSpec"]:
@@ -339,10 +349,14 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         return lambda allocator: SglangPageModel(fmt, model_id, True, allocator)
 
     def _check_tp(self, kv_role: str | None) -> None:
-        """What tensor parallel carries today (`tp.py`): the direct path, every KV kind, asynchronous moves."""
+        """What tensor parallel carries today (`tp.py`): the direct path, every KV kind, asynchronous moves, P/D
+        (`handoff_direct.py`) but of a model with state groups."""
         why = ""
-        if kv_role in ("kv_producer", "kv_consumer") or self.options.path == "staging" or self.options.mover == "cma":
-            why = "P/D roles, path='staging' and mover='cma' move through the staging pool, which has one rank"
+        if self.options.path == "staging" or self.options.mover == "cma":
+            why = "path='staging' and mover='cma' move through the staging pool, which has one rank"
+        elif kv_role in ("kv_producer", "kv_consumer") and self.contract.states:
+            why = ("P/D roles of a model with state groups hand their checkpoint off through the staging pool, which "
+                   "has one rank")
         elif not self.options.async_moves:
             why = "async_moves=false waits for moves that run in the ranks' processes"
         if why:
@@ -418,7 +432,8 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         if self.direct is not None and not to_vllm:
             for j in jobs:
                 if not self.direct.save(j.req_id, j.keys, functools.partial(self._write_save, j),
-                                        bounded_groups=j.bounded, parent=j.parent, tokens=j.tokens):
+                                        bounded_groups=j.bounded, save_class=self._save_class, parent=j.parent,
+                                        tokens=j.tokens):
                     raise RuntimeError(f"request {j.req_id!r}: the host tier did not take the save (its outcome says "
                                        "why)")
             return
@@ -465,7 +480,7 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         for j in jobs:
             if not to_vllm:
                 save = j.rank_saves[self.rank]
-                rows = _new_pages(j, save.slots, self._state_rows(j, save.bounded))
+                rows = self._new_rows(j, save.slots, self._state_rows(j, save.bounded))
                 if rows.staging or rows.states:  # else nothing of it is this rank's to write (a REPLICATED model's
                     # other ranks; pages its tier has already)
                     slots.write_fenced(save.fence, save.token, functools.partial(self._copy_rows, [rows], False))
@@ -520,7 +535,15 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
     def _write_save(self, job: CopyJob, ticket: SaveTicket) -> None:
         """A direct save's bytes into the slots of its ticket: pages the tier has already (slot None) and state groups
         whose checkpoint it has are skipped."""
-        self._copy_rows([_new_pages(job, ticket.page_slots, self._state_rows(job, ticket.bounded_slots))], False)
+        self._copy_rows([self._new_rows(job, ticket.page_slots, self._state_rows(job, ticket.bounded_slots))], False)
+
+    def _new_rows(self, job: CopyJob, slots: Sequence[int | None], states: list[tuple[int, int, int]]) -> CopyJob:
+        """`_new_pages`, refusing (the save fails, its slots go back) a slot reserved for a page of which vLLM kept no
+        block in a paged group: only a P/D producer's leased pages may lack one, and the tier holds those."""
+        rows = _new_pages(job, slots, states)
+        if any(NULL_BLOCK in ids for g, ids in zip(self.contract.groups, rows.vllm) if not g.state):
+            raise RuntimeError(f"request {job.req_id!r}: the tier asked for a page vLLM keeps no block of")
+        return rows
 
     def _state_rows(self, job: CopyJob, bounded: dict[str, int | None]) -> list[tuple[int, int, int]]:
         """A save's state copies into the checkpoint slots a tier reserved (None: that tier has the checkpoint)."""
@@ -772,12 +795,35 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
                 self.store.revoke_handoff(env.producer_req_id)  # nobody will read it
             return
         r.handoff = env
+        if self.direct is not None:
+            self._start_direct_handoff(r, env, tokens)
+            return
         r.resolve = self.store.submit_resolve(0, r.req_id, chain, _scope(r.request),
                                               handoff_resolve_policy(env.producer_req_id, self.options.handoff_wait_s))
+
+    def _start_direct_handoff(self, r: _Req, env: HandoffEnvelope, tokens: list[int]) -> None:
+        """The direct path: lease the producer's padded chain in the tier (every rank's), waiting for its saves up to
+        `handoff_wait_s` (`handoff_direct.full_hit`); the request's own page keys, for the pages it computes."""
+        try:
+            r.hashes = self._page_keys(r, tokens)
+        except (ValueError, TypeError) as e:  # checked by check_envelope already: never here
+            log.warning("kvproc_request_refused", req_id=r.req_id, error=repr(e))
+            self.rt.count("requests_refused")
+            self.store.revoke_handoff(env.producer_req_id)
+            r.handoff = None
+            return
+        r.tracked = True
+        keys = handoff_keys(self.hasher, tokens, env.committed_len, _scope(r.request))
+        wait = self.options.handoff_wait_s
+        assert self.direct is not None
+        r.lookup = self.store.submit(full_hit_ranked(self.ranked, r.req_id, keys, wait) if self.ranked is not None
+                                     else full_hit(self.direct, r.req_id, keys, wait))
 
     def _handoff_match(self, r: _Req, num_computed_tokens: int) -> tuple[int | None, bool]:
         env = r.handoff
         assert env is not None
+        if self.direct is not None:
+            return self._direct_handoff_match(r, env, num_computed_tokens)
         if r.hold is None and r.resolve is not None:
             first, r.asked = not r.asked, True
             try:
@@ -813,6 +859,36 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         r.pending_load = (num_computed_tokens, ext) if ext else None
         # Asynchronous as any hit (vLLM holds the request back until the mover reports the load): a failed load of a
         # model of several KV cache groups can then be reported by request, and vLLM recomputes it.
+        return ext, ext > 0 and self.options.async_moves
+
+    def _direct_handoff_match(self, r: _Req, env: HandoffEnvelope, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """The direct path's hand-off: the leased padded chain is loaded straight into vLLM's blocks (the padded page
+        whole: its pad rows are overwritten by vLLM before they are read); the lease is released and the producer's
+        hand-off consumed once the load settled (`_release_lease`). From the padded page on the request saves its
+        own pages (cacheable) like any request."""
+        if r.lookup is not None:
+            hit = self._result(r, r.lookup)
+            if hit is _PENDING:
+                return None, False
+            r.lookup = None
+            if hit is None:  # short (evicted, expired, a producer's failed save): vLLM computes the prompt itself
+                log.warning("kvproc_handoff_short_hit", req_id=r.req_id, need=-(-env.committed_len // self.page))
+                self.rt.count("handoffs_short")
+                self.store.revoke_handoff(env.producer_req_id)
+                r.handoff = None
+                return 0, False
+            if isinstance(hit, list):  # tensor parallel: every rank's lease
+                r.leases, hit = hit, hit[0]
+            r.lease, r.leased_at = hit, time.monotonic()
+            r.saved, r.restore_at = env.committed_len // self.page, env.committed_len
+            self.rt.count("handoffs_adopted")
+            self.rt.count("hit_tokens_host", env.committed_len)
+        if r.lease is None or r.job is not None or r.load_job is not None:
+            return 0, False
+        ext = max(0, env.committed_len - num_computed_tokens)
+        if not ext:  # vLLM's own cache has it all: nothing to load, the hand-off is consumed now
+            self._release_lease(r)
+        r.pending_load = (num_computed_tokens, ext) if ext else None
         return ext, ext > 0 and self.options.async_moves
 
     def _start_handoff_mirror(self, r: _Req, env: HandoffEnvelope) -> bool:
@@ -912,13 +988,15 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
             if isinstance(hit, list):  # tensor parallel: every rank's lease, all of the common prefix
                 r.leases, hit = hit, hit[0]
             if isinstance(hit, Hit):
-                r.lease, r.saved, r.restore_at = hit, hit.pages, hit.pages * self.page
+                # A P/D producer's hand-off names every page of the prompt, those the tier has (pinned, not copied)
+                # included: it saves from page 0, and keeps the lease until that save settled (`_save_done`).
+                r.lease, r.saved, r.restore_at = hit, 0 if self.producer else hit.pages, hit.pages * self.page
                 r.leased_at = time.monotonic()
                 self.rt.count("hit_tokens_host", r.restore_at)
         if not r.tracked or r.job is not None or r.load_job is not None or r.lease is None:
             return 0, False
         ext = max(0, r.restore_at - num_computed_tokens)
-        if not ext:  # vLLM's own cache has the prefix (or more): the leased slots are not needed
+        if not ext and not self.producer:  # vLLM's own cache has the prefix (or more): the leased slots are not needed
             self._release_lease(r)
         r.pending_load = (num_computed_tokens, ext) if ext else None
         # asynchronous: vLLM holds the request back until the mover reports the load (async_moves=False: the load
@@ -926,11 +1004,14 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         return ext, ext > 0 and self.options.async_moves
 
     def _release_lease(self, r: _Req) -> None:
+        held = r.lease is not None
         if r.leases and self.ranked is not None:
             self.ranked.release(r.leases)
         elif r.lease is not None and self.direct is not None:
             self.direct.release(r.lease.lease_id)
         r.lease, r.leases = None, []
+        if held and r.handoff is not None:  # a direct hand-off's load settled (or was not needed): consumed
+            self.store.release_handoff(r.handoff.producer_req_id)
 
     def _extend_hashes(self, r: _Req, pages: int, known: Any) -> bool:
         """The request's page hashes up to `pages` (decode fills pages past the prompt's): False where a page's tokens
@@ -972,7 +1053,10 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         keeps one of them: a sliding window passed it before its save could be planned, and the chain cannot continue
         past the hole."""
         vllm = self._pages_of(r, have, target)
-        if any(NULL_BLOCK in ids for ids in vllm):
+        # A P/D producer's pages under its lease are in the tier (the hand-off pins them, nothing copied): a sliding
+        # window may have given their blocks back. (A slot reserved for one anyway is refused: `_write_save`.)
+        leased = r.lease.pages - have if self.producer and r.lease is not None else 0
+        if any(NULL_BLOCK in ids[max(0, leased):] for ids in vllm):
             self.rt.count("saves_window_passed")
             r.saving = False
             return None
@@ -981,11 +1065,15 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
     def _plan_direct_save(self, r: _Req, computed_after: int, meta: KvprocConnectorMetadata) -> None:
         """Pages that are full once this step ran, from the tier's end of the request on: their keys now, their slots
         from the tier on the mover thread after the forward (`_copy`)."""
-        if not r.saving or r.job is not None or r.finishing or r.load_job is not None:
+        if not r.saving or r.job is not None or r.finishing or r.load_job is not None or r.padded:
             return
         have = r.saved
         target = min(computed_after // self.page, self._table_pages(r))
-        if target <= have or not self._extend_hashes(r, target, r.request.all_token_ids):
+        prompt = r.request.num_prompt_tokens
+        tail = self.producer and computed_after >= prompt and -(-prompt // self.page) <= self._table_pages(r)
+        if self.producer:  # a hand-off is the prompt's KV, its partial last page padded; nothing decoded
+            target = min(target, prompt // self.page)
+        if (target <= have and not tail) or not self._extend_hashes(r, target, r.request.all_token_ids):
             return
         vllm = self._save_source(r, have, target)
         if vllm is None:
@@ -993,19 +1081,31 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         assert self.direct is not None
         tokens = list(r.request.all_token_ids[have * self.page:target * self.page]) \
             if self.direct.tier.wants_token_ids else None  # the tier's KV events carry them
-        job = CopyJob(next(self._job_ids), r.req_id, [], vllm, keys=r.hashes[have:target],
+        keys = r.hashes[have:target]
+        if tail:
+            r.padded = True  # the hand-off's last page is planned: the producer saves nothing more
+            if prompt % self.page:
+                part = list(r.request.all_token_ids[target * self.page:prompt])
+                keys = keys + [padded_tail_key(self.hasher, part, _scope(r.request), r.hashes[target - 1]
+                                               if target else None)]
+                vllm = tuple(ids + extra for ids, extra in zip(vllm, self._pages_of(r, target, target + 1)))
+                if tokens is not None:
+                    tokens += part + [PAD_TOKEN_ID] * (self.page - len(part))
+            if not keys:
+                return
+        job = CopyJob(next(self._job_ids), r.req_id, [], vllm, keys=keys,
                       parent=r.hashes[have - 1] if have else None, tokens=tokens)
         if self.ranked is not None:  # tensor parallel: every rank's slots now, written by each rank after the forward
             if self.contract.states:
                 self._with_offered_state(r, target, job)
             saves = self.ranked.reserve(job.job_id, r.req_id, job.keys, job.parent, tokens,
-                                        bounded_groups=job.bounded)
+                                        save_class=self._save_class, bounded_groups=job.bounded)
             if saves is None:
                 self.rt.count("saves_refused")
                 r.saving = False
                 return
             job.rank_saves = saves
-        r.job, r.save_to = job.job_id, target
+        r.job, r.save_to = job.job_id, have + len(job.keys)
         self._jobs[job.job_id] = r
         meta.saves.append(job)
 
@@ -1399,7 +1499,8 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         self._fence_restores(r)
         if r.lease is not None:  # direct: the one copy of the hit is in vLLM's blocks
             self.store.outcomes.record("load", r.req_id, "ok" if ok else "failed")
-            self._release_lease(r)
+            if not self.producer:  # a producer's lease keeps the hit's pages until its hand-off save pinned them
+                self._release_lease(r)
         if r.hold is not None:  # a hand-off's full-hit hold
             r.hold.release()
             r.hold = None
@@ -1413,6 +1514,12 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
                 r.saved = max(r.saved, r.save_to)
             else:
                 r.saving = False
+                if self.producer:  # undelivered: its consumer will see a short hit (the store's line, as staging's)
+                    self.rt.count("handoff_save_failed")
+                    log.error("handoff save failed", req_id=r.req_id, pages=r.save_to - r.saved,
+                              reason="the save's outcome (HostDirect)")
+            if self.producer:  # the hit's pages are pinned by the hand-off's commit now (or it failed)
+                self._release_lease(r)
             if r.finishing and r.load_job is None:
                 self._retire(r)
             return
@@ -1489,8 +1596,11 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         consumer computes the prompt's tail beyond it."""
         prompt = request.num_prompt_tokens
         committed = r.checkpoint_at if self.contract.states else prompt
-        if r.mirror is None or not r.saving or request.num_computed_tokens < prompt or committed <= 0:
+        saved = r.padded if self.direct is not None else r.mirror is not None  # direct: every page's save planned
+        if not saved or not r.saving or request.num_computed_tokens < prompt or committed <= 0:
             self.rt.count("handoffs_not_made")  # not saved (no staging room, a refusal) or aborted mid-prefill
+            if self.direct is not None and r.tracked:  # its HANDOFF saves so far (and those in flight) pin nothing
+                self.store.revoke_handoff(r.req_id)
             return None
         out = request.output_token_ids
         env = HandoffEnvelope(r.req_id, self.fingerprint, committed_len=committed,
@@ -1509,6 +1619,8 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         if r.lookup is not None:  # finished (aborted) while its lookup ran: release the lease when it lands
             r.lookup.add_done_callback(self._release_late_lease)
             r.lookup = None
+            if r.handoff is not None:  # nobody will read this hand-off now
+                self.store.revoke_handoff(r.handoff.producer_req_id)
         self._release_lease(r)
         if r.mirror is None:
             return

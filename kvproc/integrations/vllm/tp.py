@@ -112,15 +112,15 @@ class RankedTier:
         self._reports: dict[tuple[int, int], bool] = {}
         self._lock = threading.Lock()  # reports arrive on vLLM's output path, settle on its scheduler path
 
-    def _per_rank(self, items: list[Any]) -> list[Any]:
+    def per_rank(self, items: list[Any]) -> list[Any]:
         """One item per tier -> one per rank (a REPLICATED model's ranks all use its one tier's)."""
         return items * self.ranks if self.replicated else items
 
     @property
     def attach(self) -> TierAttach:
-        return TierAttach(tuple(self._per_rank([d.segment for d in self.directs])),
-                          tuple(self._per_rank([d.layout for d in self.directs])),
-                          tuple(self._per_rank([d.epoch for d in self.directs])))
+        return TierAttach(tuple(self.per_rank([d.segment for d in self.directs])),
+                          tuple(self.per_rank([d.layout for d in self.directs])),
+                          tuple(self.per_rank([d.epoch for d in self.directs])))
 
     def follow_replaced(self) -> bool:
         """A rank's tier replaced under the engine (the store re-attached it: another `RemoteTier.epoch`): this side's
@@ -156,7 +156,7 @@ class RankedTier:
                     d.tier.release_lease(h.lease_id)
             return None
         # Trimmed to the common prefix (a paged model: any page boundary will do); one per rank.
-        return self._per_rank([Hit(pages, h.lease_id, h.page_slots[:pages], h.bounded_slots, h.page_gens[:pages],
+        return self.per_rank([Hit(pages, h.lease_id, h.page_slots[:pages], h.bounded_slots, h.page_gens[:pages],
                                    h.epoch) for h in hits])
 
     def release(self, leases: Sequence[Hit]) -> None:

@@ -158,17 +158,20 @@ def test_tp2_refuses_what_it_cannot_carry_by_name() -> None:
     from kvproc.integrations.vllm.connector import KvprocConnector
     from kvproc.integrations.vllm.runtime import RuntimeOptions
 
-    class _Probe:  # only what `_check_tp` reads: the options (a mock of the connector's own state)
-        def __init__(self, options: RuntimeOptions) -> None:
+    class _Probe:  # only what `_check_tp` reads: the options, whether the model has state groups (a mock of the
+        # connector's own state)
+        def __init__(self, options: RuntimeOptions, states: bool = False) -> None:
             self.options, self.ranks = options, 2
+            self.contract = type("C", (), {"states": ["mamba0"] if states else []})()
 
     check = KvprocConnector._check_tp
-    check(_Probe(RuntimeOptions()), "kv_both")  # type: ignore[arg-type]
-    for options, role, why in [(RuntimeOptions(), "kv_producer", "P/D"),
-                               (RuntimeOptions(path="staging"), "kv_both", "staging"),
-                               (RuntimeOptions(async_moves=False), "kv_both", "async_moves")]:
+    for role in ("kv_both", "kv_producer", "kv_consumer"):  # P/D on the direct path (test_vllm_pd_tp.py)
+        check(_Probe(RuntimeOptions()), role)  # type: ignore[arg-type]
+    for probe, role, why in [(_Probe(RuntimeOptions(), states=True), "kv_producer", "P/D roles of a model with state"),
+                             (_Probe(RuntimeOptions(path="staging")), "kv_both", "staging"),
+                             (_Probe(RuntimeOptions(async_moves=False)), "kv_both", "async_moves")]:
         with pytest.raises(KvContractError, match=why):
-            check(_Probe(options), role)  # type: ignore[arg-type]
+            check(probe, role)  # type: ignore[arg-type]
 
 
 def test_tp2_ranks_follow_a_replaced_shared_tier(tiny_llama: Path, tp2_env: None,
@@ -231,7 +234,7 @@ def test_a_tp_worker_maps_a_replaced_tier_and_refuses_a_load_leased_from_the_old
         seg.numpy(np.uint8, 0, 64 * slots).reshape(slots, 64)[2] = fill
     copied: list[int] = []  # the first byte of each slot a load copied
     probe = types.SimpleNamespace(rank=0, rt=WorkerRuntime(), contract=types.SimpleNamespace(layer_names=["L0"]),
-                                  _staging={}, _tier_slots=None, _tier_mapped=("", -1), _tier_wanted=None,
+                                  _staging={}, _tier_slots=None, _tier_mapped=("", -1), _tier_wanted=None, _sgl=None,
                                   _copy_rows=lambda jobs, to_vllm: copied.extend(
                                       int(probe._staging["L0"][j.staging[0], 0]) for j in jobs))
     probe._follow_rank_tier = functools.partial(KvprocConnector._follow_rank_tier, probe)
