@@ -47,6 +47,9 @@ class RunLru:
                 return
             self._seq += 1
             self._count += len(ids) - NATIVE.lru_stamp(self.stamp, ids, self._seq)  # a re-insert moves a block
+            # Only ints, never in a cycle: out of the GC's scans. An unbounded pool keeps thousands of runs (millions
+            # of ids) that every collection would otherwise walk (the trace replay: 0.29 s of GC -> 0.02 s).
+            NATIVE.untrack_atomic(ids)
             self.runs[self._seq] = ids
             size = len(ids)
         else:

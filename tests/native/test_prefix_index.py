@@ -121,6 +121,11 @@ def test_untrack_atomic_takes_only_lists_of_bytes_ints_and_none_out_of_the_gc() 
 
     pb = PagedBlocks(16)
     assert not gc.is_tracked(pb.free) and not gc.is_tracked(pb.block_hash)
+    ids = pb.allocate(4)
+    pb.register(ids, KEYS[:4])
+    pb.release(ids)  # the LRU keeps the released ids as one run, a list of ints
+    assert [list(r) for r in pb.inactive.runs.values()] == [ids[::-1]]
+    assert not any(gc.is_tracked(r) for r in pb.inactive.runs.values())
     ok = [b"a", 1, None]
     N.untrack_atomic(ok)
     assert not gc.is_tracked(ok)
