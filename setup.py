@@ -8,9 +8,9 @@ from setuptools import Extension, setup
 
 setup(
     ext_modules=[
-        Extension("kvproc.native._native", ["kvproc/native/_native.c", "kvproc/native/_slotmap.c",
-                                           "kvproc/native/_kv_events.c", "kvproc/native/_digest_chain.c",
-                                           "kvproc/native/_sketch.c", "kvproc/native/_prefix_index.c"],
+        Extension("kvproc.native._native", ["kvproc/native/_native.c", "kvproc/native/_kv_events.c",
+                                           "kvproc/native/_digest_chain.c", "kvproc/native/_sketch.c",
+                                           "kvproc/native/_prefix_index.c"],
                   depends=["kvproc/native/_native.h"], optional=True, extra_compile_args=["-O3"]),
     ],
 )

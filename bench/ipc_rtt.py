@@ -6,12 +6,13 @@ Both servers run in their own process on an ipc:// socket in the same run; round
 drift on a shared machine hits both alike. Measured per size:
 - raw:         DEALER send + recv against a ROUTER echo loop (one frame, no decoding): the floor;
 - kvproc ping: `RpcClient.request(Ping(data))` -- client I/O thread, msgspec, deadline, future; the server answers
-               Ping on its socket thread (the transport's own probe);
+               Ping on its socket thread (the transport's own probe). (Until the blocking resolver's removal,
+               `request()` ran on a socket of the calling thread's own: 1.23x raw against 2.5x now; bench/RESULTS.md);
 - kvproc echo: `RpcClient.request(Echo(data))` -- the same, plus the server's hop to a handler thread and back
                (what every role request pays);
-- kvproc future: `RpcClient.call(Ping(data)).result()` -- the Future path (asyncio, fan-out), which goes through
-               the client's I/O thread: two more thread hand-offs than `request()`.
-Reported: median and p99 in microseconds, and each kvproc median over the raw median. Target: ping under 1.5x.
+- kvproc future: `RpcClient.call(Ping(data)).result()` -- the Future path, what `request()` is now.
+Reported: median and p99 in microseconds, and each kvproc median over the raw median. (The store's own calls go
+through its event loop's sockets, `ipc/aclient.py`: `kvproc bench ipc` measures those.)
 """
 
 from __future__ import annotations

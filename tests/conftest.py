@@ -189,25 +189,17 @@ def saved(store: KvStore, model: ShmBytesModel, rid: str, toks: list[int]) -> Wr
     return written
 
 
-def resolve_on(store: KvStore, path: str, rid: str, toks: list[int]) -> Any:
-    """Resolve on the blocking path (`resolve_prefix_sync`) or the store loop's (`submit_resolve`)."""
-    if path == "blocking":
-        return store.resolve_prefix_sync(0, rid, toks)
-    return store.submit_resolve(0, rid, toks).result(10)
-
-
 def check_bytes(model: ShmBytesModel, prefix: Any, written: Written) -> None:
     """Every block of the prefix holds exactly the bytes saved under its hash."""
     for h, b in zip(prefix.hold.hashes, prefix.hold.block_ids):
         assert torch.equal(model.block(0, b), written[h][0]) and torch.equal(model.block(1, b), written[h][1])
 
 
-def restores(store: KvStore, model: ShmBytesModel, rid: str, toks: list[int], written: Written,
-             path: str = "blocking") -> int:
+def restores(store: KvStore, model: ShmBytesModel, rid: str, toks: list[int], written: Written) -> int:
     """Resolve `toks` after a churn, on zeroed arenas; checks every restored block's bytes; the pages restored."""
     churn(store)
     model.zero()
-    prefix = resolve_on(store, path, rid, toks)
+    prefix = store.resolve_prefix_sync(0, rid, toks)
     check_bytes(model, prefix, written)
     pages = int(prefix.hold.num_blocks)
     prefix.hold.release()
@@ -219,32 +211,8 @@ def load_reasons(store: KvStore, rid: str) -> list[str]:
     return [o.reason for o in store.outcomes.for_request(rid, "load")]
 
 
-LIES = ("another_pages_slots", "stale_generation", "both")
-
-
-def lie_about_a(store: KvStore, model: ShmBytesModel, lie: str) -> tuple[list[int], Written, tuple[Any, Any]]:
-    """Save two prompts A and B, then make the slot cache wrong about A: B's live slots with their current
-    generations (`another_pages_slots`), A's own slots with old generations (`stale_generation`), or B's slots with
-    made-up generations (`both`). Returns A's tokens, A's page bytes and the truth about A (slots, generations)."""
-    a, b = list(range(17)), list(range(1000, 1017))
-    written = saved(store, model, "a", a)
-    written_b = saved(store, model, "b", b)
-    cache = store.slot_caches[0]
-    keys_a, keys_b = list(written), list(written_b)
-    slots_a, gens_a = cache.run(keys_a)
-    slots_b, gens_b = cache.run(keys_b)
-    if lie == "another_pages_slots":
-        cache.learn(keys_a, slots_b, gens_b)
-    elif lie == "stale_generation":
-        cache.learn(keys_a, slots_a, [g - 1 for g in gens_a])
-    else:
-        cache.learn(keys_a, slots_b, [g + 7 for g in gens_b])
-    return a, written, (slots_a, gens_a)
-
-
 def nothing_left(store: KvStore) -> None:
-    """Loads settled (a speculation the loop path did not use settles in the background), no block held or reserved,
-    every lease back."""
+    """Loads settled, no block held or reserved, every lease back."""
     store.flush_loads(0, 5)
     assert store.stats()["rank0"]["active_blocks"] == 0
     wait_for(lambda: store.stats()["tier"]["open_leases"] == 0, what="every lease back")

@@ -177,6 +177,6 @@ def main(argv: list[str]) -> int:
     for f in s.failures[:20]:
         print("  " + f)
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump({**s.__dict__, "ok": s.ok}, f, indent=2)
+        with open(a.json, "w") as out:
+            json.dump({**s.__dict__, "ok": s.ok}, out, indent=2)
     return 0 if s.ok else 1

@@ -3,37 +3,27 @@
 DEALER/ROUTER round trip measured in the same run.
 
 - raw: 64 B DEALER send + recv against a ROUTER echo loop in its own process (the transport's floor);
-- resolve: `resolve_prefix_sync` of a prompt whose pages are on the host tier only (the device pool is churned
-  before each one, outside the timing). Four forms, interleaved in batches so all see the same machine: `blocking`
-  (the default for a blocking caller: the calling thread's own sockets; the pages were saved by this store, so it
-  knows their slots and checks them against the tier's slot table before and after the copy: a verified load, one
-  message -- Load -- and no query, no lease), `speculative` (the same with `verified_loads=False`: the Load starts
-  from the slot cache while the Query flies, the hit confirms; two messages and a lease release), `plain`
-  (`speculative_loads=False`: Query, then Load, then the release), `submit` (`submit_resolve(...).result()`, the
-  engine's non-blocking form: the blocking path on one of the store's resolve threads, verified like `blocking`) and
-  `loop` (the same with the resolve threads turned off: the store's event loop);
+- resolve: `submit_resolve(...).result()` of a prompt whose pages are on the host tier only (the device pool is
+  churned before each one, outside the timing): the store's one resolve, on its event loop (Query, Load, the release);
 - copy: each resolve's Load as the copy worker timed it executing the order (`Copied.ns`: the bytes' cost where and
   when they moved -- a host hit's pages were written long before, so they come from memory more than cache); beside
   it, the very Load orders the store sent replayed in this process by a `CopyExecutor` over the same segments right
   after (warm: the worker has just read those bytes into the shared cache; stops 9-11 subtracted this one) and the
   worker's mean over every arm;
-- raw1 / raw2: one / two raw round trips (the messages a host hit needs: Load for a verified load, Query + Load
-  otherwise) timed after the same churn, interleaved with the resolves: the baseline under the same cache state and
-  the same moment of a noisy shared host (the first round trip after a churn is the slower one, so raw1 is not
-  raw2 / 2);
-- burst: blocking resolves back to back (one churn per 6, the first dropped), against raw2_burst (raw pairs back to
-  back): the case of an engine admitting several requests in a row;
+- raw2: two raw round trips (the messages a host hit needs: Query, Load) timed after the same churn, interleaved with
+  the resolves: the baseline under the same cache state and the same moment of a noisy shared host;
+- burst: resolves back to back (one churn per 6, the first dropped), against raw2_burst (raw pairs back to back): the
+  case of an engine admitting several requests in a row;
 - overhead, in raw round trips: `beyond needed` = median over the resolves of (resolve - its own Load's copy in situ)
-  less `needed` x rtt, over rtt, where `needed` is the round trips the arm's messages take -- 1 for a verified load
-  (Load; rtt = raw1), 2 otherwise (Query, Load; rtt = raw2 / 2) -- the issue's measure, target <= 3; `with the
-  replayed copy` = the same with the warm replay subtracted instead (the figure stops 9-11 reported); `beyond 2` = the
-  same against two round trips whatever the arm needs (comparable across arms); `total` = (resolve - copy) / the hot
-  raw round trip. The share of the arm's resolves that were verified loads is printed beside it (an arm is counted as
-  needing 1 round trip only when all of them were); resolves that made more than one Load (a verified load whose
-  pages did not all verify) are left out of the medians and counted.
+  less 2 x rtt (rtt = raw2 / 2), over rtt; `with the replayed copy` = the same with the warm replay subtracted
+  instead; `total` = (resolve - copy) / the hot raw round trip. Resolves that made more than one Load are left out of
+  the medians and counted.
+(The store once had faster forms of the resolve -- on threads of its own, and loads started or verified before the
+tier's answer -- that this bench compared; the end-to-end demo did not need them, and they were removed: bench/
+RESULTS.md, "Control path".)
 - seal: `retire` of a request with fresh pages until its save has landed (`flush_saves`): ReserveSave, Save order,
   commit; overhead (seal - copy) / raw against the in-process Save copy.
-- resolves/s: 16 threads resolving distinct host-resident prompts of 16 blocks concurrently (blocking path).
+- resolves/s: 16 threads resolving distinct host-resident prompts of 16 blocks concurrently.
 - loop call: one `Ping` (answered on the host tier's socket thread) awaited on the store's loop, through the loop's
   own socket (`AsyncRpcClient`, what the loop path uses) and through the sync client's I/O thread.
 - `--ab N`: on the loop path, the store loop's own sockets vs the sync clients' I/O threads, for whole host-hit
@@ -42,7 +32,7 @@ DEALER/ROUTER round trip measured in the same run.
   (`kvproc/bench/observe_ab.py`).
 - `--observe-toggle R`: the same cost within one run and one cluster, switched on and off every round for R rounds
   (`kvproc/bench/observe_toggle.py`; `--toggled` picks the part, `none` is the A/A control).
-- `--ab-native N`: blocking host-hit resolves of 16/64/256 blocks with the store side's compiled helpers
+- `--ab-native N`: host-hit resolves of 16/64/256 blocks with the store side's compiled helpers
   (`kvproc.native._native`: hash chain, pool book-keeping) on vs off, interleaved batches of 5 (N x 10 each).
 Medians. A page is 2 arenas x 2 KiB (4 KiB per block, 16 tokens).
 """
@@ -50,7 +40,6 @@ Medians. A page is 2 arenas x 2 KiB (4 KiB per block, 16 tokens).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import json
 import os
@@ -83,13 +72,11 @@ PAGE = 16
 PROMPT_BASES = 2_146_435_069  # a prime, 2**20 + 2 below 2**31 - 1: room for a prompt of 2**20 tokens after it
 ARENA_BLOCK = 2048
 CONCURRENCY = 16
-# Interleaved arms per size: blocking / loop resolves after a pool churn each (caches trashed, as after an engine
-# step), raw2 (two raw round trips after the same churn), burst (blocking resolves back to back) and raw2_burst.
-ARMS = ("blocking", "speculative", "plain", "submit", "loop", "raw1", "raw2", "burst", "raw2_burst")
-# (arm, its raw baseline when it needs one round trip, when it needs two)
-RESOLVE_ARMS = (("blocking", "raw1", "raw2"), ("speculative", "raw1", "raw2"), ("plain", "raw1", "raw2"),
-                ("submit", "raw1", "raw2"), ("loop", "raw1", "raw2"), ("burst", "raw2_burst", "raw2_burst"))
-PROMPTS_PER_BATCH = 2 * (5 + 5 + 5 + 5 + 5 + 6)  # resolves the arms use per batch (two orders per batch)
+# Interleaved arms per size: resolves after a pool churn each (caches trashed, as after an engine step), raw2 (two raw
+# round trips after the same churn), burst (resolves back to back) and raw2_burst.
+ARMS = ("resolve", "raw2", "burst", "raw2_burst")
+RESOLVE_ARMS = (("resolve", "raw2"), ("burst", "raw2_burst"))  # (arm, its raw baseline: two round trips)
+PROMPTS_PER_BATCH = 2 * (5 + 6)  # resolves the arms use per batch (two orders per batch)
 
 RAW_ECHO = """
 import sys, zmq
@@ -175,7 +162,6 @@ class IpcBench:
         self.pool = store.pools[0]
         self._next = 0
         self._rid = 0
-        self.verified: Counter[str] = Counter()  # per arm: resolves that were verified loads (one message)
         self.resolved: Counter[str] = Counter()  # per arm: resolves
         # per arm: each kept resolve's time less its own Load's copy time on the worker's clock (`Copied.ns`), and
         # that copy time; resolves that did not make exactly one Load are not in these lists
@@ -191,13 +177,6 @@ class IpcBench:
         copier: Any = store.copiers[0]
         for kind in ("load", "save"):
             setattr(copier, kind, self._recording(getattr(copier, kind), self.orders[kind]))
-        blocking_load = copier.load_blocking
-
-        def record_blocking(order: Any, **kw: Any) -> Any:
-            self.orders["load"].append(order)
-            return blocking_load(order, **kw)
-
-        copier.load_blocking = record_blocking
 
     @staticmethod
     def _recording(fn: Callable[[Any], Any], into: list[Any]) -> Callable[[Any], Any]:
@@ -246,43 +225,25 @@ class IpcBench:
             self.churn()
         return raw.round_trips(k)
 
-    def resolve(self, tokens: list[int], blocks: int, path: str = "blocking", churn: bool = True,
-                arm: str | None = None, keep: bool = True) -> float:
+    def resolve(self, tokens: list[int], blocks: int, churn: bool = True, arm: str = "resolve",
+                keep: bool = True) -> float:
         if churn:
             self.churn()
-        config = self.store.config
-        if path == "plain":
-            self.store.config = dataclasses.replace(config, speculative_loads=False)
-        elif path == "speculative":
-            self.store.config = dataclasses.replace(config, verified_loads=False)
-        threads = self.store._resolve_threads
-        if path == "loop":
-            self.store._resolve_threads = None  # submit_resolve on the store's loop
         self._rid += 1
         rid = f"r{self._rid}"
         copier: Any = self.store.copiers[0]
         loads_before = copier.loads_copied
         t = time.perf_counter()
-        if path in ("submit", "loop"):
-            pre = self.store.submit_resolve(0, rid, tokens).result()
-        else:
-            pre = self.store.resolve_prefix_sync(0, rid, tokens)
+        pre = self.store.submit_resolve(0, rid, tokens).result()
         dt = time.perf_counter() - t
-        self.store.config = config
-        self.store._resolve_threads = threads
         if pre.host_tokens != blocks * PAGE:
             raise RuntimeError(f"expected a host hit of {blocks} blocks, got {pre}")
         pre.hold.release()
-        arm = arm or path
         if keep and copier.loads_copied == loads_before + 1:
             copy_s = copier.load_copy_ns[-1] / 1e9
             self.net.setdefault(arm, []).append(dt - copy_s)
             self.copy_in_situ.setdefault(arm, []).append(copy_s)
         self.resolved[arm] += 1
-        # Only the newest outcomes: scanning the whole history (4096 entries) between two timed resolves would cool the
-        # next one's caches more than the churn the raw baselines get.
-        loads = self.store.outcomes.for_request(rid, "load", last=8)
-        self.verified[arm] += [o.reason for o in loads] == ["verified"]
         return dt
 
     def worker_load_clock(self) -> tuple[int, int]:
@@ -349,7 +310,7 @@ def _ab(b: IpcBench, batches: int) -> dict[str, dict[str, float]]:
                     link.get = lambda sync=None: None  # off the loop's sockets: the sync client's I/O thread
                 else:
                     link.__dict__.pop("get", None)
-            times[kind] += [b.resolve(next(it), blocks, "loop") for _ in range(10)]
+            times[kind] += [b.resolve(next(it), blocks) for _ in range(10)]
         for link in links:
             link.__dict__.pop("get", None)
         out[str(blocks)] = {k: round(_median_us(v), 1) for k, v in times.items()}
@@ -357,7 +318,7 @@ def _ab(b: IpcBench, batches: int) -> dict[str, dict[str, float]]:
 
 
 def _ab_native(b: IpcBench, batches: int) -> dict[str, dict[str, float]]:
-    """Median blocking host-hit resolve with the store side's compiled helpers (hash chain, pool book-keeping) on vs
+    """Median host-hit resolve with the store side's compiled helpers (hash chain, pool book-keeping) on vs
     off, in interleaved batches of 5 (ABBA) on one ClusterStore; the workers and the tier keep theirs."""
     from kvproc.core import hashing, paged
 
@@ -453,7 +414,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--ab", type=int, default=0, metavar="N",
                     help="also compare resolves on the loop's own sockets vs the client I/O threads (N batches each)")
     ap.add_argument("--ab-native", type=int, default=0, metavar="N",
-                    help="also compare blocking resolves with the store side's compiled helpers on vs off (N batches)")
+                    help="also compare resolves with the store side's compiled helpers on vs off (N batches)")
     ap.add_argument("--kvproc-cpus", default=None, metavar="CPUS",
                     help="run the copy worker, the host tier and the raw echo server on these CPUs (e.g. 1 or 2,3): "
                          "kvproc's processes on cores of their own (default: wherever the OS puts them)")
@@ -525,14 +486,13 @@ def main(argv: list[str]) -> int:
                 it = iter(prompts[warm:])
                 worker_ns, worker_orders = b.worker_load_clock()
                 res_t: dict[str, list[float]] = {a: [] for a in ARMS}
-                b.verified.clear()
                 b.resolved.clear()
                 b.net.clear()
                 b.copy_in_situ.clear()
                 for i in range(batches * 2):
                     for arm in ARMS if i % 2 == 0 else ARMS[::-1]:  # ABC.. ..CBA: no arm always goes first
-                        if arm in ("raw1", "raw2"):  # the round trip(s) a host hit needs, after the same churn
-                            res_t[arm] += [b.raw_trips(raw, int(arm[-1])) for _ in range(5)]
+                        if arm == "raw2":  # the round trips a host hit needs, after the same churn
+                            res_t[arm] += [b.raw_trips(raw, 2) for _ in range(5)]
                         elif arm == "raw2_burst":
                             b.churn()
                             res_t[arm] += [b.raw_trips(raw, churn=False) for _ in range(6)][1:]
@@ -541,37 +501,25 @@ def main(argv: list[str]) -> int:
                             res_t[arm] += [b.resolve(next(it), blocks, churn=False, arm=arm, keep=k > 0)
                                            for k in range(6)][1:]
                         else:
-                            res_t[arm] += [b.resolve(next(it), blocks, arm) for _ in range(5)]
+                            res_t[arm] += [b.resolve(next(it), blocks) for _ in range(5)]
                 ns, orders = b.worker_load_clock()
                 in_situ_us = (ns - worker_ns) / max(1, orders - worker_orders) / 1e3
                 load_us, save_us = b.copy_times()
                 seal_us = _median_us(seal_t)
                 row: dict[str, Any] = {"blocks": blocks, "raw_rtt_us": round(raw_us, 1), "copy_us": round(load_us, 1),
                                        "copy_in_worker_us": round(in_situ_us, 1)}
-                for arm, base1, base2 in RESOLVE_ARMS:
-                    # the raw round trip(s) under the resolve's own conditions: one, or two (per trip)
-                    rtt1_us = _median_us(res_t[base1]) / (1 if base1 == "raw1" else 2)
-                    rtt2_us = _median_us(res_t[base2]) / 2
+                for arm, base in RESOLVE_ARMS:
+                    rtt_us = _median_us(res_t[base]) / 2  # the raw round trip under the resolve's own conditions
                     us = _median_us(res_t[arm])
-                    share = b.verified[arm] / b.resolved[arm]
-                    needed = 1 if share == 1.0 else 2  # a verified load's one message, else Query + Load
-                    rtt_us = rtt1_us if needed == 1 else rtt2_us
-                    row[f"raw_rtt_{base1}_us"] = round(rtt1_us, 1)
-                    row[f"raw_rtt_{base2}_us"] = round(rtt2_us, 1)
+                    row[f"raw_rtt_{base}_us"] = round(rtt_us, 1)
                     row[f"resolve_{arm}_us"] = round(us, 1)
-                    row[f"{arm}_verified_share"] = round(share, 3)
-                    row[f"{arm}_rtts_needed"] = needed
-                    # the issue's measure: each resolve less its own Load's copy as the worker timed it (the bytes'
-                    # cost where and when they moved), then the needed round trips
+                    # each resolve less its own Load's copy as the worker timed it (the bytes' cost where and when
+                    # they moved), then the two round trips it needs (Query, Load)
                     net_us = _median_us(b.net.get(arm, [float("nan")]))
                     row[f"{arm}_copy_in_situ_us"] = round(_median_us(b.copy_in_situ.get(arm, [float("nan")])), 1)
                     row[f"{arm}_one_load_share"] = round(len(b.net.get(arm, [])) / max(1, len(res_t[arm])), 3)
-                    row[f"{arm}_overhead_beyond_needed"] = round((net_us - needed * rtt_us) / rtt_us, 2)
-                    # the same against the in-process replay of the orders (stops 9-11's measure; the replay finds
-                    # the bytes warm in the cache the worker just read them into, so it understates the copy)
-                    row[f"{arm}_overhead_beyond_needed_replayed_copy"] = round(
-                        (us - load_us - needed * rtt_us) / rtt_us, 2)
-                    row[f"{arm}_overhead_beyond_2_rtts"] = round((net_us - 2 * rtt2_us) / rtt2_us, 2)
+                    row[f"{arm}_overhead_beyond_needed"] = round((net_us - 2 * rtt_us) / rtt_us, 2)
+                    row[f"{arm}_overhead_beyond_needed_replayed_copy"] = round((us - load_us - 2 * rtt_us) / rtt_us, 2)
                     row[f"{arm}_overhead_total_rtts"] = round(net_us / raw_us, 2)
                 results.append(row)
                 seals.append({"blocks": blocks, "seal_us": round(seal_us, 1), "copy_us": round(save_us, 1),
@@ -581,7 +529,6 @@ def main(argv: list[str]) -> int:
             loop_calls = _loop_calls(b, 50 if args.quick else 1000)
             ab = _ab(b, args.ab) if args.ab else {}
             ab_native = _ab_native(b, args.ab_native) if args.ab_native else {}
-            via_loop = int(store.counters["resolve_via_loop"])
         finally:
             b.close()
     finally:
@@ -596,49 +543,36 @@ def main(argv: list[str]) -> int:
           f"load {load:.2f}, hashing/pool/copy planning: {native.describe()}, "
           f"kvproc's processes and the raw echo "
           f"server on " + (f"CPUs {list(cpus)}" if cpus else "any CPU (not pinned)"))
-    print("| blocks | copy in situ / replayed (us) | raw RTT after churn, 1 / 2 trips (us per trip) | blocking (us) "
-          "| verified | RTTs needed | **overhead beyond them** | with the replayed copy "
-          "| beyond 2 RTTs "
-          "| speculative (us) | overhead beyond its 2 RTTs "
-          "| plain (us) | overhead beyond its 2 RTTs | submit (us) | overhead beyond its needed RTTs "
-          "| loop (us) | verified | overhead beyond its needed RTTs "
-          "| raw RTT, burst (us) | blocking, burst (us) | overhead beyond its needed RTTs "
-          "| seal (us) | seal overhead (hot RTTs) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| blocks | copy in situ / replayed (us) | raw RTT after churn (us per trip) | resolve (us) "
+          "| **overhead beyond 2 RTTs** | with the replayed copy | raw RTT, burst (us) | resolve, burst (us) "
+          "| overhead beyond 2 RTTs | seal (us) | seal overhead (hot RTTs) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r, s in zip(results, seals):
-        print(f"| {r['blocks']} | {r['blocking_copy_in_situ_us']:.0f} / {r['copy_us']:.0f} | "
-              f"{r['raw_rtt_raw1_us']:.0f} / {r['raw_rtt_raw2_us']:.0f} | "
-              f"{r['resolve_blocking_us']:.0f} | {r['blocking_verified_share']:.0%} | {r['blocking_rtts_needed']} | "
-              f"**{r['blocking_overhead_beyond_needed']:.2f}** | "
-              f"{r['blocking_overhead_beyond_needed_replayed_copy']:.2f} | "
-              f"{r['blocking_overhead_beyond_2_rtts']:.2f} | "
-              f"{r['resolve_speculative_us']:.0f} | {r['speculative_overhead_beyond_2_rtts']:.2f} | "
-              f"{r['resolve_plain_us']:.0f} | {r['plain_overhead_beyond_2_rtts']:.2f} | "
-              f"{r['resolve_submit_us']:.0f} | {r['submit_overhead_beyond_needed']:.2f} | "
-              f"{r['resolve_loop_us']:.0f} | {r['loop_verified_share']:.0%} | "
-              f"{r['loop_overhead_beyond_needed']:.2f} | {r['raw_rtt_raw2_burst_us']:.0f} | "
+        print(f"| {r['blocks']} | {r['resolve_copy_in_situ_us']:.0f} / {r['copy_us']:.0f} | "
+              f"{r['raw_rtt_raw2_us']:.0f} | {r['resolve_resolve_us']:.0f} | "
+              f"**{r['resolve_overhead_beyond_needed']:.2f}** | "
+              f"{r['resolve_overhead_beyond_needed_replayed_copy']:.2f} | {r['raw_rtt_raw2_burst_us']:.0f} | "
               f"{r['resolve_burst_us']:.0f} | {r['burst_overhead_beyond_needed']:.2f} | {s['seal_us']:.0f} | "
               f"{s['seal_rtt_overhead']:.2f} |")
-    print("copy of a resolve's Load order: the worker's own clock per order (median, blocking arm; what the overhead "
-          "subtracts, resolve by resolve) / mean over every arm / the same orders replayed in-process (warm): " +
-          ", ".join(f"{r['blocks']} blocks {r['blocking_copy_in_situ_us']:.0f} / {r['copy_in_worker_us']:.0f} / "
+    print("copy of a resolve's Load order: the worker's own clock per order (median; what the overhead subtracts, "
+          "resolve by resolve) / mean over every arm / the same orders replayed in-process (warm): " +
+          ", ".join(f"{r['blocks']} blocks {r['resolve_copy_in_situ_us']:.0f} / {r['copy_in_worker_us']:.0f} / "
                     f"{r['copy_us']:.0f} us" for r in results))
-    print("resolves with exactly one Load (the ones the overhead is taken over), blocking arm: " + ", ".join(
-        f"{r['blocks']} blocks {r['blocking_one_load_share']:.0%}" for r in results))
-    print(f"resolves/s with {CONCURRENCY} concurrent resolvers (16 blocks each, blocking path): {rps:.0f}; "
-          f"resolves the blocking path handed to the loop: {via_loop}")
+    print("resolves with exactly one Load (the ones the overhead is taken over): " + ", ".join(
+        f"{r['blocks']} blocks {r['resolve_one_load_share']:.0%}" for r in results))
+    print(f"resolves/s with {CONCURRENCY} concurrent resolvers (16 blocks each): {rps:.0f}")
     print(f"Ping awaited on the store loop: own socket {loop_calls['own_socket']:.0f} us, "
           f"via the client I/O thread {loop_calls['io_thread']:.0f} us")
     for size, r in ab.items():
         print(f"A/B loop-path host-hit resolve of {size} blocks, {args.ab} x 10 each, alternating: own socket "
               f"{r['own_socket']:.0f} us, via the client I/O threads {r['io_thread']:.0f} us")
     for size, r in ab_native.items():
-        print(f"A/B blocking host-hit resolve of {size} blocks, {args.ab_native} x 10 each, interleaved: store-side "
+        print(f"A/B host-hit resolve of {size} blocks, {args.ab_native} x 10 each, interleaved: store-side "
               f"compiled helpers {r['native']:.0f} us, pure Python {r['pure']:.0f} us")
     if args.json:
         doc: dict[str, Any] = {"kvproc_cpus": list(cpus) if cpus else None, "results": results, "seal": seals,
                                "resolves_per_s": round(rps, 1), "raw_rtt_us": round(raw_us, 1),
-                               "loop_call_us": loop_calls, "resolves_via_loop": via_loop, "native": native.describe()}
+                               "loop_call_us": loop_calls, "native": native.describe()}
         if ab:
             doc["ab_resolve_us"] = ab
         if ab_native:
@@ -647,10 +581,9 @@ def main(argv: list[str]) -> int:
     if args.plot:
         from kvproc.bench.plot import lines
 
-        series = {f"resolve, {arm}": [(r["blocks"], r[f"resolve_{arm}_us"]) for r in results]
-                  for arm in ("blocking", "submit", "loop", "plain")}
-        series["copy of the Load, in situ"] = [(r["blocks"], r["blocking_copy_in_situ_us"]) for r in results]
-        series["raw round trip x 1 (after churn)"] = [(r["blocks"], r["raw_rtt_raw1_us"]) for r in results]
+        series = {"resolve": [(r["blocks"], r["resolve_resolve_us"]) for r in results]}
+        series["copy of the Load, in situ"] = [(r["blocks"], r["resolve_copy_in_situ_us"]) for r in results]
+        series["raw round trip x 1 (after churn)"] = [(r["blocks"], r["raw_rtt_raw2_us"]) for r in results]
         series["seal (retire until saved)"] = [(s["blocks"], s["seal_us"]) for s in seals]
         lines(args.plot, series, title="kvproc bench ipc: host-hit resolve and seal", xlabel="blocks",
               ylabel="us (median)", logx=True, logy=True)

@@ -110,6 +110,12 @@ class BlockPool:
     def pinned_blocks(self) -> int:
         return self._pinned
 
+    def frees_blocks_by_itself(self) -> bool:
+        """Whether something in this pool will release blocks without any other request being resolved first: an
+        admitted request (it runs to its end) or a save's pin (its copy lands). Holds and reservations do not count:
+        a resolve or the engine releases those, and a resolve waiting for capacity must not wait for them."""
+        return bool(self.admitted_states) or self._pinned > 0
+
     def on_capacity_freed(self, callback: Callable[[], None]) -> Callable[[], None]:
         """Call `callback` (outside the lock, on the releasing thread) whenever blocks or slots are released.
         Returns an unsubscribe function. This is the pool-side waiter resolve uses instead of a sleep loop."""

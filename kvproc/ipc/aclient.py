@@ -345,7 +345,7 @@ class AsyncRpcClient:
                 reason = f"{self.peer}: said goodbye: {msg.reason}"
                 self._die(reason)
                 if self.follows is not None:
-                    self.follows.mark_dead(reason)  # the whole peer is leaving, as RpcClient's own sockets conclude
+                    self.follows.mark_dead(reason)  # the whole peer is leaving, as RpcClient's I/O thread concludes
                 return
             elif kind is m.Welcome:
                 if self._hs_timer is not None:

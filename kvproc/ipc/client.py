@@ -2,8 +2,10 @@
 
 `call(msg, deadline=..., cancel_token=...)` returns a `concurrent.futures.Future` that always resolves to exactly one
 terminal reply -- `Ok`, `Failed`, `Cancelled` or `PeerDead` -- and never raises; `reply.unwrap()` turns it into the
-payload or a typed exception. Asyncio code awaits `asyncio.wrap_future(fut)`; `request()` is the blocking form, and
-runs on a socket owned by the calling thread (`direct.py`), which saves two thread hand-offs per call.
+payload or a typed exception. Asyncio code awaits `asyncio.wrap_future(fut)` (the store's loop has a client of its own:
+`aclient.py`); `request()` is the blocking form. Blocking callers are few and off every hot path (set-up, stats,
+consoles): a socket per calling thread, which saved two thread hand-offs a call, was removed with the blocking
+resolver it served (bench/RESULTS.md, "Control path").
 
 Why a call always ends:
 - the server replies (its handlers' exceptions become `Failed`, never a silent drop);
@@ -30,7 +32,6 @@ import zmq
 
 from kvproc.ipc import messages as m
 from kvproc.ipc.cancel import CancelToken
-from kvproc.ipc.direct import LATE, DirectCalls
 from kvproc.ipc.errors import CallCancelled, DeadlineExceeded, HandshakeRefused, PeerDeadError
 from kvproc.ipc.sockets import GOODBYE_LINGER_MS, NOBLOCK, POLLIN, configure_socket, new_session
 from kvproc.ipc.undecodable import failed_for
@@ -77,7 +78,7 @@ class RpcClient:
         self._grace = deadline_grace_s
         self._ids = itertools.count(1)  # 0 is reserved for frame errors that carry no call id
         # The I/O socket's session id: every message on it carries it (`messages.py`, "Sessions"). `identity` is the
-        # client identity the server bounds its peers by: one per process (the threads' own sockets: `direct.py`).
+        # client identity the server bounds its peers by: one per process.
         self._session = new_session()
         self.identity = f"{name}@{os.getpid()}"
         self._goodbye = False  # close(): the I/O socket says Goodbye before it closes
@@ -89,7 +90,6 @@ class RpcClient:
         self._closing = False
         self._outbox: queue.SimpleQueue[tuple[bytes, int, float]] = queue.SimpleQueue()
         self._waker = Waker()
-        self._direct = DirectCalls(self, self._ctx, hwm)
         self._welcome: Future[m.Welcome] = Future()
         self._thread: threading.Thread | None = None
         self.server_pid = 0
@@ -118,11 +118,9 @@ class RpcClient:
         return welcome
 
     def close(self) -> None:
-        """Fail whatever is pending with PeerDead("client closed") and stop the I/O thread. The calling threads' own
-        sockets close first, while the peer is still reachable: their fire-and-forget replies are read (bounded by
-        `direct.ONEWAY_SETTLE_S`), not reported unread. Every socket says `Goodbye` on the way out (when the peer is
-        not dead), so the server forgets it at once rather than when it sees the connection close."""
-        self._direct.close()
+        """Fail whatever is pending with PeerDead("client closed") and stop the I/O thread. The socket says `Goodbye`
+        on the way out (when the peer is not dead), so the server forgets it at once rather than when it sees the
+        connection close."""
         self._goodbye = True
         self.mark_dead(f"{self.peer}: client closed")
         self._closing = True
@@ -140,7 +138,6 @@ class RpcClient:
             self._dead = reason
             pending, self._pending = self._pending, {}
             listeners, self._death_listeners = self._death_listeners, []
-        self._direct.signal_death()
         if not self._welcome.done():
             self._welcome.set_exception(PeerDeadError(reason))
         for call_id, entry in pending.items():
@@ -239,63 +236,26 @@ class RpcClient:
             self._send_cancel(cancel_token.id)  # cancelled between the check above and now
         return fut
 
-    def request(
-        self,
-        msg: m.RequestBody,
-        *,
-        deadline: float | None = None,
-        timeout: float | None = None,
-        cancel_token: CancelToken | None = None,
-        wait_until: float | None = None,
-        on_late: Callable[[Any], None] | None = None,
-        overlap: Callable[[], None] | None = None,
-        wake_on: CancelToken | None = None,
-    ) -> Any:
-        """Blocking form of `call`: returns the payload or raises RemoteError / CallCancelled / PeerDeadError.
-        `overlap` (must not raise) runs once the request is sent, while its reply is awaited (unless the call fails
-        before it is sent). `wake_on`: a token whose cancellation ends a `wait_until` wait early (LATE) without
-        cancelling the call itself (it is not sent to the server).
-
-        With `wait_until` (before the deadline) and `on_late`: if no reply has come by `wait_until`, returns `LATE`
-        and the call's one terminal reply (Ok / Failed / Cancelled / PeerDead) goes to `on_late` when it comes, on
-        another thread. For a call that cannot be taken back, e.g. a copy order whose destination stays reserved."""
+    def request(self, msg: m.RequestBody, *, deadline: float | None = None, timeout: float | None = None,
+                cancel_token: CancelToken | None = None) -> Any:
+        """Blocking form of `call`: returns the payload or raises RemoteError / CallCancelled / PeerDeadError."""
         if deadline is None:
             deadline = time.monotonic() + (self.default_timeout_s if timeout is None else timeout)
         if self._dead is not None:
             raise PeerDeadError(self._dead)
         if cancel_token is not None and cancel_token.cancelled:
             raise CallCancelled(cancel_token.id)
-        if self.server_pid and not self._closing:  # handshake done (a Future.done() would take a lock)
-            # this thread's own socket: no hand-off
-            reply = self._direct.request(msg, deadline, cancel_token, wait_until, on_late, overlap, wake_on)
-            if reply is LATE:
-                return LATE
-            if reply is not None:
-                return reply.unwrap()
         fut = self.call(msg, deadline=deadline, cancel_token=cancel_token)
-        if overlap is not None:
-            overlap()
         try:
-            if on_late is not None and wait_until is not None and wait_until < deadline:
-                try:
-                    reply = fut.result(max(0.0, wait_until - time.monotonic()))
-                except TimeoutError:
-                    fut.add_done_callback(lambda f: on_late(f.result()))  # at once if it ended meanwhile
-                    return LATE
-            else:
-                reply = fut.result(max(0.0, deadline - time.monotonic()) + self._grace + 5.0)
+            reply = fut.result(max(0.0, deadline - time.monotonic()) + self._grace + 5.0)
         except TimeoutError:
             raise DeadlineExceeded(f"{self.peer}: no reply to {type(msg).__name__} (client I/O stalled)") from None
         return reply.unwrap()
 
     def send_oneway(self, msg: m.RequestBody, *, timeout: float, on_reply: Callable[[Any], None]) -> None:
         """Fire-and-forget: send `msg`; its one terminal reply (Ok / Failed / Cancelled / PeerDead) goes to
-        `on_reply` later. On the calling thread's own socket when it has one (`direct.py`: no I/O-thread wake-up;
-        the reply is read at that thread's next call), else through the I/O thread. Never raises."""
-        deadline = time.monotonic() + timeout
-        if self.server_pid and not self._closing and self._direct.oneway(msg, deadline, on_reply):
-            return
-        self.call(msg, deadline=deadline).add_done_callback(lambda f: on_reply(f.result()))
+        `on_reply` later, on the I/O thread. Never raises."""
+        self.call(msg, deadline=time.monotonic() + timeout).add_done_callback(lambda f: on_reply(f.result()))
 
     def cancel(self, token_id: int) -> None:
         """Send `Cancel(token_id)` to this peer (normally done for you when a passed CancelToken is cancelled)."""

@@ -58,7 +58,6 @@ Tag table (ranges: 1-49 envelope and control, 100-199 runtime requests, 200-299 
 | 307 | AbortSave      | host-tier request  | the copy failed: free the save's slots                           |
 | 308 | RevokeHandoff  | host-tier request  | "nobody will read this": drop a producer's hand-off pins         |
 | 309 | TierStats      | host-tier request  | the index's counters                                             |
-| 310 | TouchPages     | host-tier request  | entries used without a query (verified load): refresh their LRU  |
 | 400 | Configured     | host-tier payload  | the host segment's name and the layout in force                  |
 | 401 | TierMiss       | host-tier payload  | Query: nothing usable                                            |
 | 402 | TierLoading    | host-tier payload  | Query: a save in flight will fill the next page (wait on save_id)|
@@ -369,10 +368,6 @@ class TierStats(Request, tag=309):
     pass
 
 
-class TouchPages(Request, tag=310):
-    keys: list[bytes]  # page hashes a store restored from a verified speculative load (no query, no lease)
-
-
 class Configured(Payload, tag=400):
     segment: str
     layout: HostLayoutSpec
@@ -401,7 +396,7 @@ class TierHit(Payload, tag=403):
     lease_id: int
     page_slots: list[int]
     bounded_slots: dict[str, int]
-    page_gens: list[int] = []  # each page slot's generation (speculative loads check against it)
+    page_gens: list[int] = []  # each page slot's generation (a copy out of them checks it after: `TierSlots`)
 
 
 class TierSaveTicket(Payload, tag=404):
@@ -412,7 +407,6 @@ class TierSaveTicket(Payload, tag=404):
     page_slots: list[Union[int, None]]  # None: already present (dedup), nothing to copy
     bounded_slots: dict[str, Union[int, None]]
     expires: float  # the tier's monotonic clock; informational
-    page_gens: list[Union[int, None]] = []  # generation of each reserved page slot (None: not reserved)
     fence: int = -1  # the save's fence word (`kvproc/tiers/save_fence.py`); -1: none
     fence_token: int = 0
 
@@ -533,7 +527,6 @@ class Attached(Payload, tag=601):
 RequestBody = Union[
     Ping, Stats, Profile, Shutdown, Sleep, Fail, Echo,
     Configure, Query, WaitSettled, WaitKey, ReleaseLease, ReserveSave, CommitSave, AbortSave, RevokeHandoff, TierStats,
-    TouchPages,
     AttachArenas, Save, Load, DeviceCopy, EngineMove,
 ]  # fmt: skip
 PayloadBody = Union[

@@ -10,9 +10,6 @@
  * - paged_*: the per-block loops of `kvproc.core.paged.PagedBlocks` (refcounts, generations, the prefix index), one
  *   pass each where numpy needs several calls of fixed overhead on a resolve's few dozen ids.
  * - fence_cas: the atomic compare-and-swap of a save's fence word (`kvproc/tiers/save_fence.py`).
- * - slot_verify: the seqlock check of a speculative load against the host tier's slot table (`slot_table.py`).
- * - SlotMap (`_slotmap.c`): the store's slot cache as one open-addressing table, its lookups and the check before
- *   the copy in one pass (`slot_cache.py`).
  * - EventLog (`_kv_events.c`): a device pool's KV events logged as its index changes, each batch written as msgpack.
  * - copy_plan: the run split of a copy order (`kvproc.workers.copy_exec.split_runs` + `_bounds`) in one pass over
  *   the two id lists, where numpy's version costs ~25 calls of fixed overhead whatever the order's size.
@@ -682,73 +679,6 @@ static PyObject *lru_stamp(PyObject *self, PyObject *args) {
     return out;
 }
 
-/* ---- the host tier's slot table ------------------------------------------------------------------------------ */
-
-/* `slot_holds` (_native.h) for a key object: its tag is its first 8 bytes, little endian, zero-padded. -1 with an
- * exception set if `key` is not bytes. */
-static int belief_holds(const int64_t *gen, const int64_t *tag, Py_ssize_t limit, long long s, long long g,
-                        PyObject *key) {
-    if (!PyBytes_Check(key)) {
-        PyErr_SetString(PyExc_TypeError, "slot table check: keys must be bytes");
-        return -1;
-    }
-    const uint8_t *kb = (const uint8_t *)PyBytes_AS_STRING(key);
-    Py_ssize_t kl = PyBytes_GET_SIZE(key);
-    uint64_t t = 0;
-    for (Py_ssize_t i = 0; i < 8 && i < kl; i++) t |= (uint64_t)kb[i] << (8 * i);
-    return slot_holds(gen, tag, limit, s, g, t);
-}
-
-/* slot_verify(gen_row, tag_row, slots, gens, keys) -> int: how many leading (slot, generation, key) beliefs the
- * table confirms (`kvproc.tiers.slot_table.verified_run`: generation equal, tag = the key's first 8 bytes, little
- * endian, zero-padded; 0 never matches: it means "nothing committed"). A slot outside the table ends the run. The
- * table is shared memory another process writes: the acquire fence keeps these reads after whatever the caller
- * observed before the call (the copy's reply). */
-static PyObject *slot_verify(PyObject *self, PyObject *args) {
-    PyObject *objs[2], *slots_o, *gens_o, *keys_o;
-    if (!PyArg_ParseTuple(args, "OOOOO", &objs[0], &objs[1], &slots_o, &gens_o, &keys_o)) return NULL;
-    if (!PyList_Check(slots_o) || !PyList_Check(gens_o) || !PyList_Check(keys_o)) {
-        PyErr_SetString(PyExc_TypeError, "slot_verify: slots, gens and keys must be lists");
-        return NULL;
-    }
-    Arr a[2];
-    Py_ssize_t limit;
-    if (get_arrs(2, objs, a, (const Py_ssize_t[]){8, 8}, (const char *const[]){"gen_row", "tag_row"}, &limit))
-        return NULL;
-    Py_ssize_t n = PyList_GET_SIZE(slots_o);
-    if (PyList_GET_SIZE(gens_o) < n) n = PyList_GET_SIZE(gens_o);
-    if (PyList_GET_SIZE(keys_o) < n) n = PyList_GET_SIZE(keys_o);
-    const int64_t *gen = a[0].view.buf, *tag = a[1].view.buf;
-    Py_ssize_t ok = 0;
-    PyObject *result = NULL;
-    long long *sg = PyMem_Malloc((size_t)(n ? n : 1) * 2 * sizeof(long long));
-    if (!sg) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    /* Every row the check reads is requested before the first is compared: the misses overlap. */
-    for (Py_ssize_t i = 0; i < n; i++) {
-        long long s = sg[2 * i] = PyLong_AsLongLong(PyList_GET_ITEM(slots_o, i));
-        sg[2 * i + 1] = PyLong_AsLongLong(PyList_GET_ITEM(gens_o, i));
-        if (PyErr_Occurred()) goto done;
-        if (s >= 0 && s < limit) {
-            __builtin_prefetch(&gen[s]);
-            __builtin_prefetch(&tag[s]);
-        }
-    }
-    __atomic_thread_fence(__ATOMIC_ACQUIRE);
-    for (; ok < n; ok++) {
-        int holds = belief_holds(gen, tag, limit, sg[2 * ok], sg[2 * ok + 1], PyList_GET_ITEM(keys_o, ok));
-        if (holds < 0) goto done;
-        if (!holds) break;
-    }
-    result = PyLong_FromSsize_t(ok);
-done:
-    PyMem_Free(sg);
-    release_arrs(2, a);
-    return result;
-}
-
 /* fence_cas(row, index, expected, desired) -> bool: one atomic compare-and-swap of row[index] (a writable int64 buffer,
  * in shared memory: the host tier's save-fence row, `kvproc/tiers/save_fence.py`). The tier and the copy workers are
  * separate processes writing the same word, so the read-compare-write must be one instruction. */
@@ -786,7 +716,6 @@ static PyMethodDef methods[] = {
     {"paged_register", paged_register, METH_VARARGS, "paged_register(hashed, block_hash, index, ids, hashes, added=None) -> n"},
     {"paged_unhash", paged_unhash, METH_VARARGS, "paged_unhash(hashed, block_hash, index, ids, removed=None)"},
     {"lru_stamp", lru_stamp, METH_VARARGS, "lru_stamp(stamp, ids, seq) -> ids already stamped"},
-    {"slot_verify", slot_verify, METH_VARARGS, "slot_verify(gen_row, tag_row, slots, gens, keys) -> leading matches"},
     {"fence_cas", fence_cas, METH_VARARGS, "fence_cas(row, index, expected, desired) -> swapped (atomic)"},
     {NULL, NULL, 0, NULL},
 };
@@ -796,7 +725,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "kvproc.native._nativ
 
 PyMODINIT_FUNC PyInit__native(void) {
     PyObject *mod = PyModule_Create(&module);
-    if (mod && (kvproc_add_slotmap(mod) < 0 || kvproc_add_kv_events(mod) < 0 || kvproc_add_digest_chain(mod) < 0 ||
+    if (mod && (kvproc_add_kv_events(mod) < 0 || kvproc_add_digest_chain(mod) < 0 ||
                 kvproc_add_sketch(mod) < 0 || kvproc_add_prefix_index(mod) < 0))
         Py_CLEAR(mod);
     return mod;

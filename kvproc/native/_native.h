@@ -16,20 +16,6 @@ static inline uint32_t load32_le(const uint8_t *p) {
     return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
 }
 
-/* The one rule of the host tier's slot table (`kvproc/tiers/slot_table.py`) that every check applies: slot `s` holds
- * the committed bytes of the key tagged `t` (its first 8 bytes, little endian) at generation `g`. Tag 0 means
- * "nothing committed" and never matches; a slot outside the table never matches. The table is shared memory the tier
- * writes: callers fence (acquire) before their reads. */
-static inline int slot_holds(const int64_t *gen, const int64_t *tag, Py_ssize_t limit, long long s, long long g,
-                             uint64_t t) {
-    if (s < 0 || s >= limit || t == 0) return 0;
-    return __atomic_load_n(&gen[s], __ATOMIC_RELAXED) == (int64_t)g &&
-           (uint64_t)__atomic_load_n(&tag[s], __ATOMIC_RELAXED) == t;
-}
-
-/* _slotmap.c: adds the SlotMap type to the module; -1 with an exception set on failure. */
-int kvproc_add_slotmap(PyObject *module);
-
 /* _kv_events.c: adds the EventLog type (a device pool's KV events, logged and written as msgpack); -1 with an exception set. */
 int kvproc_add_kv_events(PyObject *module);
 

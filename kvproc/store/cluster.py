@@ -334,15 +334,12 @@ class ClusterStore:
 
     def _rebind(self, rank: int, conf: m.Configured) -> None:
         """A replaced tier, before the store's client to it is in place: the store's tier object speaks for the new
-        one (the next epoch, no backlog of old ids, the new segment's slot table mapped and the old one's unmapped),
-        and the store forgets where the old one held pages (its slot hints)."""
+        one (the next epoch, no backlog of old ids)."""
         layout = layout_from_wire(conf.layout)
         self.tiers[rank].rebind(layout, conf.segment, wants_token_ids=conf.token_ids, wants_parent_key=conf.kv_events)
         self.host_layouts[rank], self.host_segments[rank] = layout, conf.segment
         self._incarnations[rank] = conf.incarnation
         self.tier_evictions[rank] = conf.eviction  # a replaced `kvproc up` may have been started with another one
-        if self.store is not None:
-            self.store.slot_caches[rank].clear()
 
     def _rehost(self, rank: int, conf: m.Configured) -> None:
         """The copy workers that used the replaced tier attach to the new tier's segment (as the next host epoch:

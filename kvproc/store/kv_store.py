@@ -36,7 +36,6 @@ from kvproc.ipc.orders import BoundedCopy, SaveOrder, SlotCopy
 from kvproc.runtime.histogram import Histogram, is_histogram_key
 from kvproc.runtime.loopthread import LoopThread
 from kvproc.store.resolve import Resolver
-from kvproc.store.resolve_blocking import BlockingResolver
 from kvproc.store.types import (
     HandoffUnavailable,
     InvalidSealCursor,
@@ -50,16 +49,8 @@ from kvproc.store.types import (
 )
 from kvproc.tiers.api import Copier, Tier
 from kvproc.tiers.host_index import SaveTicket, Shed
-from kvproc.tiers.slot_cache import SlotCache
-from kvproc.tiers.touch_batch import TouchBatch
 
 log = structlog.get_logger("kvproc.store.kv_store")
-
-
-def _cache_capacity(tier: Tier) -> int:
-    """A tier holds at most its page slots: more hints than that are stale by construction."""
-    layout = getattr(tier, "layout", None)
-    return max(1, int(getattr(layout, "page_slots", 0) or 1 << 16))
 
 
 class KvStore:
@@ -128,26 +119,12 @@ class KvStore:
         self._resolve_latency = {k: Histogram("resolve_latency_seconds", k) for k in ("host", "device", "miss")}
         self._loop = LoopThread()
         self._saves: list[set[asyncio.Task[None]]] = [set() for _ in self.layouts]
-        # Loads a resolve stopped waiting for (asyncio futures from the loop path, concurrent ones from the blocking
-        # path), until they settle.
+        # Loads a resolve stopped waiting for, until they settle.
         self._loads: list[set[Any]] = [set() for _ in self.layouts]
-        self._late_lock = threading.Lock()  # a blocking load turning late vs its reply arriving on the reaper thread
         self._parked: list[dict[str, RequestKv]] = [{} for _ in self.layouts]
         self._cacheable_pinned = [0] * len(self.layouts)
         self._acct = threading.Lock()  # cacheable pin budget and seal cursors: touched by engine threads and the loop
-        # Per rank (one per tier: the ranks of a REPLICATED model share theirs): where the tier holds pages this
-        # store saved or was served (hints for speculative loads).
-        self.slot_caches = tuple(SlotCache(_cache_capacity(t)) for t in self.tiers[:1]) * len(self.tiers) if \
-            self.replicated else tuple(SlotCache(_cache_capacity(t)) for t in self.tiers)
-        # Per tier: pages restored by verified loads, told to the tier in batches (its LRU sees the use).
-        self.touches = tuple(TouchBatch(self._loop, t) for t in self.tiers[:1]) * len(self.tiers) if \
-            self.replicated else tuple(TouchBatch(self._loop, t) for t in self.tiers)
         self._resolver = Resolver(self)
-        self._blocking = BlockingResolver(self, self._resolver)
-        self._resolve_threads: concurrent.futures.ThreadPoolExecutor | None = None
-        if config.resolve_threads > 0 and self._blocking.capable:
-            self._resolve_threads = concurrent.futures.ThreadPoolExecutor(config.resolve_threads,
-                                                                          thread_name_prefix="kvproc-resolve")
         self._closed = False
 
     @property
@@ -229,57 +206,20 @@ class KvStore:
         cancel: CancelToken | None = None,
     ) -> concurrent.futures.Future[KvPrefix]:
         """Thread form of `resolve_prefix` (its `tokens` rule too): a future with the `KvPrefix` (never an exception
-        for a degrade).
-
-        Runs on the store's resolve threads where the tier and copiers have blocking forms (`StoreConfig.
-        resolve_threads`): the blocking path, whose host hit costs its round trips and no hop through the loop per
-        call; a resolve that has to wait continues on the loop and frees its thread. Full-hit waits (a hand-off's
-        consumer) go to the loop at once: they wait anyway."""
+        for a degrade). The resolve runs on the store's loop."""
         self._check_rank(rank)
         self._check_resolve_args(scope, policy, cancel)
         t0 = time.perf_counter_ns()
-        fut = self._submit_resolve(rank, req_id, tokens, scope, policy, cancel)
+        fut = self._loop.submit(self._resolver.resolve(rank, req_id, tokens, scope, policy, cancel))
         fut.add_done_callback(functools.partial(self._observe_resolve_future, t0))
         return fut
-
-    def _submit_resolve(self, rank: int, req_id: str, tokens: Sequence[int] | np.ndarray, scope: HashScope,
-                        policy: ResolvePolicy, cancel: CancelToken | None) -> concurrent.futures.Future[KvPrefix]:
-        pool = self._resolve_threads
-        if pool is None or policy.wait_for_full_hit:
-            return self._loop.submit(self._resolver.resolve(rank, req_id, tokens, scope, policy, cancel))
-        out: concurrent.futures.Future[KvPrefix] = concurrent.futures.Future()
-
-        def run() -> None:
-            if not out.set_running_or_notify_cancel():
-                return  # the caller cancelled the future before a thread took it: nothing was started
-            try:
-                r = self._blocking.resolve_or_continue(rank, req_id, tokens, scope, policy, cancel)
-            except BaseException as e:  # a bug (a degrade is a result): the caller sees it, as on the loop
-                out.set_exception(e)
-                return
-            if isinstance(r, KvPrefix):
-                out.set_result(r)
-            else:
-                r.add_done_callback(functools.partial(_relay, out))
-
-        try:
-            pool.submit(run)
-        except RuntimeError:  # the store is closing: the loop takes it (and refuses it if closed too)
-            return self._loop.submit(self._resolver.resolve(rank, req_id, tokens, scope, policy, cancel))
-        return out
 
     def resolve_prefix_sync(self, rank: int, req_id: str, tokens: Sequence[int] | np.ndarray,
                             scope: HashScope = DEFAULT_SCOPE, policy: ResolvePolicy = ResolvePolicy(),
                             cancel: CancelToken | None = None) -> KvPrefix:
-        """Blocking `resolve_prefix`, same result and rules. A host hit that needs no waiting runs on the calling
-        thread (`store/resolve_blocking.py`: one or two round trips, no hand-off to the store's loop); the rest
-        (Loading, full-hit waits, pool pressure) continues on the loop. Not from the store's own loop."""
-        self._check_rank(rank)
-        self._check_resolve_args(scope, policy, cancel)
-        t0 = time.perf_counter_ns()
-        prefix = self._blocking.resolve(rank, req_id, tokens, scope, policy, cancel)
-        self._observe_resolve(t0, prefix)
-        return prefix
+        """Blocking `resolve_prefix`, same result and rules (it waits for `submit_resolve`'s future). Not from the
+        store's own loop."""
+        return self.submit_resolve(rank, req_id, tokens, scope, policy, cancel).result()
 
     def _observe_resolve(self, t0_ns: int, prefix: KvPrefix) -> None:
         kind = "host" if prefix.host_tokens else "device" if prefix.device_tokens else "miss"
@@ -478,9 +418,6 @@ class KvStore:
                                   ticket.fence_token, event)
                 await self.copiers[rank].save(order)
             unpin()  # the bytes are copied: the source blocks need not wait for the commit's answer
-            # The bytes are in the slots now: hints for speculative loads (see `tiers/slot_cache.py` for why
-            # learning before the commit's reply is safe).
-            self.slot_caches[rank].learn(ticket.keys, ticket.page_slots, ticket.page_gens)
             if await tier.commit_save(ticket.save_id, timeout=self.config.tier_call_timeout_s):
                 state, reason = "ok", ""
             else:  # the tier gave the slots back first (TTL, abort): nothing of it is visible
@@ -621,8 +558,7 @@ class KvStore:
             out[f"rank{r}"] = pool.stats() | {"parked": len(self._parked[r]),
                                               "saves_in_flight": len(self._saves[r]),
                                               "loads_abandoned_in_flight": len(self._loads[r]),
-                                              "cacheable_pinned": self._cacheable_pinned[r],
-                                              "slot_hints": len(self.slot_caches[r]) if self.slot_caches else 0}
+                                              "cacheable_pinned": self._cacheable_pinned[r]}
         out["tier_available"] = bool(self.tier is not None and self.tier.available)
         # "tier" is rank 0's (a one-rank store's), "tier1".. the others' (one key per tier: a REPLICATED model's
         # ranks share rank 0's)
@@ -644,16 +580,12 @@ class KvStore:
         for r, pool in enumerate(self.pools):
             out.update({f"rank{r}.{k}": int(v) for k, v in pool.stats().items()})
             out[f"rank{r}.parked"] = len(self._parked[r])
-            if self.slot_caches:
-                out[f"rank{r}.slot_hints"] = len(self.slot_caches[r])
         return out
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        if self._resolve_threads is not None:  # resolves already taken finish (a waiting one continues on the loop)
-            self._resolve_threads.shutdown(wait=True)
         deadline = time.monotonic() + 10
         for r in range(len(self.pools)):
             try:
@@ -664,8 +596,6 @@ class KvStore:
             for kv in list(self._parked[r].values()):
                 kv.release()
             self._parked[r].clear()
-        for t in dict.fromkeys(self.touches):
-            t.flush()
         self._loop.stop()
 
     def __enter__(self) -> "KvStore":
@@ -673,15 +603,6 @@ class KvStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _relay(out: "concurrent.futures.Future[KvPrefix]", done: "concurrent.futures.Future[KvPrefix]") -> None:
-    """A resolve continued on the loop has ended: its result (or exception) becomes the caller's."""
-    exc = done.exception() if not done.cancelled() else concurrent.futures.CancelledError()
-    if exc is not None:
-        out.set_exception(exc)
-    else:
-        out.set_result(done.result())
 
 
 __all__ = ["KvPrefix", "KvStore", "ResolvePolicy", "ReusePolicy", "SaveClass", "SealCursor", "StoreConfig"]

@@ -24,7 +24,8 @@ class LocalTier:
         self.layout = layout
         self.wants_token_ids = self.wants_parent_key = False  # an in-process tier publishes no KV events
         self.host = host if host is not None else np.zeros(layout.total_bytes, dtype=np.uint8)
-        # The slot table lives in the arena, as in the host-tier process (a store reads it the same way).
+        # The slot table lives in the arena, as in the host-tier process (the direct path reads its generations and
+        # save fences there: `store/tier_slots.py`).
         self.slot_table: np.ndarray | None = None
         if layout.slot_table_offset >= 0:
             off = layout.slot_table_offset
@@ -82,9 +83,6 @@ class LocalTier:
 
     def release_lease(self, lease_id: int, consume_handoff: str | None = None) -> None:
         self.index.release_lease(lease_id, consume_handoff=consume_handoff)
-
-    def touch(self, keys: Sequence[bytes]) -> None:
-        self.index.touch(keys)
 
     async def reserve_save(self, req_id: str, keys: Sequence[bytes], bounded_groups: Sequence[str],
                            save_class: SaveClass, *, timeout: float, token_ids: np.ndarray | None = None,

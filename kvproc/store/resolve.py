@@ -7,11 +7,9 @@ device blocks waits; one that holds some goes on with its device hit: `pool_pres
 reservation travels with it until it settles, even past the deadline); commit into the index; return the hold.
 The lease is released on every path that does not consume it.
 
-Speculative load (`StoreConfig.speculative_loads`, paged-only specs), as on the blocking path
-(`store/resolve_blocking.py`): when the store's `SlotCache` knows where the tier holds the next pages, their Load
-starts on free blocks before the first query; the hit then keeps the leading pages whose (slot, generation) it names,
-the rest of the hit is loaded as usual, and a speculation the answer does not use settles in the background (its
-blocks go back when its copy ends; `flush_loads` waits for it).
+One form only: the store once also resolved on threads of its own (a blocking resolver) and loaded pages before the
+tier's answer from a cache of slot hints, checked against the tier's slot table. Each saved a round trip or a loop hop
+in a micro-benchmark; the end-to-end demo was as fast without them (bench/RESULTS.md, "Control path"), so they went.
 """
 
 from __future__ import annotations
@@ -31,10 +29,13 @@ from kvproc.ipc.orders import BoundedCopy, LoadOrder
 from kvproc.store.types import KvPrefix, ResolvePolicy
 from kvproc.tiers.api import LATE_REPLY_GRACE_S
 from kvproc.tiers.host_index import Hit, Loading, Miss
-from kvproc.tiers.slot_table import verified_run
 
 if TYPE_CHECKING:
     from kvproc.store.kv_store import KvStore
+
+
+# A resolve waiting for pool capacity looks again this often (a release it missed, or nothing left that frees blocks).
+CAPACITY_RECHECK_S = 0.25
 
 
 class Degrade(Exception):
@@ -42,11 +43,6 @@ class Degrade(Exception):
         super().__init__(reason)
         self.reason = reason
 
-
-def tier_epoch(tier: Any) -> int:
-    """The tier's current attachment (`RemoteTier.epoch`; 0 for one that is never replaced): a speculative load's
-    slots come from hints about it."""
-    return int(getattr(tier, "epoch", 0))
 
 
 def load_order(req_id: str, res: Hit, reservation: Any) -> LoadOrder:
@@ -87,27 +83,6 @@ class MissBreaker:
 
 
 @dataclass
-class _Speculation:
-    """A Load started from the slot cache before the tier answered (module docstring)."""
-
-    slots: list[int]
-    gens: list[int]
-    reservation: Any
-    load: "asyncio.Future[int]"
-    skip_query: bool  # every wanted page, verifiable against the slot table: no query unless it fails
-    taken: bool = False  # a hit (or the verification) took it over (it settles there, whatever happens)
-
-
-def confirmed_pages(slots: Sequence[int], gens: Sequence[int], res: Hit) -> int:
-    """How many leading pages of a speculative load the hit confirms: same slot and same generation."""
-    n = min(len(slots), res.pages, len(res.page_gens))
-    ok = 0
-    while ok < n and slots[ok] == res.page_slots[ok] and gens[ok] == res.page_gens[ok]:
-        ok += 1
-    return ok
-
-
-@dataclass
 class Started:
     """A resolve that needs the tier: its device hit so far, the hashes and how far the tier may extend it."""
 
@@ -126,8 +101,8 @@ class Resolver:
 
     def begin(self, rank: int, req_id: str, tokens: Sequence[int] | np.ndarray, scope: HashScope,
               policy: ResolvePolicy, cancel: CancelToken | None) -> KvPrefix | Started:
-        """Everything before the tier (any thread): the finished prefix when the tier has nothing to add, else the
-        device hit (held) and what to ask the tier for."""
+        """Everything before the tier: the finished prefix when the tier has nothing to add, else the device hit
+        (held) and what to ask the tier for."""
         store = self.store
         pool = store.pools[rank]
         deadline = time.monotonic() + (store.config.resolve_deadline_s if policy.deadline_s is None
@@ -179,10 +154,6 @@ class Resolver:
         st = self.begin(rank, req_id, tokens, scope, policy, cancel)
         if isinstance(st, KvPrefix):
             return st
-        return await self.resolve_started(rank, req_id, st, scope, policy, cancel)
-
-    async def resolve_started(self, rank: int, req_id: str, st: Started, scope: HashScope, policy: ResolvePolicy,
-                              cancel: CancelToken | None) -> KvPrefix:
         try:
             pages: int | Degrade = await self._from_tier(rank, req_id, st.hashes, st.prefix.hold, st.dev, st.cap,
                                                           scope, policy, cancel, st.deadline)
@@ -225,72 +196,13 @@ class Resolver:
     async def _from_tier(self, rank: int, req_id: str, hashes: list[bytes], hold: Any, dev: int, cap: int,
                          scope: HashScope, policy: ResolvePolicy, cancel: CancelToken | None,
                          deadline: float) -> int:
-        want = hashes[dev:cap]
-        spec = self._speculate(rank, req_id, want, policy)
-        if spec is not None and spec.skip_query:
-            spec.taken = True  # settled here, whatever happens
-            return await self._verified(rank, req_id, hashes, hold, dev, cap, scope, policy, cancel, deadline, spec)
-        try:
-            return await self._from_tier_answers(rank, req_id, hashes, hold, dev, want, scope, policy, cancel,
-                                                 deadline, spec)
-        finally:
-            if spec is not None and not spec.taken:
-                self._drop_speculation(rank, req_id, spec)
-
-    async def _verified(self, rank: int, req_id: str, hashes: list[bytes], hold: Any, dev: int, cap: int,
-                        scope: HashScope, policy: ResolvePolicy, cancel: CancelToken | None, deadline: float,
-                        spec: _Speculation) -> int:
-        """The speculative load covers every wanted page: verify it against the tier's slot table instead of asking
-        (`kvproc/tiers/slot_table.py`); only what did not verify goes to the tier."""
-        await self._settle_load(rank, req_id, spec.load, spec.reservation, None, cancel, deadline)
-        ok = self.keep_verified(rank, req_id, hashes, hold, dev, spec.slots, spec.gens, spec.reservation)
-        if ok == len(spec.slots):
-            self.breaker.hit(scope)
-            return ok
-        try:
-            return ok + await self._from_tier_answers(rank, req_id, hashes, hold, dev + ok, hashes[dev + ok : cap],
-                                                      scope, policy, cancel, deadline, None)
-        except Degrade:
-            if not ok:
-                raise
-            self.store.count("verified_rest_declined")  # the verified part stays
-            return ok
-
-    def _speculate(self, rank: int, req_id: str, want: list[bytes], policy: ResolvePolicy) -> _Speculation | None:
-        store = self.store
-        slots, gens, skip_query = self.speculation(rank, store.tier_of(rank), want, policy)
-        if not slots:
-            return None
-        reservation = store.pools[rank].reserve_loaded_blocks(len(slots), free_only=True)  # evicts nothing
-        if reservation is None:
-            return None
-        store.count("speculative_loads_started")
-        order = LoadOrder(req_id, slots, reservation.block_ids, [], host_epoch=tier_epoch(store.tier_of(rank)))
-        load = asyncio.ensure_future(store.copiers[rank].load(order))
-        return _Speculation(slots, gens, reservation, load, skip_query)
-
-    def _drop_speculation(self, rank: int, req_id: str, spec: _Speculation) -> None:
-        """The answer did not use the speculative load: its blocks go back once its copy has ended."""
-        store = self.store
-
-        def settled(f: asyncio.Future[Any]) -> None:
-            spec.reservation.release()
-            store._loads[rank].discard(f)
-            ok = not f.cancelled() and f.exception() is None
-            store.outcomes.record("load", req_id, "ok" if ok else "failed", "speculative_unused")
-
-        store.count("speculative_pages_dropped", len(spec.slots))
-        store._loads[rank].add(spec.load)
-        spec.load.add_done_callback(settled)
-
-    async def _from_tier_answers(self, rank: int, req_id: str, hashes: list[bytes], hold: Any, dev: int,
-                                 want: list[bytes], scope: HashScope, policy: ResolvePolicy,
-                                 cancel: CancelToken | None, deadline: float, spec: _Speculation | None) -> int:
         store = self.store
         tier = store.tier_of(rank)
         assert tier is not None
         pool = store.pools[rank]
+        want = hashes[dev:cap]
         staging_groups = [g.name for g in store.spec.restorable_bounded_groups]
+        waited_for_pool = False
         while True:
             if cancel is not None and cancel.cancelled:
                 raise Degrade("cancelled")
@@ -325,12 +237,6 @@ class Resolver:
                 await self._wait(tier.wait_key(want[-1], timeout=deadline - time.monotonic()), deadline, cancel,
                                  "full_hit")
                 continue
-            if spec is not None:
-                spec.taken = True
-                pages = await self._keep_speculation(rank, req_id, hashes, hold, dev, res, spec, policy, cancel,
-                                                     deadline)
-                self.breaker.hit(scope)
-                return pages
             groups = [g for g in staging_groups if g in res.bounded_slots]
             reservation = pool.reserve_loaded_blocks(res.pages, groups)
             if reservation is None:
@@ -342,112 +248,33 @@ class Resolver:
                     # device hit, where the engine's admission may release holds; a resolve cannot.
                     store.count("resolve_pool_pressure_with_hold")
                     raise Degrade("pool_pressure")
+                if not pool.frees_blocks_by_itself():
+                    # Nothing in the pool will free a block without the engine: what is taken is held by resolves'
+                    # holds (in flight, or done on one rank while another rank's resolve of the same request waits
+                    # here). Waiting would last until the deadline (measured: 15 s stalls in the 2-rank demo, rank 0
+                    # and rank 1 each waiting for blocks the other request's finished rank held).
+                    store.count("resolve_pool_pressure_nothing_frees")
+                    raise Degrade("pool_pressure")
                 # A pool that cannot hold the prefix could not admit the request either: wait for capacity (this
-                # resolve pins nothing meanwhile), then query again.
-                store.count("resolve_waited_for_pool")
-                await self._wait(self._capacity(pool), deadline, cancel, "pool_pressure")
+                # resolve pins nothing meanwhile), then query again. In slices: a release between the failed
+                # reservation and the waiter's subscription is not missed for longer than one, and each slice
+                # checks again that something in the pool still frees blocks by itself.
+                if not waited_for_pool:
+                    waited_for_pool = True
+                    store.count("resolve_waited_for_pool")
+                try:
+                    await self._wait(self._capacity(pool), min(deadline, time.monotonic() + CAPACITY_RECHECK_S),
+                                     cancel, "pool_pressure")
+                except Degrade as d:
+                    if d.reason != "deadline_pool_pressure" or time.monotonic() >= deadline:
+                        raise
                 continue
             pages = await self._load(rank, req_id, hashes, hold, dev, res, reservation, policy, cancel, deadline)
             self.breaker.hit(scope)
             return pages
 
-    async def _keep_speculation(self, rank: int, req_id: str, hashes: list[bytes], hold: Any, dev: int, res: Hit,
-                                spec: _Speculation, policy: ResolvePolicy, cancel: CancelToken | None,
-                                deadline: float) -> int:
-        """The hit came: wait for the speculative copy, commit what the hit confirms, load the rest as usual."""
-        await self._settle_load(rank, req_id, spec.load, spec.reservation, res.lease_id, cancel, deadline)
-        ok, rest, reservation = self.keep_confirmed(rank, req_id, hashes, hold, dev, res, spec.slots, spec.gens,
-                                                    spec.reservation, policy)
-        if rest is None:
-            return ok
-        try:
-            return ok + await self._load(rank, req_id, hashes, hold, dev + ok, rest, reservation, policy, cancel,
-                                         deadline)
-        except Degrade:  # the rest's load failed or was abandoned (its outcome is recorded): the confirmed part stays
-            self.store.count("speculative_rest_failed")
-            return ok
-
-    def speculation(self, rank: int, tier: Any, want: list[bytes],
-                    policy: ResolvePolicy) -> tuple[list[int], list[int], bool]:
-        """What to load before (or instead of) asking the tier: the (slots, generations) of the leading wanted pages
-        the slot cache knows -- checked against the tier's slot table first when it publishes one, so a stale belief
-        costs no copy -- and whether the load may skip the query: it covers every wanted page and the table can verify
-        it after the copy (`kvproc/tiers/slot_table.py`). Not for a hand-off (its consumption is a message to the
-        tier) or a full-hit wait (a partly verified prefix would wait on the tier anyway). Both paths use it."""
-        store = self.store
-        if not store.config.speculative_loads or store.spec.restorable_bounded_groups:
-            return [], [], False
-        cache = store.slot_caches[rank]
-        table = tier.slot_table if store.config.verified_loads else None
-        if table is None:
-            slots, gens = cache.run(want)
-            return slots, gens, False
-        slots, gens, known = cache.run_verified(want, table)  # the lookup and the check before the copy, one pass
-        if len(slots) < known:
-            store.count("slot_hints_stale", known - len(slots))
-            cache.forget(want[len(slots) : known])
-        skip_query = len(slots) == len(want) and policy.consume_handoff_of is None and not policy.wait_for_full_hit
-        return slots, gens, skip_query
-
-    def keep_verified(self, rank: int, req_id: str, hashes: list[bytes], hold: Any, dev: int, slots: list[int],
-                      gens: list[int], reservation: Any) -> int:
-        """A speculative copy of every wanted page (checked against the slot table before it was ordered) has landed:
-        commit the leading pages the table still confirms, drop (and forget) the rest, tell the tier what was used,
-        record the load's outcome. Returns the pages kept. Both paths use it."""
-        store = self.store
-        tier = store.tier_of(rank)
-        assert tier is not None and tier.slot_table is not None
-        ok = verified_run(tier.slot_table, slots, gens, hashes[dev : dev + len(slots)])  # after the copy: the seqlock's
-        # second read
-        self._keep_leading("verified", rank, hashes, hold, dev, len(slots), reservation, ok)
-        if ok:
-            store.touches[rank].add(hashes[dev : dev + ok])  # the tier's LRU sees the use, later and batched
-        reason = "verified" if ok == len(slots) else "verified_partial" if ok else "verified_unused"
-        store.outcomes.record("load", req_id, "ok", reason)
-        return ok
-
-    def _keep_leading(self, kind: str, rank: int, hashes: list[bytes], hold: Any, dev: int, loaded: int,
-                      reservation: Any, ok: int) -> None:
-        """Commit the first `ok` of `loaded` speculatively copied pages into the hold; drop the rest with their blocks
-        and forget where the slot cache believed they were (counters `<kind>_pages_kept` / `_dropped`)."""
-        store = self.store
-        pool = store.pools[rank]
-        store.count(f"{kind}_pages_kept", ok)
-        if ok < loaded:
-            store.count(f"{kind}_pages_dropped", loaded - ok)
-            store.slot_caches[rank].forget(hashes[dev + ok : dev + loaded])
-        pool.trim_reservation(reservation, ok)
-        pool.commit_loaded_blocks(reservation, hold, hashes[dev : dev + ok])  # 0 pages: released
-
-    def keep_confirmed(self, rank: int, req_id: str, hashes: list[bytes], hold: Any, dev: int, res: Hit | None,
-                       slots: list[int], gens: list[int], spec_reservation: Any,
-                       policy: ResolvePolicy) -> tuple[int, Hit | None, Any]:
-        """A speculative copy has landed and the tier answered (`res`; None: a miss). Commit the leading pages the hit
-        confirms, drop (and forget) the rest of the guess, and record the speculative load's outcome. Returns (pages
-        kept, the rest of the hit to load the usual way with its reservation) -- rest None when nothing is left to
-        load: the lease is then released (consumed for a hand-off when the whole hit was kept). Both paths use it."""
-        store = self.store
-        pool = store.pools[rank]
-        tier = store.tier_of(rank)
-        assert tier is not None
-        ok = 0 if res is None else confirmed_pages(slots, gens, res)
-        self._keep_leading("speculative", rank, hashes, hold, dev, len(slots), spec_reservation, ok)
-        if res is None or ok == res.pages:
-            if res is not None:
-                tier.release_lease(res.lease_id, consume_handoff=policy.consume_handoff_of)
-            store.outcomes.record("load", req_id, "ok", "speculative" if ok else "speculative_unused")
-            return ok, None, None
-        store.outcomes.record("load", req_id, "ok", "speculative_partial" if ok else "speculative_unused")
-        rest = Hit(res.pages - ok, res.lease_id, res.page_slots[ok:], {}, res.page_gens[ok:])
-        reservation = pool.reserve_loaded_blocks(rest.pages)
-        if reservation is None:  # pool pressure: keep the confirmed part rather than wait
-            tier.release_lease(res.lease_id)
-            store.count("speculative_rest_declined")
-            return ok, None, None
-        return ok, rest, reservation
-
     async def _settle_load(self, rank: int, req_id: str, load: "asyncio.Future[Any]", reservation: Any,
-                           lease_id: int | None, cancel: CancelToken | None, deadline: float) -> None:
+                           lease_id: int, cancel: CancelToken | None, deadline: float) -> None:
         """Wait for a load order under the resolve's deadline and token. Raises `Degrade` if it failed (reservation
         and lease released at once) or if the resolve stopped waiting (both released when the copy ends, which
         `flush_loads` waits for)."""
@@ -457,8 +284,7 @@ class Resolver:
 
         def settle_abandoned(f: asyncio.Future[Any]) -> None:
             reservation.release()
-            if lease_id is not None:  # a verified load holds no lease
-                tier.release_lease(lease_id)
+            tier.release_lease(lease_id)
             store._loads[rank].discard(f)
             store.outcomes.record("load", req_id, "ok" if not f.cancelled() and f.exception() is None
                                   else "failed", "abandoned")
@@ -472,8 +298,7 @@ class Resolver:
             raise
         except Exception as e:  # noqa: BLE001 - the copy failed: nothing was committed
             reservation.release()
-            if lease_id is not None:
-                tier.release_lease(lease_id)
+            tier.release_lease(lease_id)
             store.outcomes.record("load", req_id, "failed", reason_of(e))
             raise Degrade("load_failed") from None
 
@@ -498,7 +323,5 @@ class Resolver:
         pool = store.pools[rank]
         pool.commit_loaded_blocks(reservation, hold, hashes[dev : dev + res.pages])
         tier.release_lease(res.lease_id, consume_handoff=policy.consume_handoff_of)
-        if store.config.speculative_loads and res.page_gens:  # the next resolve of these pages may speculate
-            store.slot_caches[rank].learn(hashes[dev : dev + res.pages], res.page_slots, res.page_gens)
         store.outcomes.record("load", req_id, "ok")
         return res.pages

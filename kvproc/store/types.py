@@ -38,20 +38,6 @@ class StoreConfig:
     breaker_cooldown_s: float = 2.0
     tier_call_timeout_s: float = 5.0
     outcome_history: int = 4096
-    # Resolves (blocking and loop paths) start the load of the pages this store knows the tier's slots of (its own
-    # saves, earlier hits) together with the query, and keep what the hit confirms (`store/resolve_blocking.py`,
-    # `store/resolve.py`; A/B in bench/RESULTS.md, "Control path"). False: query first, then load.
-    speculative_loads: bool = True
-    # When such a load covers every wanted page and the tier publishes its page-slot table, check the pages against it
-    # before the copy and after it instead of asking the tier: one round trip instead of two, no lease
-    # (`kvproc/tiers/slot_table.py`; A/B in bench/RESULTS.md, "Control path"). Plain resolves only (not a hand-off's,
-    # not a full-hit wait).
-    verified_loads: bool = True
-    # `submit_resolve` (the engine's non-blocking form) runs a resolve that may complete without waiting on this many
-    # threads, each with its own sockets (the blocking path: no hop through the store's loop per tier call), and
-    # continues one that must wait (Loading, pool pressure) on the loop without holding its thread; full-hit waits go
-    # to the loop directly. 0: every `submit_resolve` runs on the loop. A/B in bench/RESULTS.md ("Control path").
-    resolve_threads: int = 2
     # The eviction policy (`kvproc.core.eviction`: lru, lfu, lrfu) of this store's device pools and of the host tiers
     # it configures: sent with its `Configure`, so a tier the store's own cluster started (`ClusterStore.start`) and
     # an in-process one (`build_local_store`) evict by it. A shared `kvproc up` tier keeps its own (`--eviction`; the

@@ -9,11 +9,10 @@ by its TTL or dies with it.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol, Sequence, runtime_checkable
+from typing import Protocol, Sequence
 
 import numpy as np
 
-from kvproc.ipc.cancel import CancelToken
 from kvproc.ipc.orders import LoadOrder, SaveOrder, SlotCopy
 from kvproc.tiers.host_index import QueryResult, SaveClass, SaveTicket, Shed
 from kvproc.tiers.layout import HostLayout
@@ -29,9 +28,6 @@ class TierUnavailable(RuntimeError):
 
 class Tier(Protocol):
     layout: HostLayout
-    # The tier's page-slot table (`kvproc.tiers.slot_table`; None: this tier publishes none). A speculative load that
-    # it verifies before and after the copy needs no query.
-    slot_table: np.ndarray | None
     # The tier's KV events carry token ids: `reserve_save` wants the pages' tokens (`token_ids`); False, the store
     # does not even slice them.
     wants_token_ids: bool
@@ -57,10 +53,6 @@ class Tier(Protocol):
         ...
 
     def release_lease(self, lease_id: int, consume_handoff: str | None = None) -> None: ...
-
-    def touch(self, keys: Sequence[bytes]) -> None:
-        """Fire-and-forget: the store used these entries without a query (a verified load); refresh their LRU."""
-        ...
 
     async def reserve_save(self, req_id: str, keys: Sequence[bytes], bounded_groups: Sequence[str],
                            save_class: SaveClass, *, timeout: float, token_ids: np.ndarray | None = None,
@@ -93,26 +85,3 @@ class Copier(Protocol):
         ...
 
     def close(self) -> None: ...
-
-
-@runtime_checkable
-class BlockingTier(Protocol):
-    """Optional: a tier that can answer a query on the calling thread (the store's blocking resolve path)."""
-
-    def query_blocking(self, req_id: str, hashes: Sequence[bytes], *, deadline: float,
-                       cancel: CancelToken | None = None, overlap: Callable[[], None] | None = None,
-                       parent: bytes | None = None) -> QueryResult:
-        """`parent` as `query`'s. Raises on failure, and once `deadline` passes or `cancel` fires (a late Hit's
-        lease is then released by the tier side's client). `overlap` (must not raise) runs once the query is on its
-        way."""
-        ...
-
-
-@runtime_checkable
-class BlockingCopier(Protocol):
-    """Optional: a copier that can run a load from the calling thread. Returns the bytes copied, or
-    `kvproc.ipc.direct.LATE` when `wait_until` passed first: the order still runs, and its terminal reply
-    (Ok / Failed / PeerDead) goes to `on_late` when it ends."""
-
-    def load_blocking(self, order: LoadOrder, *, wait_until: float, on_late: Callable[[Any], None],
-                      cancel: CancelToken | None = None, overlap: Callable[[], None] | None = None) -> Any: ...

@@ -15,8 +15,7 @@ one region per stored device arena, in the model's arena order, each starting on
 - a unit is the arena's *stored* bytes per block (`stored_bytes_per_block`: the repacked size where the model
   declares one); non-checkpointable bounded groups have no region;
 - `table` (at `layout.slot_table_offset`) is the index's page-slot table (`kvproc.tiers.slot_table`: generations and
-  committed-page tags), written only here (`HostIndex.slot_table` is a view of it); stores map that window to verify
-  speculative loads without a query.
+  save fences), written only here (`HostIndex.slot_table` is a view of it); the processes that copy pages read it.
 The index hands out slot numbers; copy workers map the same segment and turn (slot, arena) into a byte offset with the
 same `HostLayout`. No KV byte ever crosses a socket: requests carry hashes, slots, lease and save ids.
 
@@ -90,7 +89,7 @@ class HostTierRole(Role):
     # Index work is short dict operations under `self.lock`, and the waits defer at once: run them on the socket
     # thread (no handler-pool hop). Configure (creates a segment) and stats stay on the pool.
     inline = frozenset({m.Query, m.ReleaseLease, m.RevokeHandoff, m.ReserveSave, m.CommitSave, m.AbortSave,
-                        m.WaitSettled, m.WaitKey, m.TouchPages})
+                        m.WaitSettled, m.WaitKey})
 
     def __init__(self, env: RoleEnv) -> None:
         super().__init__(env)
@@ -249,12 +248,6 @@ class HostTierRole(Role):
                 self.query_claims.settled(msg.lease_id)
         return m.Done()
 
-    @handles(m.TouchPages)
-    def touch_pages(self, msg: m.TouchPages, ctx: CallContext) -> m.Done:
-        with self._lock:
-            self._index().touch(msg.keys)
-        return m.Done()
-
     @handles(m.RevokeHandoff)
     def revoke_handoff(self, msg: m.RevokeHandoff, ctx: CallContext) -> m.Done:
         with self._lock:
@@ -288,7 +281,7 @@ class HostTierRole(Role):
         if not isinstance(t, SaveTicket):
             return m.TierShed(t.reason)
         return m.TierSaveTicket(t.save_id, t.req_id, t.save_class.value, list(t.keys), list(t.page_slots),
-                                dict(t.bounded_slots), t.expires, list(t.page_gens), t.fence, t.fence_token)
+                                dict(t.bounded_slots), t.expires, t.fence, t.fence_token)
 
     @handles(m.CommitSave)
     def commit_save(self, msg: m.CommitSave, ctx: CallContext) -> m.Done | Deferred:
@@ -449,12 +442,13 @@ class HostTierRole(Role):
         return expired
 
     def _reap_locked(self) -> None:
-        if self.index is None:
+        index = self.index
+        if index is None:
             return
-        out = self.index.reap()
+        out = index.reap()
         self.reservations.expire()
         self.query_claims.expire()
-        self.query_claims.prune(lambda lease_id: lease_id in self.index.leases)  # leases the TTL ended
+        self.query_claims.prune(lambda lease_id: lease_id in index.leases)  # leases the TTL ended
         for what, req_ids in out.items():
             for rid in req_ids:
                 # Every TTL reclaim is a missed release elsewhere: log it with the request and count it.

@@ -40,7 +40,7 @@ from kvproc.core.eviction import make_policy
 from kvproc.native import NATIVE
 from kvproc.tiers.kv_events import BlockRemoved, BlockStored, KvEvent, page_token_ids
 from kvproc.tiers.save_fence import BUSY, NO_FENCE, REVOKED, FenceTable
-from kvproc.tiers.slot_table import FENCE, GEN, ROWS, TAG, key_tags
+from kvproc.tiers.slot_table import FENCE, GEN, ROWS
 
 
 class SaveClass(enum.Enum):
@@ -65,7 +65,7 @@ class Hit:
     lease_id: int
     page_slots: tuple[int, ...]
     bounded_slots: dict[str, int]  # artifacts of the checkpoint at `pages`
-    page_gens: tuple[int, ...] = ()  # each page slot's generation (a speculative load checks its guess against it)
+    page_gens: tuple[int, ...] = ()  # each page slot's generation (a copy out of them checks it after: `TierSlots`)
     epoch: int = 0  # the store's attachment of the tier that answered (`RemoteTier.epoch`): its loads carry it
 
 
@@ -81,7 +81,6 @@ class SaveTicket:
     page_slots: tuple[int | None, ...]  # None: already present (dedup), nothing to copy
     bounded_slots: dict[str, int | None]  # artifacts at keys[-1]; None: already present
     expires: float
-    page_gens: tuple[int | None, ...] = ()  # generation of each reserved page slot (None where page_slots is None)
     # The save's fence word and token (`save_fence.py`): the copy worker claims it before writing the slots.
     fence: int = NO_FENCE
     fence_token: int = 0
@@ -136,16 +135,14 @@ class HostIndex:
         self.clock = clock
         self.free_pages: list[int] = list(range(page_slots - 1, -1, -1))
         # The page-slot table (`kvproc.tiers.slot_table`: each slot's generation, bumped when the slot is handed to
-        # a save, and the tag of the page it holds committed). Given: a view of the host arena's table, which stores
-        # map to verify speculative loads without a query; else private. Hits and tickets carry the generations too
-        # (a store's `SlotCache` learns them; a hit that names the same pair confirms a speculative copy).
+        # a save, and the save fences). Given: a view of the host arena's table, which copying processes map (a hit
+        # names its slots' generations: a copy out of them checks them after, `TierSlots.intact`); else private.
         if slot_table is None:
             slot_table = np.zeros((ROWS, page_slots), dtype=np.int64)
         if slot_table.shape != (ROWS, page_slots) or slot_table.dtype != np.int64:
             raise ValueError(f"slot_table must be int64[{ROWS}, {page_slots}], got {slot_table.dtype}"
                              f"{list(slot_table.shape)}")
         slot_table[GEN] = secrets.randbits(40) << 20  # a random base per incarnation; room for 2**43 bumps a slot
-        slot_table[TAG] = 0
         self._use_slot_table(slot_table)
         self.fences = FenceTable(slot_table[FENCE])
         # Saves given back (TTL, abort) while a copy still held their fence: their slots stay out of every free list
@@ -192,7 +189,7 @@ class HostIndex:
 
     def _use_slot_table(self, table: np.ndarray) -> None:
         self.slot_table = table
-        self.slot_gen, self.slot_tag = table[GEN], table[TAG]
+        self.slot_gen = table[GEN]
 
     def detach_slot_table(self) -> None:
         """Keep going on a private copy of the table (the tier is stopping: its segment may unmap now)."""
@@ -299,18 +296,6 @@ class HostIndex:
         self._unref(lease.slots)
         return True
 
-    def touch(self, keys: Sequence[bytes]) -> int:
-        """A store used these entries without a query (a verified speculative load): refresh their LRU recency as a
-        hit would have. Unknown keys are skipped; entries that are leased or pinned are not in the LRU anyway.
-        Returns how many were refreshed."""
-        slots = np.fromiter((s for s in map(self.entries.get, keys) if s is not None), dtype=np.int64)
-        idx = slots[(self.lru.stamp[slots] >= 0) & (self.refs[slots] == 0)].tolist()  # in the LRU, unleased
-        if idx:
-            self.lru.remove(idx)
-            self.lru.insert(idx[::-1])  # like a lease's release: the chain's tail goes first, its head last
-        self.counters["touched_pages"] += len(slots)
-        return len(idx)
-
     # -- saves ----------------------------------------------------------------------------------------------------
     def reserve_save(
         self,
@@ -350,15 +335,12 @@ class HostIndex:
         handed = [s for s in page_slots if s is not None]
         # Before the ticket goes out (so before any copy into these slots): the slots no longer hold what they held.
         slot_gen[handed] += 1  # distinct slots (all came off the free list)
-        self.slot_tag[handed] = 0
-        it = iter(slot_gen[handed].tolist())
-        page_gens = tuple(None if s is None else next(it) for s in page_slots)
         bounded: dict[str, int | None] = {g: None for g in bounded_groups}
         for g in want_bounded:
             bounded[g] = self.free_bounded[g].pop()
         on = self.events is not None  # what only events use is kept only for them
         ticket = SaveTicket(next(self._ids), req_id, save_class, tuple(keys), page_slots, bounded,
-                            self.clock() + self.save_ttl_s, page_gens, *fence, token_ids if on else None,
+                            self.clock() + self.save_ttl_s, *fence, token_ids if on else None,
                             parent_key if on else None)
         self.saves[ticket.save_id] = ticket
         if present:
@@ -439,7 +421,6 @@ class HostIndex:
         self.committed[fresh] = True
         if self.lru.wants_keys:
             self.lru.bind(fresh, fresh_keys)
-        self.slot_tag[fresh] = key_tags(fresh_keys)  # the copy landed: these slots hold these pages, committed
         if self.events is not None and fresh_keys:
             self._stored_events(t)
         last = entries.get(t.keys[-1])

@@ -22,7 +22,7 @@ from kvproc.contract import ArenaLayout, GroupKind, KvContractError
 from kvproc.tiers.slot_table import ROW_BYTES, ROWS
 
 ALIGN = 4096  # regions start page-aligned so copies of whole units stay aligned
-SLOT_TABLE_BYTES = ROWS * ROW_BYTES  # per page slot: its generation and its committed page's tag
+SLOT_TABLE_BYTES = ROWS * ROW_BYTES  # per page slot: its generation and a save-fence word
 
 
 @dataclass(frozen=True)

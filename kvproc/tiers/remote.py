@@ -12,11 +12,6 @@ copy-worker processes. Same semantics as `kvproc.store.local_tier` (the referenc
 - A copy order is not cancellable: it is sent with a long deadline (`copy_timeout_s`, a hung-worker bound, not a
   latency target) and no cancel token, and its future ends with the worker's real outcome or PeerDead (raised).
 - The copy worker is restartable: the copier re-sends `AttachArenas` to a new incarnation before its next order.
-- Blocking forms for a resolve that runs on the caller's thread (`query_blocking`, `load_blocking`: the
-  `BlockingTier` / `BlockingCopier` protocols): `RpcClient.request` on a socket the calling thread owns, so a host-hit
-  resolve costs its round trips (Query and Load, or the Load alone when verified) and no hand-off to the store's
-  loop and back. A load whose resolve deadline
-  passes first returns `LATE`; its real outcome reaches `on_late` when the worker answers.
 """
 
 from __future__ import annotations
@@ -35,21 +30,17 @@ import structlog
 
 from kvproc.ipc import messages as m
 from kvproc.ipc.aclient import AsyncRpcClient
-from kvproc.ipc.cancel import CancelToken
 from kvproc.ipc.client import RpcClient
-from kvproc.ipc.direct import LATE
 from kvproc.ipc.errors import PeerDeadError, RemoteError
 from kvproc.ipc.orders import LoadOrder, SaveOrder, SlotCopy
-from kvproc.ipc.segment import Segment, SegmentBusyError
 from kvproc.tiers.api import LATE_REPLY_GRACE_S
 from kvproc.tiers.host_index import Hit, Loading, Miss, QueryResult, SaveClass, SaveTicket, Shed
 from kvproc.tiers.layout import HostLayout
 from kvproc.tiers.load_fence import SETTLE_POLL_S, LoadFences, ProcessId, process_gone
-from kvproc.tiers.slot_table import ROWS
 
 log = structlog.get_logger("kvproc.remote")
 
-# Fire-and-forget messages sent again after a stall (idempotent at the tier); not TouchPages (only LRU recency).
+# Fire-and-forget messages sent again after a stall (idempotent at the tier).
 _REPLAYED = (m.ReleaseLease, m.AbortSave, m.RevokeHandoff)
 REPLAY_BACKLOG = 4096  # fire-and-forget messages kept for a reconnect (beyond: the oldest is left to the TTLs)
 ClientSource = Callable[[], RpcClient]  # the current incarnation's client (e.g. lambda: cluster.client(role, rank))
@@ -71,8 +62,8 @@ class _LoopLink:
         ac = self._ac
         if ac is not None and ac.follows is sync and ac.alive and ac.on_owner_thread:
             return ac
-        # Off any loop (a resolving thread's fire-and-forget release): no RuntimeError raised and caught per call,
-        # which costs a few microseconds on the blocking path. `_get_running_loop` is asyncio's non-raising form.
+        # Off any loop (an engine thread's fire-and-forget release): `_get_running_loop` is asyncio's non-raising
+        # form.
         if asyncio._get_running_loop() is None:
             return None
         if self._closed:
@@ -141,10 +132,6 @@ def _query_result(res: Any, epoch: int = 0) -> QueryResult:
     return Miss()
 
 
-class QueryAbandoned(RuntimeError):
-    """A blocking query the resolve stopped waiting for (its deadline, or its cancel token)."""
-
-
 def save_events(token_ids: np.ndarray | None, parent_key: bytes | None) -> m.SaveEvents | None:
     """`ReserveSave.events`: the save's parent page and token ids (each given only where the tier's `Configured`
     asked for it), or None when there is neither."""
@@ -157,10 +144,9 @@ class RemoteTier:
     def __init__(self, client: ClientSource, layout: HostLayout, *, segment: str = "",
                  oneway_timeout_s: float = 5.0, wants_token_ids: bool = False,
                  wants_parent_key: bool = False) -> None:
-        """`segment`: the tier's host segment; its slot table (only that window) is mapped for verified speculative
-        loads when the layout has one (`kvproc.tiers.slot_table`). `wants_token_ids`: the tier's `Configured`
-        asked for each save's token ids (its KV events carry them). `wants_parent_key`: it publishes KV events
-        (`Configured.kv_events`), so each save's parent page goes with it."""
+        """`segment`: the tier's host segment (the direct path maps it: `store/host_direct.py`). `wants_token_ids`:
+        the tier's `Configured` asked for each save's token ids (its KV events carry them). `wants_parent_key`: it
+        publishes KV events (`Configured.kv_events`), so each save's parent page goes with it."""
         self._client = client
         self.layout = layout
         self.segment = segment  # the tier's host segment (a replaced tier's: `rebind`)
@@ -175,43 +161,22 @@ class RemoteTier:
         self._reservations = itertools.count((secrets.randbits(40) << 20) + 1)
         self._backlog: deque[tuple[int, m.RequestBody]] = deque()  # (tier pid, message) lost to a dead client
         self._backlog_lock = threading.Lock()
-        self._table_segment: Segment | None = None
-        self.slot_table: np.ndarray | None = None
-        self._map_table(segment)
         # Which attachment of the tier this is: 0, then +1 each time the tier is replaced (`rebind`). Its hits carry
         # it into their loads, and the copy worker refuses a load from another one (`AttachArenas.host_epoch`).
         self.epoch = 0
 
-    def _map_table(self, segment: str) -> None:
-        layout = self.layout
-        if segment and layout.slot_table_offset >= 0:
-            self._table_segment = Segment.attach(segment, offset=layout.slot_table_offset,
-                                                 nbytes=layout.slot_table_bytes)
-            self.slot_table = self._table_segment.numpy(np.int64, 0, ROWS * layout.page_slots).reshape(ROWS, -1)
-
-    def _unmap_table(self) -> None:
-        seg, self._table_segment, self.slot_table = self._table_segment, None, None
-        if seg is not None:
-            try:
-                seg.close()
-            except SegmentBusyError:  # a resolving thread still reads it: unmapped with its last view
-                pass
-
     def rebind(self, layout: HostLayout, segment: str, *, wants_token_ids: bool, wants_parent_key: bool) -> None:
         """The tier was replaced (another process, same endpoint): from here on this object speaks for the new one,
         with nothing of the old one kept -- the next epoch (the old one's hits load nothing: the worker refuses
-        them), no backlog of its ids (the new tier's ids start elsewhere anyway: `HostIndex`), and the new
-        segment's slot table mapped in place of the old one's, which is unmapped. Called before the store's client
+        them) and no backlog of its ids (the new tier's ids start elsewhere anyway: `HostIndex`). Called before the store's client
         to the new tier is put in place, so nothing of the old epoch reaches it."""
         with self._backlog_lock:
             self.counters["oneway_replay_other_tier"] += len(self._backlog)
             self._backlog = deque()
-        self._unmap_table()
         self.layout = layout
         self.segment = segment
         self.wants_token_ids = wants_token_ids
         self.wants_parent_key = wants_parent_key
-        self._map_table(segment)
         # Last: a thread that reads the epoch and then the segment and layout (`HostDirect.remap_if_replaced`, on a
         # copying thread) sees a new epoch only with the new tier's segment, never the old segment under the new
         # epoch (it would keep that mapping for good, and the new tier's leases would pass its epoch check).
@@ -241,27 +206,6 @@ class RemoteTier:
         except BaseException:
             self._abandon_claim(claim)
             raise
-
-    def query_blocking(self, req_id: str, hashes: Sequence[bytes], *, deadline: float,
-                       cancel: CancelToken | None = None, overlap: Callable[[], None] | None = None,
-                       parent: bytes | None = None) -> QueryResult:
-        """`query` on the calling thread's own socket; raises what the call raises (the resolver degrades), and
-        `QueryAbandoned` when `deadline` passes or `cancel` fires first. An answer that comes after that is still
-        read: a late Hit's lease is released, never left to the TTL. `overlap` runs while the query is in flight."""
-        claim = next(self._reservations)
-        msg = m.Query(req_id, list(hashes), parent if self.wants_parent_key else None, claim)
-        client = self._client()
-        epoch = self.epoch  # read after the client: a client to a new tier is only ever put in place after `rebind`
-        try:
-            res = client.request(msg, deadline=deadline + LATE_REPLY_GRACE_S, wait_until=deadline,
-                                 on_late=self._late_answer, cancel_token=cancel, overlap=overlap)
-        except BaseException:
-            self._abandon_claim(claim)
-            raise
-        if res is LATE:
-            self._abandon_claim(claim)
-            raise QueryAbandoned("the resolve stopped waiting (deadline or cancellation)")
-        return _query_result(res, epoch)
 
     def _abandon_claim(self, claim: int) -> None:
         """A query whose answer this store will not use: a late answer on a live socket is released by its lease id
@@ -315,7 +259,7 @@ class RemoteTier:
         if isinstance(res, m.TierShed):
             return Shed(res.reason)
         return SaveTicket(res.save_id, res.req_id, SaveClass(res.save_class), tuple(res.keys), tuple(res.page_slots),
-                          dict(res.bounded_slots), res.expires, tuple(res.page_gens), res.fence, res.fence_token)
+                          dict(res.bounded_slots), res.expires, res.fence, res.fence_token)
 
     async def stats(self) -> dict[str, int]:
         self._replay(self._client())  # also a moment to send what a stall kept back (an idle store sends nothing else)
@@ -326,9 +270,6 @@ class RemoteTier:
 
     def release_lease(self, lease_id: int, consume_handoff: str | None = None) -> None:
         self._oneway(m.ReleaseLease(lease_id, consume_handoff or ""))
-
-    def touch(self, keys: Sequence[bytes]) -> None:
-        self._oneway(m.TouchPages(list(keys)))
 
     async def commit_save(self, save_id: int, *, timeout: float) -> bool:
         # Answered, not fire-and-forget: a commit the tier refuses (the save was reaped) is a failed save.
@@ -401,7 +342,7 @@ class RemoteTier:
             if ac is not None:  # on the store's loop: its own socket; the reply is read there and dropped
                 ac.call_nowait(msg, timeout=self.oneway_timeout_s, on_reply=done)
                 return
-            sync.send_oneway(msg, timeout=self.oneway_timeout_s, on_reply=done)  # the caller's socket if it has one
+            sync.send_oneway(msg, timeout=self.oneway_timeout_s, on_reply=done)  # off the loop: the I/O thread
         except Exception as e:  # noqa: BLE001 - never raise from a fire-and-forget call
             if not self._defer(msg, pid, e):
                 self.counters[f"oneway_failed_{what}"] += 1
@@ -410,7 +351,6 @@ class RemoteTier:
     def close(self) -> None:
         self._closed = True
         self._link.close()
-        self._unmap_table()
 
 
 class RemoteCopier:
@@ -429,7 +369,6 @@ class RemoteCopier:
         self._attached_to: RpcClient | None = None
         self._attach_lock: asyncio.Lock | None = None  # created on the store's loop at first use
         self._link = _LoopLink(client)
-        self._sync_attach = threading.Lock()  # attaches made from resolving threads (load_blocking)
         self.attaches = 0
         self._writer_id: ProcessId | None = None  # the worker last seen serving orders (`_writer`)
         # The worker's own time for each recent Load (`Copied.ns`), newest last, and how many have completed: what
@@ -515,13 +454,6 @@ class RemoteCopier:
         while not self.load_fences.try_settle(word[0], word[1], writer_pid):
             await asyncio.sleep(SETTLE_POLL_S)
 
-    def _settle_blocking(self, word: tuple[int, int] | None, writer_pid: ProcessId) -> None:
-        if self._settled_at_once(word, writer_pid):
-            return
-        assert word is not None and self.load_fences is not None
-        while not self.load_fences.try_settle(word[0], word[1], writer_pid):
-            time.sleep(SETTLE_POLL_S)
-
     def _settled_at_once(self, word: tuple[int, int] | None, writer_pid: ProcessId) -> bool:
         """No fence, or settled at the first try; else counted and logged (the caller then waits it out)."""
         if word is None or self.load_fences is None or self.load_fences.try_settle(word[0], word[1], writer_pid):
@@ -553,40 +485,6 @@ class RemoteCopier:
             res = await _acall(self._link, client, msg, self.copy_timeout_s)
         finally:
             await self._settle(word, pid)
-        return int(res.nbytes)
-
-    def load_blocking(self, order: LoadOrder, *, wait_until: float, on_late: Callable[[Any], None],
-                      cancel: CancelToken | None = None, overlap: Callable[[], None] | None = None) -> int | Any:
-        """`load` on the calling thread's own socket: the bytes copied, or `LATE` once `wait_until` passes or
-        `cancel` fires (the order is not cancellable: the worker's terminal reply then goes to `on_late`:
-        Ok(Copied) / Failed / PeerDead). Raises like `load`. `overlap` (must not raise) runs once the order is on
-        its way, before the wait (a speculative load runs its tier query there)."""
-        client = self._client()
-        if client is not self._attached_to:
-            with self._sync_attach:  # a new incarnation (restart): attach it first; a second attach is harmless
-                client = self._client()
-                if client is not self._attached_to:
-                    client.request(self.attach_msg, timeout=self.attach_timeout_s)
-                    self._attached_to = client
-                    self.attaches += 1
-        fenced, word = self._fence(order)
-        pid = self._writer(client.server_pid)
-
-        def late(reply: Any) -> None:  # on the thread that delivers the late reply: settle, then free the blocks
-            self._settle_blocking(word, pid)
-            on_late(reply)
-
-        # `cancel` only ends this thread's wait: a copy order is not cancellable, so the token is not sent along.
-        try:
-            res = client.request(m.Load(fenced), timeout=self.copy_timeout_s, wait_until=wait_until, on_late=late,
-                                 wake_on=cancel, overlap=overlap)
-        except BaseException:
-            self._settle_blocking(word, pid)
-            raise
-        if res is LATE:
-            return LATE  # `late` settles the fence when the worker's reply (or PeerDead) comes
-        self._settle_blocking(word, pid)
-        self._loaded(res)
         return int(res.nbytes)
 
     def _writer(self, pid: int) -> ProcessId:

@@ -19,19 +19,14 @@ def test_ipc_bench_runs_and_writes_the_documented_json(tmp_path):
     doc = json.loads(out.read_text())
     assert [r["blocks"] for r in doc["results"]] == [1, 16, 64, 256]
     for r in doc["results"]:
-        for path in ("blocking", "speculative", "plain", "submit", "loop", "burst"):
-            assert {f"resolve_{path}_us", f"{path}_overhead_beyond_2_rtts", f"{path}_overhead_total_rtts",
-                    f"{path}_overhead_beyond_needed"} <= set(r)
-            assert r[f"resolve_{path}_us"] > 0 and r[f"{path}_rtts_needed"] in (1, 2)
+        for arm in ("resolve", "burst"):
+            assert {f"resolve_{arm}_us", f"{arm}_overhead_total_rtts", f"{arm}_overhead_beyond_needed",
+                    f"{arm}_overhead_beyond_needed_replayed_copy"} <= set(r)
+            assert r[f"resolve_{arm}_us"] > 0
             # every resolve's one Load came back with the worker's own copy time, which the overhead subtracts
-            assert r[f"{path}_one_load_share"] == 1.0 and r[f"{path}_copy_in_situ_us"] > 0
-            assert f"{path}_overhead_beyond_needed_replayed_copy" in r
-        # the bench's prompts were saved by its own store: the default form is a verified load (one message)
-        assert r["blocking_verified_share"] == 1.0 and r["blocking_rtts_needed"] == 1
-        assert r["speculative_verified_share"] == 0.0 and r["plain_verified_share"] == 0.0
+            assert r[f"{arm}_one_load_share"] == 1.0 and r[f"{arm}_copy_in_situ_us"] > 0
         assert r["raw_rtt_us"] > 0
     assert doc["resolves_per_s"] > 0
-    assert doc["resolves_via_loop"] == 0  # every host hit of the blocking path stayed on the calling thread
     assert not {s for s in list_segments() if s.startswith(ours)} - before  # the bench's cluster and arenas are gone
 
 

@@ -145,7 +145,7 @@ def test_client_survives_garbage_from_its_server() -> None:
 
     def fake_server() -> None:
         answered = 0
-        while answered < 2:  # one call through the I/O thread, one on the caller's own socket
+        while answered < 2:  # two calls, each answered with garbage first
             ident, data = router.recv_multipart()
             msg = m.server_decoder().decode(data)
             if isinstance(msg, m.Hello):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import os
 import signal
 import sys
@@ -19,7 +18,6 @@ from kvproc.ipc import server as server_mod
 from kvproc.ipc.cancel import new_token
 from kvproc.ipc.client import RpcClient
 from kvproc.ipc.context import CallContext
-from kvproc.ipc.direct import LATE, ONEWAY_SETTLE_S
 from kvproc.ipc.errors import CallCancelled, HandshakeRefused, PeerDeadError, RemoteError
 from kvproc.ipc.server import RpcServer
 from kvproc.ipc.service import Service, handles
@@ -187,7 +185,7 @@ def test_a_stall_of_both_sides_after_a_heartbeat_went_out_does_not_declare_the_p
         c.close()
 
 
-def test_blocked_request_on_its_own_socket_wakes_with_peer_dead_when_the_peer_is_declared_dead(served: Served) -> None:
+def test_a_blocked_request_wakes_with_peer_dead_when_the_peer_is_declared_dead(served: Served) -> None:
     c = served.client()
     outcome: list[BaseException] = []
 
@@ -218,104 +216,7 @@ def test_asyncio_awaits_a_call_through_wrap_future(client: RpcClient) -> None:
     assert asyncio.run(main()) == [b"%d" % i for i in range(20)]
 
 
-def test_request_with_wait_until_returns_late_and_hands_the_real_reply_over_later(client: RpcClient) -> None:
-    got: list[Any] = []
-    arrived = threading.Event()
-
-    def on_late(reply: Any) -> None:
-        got.append(reply)
-        arrived.set()
-
-    client.request(m.Ping(), timeout=5)  # this thread has its own socket now
-    t0 = time.monotonic()
-    res = client.request(m.Sleep(0.3), timeout=5, wait_until=time.monotonic() + 0.05, on_late=on_late)
-    assert res is LATE and time.monotonic() - t0 < 0.25 and not got
-    assert arrived.wait(5)
-    assert isinstance(got[0], m.Ok) and time.monotonic() - t0 >= 0.3
-    # the late call's socket went to its reaper: this thread's next call opens a new one and works
-    assert client.request(m.Ping(b"x"), timeout=5).data == b"x"
-
-
-def test_a_blocking_receive_slice_never_outlasts_the_callers_wait(client: RpcClient,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """The thread sleeps in receive slices (no poll) when nothing but the reply can end its wait: the last slice is cut
-    to what is left of the wait, and a slice that passes without a reply just starts the next one."""
-    from kvproc.ipc import direct
-
-    monkeypatch.setattr(direct, "DEATH_CHECK_MS", 2000)
-    client.request(m.Ping(), timeout=5)  # this thread has its own socket now
-    t0 = time.monotonic()
-    res = client.request(m.Sleep(0.3), timeout=5, wait_until=time.monotonic() + 0.05, on_late=lambda r: None)
-    assert res is LATE and time.monotonic() - t0 < 1.0  # not the 2 s slice
-    monkeypatch.setattr(direct, "DEATH_CHECK_MS", 10)
-    t0 = time.monotonic()
-    client.request(m.Sleep(0.2), timeout=5)  # ~20 slices pass without a reply, then it comes
-    assert time.monotonic() - t0 >= 0.2
-
-
-def test_a_late_call_whose_peer_is_declared_dead_reports_peer_dead(served: Served) -> None:
-    c = served.client()
-    got: list[Any] = []
-    arrived = threading.Event()
-    res = c.request(m.Sleep(10.0), timeout=10, wait_until=time.monotonic() + 0.05,
-                    on_late=lambda r: (got.append(r), arrived.set()))
-    assert res is LATE
-    c.mark_dead("declared dead by the test")
-    assert arrived.wait(2) and isinstance(got[0], m.PeerDead)
-    c.close()
-
-
-def test_oneway_on_the_threads_socket_is_answered_at_its_next_call(client: RpcClient) -> None:
-    got: list[Any] = []
-    client.request(m.Ping(), timeout=5)
-    client.send_oneway(m.Fail("nope", code="oneway_test"), timeout=5, on_reply=got.append)
-    time.sleep(0.05)
-    assert got == []  # nobody read the socket yet
-    client.request(m.Ping(), timeout=5)
-    assert len(got) == 1 and isinstance(got[0], m.Failed) and got[0].code == "oneway_test"
-
-
-def test_oneway_replies_still_unread_at_close_are_reported(served: Served) -> None:
-    """A close waits `ONEWAY_SETTLE_S` for fire-and-forget replies; one that takes longer is reported, not lost."""
-    c = served.client()
-    got: list[Any] = []
-    c.request(m.Ping(), timeout=5)
-    c.send_oneway(m.Sleep(ONEWAY_SETTLE_S + 1.5), timeout=5, on_reply=got.append)
-    t = time.monotonic()
-    c.close()
-    assert ONEWAY_SETTLE_S - 0.05 <= time.monotonic() - t < ONEWAY_SETTLE_S + 1.0  # bounded: no hang on a slow peer
-    assert len(got) == 1 and isinstance(got[0], m.PeerDead) and "before the reply was read" in got[0].reason
-
-
-def test_a_oneway_answered_soon_after_close_gets_its_real_reply(served: Served) -> None:
-    c = served.client()
-    got: list[Any] = []
-    c.request(m.Ping(), timeout=5)
-    c.send_oneway(m.Fail("last act", code="settled"), timeout=5, on_reply=got.append)
-    c.close()
-    assert len(got) == 1 and isinstance(got[0], m.Failed) and got[0].code == "settled"
-
-
-def test_a_oneway_sent_as_a_threads_last_act_gets_its_real_reply(served: Served) -> None:
-    """A resolving thread that ends right after releasing its lease: the release's reply is still read (no false
-    "unread" failure, which the store would log as a lost release)."""
-    c = served.client()
-    got: list[Any] = []
-    done = threading.Event()
-
-    def last_act() -> None:
-        c.request(m.Ping(), timeout=5)  # the thread owns a socket now
-        c.send_oneway(m.Fail("bye", code="last_act"), timeout=5, on_reply=lambda r: (got.append(r), done.set()))
-
-    t = threading.Thread(target=last_act)
-    t.start()
-    t.join(5)
-    gc.collect()
-    assert done.wait(5) and isinstance(got[0], m.Failed) and got[0].code == "last_act"
-    c.close()
-
-
-def test_oneway_from_a_thread_without_a_socket_goes_through_the_io_thread(client: RpcClient) -> None:
+def test_a_oneways_reply_reaches_its_callback(client: RpcClient) -> None:
     got: list[Any] = []
     done = threading.Event()
 
@@ -326,31 +227,6 @@ def test_oneway_from_a_thread_without_a_socket_goes_through_the_io_thread(client
     t.start()
     t.join(5)
     assert done.wait(5) and isinstance(got[0], m.Failed) and got[0].code == "io_path"
-
-
-def test_a_thread_that_only_sends_oneways_still_gets_their_replies(client: RpcClient) -> None:
-    got: list[Any] = []
-    client.request(m.Ping(), timeout=5)
-    client.send_oneway(m.Fail("first", code="first"), timeout=5, on_reply=got.append)
-    time.sleep(0.1)
-    client.send_oneway(m.Fail("second", code="second"), timeout=5, on_reply=got.append)  # reads what is waiting first
-    assert [r.code for r in got] == ["first"]
-
-
-def test_a_threads_own_socket_is_closed_when_the_thread_ends(served: Served) -> None:
-    c = served.client()
-    threads = [threading.Thread(target=lambda: c.request(m.Ping(), timeout=5)) for _ in range(12)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(5)
-    gc.collect()
-    deadline = time.monotonic() + 5
-    while c._direct._owned and time.monotonic() < deadline:  # a thread's locals go at its exit
-        time.sleep(0.01)
-    assert c._direct._owned == []  # a thread per request leaves no socket per request behind
-    assert c.request(m.Ping(b"still"), timeout=5).data == b"still"
-    c.close()
 
 
 class _Pooled(Service):
@@ -390,29 +266,8 @@ def test_pooled_replies_reach_the_caller_while_the_socket_thread_sleeps_in_its_i
         assert not thread.is_alive()  # stop() is seen at the slice's end
 
 
-def test_a_wait_on_the_threads_socket_gets_its_reply_and_a_cancel_or_a_death_ends_it_at_once(served: Served) -> None:
-    """The calling thread's own socket: the reply comes back, and a cancel token (`wake_on`) or the peer's death ends
-    a long wait at once rather than at its deadline."""
-    c = served.client()
-    try:
-        assert c.request(m.Ping(b"s"), timeout=5).data == b"s"
-        token = new_token()
-        threading.Timer(0.1, token.cancel).start()
-        t0 = time.monotonic()
-        res = c.request(m.Sleep(1.0), timeout=5, wait_until=time.monotonic() + 4, on_late=lambda r: None,
-                        wake_on=token)
-        assert res is LATE and time.monotonic() - t0 < 0.8
-        threading.Timer(0.1, c.mark_dead, args=("declared dead by the test",)).start()
-        t0 = time.monotonic()
-        with pytest.raises(PeerDeadError):
-            c.request(m.Sleep(2.0), timeout=5)
-        assert time.monotonic() - t0 < 0.8
-    finally:
-        c.close()
-
-
 def test_threads_that_ask_at_once_all_get_their_replies(client: RpcClient) -> None:
-    """Each thread waits on its own socket; four at once lose nothing."""
+    """Four threads asking at once through the one I/O thread lose nothing."""
     got: list[bytes] = []
     lock = threading.Lock()
 

@@ -228,8 +228,7 @@ def test_pack_tokens_rejects_out_of_range_and_non_ints_and_the_hasher_names_it()
 
 def test_the_pure_python_fallback_passes_the_hashing_and_copy_tests_and_hashes_the_same():
     """Where the module is not built (or `KVPROC_PURE_PYTHON=1`), the same tests pass (hashing, copy planning, the
-    pool's and the host index's book-keeping, the slot-table check, the slot cache, and their hypothesis state
-    machines), and a prompt hashes to the same bytes as with the module: a store built without it reads a tier filled
+    pool's and the host index's book-keeping, and their hypothesis state machines), and a prompt hashes to the same bytes as with the module: a store built without it reads a tier filled
     with it, and the other way round."""
     import subprocess
     import sys
@@ -237,7 +236,7 @@ def test_the_pure_python_fallback_passes_the_hashing_and_copy_tests_and_hashes_t
     env = dict(os.environ, KVPROC_PURE_PYTHON="1")
     tests = ["tests/core/test_hashing.py", "tests/workers/test_copy_exec.py", "tests/core/test_pool.py", "tests/core/test_pool_properties.py",
              "tests/core/test_request_kv.py", "tests/tiers/test_host_index.py", "tests/tiers/test_host_index_properties.py",
-             "tests/tiers/test_slot_table.py", "tests/tiers/test_slot_cache.py"]
+             "tests/tiers/test_slot_table.py"]
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests], env=env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]

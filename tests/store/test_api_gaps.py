@@ -91,7 +91,7 @@ def test_none_means_the_default_and_a_positive_deadline_is_kept() -> None:
 
 
 def test_a_short_deadline_is_honoured_and_none_takes_the_stores() -> None:
-    store, _, tier, copier = make_store(config=StoreConfig(resolve_deadline_s=0.6, resolve_threads=0))
+    store, _, tier, copier = make_store(config=StoreConfig(resolve_deadline_s=0.6))
     assert tier is not None and copier is not None
     try:
         tier.query_gate.ev.clear()  # the tier never answers

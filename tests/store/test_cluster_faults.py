@@ -19,7 +19,7 @@ from tests.conftest import churn, cluster_store, compute, stopped, wait_for
 pytestmark = pytest.mark.timeout(60)
 # `submit_resolve` on the store loop's path (its own sockets, which these tests watch); the blocking path's faults --
 # what `submit_resolve`'s resolve threads run -- are in test_store_blocking_resolve.py.
-CONFIG = StoreConfig(resolve_deadline_s=3.0, resolve_threads=0)
+CONFIG = StoreConfig(resolve_deadline_s=3.0)
 
 
 def _saved(store, model, rid: str, toks: list[int]) -> None:

@@ -31,7 +31,6 @@ from tests.conftest import (
     nothing_left,
     remote_stats,
     replay_kv_events,
-    resolve_on,
     restores,
     saved,
     wait_for,
@@ -105,9 +104,8 @@ def test_a_model_with_another_fingerprint_never_sees_the_first_models_keys(moonc
         assert st["probes"] >= 1 and st.get("probe_hit_pages", 0) == 0 and st.get("pulled_pages", 0) == 0
 
 
-@pytest.mark.parametrize("path", ["blocking", "loop"])
 def test_pages_pulled_for_a_query_after_a_device_hit_are_parented_on_the_page_before_it(
-        mooncake: LocalMooncake, path: str) -> None:
+        mooncake: LocalMooncake) -> None:
     """Node B holds the prompt's first page on its device (another prompt with the same first page), so its query
     for the prompt starts at page 1; the pages its tier pulls from Mooncake for that query are one BlockStored whose
     parent is page 0 (`Query.parent`), not a root: a router places them under the prompt's first page. And they are
@@ -120,7 +118,7 @@ def test_pages_pulled_for_a_query_after_a_device_hit_are_parented_on_the_page_be
         b.retire(0, kv, cur)
         b.flush_saves(0, 10)
         wait_for(lambda: b.stats()["tier"]["open_saves"] == 0, what="the other prompt's save committed")
-        prefix = resolve_on(b, path, "b", TOKS)
+        prefix = b.resolve_prefix_sync(0, "b", TOKS)
         assert prefix.device_tokens == 4 and prefix.host_tokens == 12  # page 0 on the device, 1-3 pulled
         hashes = RequestKv(b.pools[0], "x", TOKS, 0).page_hashes
         prefix.hold.release()

@@ -381,3 +381,29 @@ def test_two_resolves_that_each_hold_what_the_other_needs_do_not_wait_for_each_o
         assert tier.index.stats()["open_leases"] == 0
         for p in pres:
             p.hold.release()
+
+
+def test_a_resolve_does_not_wait_for_blocks_only_holds_keep():
+    """A resolve that holds nothing but cannot reserve its host hit waits for capacity only while something in the
+    pool frees blocks by itself (an admitted request, a save's pin). Here every block is held by another resolve's
+    hold, and nothing is admitted: in the 2-rank demo that was rank 0 waiting for blocks a finished rank-0 resolve of
+    another request held, whose rank-1 twin waited for this request's rank-1 hold (15 s stalls, seed 5). It ends at
+    once, `degraded(pool_pressure)`, its lease released. Control: with the wait, it is still waiting 10 s later."""
+    store, model, tier, _ = make_store(num_blocks=8, config=StoreConfig(resolve_deadline_s=60.0))
+    assert tier is not None
+    X, Y = list(range(1, 22)), list(range(101, 126))  # 5 and 6 pages (PAGE 4), each with one token more
+    with store:
+        for rid, toks in (("x", X), ("y", Y)):
+            kv, cur, _, _ = compute(store, model, rid, toks)
+            store.retire(0, kv, cur)
+            store.flush_saves(0)
+        churn(store)
+        y = store.resolve_prefix_sync(0, "y6", Y)  # Y's 6 pages restored and held: 2 blocks left, X needs 5
+        assert y.host_tokens == 24 and store.pools[0].stats()["active_blocks"] == 6
+        assert not store.pools[0].frees_blocks_by_itself()
+        pre = store.submit_resolve(0, "x5", X).result(10)
+        assert (pre.device_tokens, pre.host_tokens) == (0, 0)
+        assert store.outcomes.for_request("x5", "resolve")[-1].reason == "pool_pressure"
+        assert tier.index.stats()["open_leases"] == 0
+        pre.hold.release()
+        y.hold.release()

@@ -12,11 +12,13 @@ import signal
 import numpy as np
 import pytest
 
+from kvproc.ipc.segment import Segment
 from kvproc.store.types import SaveClass, StoreConfig
 from kvproc.tiers import save_fence
 from kvproc.tiers.host_index import HostIndex, SaveTicket
 from kvproc.tiers.load_fence import process_gone
 from kvproc.tiers.slot_table import FENCE
+from kvproc.workers.copy_exec import fence_row
 from tests.conftest import cluster_store, compute, wait_for
 from tests.tiers.conftest import K
 
@@ -42,7 +44,7 @@ def test_an_abort_that_names_a_dead_writer_frees_a_claimed_saves_slots_and_a_pla
 
 
 def test_a_worker_killed_mid_save_write_leaves_no_quarantined_slots_in_the_tier() -> None:
-    config = StoreConfig(resolve_deadline_s=5.0, resolve_threads=0)
+    config = StoreConfig(resolve_deadline_s=5.0)
     with cluster_store(config=config) as (cs, store, model):
         worker = cs.cluster.pid("copy_worker")
         client = cs.cluster.client("copy_worker")
@@ -51,10 +53,17 @@ def test_a_worker_killed_mid_save_write_leaves_no_quarantined_slots_in_the_tier(
         try:
             store.retire(0, kv, cur, SaveClass.CACHEABLE)
             wait_for(lambda: client.pending_count > 0, what="the save order in flight")
-            # The worker "has started writing": claim the save's fence word on its behalf, as its copy does.
-            row = store.tier.slot_table[FENCE]  # type: ignore[union-attr]
-            (index,) = np.flatnonzero(row)
-            save_fence.claim(row, int(index), int(row[index]))
+            # The worker "has started writing": claim the save's fence word on its behalf, as its copy does (in the
+            # tier's segment, mapped here as a copy worker maps it).
+            seg = Segment.attach(cs.host_segment)
+            try:
+                row = fence_row(seg.numpy(np.uint8), cs.host_layout)
+                assert row is not None
+                (index,) = np.flatnonzero(row)
+                save_fence.claim(row, int(index), int(row[index]))
+                del row
+            finally:
+                seg.close()
             os.kill(worker, signal.SIGKILL)
         finally:
             os.kill(worker, signal.SIGCONT)

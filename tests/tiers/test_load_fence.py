@@ -20,10 +20,8 @@ from tests.conftest import PAGE, churn, cluster_store, compute, wait_for
 pytestmark = pytest.mark.timeout(90)
 
 
-@pytest.mark.parametrize("path", ["blocking", "loop"])
-def test_a_load_run_by_a_worker_after_its_stall_never_overwrites_blocks_given_to_another_request(path: str) -> None:
-    # a plain load (Query, then Load); the verified and speculative ones send the same Load order
-    config = StoreConfig(resolve_deadline_s=30.0, resolve_threads=0, speculative_loads=False, verified_loads=False)
+def test_a_load_run_by_a_worker_after_its_stall_never_overwrites_blocks_given_to_another_request() -> None:
+    config = StoreConfig(resolve_deadline_s=30.0)
     with cluster_store(num_blocks=16, config=config) as (cs, store, model):
         toks = list(range(1, 18))  # 4 full pages, saved to the tier
         kv, cur, _, _ = compute(store, model, "a", toks)
@@ -35,10 +33,7 @@ def test_a_load_run_by_a_worker_after_its_stall_never_overwrites_blocks_given_to
         client = cs.cluster.client("copy_worker")
         os.kill(worker, signal.SIGSTOP)
         try:
-            if path == "blocking":
-                pre = store.resolve_prefix_sync(0, "b", toks)  # returns once the stalled worker is declared dead
-            else:
-                pre = store.submit_resolve(0, "b", toks).result(20)
+            pre = store.submit_resolve(0, "b", toks).result(20)  # ends once the stalled worker is declared dead
             assert pre.host_tokens == 0, "the worker was stopped: nothing can have been restored"
             assert not client.alive
             # every free block (the failed load's destinations among them) goes to a new request, which writes them

@@ -162,7 +162,8 @@ def describe_groups(kv_cache_config: Any) -> list[GroupMapping]:
     for i, vg in enumerate(getattr(kv_cache_config, "kv_cache_groups", None) or []):
         spec = vg.kv_cache_spec
         kind_name = type(spec).__name__
-        row = dict(index=i, vllm_spec=kind_name, layers=len(vg.layer_names), block_tokens=int(spec.block_size))
+        row: dict[str, Any] = dict(index=i, vllm_spec=kind_name, layers=len(vg.layer_names),
+                                   block_tokens=int(spec.block_size))
         try:
             if kind_name not in _SUPPORTED:
                 raise KvContractError(_WHY_NOT.get(kind_name, "not supported yet"))

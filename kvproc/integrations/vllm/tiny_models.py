@@ -72,7 +72,7 @@ def _sharpen_qk(model: "torch.nn.Module", names: tuple[str, str]) -> None:
                 mod.weight.fill_(QK_SCALE - 1.0 if zero_centred else QK_SCALE)
 
 
-def _save(model: "torch.nn.Module", out: Path, tokenizer: bool) -> Path:
+def _save(model: Any, out: Path, tokenizer: bool) -> Path:  # a transformers PreTrainedModel
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     if tokenizer:
