@@ -31,8 +31,7 @@ page in the prefill step, pads and seals it all with `SaveClass.HANDOFF`, and `r
 fingerprint and resolved in full-hit mode, its pages loaded (asynchronously, as any hit) into vLLM's blocks. On the
 direct path (the default; `handoff_direct.py`) the producer's HANDOFF saves go straight into the tier's slots and the
 consumer leases the whole padded chain there and loads it straight into vLLM's blocks, at any TP. A model with state
-groups hands off (staging path only) up to its deepest checkpoint (a page boundary): vLLM keeps no state inside a
-page.
+groups hands off up to its deepest checkpoint (a page boundary): vLLM keeps no state inside a page.
 
 Nothing here can make vLLM wait forever or compute with wrong KV: a resolve that fails is a miss; a load that fails
 reports its blocks to vLLM (`get_block_ids_with_load_errors`: vLLM recomputes them); a save that fails is a future
@@ -247,14 +246,8 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
             ktc.kv_load_failure_policy = "recompute"
         engine_id = str(ktc.engine_id)
         # The direct path (one copy each way) unless the cma mover (the copy worker reaches vLLM's memory and the
-        # staging arenas, not the tier's segment) or a P/D role of a model with state groups (its checkpoint is
-        # handed off through the staging pool's mirror: `_seal_last_offers`) needs the staging pool. P/D of the
-        # other models runs on either (`handoff_direct.py`).
-        state_pd = ktc.kv_role in ("kv_producer", "kv_consumer") and bool(self.contract.states)
-        path = self.options.path or ("staging" if self.options.mover == "cma" or state_pd else "direct")
-        if path == "direct" and state_pd:
-            raise KvContractError("KvprocConnector: P/D roles of a model with state groups move through the staging "
-                                  "pool: path='staging'")
+        # staging arenas, not the tier's segment) needs the staging pool. P/D runs on either (`handoff_direct.py`).
+        path = self.options.path or ("staging" if self.options.mover == "cma" else "direct")
         self._direct_path = path == "direct"
         # page_format="sglang": pages keyed and laid out as kvproc's SGLang backend stores them (`sglang_format.py`)
         self._sgl = self._sglang_pages(kv_cache_config) if self.options.page_format == "sglang" \
@@ -350,13 +343,10 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _check_tp(self, kv_role: str | None) -> None:
         """What tensor parallel carries today (`tp.py`): the direct path, every KV kind, asynchronous moves, P/D
-        (`handoff_direct.py`) but of a model with state groups."""
+        (`handoff_direct.py`)."""
         why = ""
         if self.options.path == "staging" or self.options.mover == "cma":
             why = "path='staging' and mover='cma' move through the staging pool, which has one rank"
-        elif kv_role in ("kv_producer", "kv_consumer") and self.contract.states:
-            why = ("P/D roles of a model with state groups hand their checkpoint off through the staging pool, which "
-                   "has one rank")
         elif not self.options.async_moves:
             why = "async_moves=false waits for moves that run in the ranks' processes"
         if why:
@@ -1070,7 +1060,9 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         have = r.saved
         target = min(computed_after // self.page, self._table_pages(r))
         prompt = r.request.num_prompt_tokens
-        tail = self.producer and computed_after >= prompt and -(-prompt // self.page) <= self._table_pages(r)
+        # (state groups: no padded page, the hand-off ends at its deepest checkpoint: `r.checkpoint_at`)
+        tail = self.producer and not self.contract.states and computed_after >= prompt and \
+            -(-prompt // self.page) <= self._table_pages(r)
         if self.producer:  # a hand-off is the prompt's KV, its partial last page padded; nothing decoded
             target = min(target, prompt // self.page)
         if (target <= have and not tail) or not self._extend_hashes(r, target, r.request.all_token_ids):
@@ -1117,6 +1109,8 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         states = [(gi, -1, b) for gi, b, n in entries if n == target * self.page and b != NULL_BLOCK]
         if len(states) == len(self.contract.states):
             job.states, job.bounded = states, [g.name for g in self.contract.states]
+            if self.producer:  # the hand-off ends there (its save reported by every rank later: a short hit if not)
+                r.checkpoint_at = max(r.checkpoint_at, target * self.page)
         elif entries:
             self.rt.count("state_offers_missed", len(entries))
 
@@ -1369,6 +1363,8 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
             moves.wait([job.job_id], self.options.move_wait_s)  # past it: poisoned, reported failed
             ok = bool(moves.take_outcome(job.job_id))
             self.rt.count("state_checkpoints_sealed" if ok else "state_checkpoints_failed")
+            if ok and self.producer:  # the hand-off ends there (a HANDOFF save: pinned for the consumer)
+                r.checkpoint_at = max(r.checkpoint_at, boundary)
 
     def _plan_load(self, r: _Req, meta: KvprocConnectorMetadata, into: list[CopyJob]) -> None:
         assert self._active(r) and r.pending_load is not None
@@ -1596,7 +1592,8 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         consumer computes the prompt's tail beyond it."""
         prompt = request.num_prompt_tokens
         committed = r.checkpoint_at if self.contract.states else prompt
-        saved = r.padded if self.direct is not None else r.mirror is not None  # direct: every page's save planned
+        # direct: every page's save planned (state groups: a checkpoint saved, `committed`)
+        saved = (r.padded or bool(self.contract.states)) if self.direct is not None else r.mirror is not None
         if not saved or not r.saving or request.num_computed_tokens < prompt or committed <= 0:
             self.rt.count("handoffs_not_made")  # not saved (no staging room, a refusal) or aborted mid-prefill
             if self.direct is not None and r.tracked:  # its HANDOFF saves so far (and those in flight) pin nothing

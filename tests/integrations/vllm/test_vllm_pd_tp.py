@@ -6,11 +6,15 @@ way (`kvproc/integrations/vllm/handoff_direct.py`, `tp.py`). Three models (`CASE
 - a tiny Llama (full attention; `kvproc up --ranks 2`, each rank its shard in its own tier);
 - a tiny Gemma 3 (sliding window 64 beside full attention; `--ranks 2`);
 - a tiny DeepSeek-V2 (MLA: the latent is the same on both ranks, REPLICATED: `kvproc up --ranks 1`, rank 0 writes
-  the hand-off, both ranks load it).
+  the hand-off, both ranks load it);
+- a tiny Qwen3-Next (three Gated-DeltaNet state groups + full attention, 512-token pages; `--ranks 2`): the hand-off
+  ends at the prompt's deepest page boundary, each rank's shard of the states' checkpoint there saved with the pages
+  it closes.
 
 Checked: the consumer's greedy tokens equal the reference, it computes no prompt token the producer had, each tier
 holds every page of the hand-offs and consumed every one. References: vLLM alone at TP 1 for the float32 models
-(TP 2's tokens equal TP 1's, `platform-notes.md`); for MLA (bfloat16: its AMX kernel rounds a prefill over a cached
+(TP 2's tokens equal TP 1's, `platform-notes.md`); vLLM alone at TP 2 for Qwen3-Next (bfloat16: TP 2's all-reduce
+rounds otherwise than TP 1's, test_vllm_tp.py); for MLA (bfloat16: its AMX kernel rounds a prefill over a cached
 prefix otherwise than a whole one, test_vllm_kinds.py) vLLM alone at TP 2 continuing each prompt + anchor from its
 own prefix cache at the same boundary (prompts a multiple of the page). The control: the (last) tier overwritten with
 noise between prefill and decode changes the tokens of the hand-offs decoded after it (the equal tokens are each
@@ -32,12 +36,11 @@ import numpy as np
 import pytest
 
 from tests.integrations.vllm.conftest import engine, generate, live_runtime, random_tokens
-from tests.integrations.vllm.test_vllm_pd import _envelopes, _pd_config, _run
+from tests.integrations.vllm.test_vllm_pd import _pd_config, _run
 
 pytestmark = pytest.mark.timeout(900)
 
 MAX_TOKENS = 8
-PAGE = 32
 
 
 @dataclass(frozen=True)
@@ -47,7 +50,10 @@ class PdTpCase:
     noisy: tuple[int, ...]  # prompts of the control
     engine: dict[str, Any] = field(default_factory=dict)
     tiers: int = 2  # `kvproc up --ranks`: one tier per rank, or one (REPLICATED)
-    own_hit_reference: bool = False  # the reference continues from vLLM's own cache at TP 2 (else: TP 1, no hit)
+    own_hit_reference: bool = False  # the reference continues from vLLM's own cache at TP 2 (else: no hit)
+    reference_tp: int = 1
+    page: int = 32
+    states: bool = False  # the hand-off ends at the deepest page boundary before the prompt's last token
 
 
 CASES = {
@@ -55,7 +61,14 @@ CASES = {
     "gemma3_sliding": PdTpCase("build_tiny_gemma3", (150, 96, 201), (170, 130), {"num_gpu_blocks_override": 48}),
     "mla_replicated": PdTpCase("build_tiny_deepseek_mla", (64, 96, 128), (64, 160),
                                {"dtype": "bfloat16", "num_gpu_blocks_override": 48}, tiers=1, own_hit_reference=True),
+    "qwen3_next_state": PdTpCase("build_tiny_qwen3_next", (700, 1024, 1100), (900,),
+                                 {"dtype": "bfloat16", "block_size": 512, "max_model_len": 2048,
+                                  "num_gpu_blocks_override": 48}, reference_tp=2, page=512, states=True),
 }
+
+
+def _committed(case: PdTpCase, prompt: list[int]) -> int:
+    return (len(prompt) - 1) // case.page * case.page if case.states else len(prompt)
 
 
 @pytest.fixture(params=sorted(CASES))
@@ -81,7 +94,7 @@ def _tier_stats(rt: Any, tier: int) -> dict[str, int]:
 def _reference(case: PdTpCase, model: Path, prompts: list[list[int]]) -> list[list[int]]:
     """vLLM alone's tokens for each prompt (see the module's docstring)."""
     if not case.own_hit_reference:
-        with engine(model, **case.engine) as llm:
+        with engine(model, tensor_parallel_size=case.reference_tp, **case.engine) as llm:
             return generate(llm, prompts, MAX_TOKENS)
     out = []
     with engine(model, tensor_parallel_size=2, **case.engine) as llm:
@@ -109,16 +122,20 @@ def test_pd_at_tp2_gives_the_reference_tokens_each_rank_through_its_tier(
             assert len(rt.directs) == case.tiers
             handed = [_run(llm, p, 1) for p in prompts + noisy]
             generate(llm, [[5, 6, 7]], 1)  # one more step: the workers report the last saves, the scheduler commits
-            assert rt.counters.get("handoffs_made") == len(handed) + 1  # (the last step's request too)
+            # (the last step's request too, but for state groups: its 3 tokens hold no page boundary to end at)
+            assert rt.counters.get("handoffs_made") == len(handed) + (0 if case.states else 1)
             saved = [_tier_stats(rt, t).get("pages_saved", 0) for t in range(case.tiers)]
-        envs = _envelopes(prompts + noisy, handed, want)
+        envs = [o.kv_transfer_params[HANDOFF_KEY] for o in handed]
+        for p, o, env, w in zip(prompts + noisy, handed, envs, want):
+            assert list(o.outputs[0].token_ids) == w[:1] == [env["anchor_token_id"]]
+            assert env["committed_len"] == _committed(case, p), (len(p), env["committed_len"])
 
         with engine(model, _pd_config("kv_consumer", tier), tensor_parallel_size=2, **case.engine) as llm:
             rt = live_runtime()
             for p, env, w in zip(prompts, envs, want):
                 out = _run(llm, p + [env["anchor_token_id"]], MAX_TOKENS - 1, {HANDOFF_KEY: env})
                 assert [env["anchor_token_id"]] + list(out.outputs[0].token_ids) == w, len(p)
-                assert out.num_cached_tokens == len(p), "the consumer computed prompt tokens the producer had"
+                assert out.num_cached_tokens == env["committed_len"], "the consumer computed tokens the producer had"
             c = dict(rt.counters)
             consumed = [_tier_stats(rt, t).get("handoffs_consumed", 0) for t in range(case.tiers)]
             # The control: the last tier's copies of the remaining hand-offs overwritten with noise.
@@ -132,11 +149,12 @@ def test_pd_at_tp2_gives_the_reference_tokens_each_rank_through_its_tier(
             adopted = rt.counters.get("handoffs_adopted")
     figures = dict(saved=saved, consumed=consumed, adopted=adopted, loaded=c.get("handoff_tokens_loaded"))
     print("pd_tp2", figures)
-    pages = sum(-(-len(p) // PAGE) for p in prompts + noisy)
+    pages = sum(-(-_committed(case, p) // case.page) for p in prompts + noisy)
     # each rank's shard of every page (the padded ones included) in its tier (MLA: once, in the one tier); the last
     # step's own page may have been committed too
     assert len(set(saved)) == 1 and saved[0] in (pages, pages + 1), figures
-    assert c.get("handoffs_adopted") == len(prompts) and c.get("handoff_tokens_loaded") == sum(map(len, prompts)), c
+    assert c.get("handoffs_adopted") == len(prompts), c
+    assert c.get("handoff_tokens_loaded") == sum(e["committed_len"] for e in envs[:len(prompts)]), c
     assert consumed == [len(prompts)] * case.tiers, figures
     assert adopted == len(prompts) + len(noisy), figures
     assert got != want[len(prompts):], "noise in the tier's hand-off copies changed nothing"

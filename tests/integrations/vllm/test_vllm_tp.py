@@ -158,20 +158,17 @@ def test_tp2_refuses_what_it_cannot_carry_by_name() -> None:
     from kvproc.integrations.vllm.connector import KvprocConnector
     from kvproc.integrations.vllm.runtime import RuntimeOptions
 
-    class _Probe:  # only what `_check_tp` reads: the options, whether the model has state groups (a mock of the
-        # connector's own state)
-        def __init__(self, options: RuntimeOptions, states: bool = False) -> None:
+    class _Probe:  # only what `_check_tp` reads: the options (a mock of the connector's own state)
+        def __init__(self, options: RuntimeOptions) -> None:
             self.options, self.ranks = options, 2
-            self.contract = type("C", (), {"states": ["mamba0"] if states else []})()
 
     check = KvprocConnector._check_tp
     for role in ("kv_both", "kv_producer", "kv_consumer"):  # P/D on the direct path (test_vllm_pd_tp.py)
         check(_Probe(RuntimeOptions()), role)  # type: ignore[arg-type]
-    for probe, role, why in [(_Probe(RuntimeOptions(), states=True), "kv_producer", "P/D roles of a model with state"),
-                             (_Probe(RuntimeOptions(path="staging")), "kv_both", "staging"),
-                             (_Probe(RuntimeOptions(async_moves=False)), "kv_both", "async_moves")]:
+    for options, why in [(RuntimeOptions(path="staging"), "staging"), (RuntimeOptions(mover="cma"), "cma"),
+                         (RuntimeOptions(async_moves=False), "async_moves")]:
         with pytest.raises(KvContractError, match=why):
-            check(probe, role)  # type: ignore[arg-type]
+            check(_Probe(options), "kv_producer")  # type: ignore[arg-type]
 
 
 def test_tp2_ranks_follow_a_replaced_shared_tier(tiny_llama: Path, tp2_env: None,
