@@ -135,7 +135,34 @@ static PyObject *install_digests(PyObject *self, PyObject *args) {
     return Py_BuildValue("(OO)", sha256_final ? Py_True : Py_False, installed_xxh3 ? Py_True : Py_False);
 }
 
+/* tokens_match(data, tokens, max_id) -> bool: True iff every id of `tokens` (int64, C-contiguous) lies in
+ * [0, max_id] and equals the little-endian int32 at the same position of `data`, which holds at least as many.
+ * `PageHashes.covers`' check that a chain was computed over a request's prompt, in one pass without the two
+ * temporaries (validated int32 copy, bytes slice) of serialising the prompt again: ~3 us instead of ~20 for a
+ * 14 k-token prompt. False covers every other case, which the caller then examines the slow way (same answer). */
+static PyObject *tokens_match(PyObject *self, PyObject *args) {
+    Py_buffer data, tok;
+    PyObject *tok_o;
+    long long max_id;
+    if (!PyArg_ParseTuple(args, "y*OL", &data, &tok_o, &max_id)) return NULL;
+    if (PyObject_GetBuffer(tok_o, &tok, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyBuffer_Release(&data);
+        return NULL;
+    }
+    const char *f = tok.format ? tok.format : "B";
+    if (*f == '@' || *f == '=' || *f == '<') f++;
+    int ok = tok.itemsize == 8 && (!strcmp(f, "l") || !strcmp(f, "q")) && data.len / 4 >= tok.len / 8;
+    const int64_t *t = tok.buf;
+    const uint8_t *d = data.buf;
+    for (Py_ssize_t i = 0; ok && i < tok.len / 8; i++)
+        ok = t[i] >= 0 && t[i] <= max_id && (uint32_t)t[i] == load32_le(d + 4 * i);
+    PyBuffer_Release(&tok);
+    PyBuffer_Release(&data);
+    return PyBool_FromLong(ok);
+}
+
 static PyMethodDef digest_methods[] = {
+    {"tokens_match", tokens_match, METH_VARARGS, "tokens_match(data, tokens, max_id) -> ids equal and in range"},
     {"sha256_chain", sha256_chain, METH_VARARGS, "sha256_chain(data, page_bytes, seed) -> list of 16-byte hashes"},
     {"xxh3_chain", xxh3_chain, METH_VARARGS, "xxh3_chain(data, page_bytes, seed) -> list of 16-byte hashes"},
     {"install_digests", install_digests, METH_VARARGS,

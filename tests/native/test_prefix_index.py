@@ -135,3 +135,28 @@ def test_untrack_atomic_takes_only_lists_of_bytes_ints_and_none_out_of_the_gc() 
         assert gc.is_tracked(bad)
     with pytest.raises(TypeError, match="takes a list"):
         N.untrack_atomic((1, 2))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 40), min_size=1, max_size=64), st.integers(0, 63),
+       st.sampled_from([0, -1, 2**31 - 1, 2**31 - 2, 2**32 + 5, 7]), st.booleans())
+def test_tokens_match_agrees_with_serialising_the_prompt_again(ids: list[int], at: int, value: int, data_too: bool):
+    """`tokens_match` (PageHashes.covers' fast path) is True exactly when the slow comparison finds the ids in range
+    and equal: a changed id (in or out of range, the pad id, one past 2**32) in the tokens, or in both, and a short
+    `data`."""
+    import numpy as np
+
+    from kvproc.core.hashing import MAX_USER_TOKEN_ID, tokens_to_bytes
+
+    data = tokens_to_bytes(ids)
+    tokens = np.asarray(ids, dtype=np.int64)
+    tokens[at % len(ids)] = value
+    if data_too and 0 <= value < 2**31:
+        data = data[: 4 * (at % len(ids))] + value.to_bytes(4, "little") + data[4 * (at % len(ids)) + 4:]
+    try:
+        slow = tokens_to_bytes(tokens) == data
+    except ValueError:
+        slow = False
+    assert N.tokens_match(data, tokens, MAX_USER_TOKEN_ID) is slow
+    assert N.tokens_match(data[:-4], tokens, MAX_USER_TOKEN_ID) is False  # data shorter than the tokens
+    assert N.tokens_match(data, tokens.astype(np.int32), MAX_USER_TOKEN_ID) is False  # not int64: the slow way
