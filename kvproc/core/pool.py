@@ -287,17 +287,12 @@ class BlockPool:
             self.paged.check(ids, np.asarray(gens))
 
     # -- opportunistic reservation for loads ----------------------------------------------------------------------
-    def reserve_loaded_blocks(self, n: int, staging_groups: Iterable[str] = (), *,
-                              free_only: bool = False) -> Reservation | None:
+    def reserve_loaded_blocks(self, n: int, staging_groups: Iterable[str] = ()) -> Reservation | None:
         """Reserve `n` destination blocks (plus one staging slot per named bounded group) for a load, only above the
-        admission floor (`available >= n + entitled`). None if the pool cannot: the caller waits or degrades.
-        `free_only`: only from free blocks, evicting nothing (a reservation made before the hit is known)."""
+        admission floor (`available >= n + entitled`). None if the pool cannot: the caller waits or degrades."""
         self.drain_deferred()
         groups = list(staging_groups)
         with self.lock:
-            if free_only and len(self.paged.free) < n:
-                self.counters["reserve_early_declined"] += 1
-                return None
             if self.paged.available < n + self.entitled or any(
                 self.slabs[g].staging_available < 1 for g in groups
             ):
@@ -311,19 +306,6 @@ class BlockPool:
                 staging[g] = got
             self.counters["reserve_ok"] += 1
         return Reservation(self, ReservationState(ids, gens, staging))
-
-    def trim_reservation(self, reservation: Reservation, keep: int) -> None:
-        """Give back all but the first `keep` blocks of a reservation (the hit was shorter than reserved for)."""
-        self.check_handle(reservation, "reservation")
-        state = reservation._live()
-        if keep >= len(state.ids):
-            return
-        with self.lock:
-            extra = state.ids[keep:]
-            state.ids = state.ids[:keep]
-            state.gens = state.gens[:keep]
-            self.paged.release(extra)
-        self.notify_capacity()
 
     def evict_cached(self) -> int:
         """Evict everything the device pool caches and nobody holds: sealed unreferenced blocks and checkpoints (a

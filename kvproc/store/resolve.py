@@ -44,7 +44,6 @@ class Degrade(Exception):
         self.reason = reason
 
 
-
 def load_order(req_id: str, res: Hit, reservation: Any) -> LoadOrder:
     """A hit's page slots into the reservation's blocks, and its bounded artifacts into the reserved staging slots."""
     staging = reservation.staging
