@@ -218,7 +218,10 @@ class KvStore:
                             scope: HashScope = DEFAULT_SCOPE, policy: ResolvePolicy = ResolvePolicy(),
                             cancel: CancelToken | None = None) -> KvPrefix:
         """Blocking `resolve_prefix`, same result and rules (it waits for `submit_resolve`'s future). Not from the
-        store's own loop."""
+        store's own loop: it would wait for itself (refused, RuntimeError)."""
+        if self._loop.on_loop:
+            raise RuntimeError("resolve_prefix_sync on the store's own loop would wait for itself: await "
+                               "resolve_prefix there")
         return self.submit_resolve(rank, req_id, tokens, scope, policy, cancel).result()
 
     def _observe_resolve(self, t0_ns: int, prefix: KvPrefix) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 
 from kvproc import RequestKv
@@ -407,3 +408,17 @@ def test_a_resolve_does_not_wait_for_blocks_only_holds_keep():
         assert tier.index.stats()["open_leases"] == 0
         pre.hold.release()
         y.hold.release()
+
+
+def test_resolve_prefix_sync_on_the_stores_own_loop_is_refused_not_a_hang():
+    """It waits for a resolve that runs on the store's loop: called there, it would wait for itself forever.
+    Control: without the check, the call below never returns (the future's wait times out)."""
+    store, _, _, _ = make_store()
+    with store:
+        fut = store._loop.submit(_sync_resolve_on_loop(store))
+        with pytest.raises(RuntimeError, match="wait for itself"):
+            fut.result(10)
+
+
+async def _sync_resolve_on_loop(store):
+    return store.resolve_prefix_sync(0, "on-loop", list(range(9)))
