@@ -42,7 +42,7 @@ def ipc_endpoint(runtime_dir: str, name: str) -> str:
 
 # pyzmq's constants are enum.IntFlag members: `events & zmq.POLLIN` goes through IntFlag.__rand__ and the enum
 # machinery (~2 us a time, far more on a cold cache) and `zmq.SNDMORE | zmq.NOBLOCK` likewise. The per-message paths
-# (server socket thread, direct calls, the loop's client) use these plain ints instead. (getsockopt itself still
+# (the server socket thread, the loop's client) use these plain ints instead. (getsockopt itself still
 # builds a SocketOption per call in pyzmq 27, ~2 us: hot paths read `Frame.more` instead of RCVMORE.)
 POLLIN = int(zmq.POLLIN)
 NOBLOCK = int(zmq.NOBLOCK)
