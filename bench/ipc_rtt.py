@@ -11,8 +11,8 @@ drift on a shared machine hits both alike. Measured per size:
 - kvproc echo: `RpcClient.request(Echo(data))` -- the same, plus the server's hop to a handler thread and back
                (what every role request pays);
 - kvproc future: `RpcClient.call(Ping(data)).result()` -- the Future path, what `request()` is now.
-Reported: median and p99 in microseconds, and each kvproc median over the raw median. (The store's own calls go
-through its event loop's sockets, `ipc/aclient.py`: `kvproc bench ipc` measures those.)
+Reported: median and p99 in microseconds, and each kvproc median over the raw median. (The store's own calls await
+the future path on its event loop: `kvproc bench ipc` measures those in whole resolves.)
 """
 
 from __future__ import annotations

@@ -24,10 +24,6 @@ RESULTS.md, "Control path".)
 - seal: `retire` of a request with fresh pages until its save has landed (`flush_saves`): ReserveSave, Save order,
   commit; overhead (seal - copy) / raw against the in-process Save copy.
 - resolves/s: 16 threads resolving distinct host-resident prompts of 16 blocks concurrently.
-- loop call: one `Ping` (answered on the host tier's socket thread) awaited on the store's loop, through the loop's
-  own socket (`AsyncRpcClient`, what the loop path uses) and through the sync client's I/O thread.
-- `--ab N`: on the loop path, the store loop's own sockets vs the sync clients' I/O threads, for whole host-hit
-  resolves (1 and 16 blocks), alternating batches of 10 resolves (N batches each).
 - `--observe-ab N`: only the cost of /metrics and KV events, plain vs observed in N interleaved pairs of runs
   (`kvproc/bench/observe_ab.py`).
 - `--observe-toggle R`: the same cost within one run and one cluster, switched on and off every round for R rounds
@@ -271,52 +267,6 @@ class IpcBench:
         return time.perf_counter() - t
 
 
-def _loop_calls(b: IpcBench, n: int) -> dict[str, float]:
-    """Median Ping round trip awaited on the store's loop: its own socket vs the sync client's I/O thread."""
-    from kvproc.ipc import messages as m
-    from kvproc.tiers.remote import await_sync_call
-
-    tier: Any = b.store.tier
-    sync = b.cs.cluster.client("host_tier")
-
-    async def run() -> dict[str, float]:
-        own = tier._link.get(sync)
-        times: dict[str, list[float]] = {"own_socket": [], "io_thread": []}
-        for i in range(n + 20):
-            for kind in ("own_socket", "io_thread") if i % 2 else ("io_thread", "own_socket"):
-                t = time.perf_counter()
-                await (own.call(m.Ping(), timeout=5) if kind == "own_socket" else await_sync_call(sync, m.Ping(), 5))
-                if i >= 20:
-                    times[kind].append(time.perf_counter() - t)
-        return {k: round(_median_us(v), 1) for k, v in times.items()}
-
-    return b.store._loop.submit(run()).result(60)
-
-
-def _ab(b: IpcBench, batches: int) -> dict[str, dict[str, float]]:
-    """Median host-hit resolve, store loop's own sockets vs the sync clients' I/O threads, in alternating batches."""
-    links = [getattr(b.store.tier, "_link")] + [getattr(c, "_link") for c in b.store.copiers]
-    out: dict[str, dict[str, float]] = {}
-    for blocks in (1, 16):
-        prompts = [b.prompt(blocks) for _ in range(batches * 20)]
-        for p in prompts:
-            b.seal(p)
-        it = iter(prompts)
-        times: dict[str, list[float]] = {"own_socket": [], "io_thread": []}
-        for i in range(batches * 2):
-            kind = ("own_socket", "io_thread")[(i + i // 2) % 2]  # ABBA: neither path always goes first
-            for link in links:
-                if kind == "io_thread":
-                    link.get = lambda sync=None: None  # off the loop's sockets: the sync client's I/O thread
-                else:
-                    link.__dict__.pop("get", None)
-            times[kind] += [b.resolve(next(it), blocks) for _ in range(10)]
-        for link in links:
-            link.__dict__.pop("get", None)
-        out[str(blocks)] = {k: round(_median_us(v), 1) for k, v in times.items()}
-    return out
-
-
 def _ab_native(b: IpcBench, batches: int) -> dict[str, dict[str, float]]:
     """Median host-hit resolve with the store side's compiled helpers (hash chain, pool book-keeping) on vs
     off, in interleaved batches of 5 (ABBA) on one ClusterStore; the workers and the tier keep theirs."""
@@ -411,8 +361,6 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--n", type=int, default=200, help="timed operations per cell")
     ap.add_argument("--quick", action="store_true", help="a few operations per cell (smoke test)")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--ab", type=int, default=0, metavar="N",
-                    help="also compare resolves on the loop's own sockets vs the client I/O threads (N batches each)")
     ap.add_argument("--ab-native", type=int, default=0, metavar="N",
                     help="also compare resolves with the store side's compiled helpers on vs off (N batches)")
     ap.add_argument("--kvproc-cpus", default=None, metavar="CPUS",
@@ -458,7 +406,7 @@ def main(argv: list[str]) -> int:
     per_thread = 2 if args.quick else 20
     batches = max(1, (n + 9) // 10)  # each arm gets 2 x 5 samples per batch: >= n in all
     # One size's prompts must all stay on the host tier until resolved (older sizes' entries are evicted as needed).
-    host_pages = (batches * PROMPTS_PER_BATCH + n + 8) * max(sizes) + CONCURRENCY * per_thread * 16 + args.ab * 20 * 17 \
+    host_pages = (batches * PROMPTS_PER_BATCH + n + 8) * max(sizes) + CONCURRENCY * per_thread * 16 \
         + args.ab_native * 10 * (16 + 64 + 256) + 1024
     host_bytes = host_pages * 2 * ARENA_BLOCK + (1 << 20)
     results: list[dict[str, Any]] = []
@@ -526,8 +474,6 @@ def main(argv: list[str]) -> int:
                               "seal_rtt_overhead": round((seal_us - save_us) / raw_us, 2)})
             print("  ipc bench: 16 concurrent resolvers ...", file=sys.stderr, flush=True)
             rps = _concurrent(b, per_thread, 16)
-            loop_calls = _loop_calls(b, 50 if args.quick else 1000)
-            ab = _ab(b, args.ab) if args.ab else {}
             ab_native = _ab_native(b, args.ab_native) if args.ab_native else {}
         finally:
             b.close()
@@ -561,20 +507,13 @@ def main(argv: list[str]) -> int:
     print("resolves with exactly one Load (the ones the overhead is taken over): " + ", ".join(
         f"{r['blocks']} blocks {r['resolve_one_load_share']:.0%}" for r in results))
     print(f"resolves/s with {CONCURRENCY} concurrent resolvers (16 blocks each): {rps:.0f}")
-    print(f"Ping awaited on the store loop: own socket {loop_calls['own_socket']:.0f} us, "
-          f"via the client I/O thread {loop_calls['io_thread']:.0f} us")
-    for size, r in ab.items():
-        print(f"A/B loop-path host-hit resolve of {size} blocks, {args.ab} x 10 each, alternating: own socket "
-              f"{r['own_socket']:.0f} us, via the client I/O threads {r['io_thread']:.0f} us")
     for size, r in ab_native.items():
         print(f"A/B host-hit resolve of {size} blocks, {args.ab_native} x 10 each, interleaved: store-side "
               f"compiled helpers {r['native']:.0f} us, pure Python {r['pure']:.0f} us")
     if args.json:
         doc: dict[str, Any] = {"kvproc_cpus": list(cpus) if cpus else None, "results": results, "seal": seals,
                                "resolves_per_s": round(rps, 1), "raw_rtt_us": round(raw_us, 1),
-                               "loop_call_us": loop_calls, "native": native.describe()}
-        if ab:
-            doc["ab_resolve_us"] = ab
+                               "native": native.describe()}
         if ab_native:
             doc["ab_native_resolve_us"] = ab_native
         Path(args.json).write_text(json.dumps(doc, indent=2))

@@ -2,8 +2,8 @@
 
 `call(msg, deadline=..., cancel_token=...)` returns a `concurrent.futures.Future` that always resolves to exactly one
 terminal reply -- `Ok`, `Failed`, `Cancelled` or `PeerDead` -- and never raises; `reply.unwrap()` turns it into the
-payload or a typed exception. Asyncio code awaits `asyncio.wrap_future(fut)` (the store's loop has a client of its own:
-`aclient.py`); `request()` is the blocking form. Blocking callers are few and off every hot path (set-up, stats,
+payload or a typed exception. Asyncio code awaits it (the store's loop: `tiers/remote.py`, `await_sync_call`);
+`request()` is the blocking form. Blocking callers are few and off every hot path (set-up, stats,
 consoles): a socket per calling thread, which saved two thread hand-offs a call, was removed with the blocking
 resolver it served (bench/RESULTS.md, "Control path").
 
@@ -86,7 +86,6 @@ class RpcClient:
         self._pending: dict[int, _Pending] = {}
         self._dead: str | None = None
         self._death_listeners: list[Callable[[str], None]] = []
-        self._pending_sources: list[Callable[[], int]] = []  # loop-owned clients that follow this one (aclient.py)
         self._closing = False
         self._outbox: queue.SimpleQueue[tuple[bytes, int, float]] = queue.SimpleQueue()
         self._waker = Waker()
@@ -169,21 +168,6 @@ class RpcClient:
 
         return remove
 
-    def add_pending_source(self, count: Callable[[], int]) -> Callable[[], None]:
-        """Count `count()` (calls in flight on another socket to the same peer) in `pending_count`; returns a
-        function that removes it."""
-        with self._lock:
-            self._pending_sources.append(count)
-
-        def remove() -> None:
-            with self._lock:
-                try:
-                    self._pending_sources.remove(count)
-                except ValueError:
-                    pass
-
-        return remove
-
     @property
     def alive(self) -> bool:
         return self._dead is None
@@ -194,12 +178,8 @@ class RpcClient:
 
     @property
     def pending_count(self) -> int:
-        """Calls in flight to this peer: this client's, and those of the sources added with `add_pending_source`
-        (the event-loop-owned clients that follow this one)."""
-        n = len(self._pending)
-        for source in tuple(self._pending_sources):
-            n += source()
-        return n
+        """Calls in flight to this peer."""
+        return len(self._pending)
 
     # ---- calling (any thread) ----
 

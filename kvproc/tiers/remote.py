@@ -1,11 +1,11 @@
 """`RemoteTier` and `RemoteCopier`: the store's `Tier` / `Copier` protocols over kvproc's RPC to the host-tier and
 copy-worker processes. Same semantics as `kvproc.store.local_tier` (the reference), with the process boundary's rules:
 
-- Every call made on the store's loop goes through the loop's own socket to the peer (`_LoopLink`: an
-  `AsyncRpcClient` per incarnation, read by the loop itself; no client I/O thread, no cross-thread future), with the
-  caller's timeout as the call's deadline; the reply is exactly one of Ok / Failed / Cancelled / PeerDead. The sync
-  `RpcClient` stays the incarnation's identity and liveness: its death (the launcher's supervisor, heartbeats,
-  `Goodbye`) fails the async client's calls at once and closes its socket. Off the loop, calls use the sync client.
+- Every call awaited on the store's loop goes through the incarnation's sync `RpcClient` and its I/O thread
+  (`await_sync_call`), with the caller's timeout as the call's deadline; the reply is exactly one of Ok / Failed /
+  Cancelled / PeerDead. The client's death (the launcher's supervisor, heartbeats, `Goodbye`) fails its calls at
+  once. (The loop once had a socket of its own per peer, `ipc/aclient.py`; no end-to-end figure needed it:
+  bench/RESULTS.md, "Control path".)
 - Fire-and-forget calls (release, commit, abort, revoke) never raise: their replies are still read; a failure is
   counted and logged; a dead tier's state dies with it, a live tier's TTL reaper is the backstop.
 - `RemoteTier.available` is False once the tier's peer is dead: the store then degrades to device-only caching.
@@ -29,7 +29,6 @@ import numpy as np
 import structlog
 
 from kvproc.ipc import messages as m
-from kvproc.ipc.aclient import AsyncRpcClient
 from kvproc.ipc.client import RpcClient
 from kvproc.ipc.errors import PeerDeadError, RemoteError
 from kvproc.ipc.orders import LoadOrder, SaveOrder, SlotCopy
@@ -46,57 +45,11 @@ REPLAY_BACKLOG = 4096  # fire-and-forget messages kept for a reconnect (beyond: 
 ClientSource = Callable[[], RpcClient]  # the current incarnation's client (e.g. lambda: cluster.client(role, rank))
 
 
-class _LoopLink:
-    """The store loop's own socket to one peer: an `AsyncRpcClient` following the peer's current incarnation (made on
-    the loop at first use, replaced when `source()` returns a new incarnation's client; the old one closed its socket
-    when that incarnation died). `get` returns None off the loop that owns it: callers then use the sync client."""
-
-    def __init__(self, source: ClientSource) -> None:
-        self._source = source
-        self._ac: AsyncRpcClient | None = None
-        self._closed = False
-
-    def get(self, sync: RpcClient | None = None) -> AsyncRpcClient | None:
-        if sync is None:
-            sync = self._source()
-        ac = self._ac
-        if ac is not None and ac.follows is sync and ac.alive and ac.on_owner_thread:
-            return ac
-        # Off any loop (an engine thread's fire-and-forget release): `_get_running_loop` is asyncio's non-raising
-        # form.
-        if asyncio._get_running_loop() is None:
-            return None
-        if self._closed:
-            return None
-        if ac is not None:
-            if not ac.on_owner_thread:
-                return None  # made on another loop's thread: never touch its socket from here
-            if ac.follows is sync and not sync.alive:
-                return ac  # a dead incarnation: its calls fail with PeerDead at once, no new socket
-            ac.close()  # a replaced incarnation (or a failed handshake to a live one: try again)
-        self._ac = ac = AsyncRpcClient.for_client(sync)
-        return ac
-
-    def close(self) -> None:
-        self._closed = True
-        ac, self._ac = self._ac, None
-        if ac is not None:
-            ac.close()
-
-
-async def _acall(link: _LoopLink, sync: RpcClient, msg: m.RequestBody, timeout: float) -> Any:
-    """Await one call on the loop's own socket to `sync`'s incarnation (or through `sync` off the loop): the payload,
-    or the reply's typed exception (RemoteError, PeerDeadError, CallCancelled)."""
-    ac = link.get(sync)
-    if ac is None:
-        return await await_sync_call(sync, msg, timeout)
-    return await ac.call(msg, timeout=max(timeout, 0.001))
-
-
 async def await_sync_call(client: RpcClient, msg: m.RequestBody, timeout: float,
                 on_late: Callable[[Any], None] | None = None) -> Any:
-    """Await one call through the sync client's I/O thread (the fallback off the store's loop); the payload, or the
-    reply's typed exception (RemoteError, PeerDeadError, CallCancelled).
+    """Await one call through the sync client's I/O thread (every call the store's loop makes); the payload, or the
+    reply's typed exception (RemoteError, PeerDeadError, CallCancelled). `on_late`: where the reply goes if the
+    awaiter gave up first (for answers that hold something, e.g. a Hit's lease).
 
     Not `asyncio.wrap_future`: cancelling its wrapper (the store cancels a wait at its deadline) cancels the client's
     concurrent future, and the client's I/O thread would then fail on `set_result` of a cancelled future. Here a
@@ -155,7 +108,6 @@ class RemoteTier:
         self.oneway_timeout_s = oneway_timeout_s
         self.counters: Counter[str] = Counter()
         self._closed = False
-        self._link = _LoopLink(client)
         # Reservation ids (`ReserveSave.reservation`): a random base per store, so two stores sharing a tier never
         # name each other's reservations.
         self._reservations = itertools.count((secrets.randbits(40) << 20) + 1)
@@ -195,14 +147,9 @@ class RemoteTier:
         still comes, a late Hit's lease is released, not left to the TTL."""
         claim = next(self._reservations)
         msg = m.Query(req_id, list(hashes), parent if self.wants_parent_key else None, claim)
-        sync = self._client()
-        ac = self._link.get(sync)
         epoch = self.epoch  # the attachment the answer's slots belong to, even if the tier is replaced meanwhile
         try:
-            if ac is None:
-                return _query_result(await await_sync_call(sync, msg, timeout, on_late=self._late_answer), epoch)
-            return _query_result(await ac.call_keeping_late(msg, self._late_answer, timeout=max(timeout, 0.001)),
-                                 epoch)
+            return _query_result(await await_sync_call(self._client(), msg, timeout, on_late=self._late_answer), epoch)
         except BaseException:
             self._abandon_claim(claim)
             raise
@@ -232,7 +179,7 @@ class RemoteTier:
         # misbehaving tier cannot turn the resolver's loop into a busy one.
         t0 = time.monotonic()
         try:
-            return bool((await _acall(self._link, self._client(), msg, timeout)).ok)
+            return bool((await await_sync_call(self._client(), msg, timeout)).ok)
         except RemoteError as e:
             if e.code != "deadline_exceeded":
                 self.counters[f"wait_failed_{e.code}"] += 1
@@ -248,7 +195,7 @@ class RemoteTier:
         reservation = next(self._reservations)
         msg = m.ReserveSave(req_id, list(keys), list(bounded_groups), save_class.value, events, reservation)
         try:
-            res = await _acall(self._link, self._client(), msg, timeout)
+            res = await await_sync_call(self._client(), msg, timeout)
         except BaseException:
             # No ticket, yet the tier may have opened the save, or still will (a stalled tier serves the request
             # once it runs again): abort it by its reservation, now or -- the client being dead -- once reconnected
@@ -263,7 +210,7 @@ class RemoteTier:
 
     async def stats(self) -> dict[str, int]:
         self._replay(self._client())  # also a moment to send what a stall kept back (an idle store sends nothing else)
-        res = await _acall(self._link, self._client(), m.TierStats(), self.oneway_timeout_s)
+        res = await await_sync_call(self._client(), m.TierStats(), self.oneway_timeout_s)
         return dict(res.counters)
 
     # ---- fire-and-forget ----
@@ -274,7 +221,7 @@ class RemoteTier:
     async def commit_save(self, save_id: int, *, timeout: float) -> bool:
         # Answered, not fire-and-forget: a commit the tier refuses (the save was reaped) is a failed save.
         try:
-            await _acall(self._link, self._client(), m.CommitSave(save_id), timeout)
+            await await_sync_call(self._client(), m.CommitSave(save_id), timeout)
         except RemoteError as e:
             if e.code == "save_reclaimed":
                 self.counters["commits_refused"] += 1
@@ -338,11 +285,7 @@ class RemoteTier:
             sync = self._client()
             pid = sync.server_pid
             self._replay(sync)
-            ac = self._link.get(sync)
-            if ac is not None:  # on the store's loop: its own socket; the reply is read there and dropped
-                ac.call_nowait(msg, timeout=self.oneway_timeout_s, on_reply=done)
-                return
-            sync.send_oneway(msg, timeout=self.oneway_timeout_s, on_reply=done)  # off the loop: the I/O thread
+            sync.send_oneway(msg, timeout=self.oneway_timeout_s, on_reply=done)  # the reply: on the I/O thread
         except Exception as e:  # noqa: BLE001 - never raise from a fire-and-forget call
             if not self._defer(msg, pid, e):
                 self.counters[f"oneway_failed_{what}"] += 1
@@ -350,7 +293,6 @@ class RemoteTier:
 
     def close(self) -> None:
         self._closed = True
-        self._link.close()
 
 
 class RemoteCopier:
@@ -368,7 +310,6 @@ class RemoteCopier:
         self.attach_timeout_s = attach_timeout_s
         self._attached_to: RpcClient | None = None
         self._attach_lock: asyncio.Lock | None = None  # created on the store's loop at first use
-        self._link = _LoopLink(client)
         self.attaches = 0
         self._writer_id: ProcessId | None = None  # the worker last seen serving orders (`_writer`)
         # The worker's own time for each recent Load (`Copied.ns`), newest last, and how many have completed: what
@@ -402,14 +343,14 @@ class RemoteCopier:
         async with self._attach_lock:
             client = self._client()
             if client is not self._attached_to:
-                await _acall(self._link, client, self.attach_msg, self.attach_timeout_s)  # PeerDeadError on a dead one
+                await await_sync_call(client, self.attach_msg, self.attach_timeout_s)  # PeerDeadError on a dead one
                 self._attached_to = client
                 self.attaches += 1
         return client
 
     async def _order(self, msg: m.RequestBody) -> int:
         client = await self.ensure_attached()
-        res = await _acall(self._link, client, msg, self.copy_timeout_s)
+        res = await await_sync_call(client, msg, self.copy_timeout_s)
         if type(msg) is m.Load:
             self._loaded(res)
         return int(res.nbytes)
@@ -423,7 +364,7 @@ class RemoteCopier:
         try:
             client = await self.ensure_attached()
             pid = self._writer(client.server_pid)
-            return int((await _acall(self._link, client, m.Save(order), self.copy_timeout_s)).nbytes)
+            return int((await await_sync_call(client, m.Save(order), self.copy_timeout_s)).nbytes)
         except Exception as e:
             # The worker that had the order is gone (killed, maybe in the middle of the write): say so, so the tier
             # takes back the fence claim it left instead of quarantining the slots for good. A worker that is only
@@ -468,7 +409,7 @@ class RemoteCopier:
         try:
             client = await self.ensure_attached()
             pid = self._writer(client.server_pid)
-            res = await _acall(self._link, client, m.Load(fenced), self.copy_timeout_s)
+            res = await await_sync_call(client, m.Load(fenced), self.copy_timeout_s)
         finally:
             await self._settle(word, pid)
         self._loaded(res)
@@ -482,7 +423,7 @@ class RemoteCopier:
         try:
             client = await self.ensure_attached()
             pid = self._writer(client.server_pid)
-            res = await _acall(self._link, client, msg, self.copy_timeout_s)
+            res = await await_sync_call(client, msg, self.copy_timeout_s)
         finally:
             await self._settle(word, pid)
         return int(res.nbytes)
@@ -497,4 +438,3 @@ class RemoteCopier:
 
     def close(self) -> None:
         self._attached_to = None
-        self._link.close()

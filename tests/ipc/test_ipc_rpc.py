@@ -283,3 +283,74 @@ def test_threads_that_ask_at_once_all_get_their_replies(client: RpcClient) -> No
     for t in threads:
         t.join(30)
     assert sorted(got) == sorted(b"%d-%d" % (i, j) for i in range(4) for j in range(20))
+
+
+def test_a_reply_that_never_comes_fails_shortly_after_its_deadline() -> None:
+    # The local backstop: a peer alive but silent (stopped), heartbeats off so that only the deadline can end the call.
+    with tempfile.TemporaryDirectory(prefix="kvt-", dir="/tmp") as d:
+        s = serve_role(d)
+        c = s.client(heartbeat_s=None, deadline_grace_s=0.05)
+        try:
+            os.kill(s.proc.pid, signal.SIGSTOP)
+            t0 = time.monotonic()
+            reply = c.call(m.Echo(b"never"), timeout=0.2).result(10)
+            elapsed = time.monotonic() - t0
+            assert isinstance(reply, m.Failed) and reply.code == "deadline_exceeded"
+            assert "local backstop" in reply.message
+            assert 0.2 <= elapsed < 5.0, elapsed  # the deadline plus the grace, not never
+            assert c.pending_count == 0
+            os.kill(s.proc.pid, signal.SIGCONT)
+            # The late reply to the expired call is read and dropped; the next call gets its own reply.
+            assert c.request(m.Echo(b"after"), timeout=5).data == b"after" and c.alive
+        finally:
+            os.kill(s.proc.pid, signal.SIGCONT)
+            c.close()
+            os.kill(s.proc.pid, signal.SIGKILL)
+            s.proc.join(5)
+
+
+def test_a_servers_goodbye_with_calls_in_flight_fails_every_one_with_peer_dead() -> None:
+    # A scripted ROUTER (a real server's Goodbye rides a 100 ms linger that a loaded host may not honour): it shakes
+    # hands, swallows three calls awaited on an event loop (the store loop's path), then says Goodbye.
+    import asyncio
+
+    import zmq
+
+    from kvproc.tiers.remote import await_sync_call
+
+    with tempfile.TemporaryDirectory(prefix="kvt-", dir="/tmp") as d:
+        endpoint = f"ipc://{d}/fake.sock"
+        router: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        router.bind(endpoint)
+        decoder = m.server_decoder()
+
+        def fake_server() -> None:
+            calls = 0
+            while calls < 3:
+                ident, data = router.recv_multipart()
+                msg = decoder.decode(data)
+                if type(msg) is m.Hello:
+                    router.send_multipart([ident, m.encode(m.Welcome(m.PROTOCOL_VERSION, "fake", 0, os.getpid()))])
+                elif type(msg) is m.Call:
+                    calls += 1
+            router.send_multipart([ident, m.encode(m.Goodbye("scripted"))])
+
+        server = threading.Thread(target=fake_server, daemon=True)
+        server.start()
+        c = RpcClient(endpoint, token=TOKEN, peer="fake[0]", heartbeat_s=None)  # dies only when told
+        c.connect(5.0)
+
+        async def main() -> list[Any]:
+            calls = [await_sync_call(c, m.Sleep(10.0), 10) for _ in range(3)]
+            return await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 5.0)
+
+        try:
+            outcomes = asyncio.run(main())
+            assert [type(o) for o in outcomes] == [PeerDeadError] * 3
+            assert "said goodbye: scripted" in str(outcomes[0])
+            assert not c.alive and c.pending_count == 0
+        finally:
+            c.close()
+            server.join(5)
+            router.close()

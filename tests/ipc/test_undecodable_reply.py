@@ -13,7 +13,6 @@ from typing import Any
 import pytest
 
 from kvproc.ipc import messages as m
-from kvproc.ipc.aclient import AsyncRpcClient
 from kvproc.ipc.client import RpcClient
 from kvproc.ipc.context import CallContext
 from kvproc.ipc.errors import RemoteError
@@ -21,6 +20,7 @@ from kvproc.ipc.server import RpcServer
 from kvproc.ipc.service import Service, handles
 from kvproc.ipc.sockets import ipc_endpoint
 from kvproc.runtime.role import Role, RoleEnv
+from kvproc.tiers.remote import await_sync_call
 
 TOKEN = "t0ken"
 DEADLINE_S = 60.0  # far longer than the test: a call that waited for it would fail the test by pytest's timeout
@@ -79,14 +79,9 @@ def test_the_io_threads_path_ends_the_call_with_undecodable_reply(client: RpcCli
 
 
 @pytest.mark.timeout(30)
-def test_the_async_client_ends_the_call_with_undecodable_reply(client: RpcClient) -> None:
-    async def go() -> None:
-        ac = AsyncRpcClient.for_client(client)
-        await ac.connect(10.0)
-        try:
-            await ac.call(m.Stats(), timeout=DEADLINE_S)
-        finally:
-            ac.close()
+def test_a_call_awaited_on_an_event_loop_ends_with_undecodable_reply(client: RpcClient) -> None:
+    async def go() -> None:  # the store loop's path: `RemoteTier` / `RemoteCopier` await every call this way
+        await await_sync_call(client, m.Stats(), DEADLINE_S)
 
     with pytest.raises(RemoteError) as err:
         asyncio.run(go())

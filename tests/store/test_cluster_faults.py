@@ -17,8 +17,8 @@ from kvproc.store.types import SaveClass, StoreConfig
 from tests.conftest import churn, cluster_store, compute, stopped, wait_for
 
 pytestmark = pytest.mark.timeout(60)
-# `submit_resolve` on the store loop's path (its own sockets, which these tests watch); the blocking path's faults --
-# what `submit_resolve`'s resolve threads run -- are in test_store_blocking_resolve.py.
+# `submit_resolve` on the store loop, its calls awaited through the cluster's clients (whose pending calls these
+# tests watch).
 CONFIG = StoreConfig(resolve_deadline_s=3.0)
 
 

@@ -4,6 +4,7 @@ aborted saves open -- their slots taken and their pages "Loading" for other engi
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import time
@@ -76,7 +77,7 @@ def test_a_lease_a_stalled_tier_granted_to_a_query_nobody_awaits_is_released_onc
             assert tier is not None
             hashes = RequestKv(store.pools[0], "x", toks, 0).page_hashes
             for n in (1, 2):
-                store.stats()  # the store loop's socket to the tier is connected: the query goes out on it
+                store.stats()  # the store's client to the tier is connected and admitted: the query goes out
                 os.kill(tier_pid, signal.SIGSTOP)
                 try:
                     fut = store._loop.submit(tier.query(f"q{n}", hashes, timeout=30))
@@ -98,12 +99,42 @@ def test_a_lease_a_stalled_tier_granted_to_a_query_nobody_awaits_is_released_onc
             tier.release_lease(hit.lease_id)
 
 
+def test_a_hit_answered_after_its_awaiter_gave_up_is_released_by_its_lease_id() -> None:
+    """A query whose awaiter gives up (the resolve's deadline) while the tier is briefly stopped -- shorter than the
+    client's heartbeat liveness, so the client stays alive -- gets its Hit late: the lease goes back at once
+    (`RemoteTier._late_answer`, through `await_sync_call`'s `on_late`), not at the 30 s lease TTL. Control: without
+    `on_late` the late answer is dropped and `late_hits_released` stays 0 (the claim's release still frees the lease,
+    so the counter is what tells the paths apart)."""
+    with kvproc_up("latet") as (rd, tier_pid):
+        with ClusterStore.start(1 << 20, tier_runtime_dir=rd) as cs:
+            model = SharedMemoryModel(cs.allocator)
+            store = cs.attach_model(model, live_slots=2)
+            toks = list(range(1, 13))
+            _save_prompt(store, "a", toks)
+            store.flush_saves(0, 10)
+            tier = store.tier
+            assert tier is not None
+            hashes = RequestKv(store.pools[0], "x", toks, 0).page_hashes
+            store.stats()  # the store's client to the tier is connected and admitted
+            os.kill(tier_pid, signal.SIGSTOP)
+            try:
+                fut = store._loop.submit(asyncio.wait_for(tier.query("late", hashes, timeout=10), 0.2))
+                with pytest.raises(asyncio.TimeoutError):
+                    fut.result(timeout=10)
+            finally:
+                os.kill(tier_pid, signal.SIGCONT)
+            wait_for(lambda: tier.counters["late_hits_released"] == 1, timeout=20, what="the late Hit released")
+            wait_for(lambda: store.stats()["tier"]["open_leases"] == 0, timeout=10, what="no lease left open")
+            assert tier.available and tier.counters["query_claims_abandoned"] == 1
+            assert store.stats()["tier"].get("leases_reclaimed_by_ttl", 0) == 0
+
+
 def _save_through_a_stall(store: KvStore, tier_pid: int, req_id: str, toks: list[int]) -> None:
     """Start a save while the tier is stopped, resume the tier once the save failed (the store's client declared it
     dead: the ReserveSave it sent is still in the tier's socket), then wait until the store is reconnected."""
     tier = store.tier
     assert tier is not None
-    store.stats()  # the store loop's own socket to the tier is connected and admitted: the reserve goes out on it
+    store.stats()  # the store's client to the tier is connected and admitted: the reserve goes out on it
     os.kill(tier_pid, signal.SIGSTOP)
     try:
         _save_prompt(store, req_id, toks)
