@@ -40,16 +40,19 @@ class RunLru:
 
     def insert(self, ids: np.ndarray | Sequence[int]) -> None:
         """Add blocks as the most recently used run, in the given order (first = evicted first)."""
-        if NATIVE is not None and type(ids) is list:
-            # One C pass, and the list is kept as the run (an array is made only when eviction reaches it): a
-            # release of a few dozen blocks would otherwise spend most of its time converting and indexing.
-            if not ids:
+        if NATIVE is not None and (type(ids) is list or (type(ids) is np.ndarray and ids.dtype == np.int64)):
+            # One C pass, and the list or array is kept as the run (an array is made only when eviction reaches a
+            # list): a release of a few dozen blocks would otherwise spend most of its time converting and indexing.
+            # The pool's releases come as int64 arrays (`paged_release(packed=True)`): 8 bytes a cached block.
+            if not len(ids):
                 return
             self._seq += 1
             self._count += len(ids) - NATIVE.lru_stamp(self.stamp, ids, self._seq)  # a re-insert moves a block
-            # Only ints, never in a cycle: out of the GC's scans. An unbounded pool keeps thousands of runs (millions
-            # of ids) that every collection would otherwise walk (the trace replay: 0.29 s of GC -> 0.02 s).
-            NATIVE.untrack_atomic(ids)
+            if type(ids) is list:
+                # Only ints, never in a cycle: out of the GC's scans. An unbounded pool keeps thousands of runs
+                # (millions of ids) that every collection would otherwise walk (the trace replay: 0.29 s of GC ->
+                # 0.02 s).
+                NATIVE.untrack_atomic(ids)
             self.runs[self._seq] = ids
             size = len(ids)
         else:

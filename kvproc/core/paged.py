@@ -21,6 +21,7 @@ from typing import Protocol
 
 import numpy as np
 
+from kvproc.core.block_keys import BlockKeys
 from kvproc.core.eviction import make_policy
 from kvproc.native import NATIVE
 
@@ -77,7 +78,9 @@ class PagedBlocks:
         self.refcount = np.zeros(num_blocks, dtype=np.int32)
         self.generation = np.zeros(num_blocks, dtype=np.int64)
         self.hashed = np.zeros(num_blocks, dtype=bool)
-        self.block_hash: list[bytes | None] = [None] * num_blocks  # the hash each block is registered under
+        # The hash each block is registered under: 16 bytes a block in one array, no object per indexed page
+        # (`BlockKeys`; reads as the list of bytes / None it was).
+        self.block_hash = BlockKeys(self.hashed)
         # Stack: popping from the end hands out low ids first, which keeps early runs contiguous for the copy path.
         self.free: list[int] = list(range(num_blocks - 1, -1, -1))
         # Sealed, unreferenced blocks, ordered by the eviction policy (`kvproc.core.eviction`; LRU by default).
@@ -90,10 +93,9 @@ class PagedBlocks:
         # KV events: None (the default) costs one attribute test per register / unhash call, nothing per block.
         self.listener: IndexListener | None = None
         if NATIVE is not None:
-            # One item per block, only ints / bytes / None, so never part of a cycle: out of the GC's scans, which
-            # would otherwise walk every block's item at each full collection.
+            # One item per block, only ints, so never part of a cycle: out of the GC's scans, which would otherwise
+            # walk every block's item at each full collection.
             NATIVE.untrack_atomic(self.free)
-            NATIVE.untrack_atomic(self.block_hash)
 
     # -- capacity -------------------------------------------------------------------------------------------------
     @property
@@ -145,7 +147,7 @@ class PagedBlocks:
         listener = self.listener
         removed: list[bytes] | None = None if listener is None else []
         if NATIVE is not None:
-            NATIVE.paged_unhash(self.hashed, self.block_hash, self.index, ids, removed)
+            NATIVE.paged_unhash(self.hashed, self.block_hash.array, self.index, ids, removed)
         else:
             index, block_hash = self.index, self.block_hash  # a displaced duplicate no longer owns its index entry
             for bid in ids:
@@ -154,8 +156,7 @@ class PagedBlocks:
                     del index[h]
                     if removed is not None:
                         removed.append(h)
-                block_hash[bid] = None
-            self.hashed[ids] = False
+            self.hashed[ids] = False  # a block's key is dropped with its flag (`BlockKeys`)
         if removed:
             listener.removed(removed)  # type: ignore[union-attr]  # removed is a list only with a listener
 
@@ -179,22 +180,24 @@ class PagedBlocks:
         # Plain fancy-index add: the ids of one hold / request / pin are distinct by construction.
         self.refcount[idx] += 1
 
-    def release(self, ids: Sequence[int]) -> list[int]:
-        """Drop one reference from each block; returns the ids that became unreferenced.
+    def release(self, ids: Sequence[int]) -> int:
+        """Drop one reference from each block; returns how many became unreferenced.
 
         Blocks are released tail-first so that, within one request, the tail of a chain is evicted before its head
         (a head shared by many prompts is worth more than a tail).
         """
         if not len(ids):
-            return []
+            return 0
         if NATIVE is not None:
-            hashed_zero, free_zero, underflow = NATIVE.paged_release(self.refcount, self.hashed, ids)
+            # The blocks going to the eviction policy come packed (int64), kept as its run: no int object per id
+            # made here, nor kept alive per cached block.
+            packed, free_zero, underflow = NATIVE.paged_release(self.refcount, self.hashed, ids, True)
             if underflow is not None:
                 raise RuntimeError(f"refcount underflow releasing blocks {underflow}")
-            if hashed_zero:
-                self.inactive.insert(hashed_zero)
+            if packed:
+                self.inactive.insert(np.frombuffer(packed, dtype=np.int64))
             self.free.extend(free_zero)
-            return hashed_zero + free_zero
+            return len(packed) // 8 + len(free_zero)
         idx = np.asarray(ids, dtype=np.int64)[::-1]
         rc = self.refcount[idx] - 1
         if (rc < 0).any():
@@ -205,7 +208,7 @@ class PagedBlocks:
             hashed = self.hashed[zero]
             self.inactive.insert(zero[hashed])
             self.free.extend(zero[~hashed].tolist())
-        return zero.tolist()
+        return int(zero.size)
 
     # -- the prefix index -----------------------------------------------------------------------------------------
     def register(self, ids: Sequence[int] | np.ndarray, hashes: Sequence[bytes], tokens: TokenIds | None = None,
@@ -223,10 +226,10 @@ class PagedBlocks:
             self.inactive.bind(ids, hashes)
         if NATIVE is not None:
             if listener is None:
-                NATIVE.paged_register(self.hashed, self.block_hash, self.index, ids, hashes)
+                NATIVE.paged_register(self.hashed, self.block_hash.array, self.index, ids, hashes)
                 return
             added: list[int] = []
-            NATIVE.paged_register(self.hashed, self.block_hash, self.index, ids, hashes, added)
+            NATIVE.paged_register(self.hashed, self.block_hash.array, self.index, ids, hashes, added)
             if added:
                 listener.stored(hashes, added, tokens, first_page, parent)
             return
@@ -248,10 +251,11 @@ class PagedBlocks:
                 if h not in index and h not in fresh:
                     fresh.add(h)
                     new.append(p)
+        for h in hashes:  # the C form's check: the key array holds 16-byte page hashes
+            if type(h) is not bytes or len(h) != 16:
+                raise ValueError(f"page hashes are 16 bytes, got {h!r:.40}")
         self.index.update(zip(hashes, ids_list))
-        block_hash = self.block_hash
-        for bid, h in zip(ids_list, hashes):
-            block_hash[bid] = h
+        self.block_hash.array[idx] = np.frombuffer(b"".join(hashes), dtype=np.uint8).reshape(-1, 16)
         self.hashed[idx] = True
         if new:
             # new is non-empty only with a listener

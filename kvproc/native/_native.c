@@ -161,6 +161,27 @@ static PyObject *pack_tokens(PyObject *self, PyObject *args) {
 
 /* Reads a sequence of ints (a list, or anything `PySequence_Fast` takes) into a new int64 array. */
 static int64_t *read_ids(PyObject *obj, Py_ssize_t *n_out) {
+    if (!PyList_Check(obj) && PyObject_CheckBuffer(obj)) {
+        /* A 1-d int64 array (a packed run of ids, `paged_release(packed=True)`): one copy, no int per id. Any other
+         * buffer (bytes, another dtype) goes through the sequence path below, as before. */
+        Py_buffer v;
+        if (PyObject_GetBuffer(obj, &v, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) == 0) {
+            const char *f = v.format ? v.format : "B";
+            if (*f == '<' || *f == '=' || *f == '@') f++;
+            if (v.ndim == 1 && v.itemsize == 8 && (f[0] == 'q' || f[0] == 'l') && f[1] == 0) {
+                Py_ssize_t n = v.len / 8;
+                int64_t *out = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(int64_t));
+                if (out) memcpy(out, v.buf, (size_t)n * sizeof(int64_t));
+                else PyErr_NoMemory();
+                PyBuffer_Release(&v);
+                *n_out = n;
+                return out;
+            }
+            PyBuffer_Release(&v);
+        } else {
+            PyErr_Clear();
+        }
+    }
     PyObject *seq = PySequence_Fast(obj, "copy ids must be a sequence of ints");
     if (!seq) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
@@ -526,10 +547,11 @@ done:
 /* paged_release(refcount, hashed, ids) -> (hashed, unhashed, underflow): drop one reference from each block, last id
  * first (a chain's tail goes into the LRU before its head); the blocks that became unreferenced, split by whether
  * they carry a hash (-> LRU) or not (-> free list). If any block would go below zero nothing changes and `underflow`
- * names them (the caller raises). */
+ * names them (the caller raises). `packed`: the hashed ones as one bytes of int64 instead of a list of ints. */
 static PyObject *paged_release(PyObject *self, PyObject *args) {
     PyObject *objs[2], *ids_o;
-    if (!PyArg_ParseTuple(args, "OOO", &objs[0], &objs[1], &ids_o)) return NULL;
+    int packed = 0;
+    if (!PyArg_ParseTuple(args, "OOO|p", &objs[0], &objs[1], &ids_o, &packed)) return NULL;
     Arr a[2];
     Py_ssize_t limit, n = 0;
     if (get_arrs(2, objs, a, (const Py_ssize_t[]){4, 1}, (const char *const[]){"refcount", "hashed"}, &limit))
@@ -557,8 +579,28 @@ static PyObject *paged_release(PyObject *self, PyObject *args) {
     }
     /* The lists first (ids are distinct: a block reaches zero iff its count is 1), the counts after: a failed
      * allocation leaves every refcount as it was. */
-    for (Py_ssize_t i = n - 1; i >= 0; i--)
-        if (r[ids[i]] == 1 && append_int(h[ids[i]] ? hz : uz, ids[i])) goto done;
+    if (packed) {
+        /* The hashed zeros as one bytes of int64 (the LRU keeps it as its run): no int object per id, and none kept
+         * alive per cached block (an unbounded pool caches millions). */
+        Py_ssize_t k = 0;
+        for (Py_ssize_t i = 0; i < n; i++) k += r[ids[i]] == 1 && h[ids[i]];
+        PyObject *hb = PyBytes_FromStringAndSize(NULL, k * (Py_ssize_t)sizeof(int64_t));
+        if (!hb) goto done;
+        int64_t *w = (int64_t *)PyBytes_AS_STRING(hb);
+        for (Py_ssize_t i = n - 1; i >= 0; i--) {
+            if (r[ids[i]] != 1) continue;
+            if (h[ids[i]]) *w++ = ids[i];
+            else if (append_int(uz, ids[i])) {
+                Py_DECREF(hb);
+                goto done;
+            }
+        }
+        Py_DECREF(hz);
+        hz = hb;
+    } else {
+        for (Py_ssize_t i = n - 1; i >= 0; i--)
+            if (r[ids[i]] == 1 && append_int(h[ids[i]] ? hz : uz, ids[i])) goto done;
+    }
     for (Py_ssize_t i = 0; i < n; i++) r[ids[i]] -= 1;
     out = Py_BuildValue("(OOO)", hz, uz, Py_None);
 done:
@@ -570,6 +612,26 @@ done:
     return out;
 }
 
+/* A pool's per-block keys: the list of bytes / None it kept until issue 35 (`*keys` stays NULL, `*limit` its length),
+ * or a writable C-contiguous buffer of 16 bytes per block (`PagedBlocks.keys`: no object per indexed page; `*limit`
+ * its blocks). 0, or -1 with TypeError. Release `view` after when `*keys` was set. */
+static int get_keys(PyObject *bh, Py_buffer *view, uint8_t **keys, Py_ssize_t *limit) {
+    *keys = NULL;
+    if (PyList_Check(bh)) {
+        *limit = PyList_GET_SIZE(bh);
+        return 0;
+    }
+    if (PyObject_GetBuffer(bh, view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return -1;
+    if (view->len % 16) {
+        PyErr_Format(PyExc_TypeError, "block_hash: a list or a buffer of 16-byte keys, got %zd bytes", view->len);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    *keys = view->buf;
+    *limit = view->len / 16;
+    return 0;
+}
+
 /* paged_register(hashed, block_hash, index, ids, hashes, added=None) -> blocks registered: each block not hashed yet
  * takes its hash (block_hash[id] = h, hashed[id] = True) and the index entry (index[h] = id: the newest block wins).
  * `index` is a `PrefixIndex` (_prefix_index.c, which does the per-page work). `added`, a list when the caller
@@ -577,8 +639,7 @@ done:
  * before (a displaced duplicate changes the entry's owner, not the key set). */
 static PyObject *paged_register(PyObject *self, PyObject *args) {
     PyObject *hashed_o, *bh, *index, *ids_o, *hashes_o, *added = Py_None;
-    if (!PyArg_ParseTuple(args, "OO!OOO|O", &hashed_o, &PyList_Type, &bh, &index, &ids_o, &hashes_o, &added))
-        return NULL;
+    if (!PyArg_ParseTuple(args, "OOOOO|O", &hashed_o, &bh, &index, &ids_o, &hashes_o, &added)) return NULL;
     if (!kvproc_is_prefix_index(index)) {
         PyErr_Format(PyExc_TypeError, "index must be a PrefixIndex, not %.100s", Py_TYPE(index)->tp_name);
         return NULL;
@@ -589,9 +650,16 @@ static PyObject *paged_register(PyObject *self, PyObject *args) {
         return NULL;
     }
     Arr hashed;
+    Py_buffer kview;
+    uint8_t *keys;
+    Py_ssize_t nkeys;
     if (get_arr(hashed_o, &hashed, 1, "hashed")) return NULL;
+    if (get_keys(bh, &kview, &keys, &nkeys)) {
+        PyBuffer_Release(&hashed.view);
+        return NULL;
+    }
     PyObject *hs = NULL, *out = NULL;
-    Py_ssize_t n = 0, limit = hashed.n < PyList_GET_SIZE(bh) ? hashed.n : PyList_GET_SIZE(bh);
+    Py_ssize_t n = 0, limit = hashed.n < nkeys ? hashed.n : nkeys;
     int64_t *ids = read_ids_in(ids_o, limit, &n);
     if (!ids) goto done;
     hs = PySequence_Fast(hashes_o, "hashes must be a sequence of bytes");
@@ -601,12 +669,14 @@ static PyObject *paged_register(PyObject *self, PyObject *args) {
         goto done;
     }
     Py_ssize_t done_n = 0;
-    if (kvproc_prefix_register(index, hashed.view.buf, bh, ids, PySequence_Fast_ITEMS(hs), n, added, &done_n) == 0)
+    if (kvproc_prefix_register(index, hashed.view.buf, bh, keys, ids, PySequence_Fast_ITEMS(hs), n, added,
+                               &done_n) == 0)
         out = PyLong_FromSsize_t(done_n);
 done:
     Py_XDECREF(hs);
     PyMem_Free(ids);
     PyBuffer_Release(&hashed.view);
+    if (keys) PyBuffer_Release(&kview);
     return out;
 }
 
@@ -616,8 +686,7 @@ done:
  * went. */
 static PyObject *paged_unhash(PyObject *self, PyObject *args) {
     PyObject *hashed_o, *bh, *index, *ids_o, *removed = Py_None;
-    if (!PyArg_ParseTuple(args, "OO!OO|O", &hashed_o, &PyList_Type, &bh, &index, &ids_o, &removed))
-        return NULL;
+    if (!PyArg_ParseTuple(args, "OOOO|O", &hashed_o, &bh, &index, &ids_o, &removed)) return NULL;
     if (!kvproc_is_prefix_index(index)) {
         PyErr_Format(PyExc_TypeError, "index must be a PrefixIndex, not %.100s", Py_TYPE(index)->tp_name);
         return NULL;
@@ -628,12 +697,38 @@ static PyObject *paged_unhash(PyObject *self, PyObject *args) {
         return NULL;
     }
     Arr hashed;
+    Py_buffer kview;
+    uint8_t *keys;
+    Py_ssize_t nkeys;
     if (get_arr(hashed_o, &hashed, 1, "hashed")) return NULL;
+    if (get_keys(bh, &kview, &keys, &nkeys)) {
+        PyBuffer_Release(&hashed.view);
+        return NULL;
+    }
     PyObject *out = NULL;
-    Py_ssize_t n = 0, limit = hashed.n < PyList_GET_SIZE(bh) ? hashed.n : PyList_GET_SIZE(bh);
+    Py_ssize_t n = 0, limit = hashed.n < nkeys ? hashed.n : nkeys;
     int64_t *ids = read_ids_in(ids_o, limit, &n);
     if (!ids) goto done;
     uint8_t *h = hashed.view.buf;
+    if (keys) { /* the key array: a block's key is live while it is hashed */
+        for (Py_ssize_t i = 0; i < n; i++) {
+            int64_t b = ids[i];
+            if (h[b]) {
+                const uint8_t *key = keys + 16 * b;
+                if (removed && kvproc_prefix_owns_raw(index, key, b)) {
+                    PyObject *kb = PyBytes_FromStringAndSize((const char *)key, 16);
+                    int rc = kb ? PyList_Append(removed, kb) : -1;
+                    Py_XDECREF(kb);
+                    if (rc) goto done;
+                }
+                kvproc_prefix_unhash_raw(index, key, b);
+            }
+            h[b] = 0;
+        }
+        Py_INCREF(Py_None);
+        out = Py_None;
+        goto done;
+    }
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t b = ids[i];
         PyObject *key = PyList_GET_ITEM(bh, b);
@@ -651,6 +746,7 @@ static PyObject *paged_unhash(PyObject *self, PyObject *args) {
 done:
     PyMem_Free(ids);
     PyBuffer_Release(&hashed.view);
+    if (keys) PyBuffer_Release(&kview);
     return out;
 }
 
@@ -712,7 +808,8 @@ static PyMethodDef methods[] = {
     {"paged_check", paged_check, METH_VARARGS, "paged_check(generation, ids, gens) -> stale ids (<= 8)"},
     {"paged_acquire", paged_acquire, METH_VARARGS, "paged_acquire(refcount, hashed, stamp, ids) -> (left LRU, free)"},
     {"paged_release", paged_release, METH_VARARGS,
-     "paged_release(refcount, hashed, ids) -> (hashed zeros, unhashed zeros, underflow ids or None)"},
+     "paged_release(refcount, hashed, ids, packed=False) -> (hashed zeros (bytes of int64 if packed), unhashed zeros, "
+     "underflow ids or None)"},
     {"paged_register", paged_register, METH_VARARGS, "paged_register(hashed, block_hash, index, ids, hashes, added=None) -> n"},
     {"paged_unhash", paged_unhash, METH_VARARGS, "paged_unhash(hashed, block_hash, index, ids, removed=None)"},
     {"lru_stamp", lru_stamp, METH_VARARGS, "lru_stamp(stamp, ids, seq) -> ids already stamped"},

@@ -36,11 +36,15 @@ int kvproc_add_sketch(PyObject *module);
 int kvproc_add_prefix_index(PyObject *module);
 int kvproc_is_prefix_index(PyObject *o);
 /* paged_register's work on a PrefixIndex: 0 (*done_n = blocks registered), or -1 with an exception set (nothing
- * changed, except when appending to `added` failed). `hashed`/`bh`/`ids` already checked against each other. */
-int kvproc_prefix_register(PyObject *index, uint8_t *hashed, PyObject *bh, const int64_t *ids, PyObject **items,
-                           Py_ssize_t n, PyObject *added, Py_ssize_t *done_n);
+ * changed, except when appending to `added` failed). `hashed`/`bh`/`ids` already checked against each other.
+ * `keys`: NULL (the keys go into the list `bh`) or a per-block array of 16-byte keys (`bh` unused). */
+int kvproc_prefix_register(PyObject *index, uint8_t *hashed, PyObject *bh, uint8_t *keys, const int64_t *ids,
+                           PyObject **items, Py_ssize_t n, PyObject *added, Py_ssize_t *done_n);
 /* 1 if block `b` owns `key`'s entry (and, for unhash, the entry went), else 0; never fails. */
 int kvproc_prefix_owns(PyObject *index, PyObject *key, int64_t b);
 int kvproc_prefix_unhash(PyObject *index, PyObject *key, int64_t b);
+/* The same on a key's 16 raw bytes (`keys`, the pool's per-block key array, instead of the `bh` list). */
+int kvproc_prefix_owns_raw(PyObject *index, const uint8_t *key, int64_t b);
+int kvproc_prefix_unhash_raw(PyObject *index, const uint8_t *key, int64_t b);
 
 #endif

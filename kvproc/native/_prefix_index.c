@@ -17,6 +17,7 @@
 #include "_native.h"
 
 #include <string.h>
+#include <sys/mman.h>
 
 #define PI_KEY 16
 #define PI_MIN_SIZE 64
@@ -75,10 +76,32 @@ static inline void pi_prefetch(const PrefixIndex *t, PyObject *k) {
     if (pi_split(k, &k0, &k1)) __builtin_prefetch(&t->ent[pi_home(t->mask, k0, k1)], 0, 1);
 }
 
+/* Tables of PI_MAP_BYTES or more are their own mapping, populated in the mmap call: a grown table of millions of
+ * entries (the trace replay's ends at 16 M entries, 384 MiB) was otherwise faulted in one 4 KiB page at a time,
+ * each fault an exception, a zeroed page and a memory-cgroup charge (~0.3 s of a 4 s replay). Populating takes the
+ * same zeroed pages in one system call. Which allocator a table came from follows from its size alone. */
+#define PI_MAP_BYTES (4u << 20)
+
 static PiEntry *pi_alloc(Py_ssize_t size) {
+    size_t bytes = (size_t)size * sizeof(PiEntry);
+    if (bytes >= PI_MAP_BYTES) {
+        void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+        if (p == MAP_FAILED) {
+            PyErr_NoMemory();
+            return NULL;
+        }
+        return p; /* anonymous pages are zero: every entry empty */
+    }
     PiEntry *ent = PyMem_Calloc((size_t)size, sizeof(PiEntry));
     if (!ent) PyErr_NoMemory();
     return ent;
+}
+
+static void pi_free(PiEntry *ent, Py_ssize_t size) {
+    size_t bytes = (size_t)size * sizeof(PiEntry);
+    if (!ent) return;
+    if (bytes >= PI_MAP_BYTES) munmap(ent, bytes);
+    else PyMem_Free(ent);
 }
 
 /* Room for `extra` more keys at load <= 1/2: 0, or -1 with MemoryError and the table unchanged. */
@@ -95,7 +118,7 @@ static int pi_reserve(PrefixIndex *t, Py_ssize_t extra) {
         while (ent[i].id1 != 0) i = (i + 1) & mask;
         ent[i] = old[j];
     }
-    PyMem_Free(old);
+    pi_free(old, t->mask + 1);
     t->ent = ent;
     t->mask = mask;
     return 0;
@@ -173,11 +196,12 @@ done:
 }
 
 /* register_blocks(hashed, block_hash, ids, hashes, added) -> blocks registered: `paged_register`'s work (see
- * paged.py `register`). Every block not hashed yet takes its hash (block_hash[id] = h, hashed[id] = 1) and the index
+ * paged.py `register`). Every block not hashed yet takes its hash (block_hash[id] = h, or its 16 bytes copied to
+ * keys[16 * id] where `keys` is given: the pool's per-block key array; hashed[id] = 1) and the index
  * entry (the newest block wins); `added`, a list or None, gets the position of every hash new to the index. Every
  * id and hash is checked, and room reserved, before anything changes. */
-int kvproc_prefix_register(PyObject *index, uint8_t *hashed, PyObject *bh, const int64_t *ids, PyObject **items,
-                           Py_ssize_t n, PyObject *added, Py_ssize_t *done_n) {
+int kvproc_prefix_register(PyObject *index, uint8_t *hashed, PyObject *bh, uint8_t *keys, const int64_t *ids,
+                           PyObject **items, Py_ssize_t n, PyObject *added, Py_ssize_t *done_n) {
     PrefixIndex *t = (PrefixIndex *)index;
     uint64_t k0, k1;
     for (Py_ssize_t i = 0; i < n; i++)
@@ -196,8 +220,12 @@ int kvproc_prefix_register(PyObject *index, uint8_t *hashed, PyObject *bh, const
             Py_XDECREF(pos);
             if (rc) return -1; /* only with events on, after this key went in: the caller's list is the loss */
         }
-        Py_INCREF(items[i]);
-        PyList_SetItem(bh, b, items[i]); /* steals the new reference, drops the old item */
+        if (keys) {
+            memcpy(keys + PI_KEY * b, PyBytes_AS_STRING(items[i]), PI_KEY); /* no object kept per block */
+        } else {
+            Py_INCREF(items[i]);
+            PyList_SetItem(bh, b, items[i]); /* steals the new reference, drops the old item */
+        }
         hashed[b] = 1;
         count++;
     }
@@ -214,6 +242,21 @@ int kvproc_prefix_unhash(PyObject *index, PyObject *key, int64_t b) {
     if (at < 0 || t->ent[at].id1 - 1 != b) return 0;
     pi_delete_at(t, at);
     return 1;
+}
+
+/* The same two on a key's 16 raw bytes (the pool's per-block key array). */
+int kvproc_prefix_unhash_raw(PyObject *index, const uint8_t *key, int64_t b) {
+    PrefixIndex *t = (PrefixIndex *)index;
+    Py_ssize_t at = pi_find(t, load64_le(key), load64_le(key + 8));
+    if (at < 0 || t->ent[at].id1 - 1 != b) return 0;
+    pi_delete_at(t, at);
+    return 1;
+}
+
+int kvproc_prefix_owns_raw(PyObject *index, const uint8_t *key, int64_t b) {
+    const PrefixIndex *t = (const PrefixIndex *)index;
+    Py_ssize_t at = pi_find(t, load64_le(key), load64_le(key + 8));
+    return at >= 0 && t->ent[at].id1 - 1 == b;
 }
 
 int kvproc_prefix_owns(PyObject *index, PyObject *key, int64_t b) {
@@ -241,7 +284,7 @@ static PyObject *pi_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
 }
 
 static void pi_dealloc(PrefixIndex *t) {
-    PyMem_Free(t->ent);
+    pi_free(t->ent, t->mask + 1);
     Py_TYPE(t)->tp_free((PyObject *)t);
 }
 

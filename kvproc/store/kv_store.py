@@ -276,7 +276,7 @@ class KvStore:
         with pool.lock:
             # Each key must name the page its block holds (sealed in place under that hash): a key committed
             # over other bytes would serve them to every later reader of that prompt.
-            named = list(map(pool.paged.block_hash.__getitem__, ids))
+            named = pool.paged.block_hash.of(ids)  # one gather from the per-block key array
             if named != keys:
                 self.count("seal_refused_mismatch")
                 raise RequestStateError(f"request {kv.req_id!r}: pages {start}..{end} of its block table are not "

@@ -268,7 +268,7 @@ def test_paged_ops_change_nothing_when_one_id_is_bad():
         with pytest.raises(IndexError):
             N.paged_release(pb.refcount, pb.hashed, bad)
         with pytest.raises(IndexError):
-            N.paged_register(pb.hashed, pb.block_hash, pb.index, [2] + bad[1:], [b"c" * 16, b"d" * 16])
+            N.paged_register(pb.hashed, pb.block_hash.array, pb.index, [2] + bad[1:], [b"c" * 16, b"d" * 16])
         assert unchanged()
     with pytest.raises(RuntimeError, match="refcount underflow"):
         pb.release([0, 5])  # 5 is free: nothing may be released, not even 0
@@ -281,33 +281,51 @@ def test_paged_ops_change_nothing_when_one_id_is_bad():
     with pytest.raises(TypeError, match="1-d array of 4-byte"):
         N.paged_take(pb.generation, pb.generation, [0])
     with pytest.raises(TypeError, match="not bytes"):
-        N.paged_register(pb.hashed, pb.block_hash, pb.index, [2], ["str"])
+        N.paged_register(pb.hashed, pb.block_hash.array, pb.index, [2], ["str"])
     with pytest.raises(TypeError, match="added must be a list"):
-        N.paged_register(pb.hashed, pb.block_hash, pb.index, [2], [b"c" * 16], ())
+        N.paged_register(pb.hashed, pb.block_hash.array, pb.index, [2], [b"c" * 16], ())
     with pytest.raises(TypeError, match="removed must be a list"):
-        N.paged_unhash(pb.hashed, pb.block_hash, pb.index, [0], ())
+        N.paged_unhash(pb.hashed, pb.block_hash.array, pb.index, [0], ())
     assert unchanged()
 
 
 @needs_native
-def test_paged_register_and_unhash_report_the_keys_they_added_and_removed():
+@pytest.mark.parametrize("keys", ["array", "list"])
+def test_paged_register_and_unhash_report_the_keys_they_added_and_removed(keys: str):
     """The optional output lists (KV events): positions of keys new to the index, keys whose entry went; a key
-    already indexed (a duplicate) and a displaced block's eviction report nothing."""
+    already indexed (a duplicate) and a displaced block's eviction report nothing. The same with the pool's per-block
+    key array and with a list of bytes (what the ops took before the array, still taken: bench/device_events_cost.py)."""
     from kvproc.core.paged import PagedBlocks
 
     pb = PagedBlocks(8)
+    bh = pb.block_hash.array if keys == "array" else [None] * 8
     a, b = b"a" * 16, b"b" * 16
     added: list[int] = []
-    N.paged_register(pb.hashed, pb.block_hash, pb.index, [0, 1, 2], [a, b, a], added)
+    N.paged_register(pb.hashed, bh, pb.index, [0, 1, 2], [a, b, a], added)
     assert added == [0, 1] and pb.index == {a: 2, b: 1}  # block 2 displaced block 0 under key a
     added = []
-    N.paged_register(pb.hashed, pb.block_hash, pb.index, [0, 3], [b"z" * 16, b], added)  # 0 is hashed: skipped
+    N.paged_register(pb.hashed, bh, pb.index, [0, 3], [b"z" * 16, b], added)  # 0 is hashed: skipped
     assert added == [] and pb.index == {a: 2, b: 3}
+    if keys == "array":
+        assert pb.block_hash[:4] == [a, b, a, b]
     removed: list[bytes] = []
-    N.paged_unhash(pb.hashed, pb.block_hash, pb.index, [0, 1], removed)  # both displaced: no key leaves
+    N.paged_unhash(pb.hashed, bh, pb.index, [0, 1], removed)  # both displaced: no key leaves
     assert removed == [] and pb.index == {a: 2, b: 3}
-    N.paged_unhash(pb.hashed, pb.block_hash, pb.index, [2, 3], removed)
+    N.paged_unhash(pb.hashed, bh, pb.index, [2, 3], removed)
     assert removed == [a, b] and pb.index == {}
+    assert not pb.hashed.any()
+
+
+@needs_native
+def test_paged_register_refuses_a_key_buffer_not_made_of_16_byte_keys():
+    from kvproc.core.paged import PagedBlocks
+
+    pb = PagedBlocks(8)
+    with pytest.raises(TypeError, match="16-byte keys"):
+        N.paged_register(pb.hashed, np.zeros(8 * 16 + 1, dtype=np.uint8), pb.index, [0], [b"a" * 16])
+    with pytest.raises(IndexError):  # a key buffer shorter than the pool bounds the ids like the list did
+        N.paged_register(pb.hashed, np.zeros(4 * 16, dtype=np.uint8), pb.index, [5], [b"a" * 16])
+    assert not pb.hashed.any() and len(pb.index) == 0
 
 
 def reference_rows(dst: np.ndarray, dstride: int, dids: list[int], src: np.ndarray, sstride: int, sids: list[int],
@@ -376,3 +394,58 @@ def test_copy_rows_releases_the_gil_for_a_big_copy_and_gets_the_right_bytes():
     for t in ts:
         t.join()
     assert np.array_equal(dst.reshape(n, row)[perm], src.reshape(n, row))
+
+
+@needs_native
+def test_paged_release_packed_gives_the_same_blocks_as_the_list_form():
+    """`packed=True` returns the hashed zeros as one bytes of int64 (the LRU's run, no int per id), in the list form's
+    order (last id first); the unhashed ones still come as a list, and an underflow still changes nothing."""
+    from kvproc.core.paged import PagedBlocks
+
+    forms = []
+    for packed in (False, True):
+        pb = PagedBlocks(8)
+        ids = pb.allocate(6)
+        pb.register(ids[:4], [bytes([i]) * 16 for i in range(4)])
+        pb.acquire(ids[1:2])  # block 1 keeps a reference: not released to zero
+        hz, uz, bad = N.paged_release(pb.refcount, pb.hashed, ids, packed)
+        assert bad is None
+        forms.append((np.frombuffer(hz, dtype=np.int64).tolist() if packed else hz, uz, pb.refcount.tolist()))
+        before = pb.refcount.copy()
+        assert N.paged_release(pb.refcount, pb.hashed, [ids[1], ids[5]], packed)[2] == [ids[5]]
+        assert np.array_equal(pb.refcount, before)
+    assert forms[0] == forms[1] and forms[0][0] == [3, 2, 0] and forms[0][1] == [5, 4]
+
+
+@needs_native
+def test_ids_given_as_an_int64_array_read_as_the_list_does():
+    """The C ops read a 1-d int64 array in one copy (the LRU's packed runs); other arrays and sequences as before."""
+    stamp = np.full(8, -1, dtype=np.int64)
+    assert N.lru_stamp(stamp, np.array([1, 3, 5], dtype=np.int64), 7) == 0
+    assert N.lru_stamp(stamp, [3, 4], 8) == 1
+    assert N.lru_stamp(stamp, np.array([5, 6], dtype=np.int32), 9) == 1  # another dtype: the sequence path
+    assert N.lru_stamp(stamp, np.arange(8, dtype=np.int64)[::3], 10) == 2  # not contiguous: the sequence path
+    assert stamp.tolist() == [10, 7, -1, 10, 8, 9, 10, -1]
+    with pytest.raises(IndexError):
+        N.lru_stamp(stamp, np.array([8], dtype=np.int64), 11)
+    assert N.lru_stamp(stamp, np.zeros(0, dtype=np.int64), 12) == 0
+
+
+@needs_native
+@pytest.mark.parametrize("eviction", ["lru", "lrfu"])
+def test_released_runs_evict_in_the_same_order_as_before(eviction: str):
+    """The pool's releases reach the eviction policy as packed int64 runs: eviction still takes the oldest release
+    first and a request's tail before its head (what the list runs did)."""
+    from kvproc.core.paged import PagedBlocks
+
+    pb = PagedBlocks(10, eviction)
+    a, b = pb.allocate(3), pb.allocate(3)
+    pb.register(a, [bytes([1, i]) * 8 for i in range(3)])
+    pb.register(b, [bytes([2, i]) * 8 for i in range(3)])
+    pb.release(a)
+    pb.release(b)
+    if eviction == "lru":
+        assert all(type(r) is np.ndarray for r in pb.inactive.runs.values())
+        assert list(pb.inactive) == a[::-1] + b[::-1]
+    taken = pb.allocate(4 + 2)  # the 4 free blocks, then two evicted
+    assert taken[4:] == [a[2], a[1]]

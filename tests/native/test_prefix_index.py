@@ -120,7 +120,7 @@ def test_untrack_atomic_takes_only_lists_of_bytes_ints_and_none_out_of_the_gc() 
     from kvproc.core.paged import PagedBlocks
 
     pb = PagedBlocks(16)
-    assert not gc.is_tracked(pb.free) and not gc.is_tracked(pb.block_hash)
+    assert not gc.is_tracked(pb.free) and not gc.is_tracked(pb.block_hash.array)
     ids = pb.allocate(4)
     pb.register(ids, KEYS[:4])
     pb.release(ids)  # the LRU keeps the released ids as one run, a list of ints
@@ -160,3 +160,23 @@ def test_tokens_match_agrees_with_serialising_the_prompt_again(ids: list[int], a
     assert N.tokens_match(data, tokens, MAX_USER_TOKEN_ID) is slow
     assert N.tokens_match(data[:-4], tokens, MAX_USER_TOKEN_ID) is False  # data shorter than the tokens
     assert N.tokens_match(data, tokens.astype(np.int32), MAX_USER_TOKEN_ID) is False  # not int64: the slow way
+
+
+def test_a_table_grown_into_its_own_mapping_keeps_every_entry() -> None:
+    """Past 4 MiB (174 k entries: 2^18 buckets of 24 bytes) a table is its own populated mapping: growing into it,
+    growing again, deleting and dropping it keep the dict's answers (and free the mapping, not the heap)."""
+    import numpy as np
+
+    n = 400_000  # grows through 2^18, 2^19 and 2^20 buckets
+    raw = np.random.default_rng(3).bytes(16 * n)
+    keys = [raw[16 * i:16 * i + 16] for i in range(n)]
+    table = N.PrefixIndex()
+    for i, k in enumerate(keys):
+        table[k] = i
+    assert len(table) == n
+    assert table.match(keys[:1000]) == list(range(1000)) and table.get(keys[-1]) == n - 1
+    for k in keys[::2]:
+        del table[k]
+    assert len(table) == n // 2 and table.get(keys[0]) is None and table[keys[1]] == 1
+    assert all(table[keys[i]] == i for i in range(1, n, 2 * 997))
+    del table  # the mapping goes back with the table (a heap free of it would abort the process)
