@@ -12,13 +12,14 @@ vLLM's own prefix cache stays the device tier; kvproc is the tier below it. Per 
   into staging blocks) becomes the mirror's prefix. Tokens beyond vLLM's own hit are reported to vLLM, which
   allocates blocks for them; a resolve still running makes vLLM ask again at its next step (never a wait on its
   scheduler thread past `resolve_wait_s`).
-- loads are asynchronous: a hit beyond vLLM's own is returned as `(n, True)`; vLLM allocates the blocks and holds
-  the request back; the step's meta carries the load (staging block -> vLLM block), the worker side hands it to the
-  engine's mover thread (`moves.py`) and `get_finished` reports the request once the load settled.
+- a hit beyond vLLM's own lands before the forward of the step that schedules the request (`loads="sync"`, the
+  default for a model of one KV cache group at one rank: the step's meta carries the load, `start_load_kv` waits for
+  the mover) or is asynchronous (`(n, True)`, the default otherwise: vLLM allocates the blocks and holds the request
+  back, the mover copies beside a forward, `get_finished` reports the request once the load settled, and vLLM
+  schedules it a step later). Either way the engine's mover thread (`moves.py`) copies.
 - each page that becomes full in a step is saved (vLLM block -> staging block): `wait_for_save` hands the step's
   saves to the mover and returns. The mover copies itself (`mover="local"`) or has kvproc's copy worker process
-  copy by cross-memory attach (`mover="cma"`); vLLM's forward thread never waits for bytes (`async_moves=False`
-  restores the synchronous path).
+  copy by cross-memory attach (`mover="cma"`); vLLM's forward thread never waits for a save.
 - the scheduler side reads settled moves at its next entry point (`_drain`): a saved page is `apply`-ed to the mirror
   (sealed in place) and handed to `store.seal`: the copy worker moves staging -> host tier, asynchronously.
 - `request_finished`: with a save still in flight it returns True (vLLM keeps the blocks until `get_finished`
@@ -234,11 +235,15 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
                                                            model_id=model_identity(vllm_config, self.options.model_id))
         self.page = self.contract.block_tokens
         self._groups = len(self.contract.groups)
-        if self._groups > 1 and not self.options.async_moves:
-            raise KvContractError("KvprocConnector: async_moves=false (synchronous loads) needs a model of one KV "
-                                  "cache group: vLLM cannot hear of a failed synchronous load of several groups")
+        if self._groups > 1 and self.options.loads == "sync":
+            raise KvContractError("KvprocConnector: loads='sync' needs a model of one KV cache group: vLLM cannot hear "
+                                  "of a failed synchronous load of several groups")
         if self.ranks > 1:
             self._check_tp(ktc.kv_role)
+        # Synchronous loads save vLLM a step per hit (the request runs in the step that schedules it); vLLM recomputes
+        # a failed one by block id, which names a block only with one KV cache group (`get_block_ids_with_load_errors`).
+        self._sync_loads = self.options.loads == "sync" or (
+            self.options.loads == "auto" and self._groups == 1 and self.ranks == 1)
         if role == KVConnectorRole.SCHEDULER and self.options.load_failure_policy == "recompute" and \
                 ktc.kv_load_failure_policy != "recompute":
             # vLLM reads it after building this half (its scheduler): a failed load is then recomputed, not an error.
@@ -342,13 +347,13 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         return lambda allocator: SglangPageModel(fmt, model_id, True, allocator)
 
     def _check_tp(self, kv_role: str | None) -> None:
-        """What tensor parallel carries today (`tp.py`): the direct path, every KV kind, asynchronous moves, P/D
+        """What tensor parallel carries today (`tp.py`): the direct path, every KV kind, asynchronous loads, P/D
         (`handoff_direct.py`)."""
         why = ""
         if self.options.path == "staging" or self.options.mover == "cma":
             why = "path='staging' and mover='cma' move through the staging pool, which has one rank"
-        elif not self.options.async_moves:
-            why = "async_moves=false waits for moves that run in the ranks' processes"
+        elif self.options.loads == "sync":
+            why = "loads='sync' waits for moves that run in the ranks' processes"
         if why:
             raise KvContractError(f"KvprocConnector: tensor_parallel_size={self.ranks} is not supported here: {why}")
 
@@ -677,8 +682,6 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
                 self._moves.submit([job], to_vllm=False)
         else:
             self._moves.submit(meta.saves, to_vllm=False)
-        if not self.options.async_moves:
-            self._moves.wait([j.job_id for j in meta.saves], self.options.move_wait_s)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         moves = self._moves
@@ -763,7 +766,7 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         r.pending_load = (num_computed_tokens, ext) if ext else None
         # Asynchronous: vLLM holds the request back (its blocks allocated) until the mover reports the load, so
         # neither this step's forward nor vLLM's scheduler waits for the bytes.
-        return ext, ext > 0 and self.options.async_moves
+        return ext, ext > 0 and not self._sync_loads
 
     # ---- P/D consumer ----
 
@@ -849,7 +852,7 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         r.pending_load = (num_computed_tokens, ext) if ext else None
         # Asynchronous as any hit (vLLM holds the request back until the mover reports the load): a failed load of a
         # model of several KV cache groups can then be reported by request, and vLLM recomputes it.
-        return ext, ext > 0 and self.options.async_moves
+        return ext, ext > 0 and not self._sync_loads
 
     def _direct_handoff_match(self, r: _Req, env: HandoffEnvelope, num_computed_tokens: int) -> tuple[int | None, bool]:
         """The direct path's hand-off: the leased padded chain is loaded straight into vLLM's blocks (the padded page
@@ -879,7 +882,7 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         if not ext:  # vLLM's own cache has it all: nothing to load, the hand-off is consumed now
             self._release_lease(r)
         r.pending_load = (num_computed_tokens, ext) if ext else None
-        return ext, ext > 0 and self.options.async_moves
+        return ext, ext > 0 and not self._sync_loads
 
     def _start_handoff_mirror(self, r: _Req, env: HandoffEnvelope) -> bool:
         """The consumer's own mirror of a hand-off request, so that it saves the pages it computes (the padded
@@ -989,9 +992,9 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         if not ext and not self.producer:  # vLLM's own cache has the prefix (or more): the leased slots are not needed
             self._release_lease(r)
         r.pending_load = (num_computed_tokens, ext) if ext else None
-        # asynchronous: vLLM holds the request back until the mover reports the load (async_moves=False: the load
-        # lands before this request's first forward)
-        return ext, ext > 0 and self.options.async_moves
+        # asynchronous: vLLM holds the request back until the mover reports the load (sync: the load lands before
+        # this request's first forward)
+        return ext, ext > 0 and not self._sync_loads
 
     def _release_lease(self, r: _Req) -> None:
         held = r.lease is not None
@@ -1052,10 +1055,13 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
             return None
         return vllm
 
-    def _plan_direct_save(self, r: _Req, computed_after: int, meta: KvprocConnectorMetadata) -> None:
+    def _plan_direct_save(self, r: _Req, computed_after: int, meta: KvprocConnectorMetadata,
+                          after: CopyJob | None = None) -> None:
         """Pages that are full once this step ran, from the tier's end of the request on: their keys now, their slots
-        from the tier on the mover thread after the forward (`_copy`)."""
-        if not r.saving or r.job is not None or r.finishing or r.load_job is not None or r.padded:
+        from the tier on the mover thread after the forward (`_copy`). `after`: this step's synchronous load of the
+        request (the save runs only if it succeeded); a load of another step still in flight defers the save."""
+        loading = r.load_job is not None and (after is None or after.job_id != r.load_job)
+        if not r.saving or r.job is not None or r.finishing or loading or r.padded:
             return
         have = r.saved
         target = min(computed_after // self.page, self._table_pages(r))
@@ -1086,7 +1092,7 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
             if not keys:
                 return
         job = CopyJob(next(self._job_ids), r.req_id, [], vllm, keys=keys,
-                      parent=r.hashes[have - 1] if have else None, tokens=tokens)
+                      parent=r.hashes[have - 1] if have else None, tokens=tokens, after=after)
         if self.ranked is not None:  # tensor parallel: every rank's slots now, written by each rank after the forward
             if self.contract.states:
                 self._with_offered_state(r, target, job)
@@ -1194,7 +1200,7 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         elif r.pending_load is not None and r.pending_load[1] != num_external_tokens:
             # vLLM trimmed the external hit (a partial local block): load what it kept, from the same start
             r.pending_load = (r.pending_load[0] + r.pending_load[1] - num_external_tokens, num_external_tokens)
-        if r.pending_load is not None and (self._active(r) or r.hold is not None) and self.options.async_moves:
+        if r.pending_load is not None and (self._active(r) or r.hold is not None) and not self._sync_loads:
             self._async_ready.append(r)  # vLLM holds it back for the load: planned in this step's meta
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
@@ -1261,15 +1267,17 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             r = self._reqs.get(req_id)
             if r is not None and r.hold is not None and r.pending_load is not None and req_id in computed:
-                self._plan_handoff_load(r, meta, meta.loads)  # synchronous (async_moves=False)
+                self._plan_handoff_load(r, meta, meta.loads)  # synchronous
             if r is None or not self._active(r) or req_id not in computed:
                 continue
-            if r.pending_load is not None:  # synchronous loads (async_moves=False): landed before the forward
+            load = None
+            if r.pending_load is not None:  # synchronous loads: landed before the forward
                 self._plan_load(r, meta, meta.loads)
+                load = meta.loads[-1] if meta.loads and meta.loads[-1].job_id == r.load_job else None
             if self.direct is not None:
-                self._plan_direct_save(r, computed[req_id] + n, meta)
+                self._plan_direct_save(r, computed[req_id] + n, meta, after=load)
             else:
-                self._plan_save(r, computed[req_id] + n, meta)
+                self._plan_save(r, computed[req_id] + n, meta, after=load)
         meta.idle = scheduler_output.total_num_scheduled_tokens == 0
         if self.ranked is not None:
             if self.ranked.follow_replaced():  # a rank's tier replaced and re-attached: the workers map the new one
@@ -1421,9 +1429,11 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         into.append(job)
         return True
 
-    def _plan_save(self, r: _Req, computed_after: int, meta: KvprocConnectorMetadata) -> None:
+    def _plan_save(self, r: _Req, computed_after: int, meta: KvprocConnectorMetadata,
+                   after: CopyJob | None = None) -> None:
         """Pages that are full once this step ran: drawn in the mirror now, filled by the worker after the forward,
-        sealed when it reports them."""
+        sealed when it reports them (`after`: this step's synchronous load of the request; the save runs only if it
+        succeeded)."""
         kv = r.mirror
         assert kv is not None
         if not r.saving or r.job is not None or r.finishing:
@@ -1459,7 +1469,7 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
             self.rt.count("saves_not_planned")
             r.saving = False
             return
-        job = CopyJob(next(self._job_ids), r.req_id, ids[have:target], vllm)
+        job = CopyJob(next(self._job_ids), r.req_id, ids[have:target], vllm, after=after)
         r.job = job.job_id
         self._jobs[job.job_id] = r
         meta.saves.append(job)

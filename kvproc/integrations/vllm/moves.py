@@ -64,6 +64,11 @@ class CopyJob:
     rank_states: list[list[tuple[int, int, int]]] = field(default_factory=list)  # a load's `states`, by rank
     rank_saves: list[Any] = field(default_factory=list)
     rank_epochs: list[int] = field(default_factory=list)  # a load's: the tier attachment each rank's lease is of
+    # A save planned in the step of this request's synchronous load (`loads="sync"`): its pages were computed by a
+    # forward over the loaded ones, so it runs only if that load succeeded (else vLLM recomputes them, and the pages
+    # in vLLM's blocks were computed over unwritten KV: never saved). The mover runs the load first (one thread).
+    after: "CopyJob | None" = None
+    ok: bool | None = None  # set when the job settled (`MoveQueue._finish`)
 
     def vllm_blocks(self) -> set[int]:
         """The vLLM blocks this job writes when it is a load (what vLLM must recompute if it fails)."""
@@ -107,6 +112,13 @@ class MoveQueue:
         self._pool.submit(self._execute, jobs, to_vllm)
 
     def _execute(self, jobs: list[CopyJob], to_vllm: bool) -> None:
+        doomed = self._after_failed_loads(jobs)
+        if doomed:  # their load failed: what the forward computed over it is not saved
+            log.warning("kvproc_saves_after_failed_load", reqs=sorted({j.req_id for j in doomed}))
+            self._finish(doomed, to_vllm, False)
+            jobs = [j for j in jobs if j not in doomed]
+            if not jobs:
+                return
         t0 = time.perf_counter()
         try:
             self._run(jobs, to_vllm)
@@ -125,10 +137,17 @@ class MoveQueue:
             log.info("kvproc_moves_recovered", failed_batches=self.failures)
         self._finish(jobs, to_vllm, ok)
 
+    @staticmethod
+    def _after_failed_loads(jobs: list[CopyJob]) -> list[CopyJob]:
+        """Saves whose synchronous load (`CopyJob.after`) did not succeed (not settled counts as failed: the mover's
+        one thread ran it first, so only a poisoned one is still unsettled)."""
+        return [j for j in jobs if j.after is not None and j.after.ok is not True]
+
     def _finish(self, jobs: list[CopyJob], to_vllm: bool, ok: bool) -> None:
         with self._lock:
             for j in jobs:
                 good = ok and j.job_id not in self._poisoned
+                j.ok = good
                 self._poisoned.discard(j.job_id)
                 self._inflight.pop(j.job_id, None)
                 ids = self._by_req.get(j.req_id)

@@ -63,10 +63,13 @@ class RuntimeOptions:
     # its own. P/D needs one: the producer's and the consumer's stores must reach the same tier.
     tier_runtime_dir: str | None = None
     handoff_wait_s: float = 15.0  # a P/D consumer's full-hit resolve waits this long for the producer's saves
-    # Moves off vLLM's forward thread (`moves.py`): loads reported by get_finished (vLLM holds the request back
-    # meanwhile), saves not waited for (a finished request's free delayed until they settle). False: every step
-    # waits for its moves (the synchronous path, kept for A/B benchmarks).
-    async_moves: bool = True
+    # When a hit's bytes land in vLLM's blocks (`moves.py` copies them, off vLLM's forward thread either way).
+    # "sync": before the step's forward that first reads them (the request runs in the step it is scheduled in);
+    # "async": beside a forward, the request held back until `get_finished` reports the load (one engine step
+    # later). "auto": sync where vLLM can hear of a failed synchronous load (a model of one KV cache group, one rank:
+    # its failed blocks are recomputed), async otherwise. Saves are never waited for (a finished request's free is
+    # delayed until they settle).
+    loads: str = "auto"
     move_wait_s: float = 60.0  # the longest anything waits for a move (a preempted request's save, a sync load)
     # KV events of the host tier (medium "CPU", kvproc's page hashes; docs/observability.md) for KV-aware routers:
     # the tier this engine starts publishes them; an attached shared tier (`tier_runtime_dir`) must have been
@@ -92,6 +95,8 @@ class RuntimeOptions:
     sglang_layout: str = "page_first"  # SGLang's --hicache-mem-layout, with page_format="sglang"
 
     def __post_init__(self) -> None:
+        if self.loads not in ("auto", "sync", "async"):
+            raise ValueError(f"kv_connector_extra_config: loads must be 'auto', 'sync' or 'async', got {self.loads!r}")
         if self.mover not in ("local", "cma"):
             raise ValueError(f"kv_connector_extra_config: mover must be 'local' or 'cma', got {self.mover!r}")
         if self.load_failure_policy not in ("recompute", "vllm"):
@@ -125,6 +130,9 @@ class RuntimeOptions:
     def from_extra(cls, extra: dict[str, Any] | None) -> "RuntimeOptions":
         extra = dict(extra or {})
         known = {f for f in cls.__dataclass_fields__}
+        if "async_moves" in extra:  # removed: saves are never waited for, and `loads` says when loads land
+            raise ValueError("kv_connector_extra_config: async_moves was removed; use loads='sync' or 'async' "
+                             "(default 'auto')")
         unknown = sorted(k for k in extra if k not in known)
         if unknown:
             raise ValueError(f"kv_connector_extra_config: unknown key(s) {unknown}; known: {sorted(known)}")

@@ -1,7 +1,9 @@
-"""The connector's moves run off vLLM's forward thread (`kvproc/integrations/vllm/moves.py`): loads are reported
-through `get_finished` (vLLM holds the request back meanwhile), saves are not waited for (a finished request's free is
-delayed until its save settles). Each test slows or breaks the mover (the connector's `_copy`, which the mover thread
-runs) to make the asynchrony observable; the engine and kvproc's processes are real."""
+"""The connector's moves run off vLLM's forward thread (`kvproc/integrations/vllm/moves.py`): saves are never waited
+for (a finished request's free is delayed until its save settles); loads land before the forward that first reads them
+(`loads="sync"`, the default for a model of one KV cache group: the request runs in the step that schedules it) or are
+reported through `get_finished` (`loads="async"`: vLLM holds the request back a step meanwhile; the default for several
+groups). Each test slows or breaks the mover (the connector's `_copy`, which the mover thread runs) to make the
+asynchrony observable; the engine and kvproc's processes are real."""
 
 from __future__ import annotations
 
@@ -30,7 +32,8 @@ def assert_idle(idle: bool) -> None:
 
 
 class _Overlap:
-    """Counts vLLM's steps (scheduler side) and the moves during which at least one step began."""
+    """Counts vLLM's steps (scheduler side) and the moves during which at least one step began, loads and saves
+    apart."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, delay_s: float) -> None:
         from kvproc.integrations.vllm.connector import KvprocConnector
@@ -38,6 +41,8 @@ class _Overlap:
         self.steps = 0
         self.moves = 0
         self.overlapped = 0
+        self.loads = 0
+        self.loads_overlapped = 0
         build, copy = KvprocConnector.build_connector_meta, KvprocConnector._copy
 
         def build_connector_meta(conn: Any, scheduler_output: Any) -> Any:
@@ -50,6 +55,9 @@ class _Overlap:
             copy(conn, jobs, to_vllm)
             self.moves += 1
             self.overlapped += self.steps > before
+            if to_vllm:
+                self.loads += 1
+                self.loads_overlapped += self.steps > before
 
         monkeypatch.setattr(KvprocConnector, "build_connector_meta", build_connector_meta)
         monkeypatch.setattr(KvprocConnector, "_copy", slow_copy)
@@ -58,7 +66,7 @@ class _Overlap:
 def test_slow_moves_overlap_vllm_steps_and_keep_tokens(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch,
                                                        reference: list[tuple[list[int], list[int]]]) -> None:
     ov = _Overlap(monkeypatch, delay_s=0.15)
-    with engine(tiny_llama, kvproc_transfer_config()) as llm:
+    with engine(tiny_llama, kvproc_transfer_config(loads="async")) as llm:
         # Each turn starts once the last one's saves landed: with the slow mover a loaded machine could otherwise
         # schedule a turn before kvproc holds the previous one's pages (a miss, no load to observe). The loads of a
         # turn still run while vLLM steps the turn's other requests.
@@ -78,24 +86,60 @@ def test_slow_moves_overlap_vllm_steps_and_keep_tokens(tiny_llama: Path, monkeyp
     assert counters.get("frees_delayed", 0) > 0 and held, (counters.get("frees_delayed"), held)
     assert left == []  # every delayed free was reported (finished_sending), none leaked
     assert ov.moves > 0 and ov.overlapped > 0, (ov.moves, ov.overlapped)  # vLLM stepped on while bytes moved
+    assert ov.loads > 0 and ov.loads_overlapped > 0, (ov.loads, ov.loads_overlapped)  # loads too
 
 
-def test_control_synchronous_moves_never_overlap_a_step(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch,
-                                                        reference: list[tuple[list[int], list[int]]]) -> None:
-    """The control of the overlap count above: with `async_moves=False` every step waits for its moves, so no step
-    begins while one runs (and the tokens are the same)."""
+def test_synchronous_loads_never_overlap_a_step_and_saves_still_do(
+        tiny_llama: Path, monkeypatch: pytest.MonkeyPatch, reference: list[tuple[list[int], list[int]]]) -> None:
+    """The default for a model of one KV cache group (`loads="auto"` is "sync" there): a load lands before the
+    forward that reads it, so no step begins while one runs; saves are still not waited for (steps begin while
+    they run); the tokens are the same. It is also the control of the asynchronous overlap count above."""
     ov = _Overlap(monkeypatch, delay_s=0.05)
-    with engine(tiny_llama, kvproc_transfer_config(async_moves=False)) as llm:
+    with engine(tiny_llama, kvproc_transfer_config()) as llm:
         got = multi_turn(llm)
         counters = dict(live_runtime().counters)
     assert [o for _, o in got] == [o for _, o in reference]
     assert counters.get("loads_async", 0) == 0 and counters.get("hit_tokens_loaded", 0) > 0
-    assert ov.moves > 0 and ov.overlapped == 0, (ov.moves, ov.overlapped)
+    assert ov.loads > 0 and ov.loads_overlapped == 0, (ov.loads, ov.loads_overlapped)
+    assert ov.moves > ov.loads and ov.overlapped > 0, (ov.moves, ov.loads, ov.overlapped)
 
 
+@pytest.mark.parametrize("loads, steps", [("sync", 1), ("async", 2)])
+def test_a_restored_request_runs_in_the_step_that_schedules_it(tiny_llama: Path, loads: str, steps: int) -> None:
+    """What synchronous loads buy: a prompt restored from kvproc (after vLLM forgot it) gets its first token from the
+    first engine step that sees it, as a prompt vLLM computes itself would; asynchronous loads hold it back a step
+    (the `("async", 2)` case is this test's control: the step count is what the mode changes)."""
+    prompt = random_tokens(random.Random(12), 100)
+    with engine(tiny_llama, kvproc_transfer_config(loads=loads)) as llm:
+        first = generate(llm, [prompt], max_tokens=4)
+        assert live_runtime().moves.idle(60)
+        generate(llm, [[5, 6]], max_tokens=1)  # a step that hears the saves settled: the delayed frees go
+        assert reset_prefix_cache(llm)
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        core = llm.llm_engine
+        core.add_request("again", TokensPrompt(prompt_token_ids=prompt), SamplingParams(max_tokens=4, temperature=0))
+        taken = 0
+        while True:
+            outs = core.step()
+            taken += 1
+            if any(o.request_id == "again" and o.outputs[0].token_ids for o in outs):
+                break
+            assert taken < 50, "no first token in 50 steps"
+        while core.has_unfinished_requests():
+            core.step()
+        counters = dict(live_runtime().counters)
+    assert counters.get("hit_tokens_loaded", 0) >= 96, counters  # the prompt's pages came from kvproc
+    assert first  # (the first run's tokens are compared with kvproc's elsewhere)
+    assert taken == steps, (loads, taken)
+
+
+@pytest.mark.parametrize("loads", ["sync", "async"])
 def test_control_a_mover_that_drops_loads_changes_tokens(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch,
-                                                         reference: list[tuple[list[int], list[int]]]) -> None:
-    """The asynchronous loads really feed vLLM's forward: reported done without copying, the tokens change."""
+                                                         reference: list[tuple[list[int], list[int]]],
+                                                         loads: str) -> None:
+    """The loads really feed vLLM's forward, either way: reported done without copying, the tokens change."""
     from kvproc.integrations.vllm.connector import KvprocConnector
 
     copy = KvprocConnector._copy
@@ -105,10 +149,10 @@ def test_control_a_mover_that_drops_loads_changes_tokens(tiny_llama: Path, monke
             copy(conn, jobs, to_vllm)
 
     monkeypatch.setattr(KvprocConnector, "_copy", drop_loads)
-    with engine(tiny_llama, kvproc_transfer_config()) as llm:
+    with engine(tiny_llama, kvproc_transfer_config(loads=loads)) as llm:
         got = multi_turn(llm)
         counters = dict(live_runtime().counters)
-    assert counters.get("loads_async", 0) > 0
+    assert (counters.get("loads_async", 0) > 0) == (loads == "async") and counters.get("hit_tokens_loaded", 0) > 0
     assert [o for _, o in got] != [o for _, o in reference]
 
 
@@ -141,7 +185,7 @@ def test_idle_steps_wait_for_the_load_instead_of_spinning(tiny_llama: Path, monk
     monkeypatch.setattr(KvprocConnector, "build_connector_meta", build_connector_meta)
     monkeypatch.setattr(KvprocConnector, "_copy", slow_loads)
     prompt = random_tokens(random.Random(11), 100)
-    with engine(tiny_llama, kvproc_transfer_config()) as llm:
+    with engine(tiny_llama, kvproc_transfer_config(loads="async")) as llm:
         first = generate(llm, [prompt], max_tokens=4)
         assert live_runtime().moves.idle(60)
         # A finished request whose save was in flight keeps its blocks until vLLM hears the save settled, at a step:

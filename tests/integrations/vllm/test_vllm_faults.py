@@ -5,6 +5,7 @@ recomputation, never to wrong KV or a hang), and nothing of kvproc's may be left
 from __future__ import annotations
 
 import os
+import random
 import signal
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from tests.integrations.vllm.conftest import (
     kvproc_transfer_config,
     live_runtime,
     multi_turn,
+    random_tokens,
     reset_prefix_cache,
 )
 
@@ -119,6 +121,65 @@ def test_a_failed_load_is_recomputed_not_a_failed_request(tiny_llama: Path, poli
         assert outs == [o for _, o in reference[-4:]]
     else:
         assert outs != [o for _, o in reference[-4:]]
+
+
+@pytest.mark.parametrize("guard", [True, False])
+def test_pages_computed_over_a_failed_synchronous_load_are_never_saved(tiny_llama: Path, guard: bool,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """`loads="sync"` (the default for one KV cache group): the save planned in the step of a request's synchronous
+    load holds pages that step's forward computed over the loaded ones. Here the load writes noise into vLLM's blocks
+    and fails; vLLM recomputes the request, and that save must not run (`CopyJob.after`): the tier would otherwise
+    keep pages computed over noise under the prompt's own keys, and a later hit would restore them. Control
+    (`guard=False`: the mover ignores the failed load): the tier keeps them, and the replay restores them and gives
+    other tokens than vLLM alone's."""
+    import numpy as np
+
+    from kvproc.integrations.vllm import moves as moves_mod
+    from kvproc.integrations.vllm.connector import KvprocConnector
+
+    rng = random.Random(21)
+    first = random_tokens(rng, 70)  # leaves 2 pages (64 tokens) in the tier
+    second = first[:64] + random_tokens(rng, 80)  # hits those 2, computes pages 2-3 in the load's step
+    with engine(tiny_llama) as llm:
+        want = generate(llm, [second], 8)
+    if not guard:
+        monkeypatch.setattr(moves_mod.MoveQueue, "_after_failed_loads", staticmethod(lambda jobs: []))
+    copy = KvprocConnector._copy
+    noisy = [True]
+
+    def noisy_load(conn: Any, jobs: Any, to_vllm: bool) -> None:
+        copy(conn, jobs, to_vllm)
+        if not (to_vllm and noisy[0]):
+            return
+        noise = np.random.default_rng(3).standard_normal(1 << 16).astype(np.float32).view(np.uint8)
+        for g in conn.contract.groups:
+            for name in g.layer_names:
+                flat = conn._kv[name].reshape(-1)
+                arr = flat.numpy() if hasattr(flat, "numpy") else flat
+                for j in jobs:
+                    for b in j.vllm[g.index]:
+                        arr[b * g.stride:b * g.stride + g.bytes_per_block] = noise[:g.bytes_per_block]
+        raise RuntimeError("test: a load that wrote noise and failed")
+
+    monkeypatch.setattr(KvprocConnector, "_copy", noisy_load)
+    with engine(tiny_llama, kvproc_transfer_config()) as llm:
+        rt = live_runtime()
+        generate(llm, [first], 4)
+        assert rt.moves is not None and rt.moves.idle(60)
+        rt.store.flush_saves(0, 60)
+        assert reset_prefix_cache(llm)
+        assert generate(llm, [second], 8) == want  # the failed load recomputed by vLLM
+        assert rt.moves.idle(60)
+        rt.store.flush_saves(0, 60)
+        noisy[0] = False
+        assert reset_prefix_cache(llm)
+        c0 = dict(rt.counters)
+        again = generate(llm, [second], 8)
+        hit = rt.counters.get("hit_tokens_loaded", 0) - c0.get("hit_tokens_loaded", 0)
+    if guard:
+        assert hit == 64 and again == want, (hit, again == want)  # only the first prompt's pages were kept
+    else:
+        assert hit == 128 and again != want, (hit, again == want)  # the pages computed over noise came back
 
 
 @pytest.mark.parametrize("remap", [True, False])

@@ -121,7 +121,9 @@ def test_pd_of_a_hybrid_model_gives_one_engines_tokens(pd_kind: tuple[str, PdKin
         c = dict(rt.counters)
         assert c.get("handoffs_adopted") == len(prompts), c
         assert c.get("handoff_tokens_loaded") == sum(e["committed_len"] for e in envs[:len(prompts)]), c
-        assert c.get("loads_async", 0) >= len(prompts), c  # the hand-off loads ran beside vLLM's forwards
+        # loads="auto": a model of several KV cache groups loads the hand-off beside vLLM's forwards, one of one group
+        # before the forward that reads it
+        assert (c.get("loads_async", 0) >= len(prompts)) == (len(rt.contract.groups) > 1), c
         for g in rt.contract.groups:
             loaded = c.get(f"pages_loaded.{g.name}", 0)
             assert loaded > 0, (g.name, c)

@@ -166,7 +166,7 @@ def test_tp2_refuses_what_it_cannot_carry_by_name() -> None:
     for role in ("kv_both", "kv_producer", "kv_consumer"):  # P/D on the direct path (test_vllm_pd_tp.py)
         check(_Probe(RuntimeOptions()), role)  # type: ignore[arg-type]
     for options, why in [(RuntimeOptions(path="staging"), "staging"), (RuntimeOptions(mover="cma"), "cma"),
-                         (RuntimeOptions(async_moves=False), "async_moves")]:
+                         (RuntimeOptions(loads="sync"), "loads='sync'")]:
         with pytest.raises(KvContractError, match=why):
             check(_Probe(options), "kv_producer")  # type: ignore[arg-type]
 
