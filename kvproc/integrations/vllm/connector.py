@@ -1263,6 +1263,7 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
                 # Last step's offers: their states were written by its forward and are still in their blocks (this
                 # step's forward has not run), and the pages they close have landed in the mirrors (flushed above).
                 offers, self._offers = self._offers, dict(live.boundary_state_offloads or {})
+                self._offer_prompt_ends(offers, computed)
                 self._seal_offered_states(offers)
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             r = self._reqs.get(req_id)
@@ -1293,6 +1294,29 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
                 # request: a save planned last step may still read one.
                 meta.flush_jobs = list(self._jobs)
         return meta
+
+    def _offer_prompt_ends(self, offers: dict[str, list[tuple[int, int, int]]], computed: dict[str, int]) -> None:
+        """The state at the end of a prompt of whole pages, added to last step's offers: vLLM never offers it (its
+        checkpoint position leaves one token of a prompt to recompute: `get_mamba_prefill_checkpoint_position`, so
+        `cache_blocks` hashes nothing past page (prompt - 1) // page), and without it the next turn's hit stops a
+        page short. It is where align mode keeps a request's latest state: computed up to exactly the prompt's end,
+        the state group's block at index prompt / page - 1 (block i: the state after i + 1 pages; vLLM's
+        `preprocess_mamba` copies this step's starting state from there), written by last step's forward (its saves,
+        waited for above, ran after it) and only read by this step's, which has not run.
+        So it holds exactly the state after the boundary's last token; a request not scheduled right after its last
+        prefill chunk (finished, preempted) is not offered it: a shorter hit, never a wrong state."""
+        for req_id, done in computed.items():
+            r = self._reqs.get(req_id)
+            if r is None or not done or done % self.page or done != r.request.num_prompt_tokens or \
+                    any(n == done for _, _, n in offers.get(req_id, ())):
+                continue
+            at = done // self.page - 1
+            entries = [(g.index, ids[at], done) for g in self.contract.states
+                       if g.index < len(r.vllm_blocks) and at < len(ids := r.vllm_blocks[g.index])
+                       and ids[at] != NULL_BLOCK]
+            if len(entries) == len(self.contract.states):
+                offers.setdefault(req_id, []).extend(entries)
+                self.rt.count("state_prompt_ends_offered")
 
     def _seal_offered_states(self, offers: dict[str, list[tuple[int, int, int]]]) -> None:
         """The states vLLM offered at the last step (`boundary_state_offloads`: vLLM group, block, boundary tokens),
