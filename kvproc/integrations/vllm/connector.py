@@ -229,6 +229,9 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
             raise KvContractError(f"KvprocConnector: kv_role={ktc.kv_role!r} is not supported")
         # P/D: every request a producer finishes is handed off; a consumer adopts the requests that carry an envelope.
         self.producer = ktc.kv_role == "kv_producer"
+        # Async scheduling plans step N+1 while step N's forward may still run: a state read at N+1's planning might
+        # not be written yet (`_offer_prompt_ends` reads one only under sync scheduling).
+        self._async_scheduling = bool(getattr(vllm_config.scheduler_config, "async_scheduling", False))
         self._consumer = ktc.kv_role == "kv_consumer"
         self.options = rt_mod.RuntimeOptions.from_extra(ktc.kv_connector_extra_config)
         self.contract: VllmKvContract = contract_from_vllm(kv_cache_config,
@@ -1263,7 +1266,8 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
                 # Last step's offers: their states were written by its forward and are still in their blocks (this
                 # step's forward has not run), and the pages they close have landed in the mirrors (flushed above).
                 offers, self._offers = self._offers, dict(live.boundary_state_offloads or {})
-                self._offer_prompt_ends(offers, computed)
+                if not self._async_scheduling:
+                    self._offer_prompt_ends(offers, computed)
                 self._seal_offered_states(offers)
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             r = self._reqs.get(req_id)
@@ -1304,7 +1308,8 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         `preprocess_mamba` copies this step's starting state from there), written by last step's forward (its saves,
         waited for above, ran after it) and only read by this step's, which has not run.
         So it holds exactly the state after the boundary's last token; a request not scheduled right after its last
-        prefill chunk (finished, preempted) is not offered it: a shorter hit, never a wrong state."""
+        prefill chunk (finished, preempted) is not offered it: a shorter hit, never a wrong state. Sync scheduling
+        only: under async scheduling last step's forward may still be running when this step is planned."""
         for req_id, done in computed.items():
             r = self._reqs.get(req_id)
             if r is None or not done or done % self.page or done != r.request.num_prompt_tokens or \
