@@ -1271,11 +1271,12 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
                 self._seal_offered_states(offers)
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             r = self._reqs.get(req_id)
+            load = None  # this step's synchronous load of the request: a save planned now runs only if it succeeded
             if r is not None and r.hold is not None and r.pending_load is not None and req_id in computed:
                 self._plan_handoff_load(r, meta, meta.loads)  # synchronous
+                load = meta.loads[-1] if meta.loads and meta.loads[-1].job_id == r.load_job else None
             if r is None or not self._active(r) or req_id not in computed:
                 continue
-            load = None
             if r.pending_load is not None:  # synchronous loads: landed before the forward
                 self._plan_load(r, meta, meta.loads)
                 load = meta.loads[-1] if meta.loads and meta.loads[-1].job_id == r.load_job else None
