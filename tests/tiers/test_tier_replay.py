@@ -5,9 +5,11 @@ aborted saves open -- their slots taken and their pages "Loading" for other engi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -15,6 +17,7 @@ from kvproc import RequestKv
 from kvproc.store.cluster import ClusterStore
 from kvproc.store.kv_store import KvStore
 from kvproc.store.types import SaveClass, SealCursor, StoreConfig
+from kvproc.tiers.remote import RemoteTier
 from tests.conftest import kvproc_up, wait_for
 from tests.store.conftest import SharedMemoryModel
 
@@ -31,31 +34,39 @@ def _save_prompt(store: KvStore, req_id: str, toks: list[int]) -> None:
     store.retire(0, kv, SealCursor.after_prefix(0))
 
 
-def test_a_lease_released_while_the_shared_tier_stalled_is_released_once_it_answers_again() -> None:
-    with kvproc_up("replayt") as (rd, tier_pid):
+@contextlib.contextmanager
+def _tier_holding_a_prompt(name: str, config: StoreConfig = StoreConfig()) -> Iterator[tuple[KvStore, RemoteTier, int,
+                                                                                         list[int]]]:
+    """A `kvproc up` tier (its pid, to stop it) and one store on it that saved a 3-page prompt there."""
+    with kvproc_up(name) as (rd, tier_pid):
         with ClusterStore.start(1 << 20, tier_runtime_dir=rd) as cs:
             model = SharedMemoryModel(cs.allocator)
-            store = cs.attach_model(model, live_slots=2)
+            store = cs.attach_model(model, live_slots=2, config=config)
             toks = list(range(1, 13))
             _save_prompt(store, "a", toks)
             store.flush_saves(0, 10)
             tier = store.tier
-            assert tier is not None
-            hit = store._loop.submit(tier.query("q", RequestKv(store.pools[0], "x", toks, 0).page_hashes,
-                                                timeout=5)).result()
-            assert hit.pages == 3 and store.stats()["tier"]["open_leases"] == 1
-            os.kill(tier_pid, signal.SIGSTOP)
-            try:
-                wait_for(lambda: not tier.available, timeout=20, what="the stalled tier declared dead")
-                tier.release_lease(hit.lease_id)  # lost to the dead client: kept for later
-            finally:
-                os.kill(tier_pid, signal.SIGCONT)
-            wait_for(lambda: tier.available, timeout=20, what="reconnected to the tier")
-            t0 = time.monotonic()
-            wait_for(lambda: store.stats()["tier"]["open_leases"] == 0, timeout=10, what="the lease released")
-            assert time.monotonic() - t0 < 10  # far below the 30 s lease TTL: the release, not the reaper
-            assert tier.counters["oneway_deferred_ReleaseLease"] == 1 and tier.counters["oneway_replayed"] >= 1
-            assert store.stats()["tier"].get("leases_reclaimed_by_ttl", 0) == 0
+            assert isinstance(tier, RemoteTier)
+            yield store, tier, tier_pid, toks
+
+
+def test_a_lease_released_while_the_shared_tier_stalled_is_released_once_it_answers_again() -> None:
+    with _tier_holding_a_prompt("replayt") as (store, tier, tier_pid, toks):
+        hit = store._loop.submit(tier.query("q", RequestKv(store.pools[0], "x", toks, 0).page_hashes,
+                                            timeout=5)).result()
+        assert hit.pages == 3 and store.stats()["tier"]["open_leases"] == 1
+        os.kill(tier_pid, signal.SIGSTOP)
+        try:
+            wait_for(lambda: not tier.available, timeout=20, what="the stalled tier declared dead")
+            tier.release_lease(hit.lease_id)  # lost to the dead client: kept for later
+        finally:
+            os.kill(tier_pid, signal.SIGCONT)
+        wait_for(lambda: tier.available, timeout=20, what="reconnected to the tier")
+        t0 = time.monotonic()
+        wait_for(lambda: store.stats()["tier"]["open_leases"] == 0, timeout=10, what="the lease released")
+        assert time.monotonic() - t0 < 10  # far below the 30 s lease TTL: the release, not the reaper
+        assert tier.counters["oneway_deferred_ReleaseLease"] == 1 and tier.counters["oneway_replayed"] >= 1
+        assert store.stats()["tier"].get("leases_reclaimed_by_ttl", 0) == 0
 
 
 
@@ -66,37 +77,29 @@ def test_a_lease_a_stalled_tier_granted_to_a_query_nobody_awaits_is_released_onc
     passed): a lease nobody holds, its pages unevictable until the 30 s lease TTL. Now the store releases it by the
     query's claim once reconnected (or the tier refuses the query, the release having come first). Twice.
     Control: without the claim (the code before this test) the lease stays open until the wait below gives up."""
-    with kvproc_up("claimt") as (rd, tier_pid):
-        with ClusterStore.start(1 << 20, tier_runtime_dir=rd) as cs:
-            model = SharedMemoryModel(cs.allocator)
-            store = cs.attach_model(model, live_slots=2, config=StoreConfig(tier_call_timeout_s=30.0))
-            toks = list(range(1, 13))
-            _save_prompt(store, "a", toks)
-            store.flush_saves(0, 10)
-            tier = store.tier
-            assert tier is not None
-            hashes = RequestKv(store.pools[0], "x", toks, 0).page_hashes
-            for n in (1, 2):
-                store.stats()  # the store's client to the tier is connected and admitted: the query goes out
-                os.kill(tier_pid, signal.SIGSTOP)
-                try:
-                    fut = store._loop.submit(tier.query(f"q{n}", hashes, timeout=30))
-                    with pytest.raises(Exception):
-                        fut.result(timeout=40)  # the client declares the stopped tier dead: the query fails
-                finally:
-                    os.kill(tier_pid, signal.SIGCONT)
-                wait_for(lambda: tier.available, timeout=20, what="reconnected to the tier")
-                t0 = time.monotonic()
-                wait_for(lambda: store.stats()["tier"]["open_leases"] == 0, timeout=20, what="no lease left open")
-                assert time.monotonic() - t0 < 20  # the lease TTL is 30 s: the claim's release, not the reaper
-                assert tier.counters["query_claims_abandoned"] == n
-            st = store.stats()["tier"]
-            assert st.get("leases_reclaimed_by_ttl", 0) == 0
-            # served then released by its claim, refused (the release came first), or never delivered
-            assert st.get("leases_released_abandoned", 0) + st.get("queries_refused_abandoned", 0) >= 0
-            hit = store._loop.submit(tier.query("after", hashes, timeout=5)).result()
-            assert hit.pages == 3  # the tier serves queries again
-            tier.release_lease(hit.lease_id)
+    with _tier_holding_a_prompt("claimt", StoreConfig(tier_call_timeout_s=30.0)) as (store, tier, tier_pid, toks):
+        hashes = RequestKv(store.pools[0], "x", toks, 0).page_hashes
+        for n in (1, 2):
+            store.stats()  # the store's client to the tier is connected and admitted: the query goes out
+            os.kill(tier_pid, signal.SIGSTOP)
+            try:
+                fut = store._loop.submit(tier.query(f"q{n}", hashes, timeout=30))
+                with pytest.raises(Exception):
+                    fut.result(timeout=40)  # the client declares the stopped tier dead: the query fails
+            finally:
+                os.kill(tier_pid, signal.SIGCONT)
+            wait_for(lambda: tier.available, timeout=20, what="reconnected to the tier")
+            t0 = time.monotonic()
+            wait_for(lambda: store.stats()["tier"]["open_leases"] == 0, timeout=20, what="no lease left open")
+            assert time.monotonic() - t0 < 20  # the lease TTL is 30 s: the claim's release, not the reaper
+            assert tier.counters["query_claims_abandoned"] == n
+        st = store.stats()["tier"]
+        assert st.get("leases_reclaimed_by_ttl", 0) == 0
+        # served then released by its claim, refused (the release came first), or never delivered
+        assert st.get("leases_released_abandoned", 0) + st.get("queries_refused_abandoned", 0) >= 0
+        hit = store._loop.submit(tier.query("after", hashes, timeout=5)).result()
+        assert hit.pages == 3  # the tier serves queries again
+        tier.release_lease(hit.lease_id)
 
 
 def test_a_hit_answered_after_its_awaiter_gave_up_is_released_by_its_lease_id() -> None:
@@ -105,28 +108,20 @@ def test_a_hit_answered_after_its_awaiter_gave_up_is_released_by_its_lease_id() 
     (`RemoteTier._late_answer`, through `await_sync_call`'s `on_late`), not at the 30 s lease TTL. Control: without
     `on_late` the late answer is dropped and `late_hits_released` stays 0 (the claim's release still frees the lease,
     so the counter is what tells the paths apart)."""
-    with kvproc_up("latet") as (rd, tier_pid):
-        with ClusterStore.start(1 << 20, tier_runtime_dir=rd) as cs:
-            model = SharedMemoryModel(cs.allocator)
-            store = cs.attach_model(model, live_slots=2)
-            toks = list(range(1, 13))
-            _save_prompt(store, "a", toks)
-            store.flush_saves(0, 10)
-            tier = store.tier
-            assert tier is not None
-            hashes = RequestKv(store.pools[0], "x", toks, 0).page_hashes
-            store.stats()  # the store's client to the tier is connected and admitted
-            os.kill(tier_pid, signal.SIGSTOP)
-            try:
-                fut = store._loop.submit(asyncio.wait_for(tier.query("late", hashes, timeout=10), 0.2))
-                with pytest.raises(asyncio.TimeoutError):
-                    fut.result(timeout=10)
-            finally:
-                os.kill(tier_pid, signal.SIGCONT)
-            wait_for(lambda: tier.counters["late_hits_released"] == 1, timeout=20, what="the late Hit released")
-            wait_for(lambda: store.stats()["tier"]["open_leases"] == 0, timeout=10, what="no lease left open")
-            assert tier.available and tier.counters["query_claims_abandoned"] == 1
-            assert store.stats()["tier"].get("leases_reclaimed_by_ttl", 0) == 0
+    with _tier_holding_a_prompt("latet") as (store, tier, tier_pid, toks):
+        hashes = RequestKv(store.pools[0], "x", toks, 0).page_hashes
+        store.stats()  # the store's client to the tier is connected and admitted
+        os.kill(tier_pid, signal.SIGSTOP)
+        try:
+            fut = store._loop.submit(asyncio.wait_for(tier.query("late", hashes, timeout=10), 0.2))
+            with pytest.raises(asyncio.TimeoutError):
+                fut.result(timeout=10)
+        finally:
+            os.kill(tier_pid, signal.SIGCONT)
+        wait_for(lambda: tier.counters["late_hits_released"] == 1, timeout=20, what="the late Hit released")
+        wait_for(lambda: store.stats()["tier"]["open_leases"] == 0, timeout=10, what="no lease left open")
+        assert tier.available and tier.counters["query_claims_abandoned"] == 1
+        assert store.stats()["tier"].get("leases_reclaimed_by_ttl", 0) == 0
 
 
 def _save_through_a_stall(store: KvStore, tier_pid: int, req_id: str, toks: list[int]) -> None:
