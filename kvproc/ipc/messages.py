@@ -53,7 +53,7 @@ Tag table (ranges: 1-49 envelope and control, 100-199 runtime requests, 200-299 
 | 302 | WaitSettled    | host-tier request  | deferred: answered when a pending save settles (or at deadline)  |
 | 303 | WaitKey        | host-tier request  | deferred: answered when an entry for the key commits (or deadline)|
 | 304 | ReleaseLease   | host-tier request  | release a Hit's lease (optionally consume a producer's hand-off) |
-| 305 | ReserveSave    | host-tier request  | reserve slots for a save: SaveTicket or Shed                     |
+| 305 | ReserveSave    | host-tier request  | reserve slots for a save (optional retention hint): SaveTicket or Shed |
 | 306 | CommitSave     | host-tier request  | the copy landed: make the save's entries visible                 |
 | 307 | AbortSave      | host-tier request  | the copy failed: free the save's slots                           |
 | 308 | RevokeHandoff  | host-tier request  | "nobody will read this": drop a producer's hand-off pins         |
@@ -341,6 +341,11 @@ class ReserveSave(Request, tag=305):
     # (a tier stalled past its heartbeats serves the request later, and the ticket goes nowhere) aborts the save by
     # it: `AbortSave.reservation` (kvproc/tiers/reservations.py).
     reservation: int = 0
+    # A retention hint (`KvStore.seal/retire(retain_s=...)`): the request's conversation comes back within about this
+    # many seconds, so the save's pages rank in the tier's eviction policy as if used that much later (bounded by the
+    # tier's `max_retain_s`; a priority, never a pin). None: none (one msgpack nil: msgspec writes an array-like
+    # struct's trailing defaults too, and a float would be 9 bytes on every save).
+    retain_s: float | None = None
 
 
 class CommitSave(Request, tag=306):

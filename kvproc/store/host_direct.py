@@ -23,6 +23,7 @@ import numpy as np
 
 from kvproc.ipc.errors import reason_of
 from kvproc.store.tier_slots import TierSlots
+from kvproc.store.types import check_retain_s
 from kvproc.tiers.host_index import Hit, Loading, SaveClass, SaveTicket, Shed
 
 if TYPE_CHECKING:
@@ -92,13 +93,15 @@ class HostDirect:
     # -- saves ------------------------------------------------------------------------------------------------------
     def save(self, req_id: str, keys: Sequence[bytes], write: Callable[[SaveTicket], None], *,
              bounded_groups: Sequence[str] = (), save_class: SaveClass = SaveClass.CACHEABLE,
-             parent: bytes | None = None, tokens: Sequence[int] | None = None) -> bool:
+             parent: bytes | None = None, tokens: Sequence[int] | None = None, retain_s: float | None = None) -> bool:
         """Reserve slots for `keys` (and `bounded_groups`' artifacts at the last key), let `write(ticket)` fill the
         slots it names (`ticket.page_slots`: None where the page is there already) while the save's fence is held,
         and commit. True when the pages (and artifacts) are in the tier. `parent` (the page before `keys[0]`) and
-        `tokens` (the pages' token ids) feed the tier's KV events, where it publishes them."""
+        `tokens` (the pages' token ids) feed the tier's KV events, where it publishes them. `retain_s`: the request's
+        retention hint (`KvStore.seal`); an engine passing it sends every page of the prompt from its first, so
+        that the tier re-ranks the ones it holds."""
         ticket = self.reserve(req_id, keys, bounded_groups=bounded_groups, save_class=save_class, parent=parent,
-                              tokens=tokens)
+                              tokens=tokens, retain_s=retain_s)
         if ticket is None:
             return False
         try:
@@ -110,16 +113,19 @@ class HostDirect:
 
     def reserve(self, req_id: str, keys: Sequence[bytes], *, bounded_groups: Sequence[str] = (),
                 save_class: SaveClass = SaveClass.CACHEABLE, parent: bytes | None = None,
-                tokens: Sequence[int] | None = None) -> SaveTicket | None:
+                tokens: Sequence[int] | None = None, retain_s: float | None = None) -> SaveTicket | None:
         """The first half of a save whose bytes another process may write (`TierSlots.write_fenced` with the
         ticket's fence): the slots, or None (the outcome is recorded: the tier is away or full)."""
         return self.store.submit(self.reserve_async(req_id, keys, bounded_groups=bounded_groups,
-                                                    save_class=save_class, parent=parent, tokens=tokens)).result()
+                                                    save_class=save_class, parent=parent, tokens=tokens,
+                                                    retain_s=retain_s)).result()
 
     async def reserve_async(self, req_id: str, keys: Sequence[bytes], *, bounded_groups: Sequence[str] = (),
                             save_class: SaveClass = SaveClass.CACHEABLE, parent: bytes | None = None,
-                            tokens: Sequence[int] | None = None) -> SaveTicket | None:
+                            tokens: Sequence[int] | None = None, retain_s: float | None = None) -> SaveTicket | None:
         """`reserve` on the store's loop (it ends within the tier call's deadline)."""
+        retain = check_retain_s(retain_s, save_class)
+        hint: dict[str, float] = {} if retain is None else {"retain_s": retain}  # only when given, as `KvStore._save`
         if not self.tier.available:
             self._settled(req_id, "shed", "tier_unavailable")
             return None
@@ -127,7 +133,7 @@ class HostDirect:
             ticket = await asyncio.wait_for(self.tier.reserve_save(
                 req_id, list(keys), list(bounded_groups), save_class, timeout=self.timeout_s,
                 token_ids=np.asarray(tokens, dtype=np.int64) if tokens is not None and self.tier.wants_token_ids
-                else None, parent_key=parent if self.tier.wants_parent_key else None), 2 * self.timeout_s)
+                else None, parent_key=parent if self.tier.wants_parent_key else None, **hint), 2 * self.timeout_s)
         except Exception as e:  # noqa: BLE001 - a failed reservation is a lost save, recorded
             self._settled(req_id, "failed", reason_of(e))
             return None

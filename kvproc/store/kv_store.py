@@ -46,6 +46,7 @@ from kvproc.store.types import (
     SealCursor,
     StepFence,
     StoreConfig,
+    check_retain_s,
 )
 from kvproc.tiers.api import Copier, Tier
 from kvproc.tiers.host_index import SaveTicket, Shed
@@ -233,13 +234,22 @@ class KvStore:
             self._observe_resolve(t0_ns, fut.result())
 
     # -- seal -----------------------------------------------------------------------------------------------------
-    def seal(self, rank: int, kv: RequestKv, cursor: SealCursor, save_class: SaveClass = SaveClass.CACHEABLE) -> None:
+    def seal(self, rank: int, kv: RequestKv, cursor: SealCursor, save_class: SaveClass = SaveClass.CACHEABLE, *,
+             retain_s: float | None = None) -> None:
         """Save the pages sealed since `cursor` (and the bounded checkpoint at the last one). Non-blocking: the save
         runs on the store's loop; its source pages stay pinned until the copy lands. Call only after the step that
-        wrote them synchronized (i.e. after `kv.apply`)."""
+        wrote them synchronized (i.e. after `kv.apply`).
+
+        `retain_s` (seconds; None: no hint, today's behaviour): the serving layer's retention hint, "this request's
+        conversation comes back within about `retain_s`" (a chat session still open, an agent loop mid-task). The save
+        then covers the request's pages from its first (those the tier holds already are deduplicated: held and
+        re-ranked, not copied; those it lost are saved again), and the tier's eviction policy ranks all of them as if
+        used `retain_s` later (bounded by the tier's `max_retain_s`). A priority, never a pin. Cacheable saves only:
+        give it once, at the request's end (`retire`), as each hinted seal sends the whole prompt's keys."""
         self._check_rank(rank)
         require_type(save_class, SaveClass, "save_class")
         require_type(cursor, SealCursor, "cursor")
+        retain = check_retain_s(retain_s, save_class)
         self._check_owner(self.pools[rank], kv, cursor)
         tier = self.tier_of(rank)
         if tier is None or not self.spec.prefix_caching:
@@ -251,8 +261,10 @@ class KvStore:
         P = pool.page_tokens
         end = kv.num_computed // P
         start = cursor.pages
-        self._check_seal(pool, kv, cursor, end)
-        if end <= start:
+        # What the save covers: the pages since the cursor, or with a retention hint every page of the request.
+        lo = 0 if retain else start
+        self._check_seal(pool, kv, cursor, end, lo)
+        if end <= lo:
             return
         if self.replicated and rank != REPLICATED_SAVER_RANK:
             # Stored once: the saver rank's copy is every rank's (same KV). Nothing to wait for on this rank.
@@ -262,24 +274,24 @@ class KvStore:
         if required:
             # Pages past the last complete bounded checkpoint are useless on their own (one index at checkpoint
             # granularity): save only up to the deepest boundary where every required group has a sealed copy.
-            end = self._deepest_checkpoint(pool, kv.page_hashes, start, end, required)
-            if end <= start:
+            end = self._deepest_checkpoint(pool, kv.page_hashes, lo, end, required)
+            if end <= lo:
                 return
-        keys = kv.page_hashes[start:end]
-        ids = kv.block_ids[start:end]
+        keys = kv.page_hashes[lo:end]
+        ids = kv.block_ids[lo:end]
         # The pages' tokens, for a tier whose KV events carry them (`kv_events_tokens`): a view (sealed pages' tokens
         # never change), turned into bytes on the loop as the ReserveSave is built. Off: not even sliced.
-        tokens = kv.token_array()[start * P:end * P] if tier.wants_token_ids else None
+        tokens = kv.token_array()[lo * P:end * P] if tier.wants_token_ids else None
         # The prompt's page before the save's first, for a tier that publishes KV events: the parent of the save's
         # first run of new pages (a save after a prefix hit starts mid-prompt, and the tier sees no chain before it).
-        parent = kv.page_hashes[start - 1] if start and tier.wants_parent_key else None
+        parent = kv.page_hashes[lo - 1] if lo and tier.wants_parent_key else None
         with pool.lock:
             # Each key must name the page its block holds (sealed in place under that hash): a key committed
             # over other bytes would serve them to every later reader of that prompt.
             named = pool.paged.block_hash.of(ids)  # one gather from the per-block key array
             if named != keys:
                 self.count("seal_refused_mismatch")
-                raise RequestStateError(f"request {kv.req_id!r}: pages {start}..{end} of its block table are not "
+                raise RequestStateError(f"request {kv.req_id!r}: pages {lo}..{end} of its block table are not "
                                         "sealed under its page hashes (released, or blocks taken over): not saved")
             staging = {g.name: s for g in self.spec.restorable_bounded_groups
                        if (s := pool.checkpoints.get(keys[-1], g.name)) is not None}
@@ -296,16 +308,16 @@ class KvStore:
                     self.outcomes.record("save", kv.req_id, "shed", "pin_pressure")
                     return  # the cursor does not advance: a later seal retries
                 self._cacheable_pinned[rank] += len(ids)
-            cursor.pages = end
+            cursor.pages = max(start, end)  # a hinted save of pages already handed over does not move it back
             cursor.pending += 1
             cursor.settled.clear()
         try:
-            pin = pool.pin(ids, kv.block_generations()[start:end], staging)
+            pin = pool.pin(ids, kv.block_generations()[lo:end], staging)
         except Exception:
             self._settle_accounting(rank, len(ids), save_class, cursor, start, shed=True)
             raise
         self._loop.call(self._start_save, rank, kv.req_id, keys, ids, staging, pin, save_class, cursor, start, tokens,
-                        parent, event)
+                        parent, event, retain)
 
     def _step_event(self, rank: int) -> bytes | None:
         """The engine's step fence for `rank` (None without one): a CUDA IPC event handle, as bytes."""
@@ -350,16 +362,17 @@ class KvStore:
                 raise ForeignHandleError("this seal cursor", "another request (the first one sealed with it)",
                                          f"request {kv.req_id!r} of {pool.label}")
 
-    def _check_seal(self, pool: BlockPool, kv: RequestKv, cursor: SealCursor, end: int) -> None:
+    def _check_seal(self, pool: BlockPool, kv: RequestKv, cursor: SealCursor, end: int, lo: int) -> None:
         """Refuse a seal that would commit keys without their bytes (or skip pages): a cursor that is not a page
-        count of this request, a released request with pages left to save."""
+        count of this request, a released request with pages left to save. `lo`: the first page the save covers
+        (the cursor's, or 0 for a hinted one)."""
         pages = cursor.pages
         # A hand-off consumer's cursor may sit one page past its computed pages (the padded page it adopted).
         if isinstance(pages, bool) or not isinstance(pages, int) or not 0 <= pages <= kv.lifetime_blocks:
             self.count("seal_refused_cursor")
             raise InvalidSealCursor(f"request {kv.req_id!r}: SealCursor.pages={pages!r} is not a page count of this "
                                     f"request (0..{kv.lifetime_blocks})")
-        if end <= pages:
+        if end <= min(pages, lo):
             return  # nothing to save (a retire of a request that never ran gets here too)
         if kv.released or not kv.admitted:
             self.count("seal_refused_state")
@@ -380,15 +393,18 @@ class KvStore:
 
     def _start_save(self, rank: int, req_id: str, keys: list[bytes], ids: list[int], staging: dict[str, int],
                     pin: Any, save_class: SaveClass, cursor: SealCursor, start: int,
-                    tokens: np.ndarray | None = None, parent: bytes | None = None, event: bytes | None = None) -> None:
+                    tokens: np.ndarray | None = None, parent: bytes | None = None, event: bytes | None = None,
+                    retain_s: float | None = None) -> None:
         task = asyncio.get_running_loop().create_task(
-            self._save(rank, req_id, keys, ids, staging, pin, save_class, cursor, start, tokens, parent, event))
+            self._save(rank, req_id, keys, ids, staging, pin, save_class, cursor, start, tokens, parent, event,
+                       retain_s))
         self._saves[rank].add(task)
         task.add_done_callback(self._saves[rank].discard)
 
     async def _save(self, rank: int, req_id: str, keys: list[bytes], ids: list[int], staging: dict[str, int],
                     pin: Any, save_class: SaveClass, cursor: SealCursor, start: int,
-                    tokens: np.ndarray | None = None, parent: bytes | None = None, event: bytes | None = None) -> None:
+                    tokens: np.ndarray | None = None, parent: bytes | None = None, event: bytes | None = None,
+                    retain_s: float | None = None) -> None:
         state, reason = "failed", "unknown"
         ticket: SaveTicket | Shed | None = None
         tier = self.tier_of(rank)
@@ -408,9 +424,11 @@ class KvStore:
             if not tier.available:
                 state, reason = "shed", "tier_unavailable"
                 return
+            # The hint goes only when given: a tier client that predates it is called exactly as before.
+            hint: dict[str, float] = {} if retain_s is None else {"retain_s": retain_s}
             ticket = await tier.reserve_save(req_id, keys, sorted(staging), save_class,
                                              timeout=self.config.tier_call_timeout_s, token_ids=tokens,
-                                             parent_key=parent)
+                                             parent_key=parent, **hint)
             if isinstance(ticket, Shed):
                 state, reason = "shed", "tier_full"
                 return
@@ -458,11 +476,14 @@ class KvStore:
             return True
 
     # -- retire ---------------------------------------------------------------------------------------------------
-    def retire(self, rank: int, kv: RequestKv, cursor: SealCursor, save_class: SaveClass = SaveClass.CACHEABLE) -> None:
-        """Final seal, then release. Never blocks: with Handoff saves pending, the KV parks until they settle."""
+    def retire(self, rank: int, kv: RequestKv, cursor: SealCursor, save_class: SaveClass = SaveClass.CACHEABLE, *,
+               retain_s: float | None = None) -> None:
+        """Final seal, then release. Never blocks: with Handoff saves pending, the KV parks until they settle.
+        `retain_s`: the request's retention hint (`seal`): the natural place to give it, the request being done and
+        its conversation expected back."""
         self._check_rank(rank)
         require_type(save_class, SaveClass, "save_class")
-        self.seal(rank, kv, cursor, save_class)
+        self.seal(rank, kv, cursor, save_class, retain_s=retain_s)
         if save_class is SaveClass.HANDOFF and cursor.pending:
             self._parked[rank][kv.req_id] = kv
             self.count("retire_parked")

@@ -86,8 +86,8 @@ class LocalTier:
 
     async def reserve_save(self, req_id: str, keys: Sequence[bytes], bounded_groups: Sequence[str],
                            save_class: SaveClass, *, timeout: float, token_ids: np.ndarray | None = None,
-                           parent_key: bytes | None = None) -> SaveTicket | Shed:
-        return self.index.reserve_save(req_id, keys, bounded_groups, save_class, token_ids, parent_key)
+                           parent_key: bytes | None = None, retain_s: float | None = None) -> SaveTicket | Shed:
+        return self.index.reserve_save(req_id, keys, bounded_groups, save_class, token_ids, parent_key, retain_s)
 
     async def commit_save(self, save_id: int, *, timeout: float) -> bool:
         return self.index.commit_save(save_id)

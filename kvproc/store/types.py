@@ -24,6 +24,21 @@ __all__ = ["InvalidSealCursor", "KvPrefix", "Outcomes", "ResolvePolicy", "SaveCl
 StepFence = Callable[[int], bytes | None]
 
 
+def check_retain_s(retain_s: float | None, save_class: SaveClass) -> float | None:
+    """A seal's retention hint (`KvStore.seal(retain_s=...)`), checked where the engine calls: None (no hint) or a
+    finite duration >= 0 in seconds (0 is no hint either), on a cacheable save (a hand-off is pinned for its consumer
+    anyway, and the hint would be lost when the pin goes)."""
+    if retain_s is None:
+        return None
+    if isinstance(retain_s, bool) or not isinstance(retain_s, (int, float)):
+        raise TypeError(f"retain_s must be a number of seconds or None, got {type(retain_s).__name__}")
+    if not (math.isfinite(retain_s) and retain_s >= 0):
+        raise ValueError(f"retain_s must be a finite duration >= 0 (seconds), got {retain_s!r}")
+    if save_class is not SaveClass.CACHEABLE:
+        raise ValueError("retain_s is a hint for cacheable saves; a hand-off is pinned until its consumer loads it")
+    return float(retain_s) or None
+
+
 @dataclass(frozen=True)
 class StoreConfig:
     # One deadline for a whole resolve: a safety net, not a latency target (reference design section 4).

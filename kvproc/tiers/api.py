@@ -56,7 +56,9 @@ class Tier(Protocol):
 
     async def reserve_save(self, req_id: str, keys: Sequence[bytes], bounded_groups: Sequence[str],
                            save_class: SaveClass, *, timeout: float, token_ids: np.ndarray | None = None,
-                           parent_key: bytes | None = None) -> SaveTicket | Shed: ...
+                           parent_key: bytes | None = None, retain_s: float | None = None) -> SaveTicket | Shed:
+        """`retain_s`: the request's retention hint (`KvStore.seal`), for the tier's eviction policy; None: none."""
+        ...
 
     async def commit_save(self, save_id: int, *, timeout: float) -> bool:
         """Make a save's entries visible (its copy landed). False: the tier had given the save's slots back (TTL,

@@ -264,6 +264,8 @@ class HostTierRole(Role):
             save_class = SaveClass(msg.save_class)
         except ValueError:
             raise HandlerError("bad_request", f"unknown save class {msg.save_class!r}") from None
+        if msg.retain_s is not None and not 0 <= msg.retain_s < float("inf"):
+            raise HandlerError("bad_request", f"retain_s must be a finite duration >= 0, got {msg.retain_s!r}")
         with self._lock:
             index = self._index()
             if msg.reservation and self.reservations.refuse(msg.reservation):  # its store gave up on it first
@@ -274,7 +276,8 @@ class HostTierRole(Role):
             ev = msg.events
             raw, parent = (ev.token_ids, ev.parent_key) if ev is not None else (None, None)
             tokens = np.frombuffer(raw, np.int64) if raw and self.events_tokens else None
-            t = index.reserve_save(msg.req_id, msg.keys, msg.bounded_groups, save_class, tokens, parent)
+            t = index.reserve_save(msg.req_id, msg.keys, msg.bounded_groups, save_class, tokens, parent,
+                                   msg.retain_s)
             if isinstance(t, SaveTicket):
                 self.reservations.opened(msg.reservation, t.save_id)
             self._publish_locked(index)  # making room evicts

@@ -90,6 +90,9 @@ class SaveTicket:
     # The prompt's page before keys[0] (`SaveEvents.parent_key`): the parent of the commit's first BlockStored when
     # its run starts at keys[0]; None: the save starts at the prompt's first page, or not known (or no events).
     parent_key: bytes | None = None
+    # A retention hint (seconds, already bounded by `HostIndex.max_retain_s`; 0: none): at commit, the save's pages
+    # enter the eviction policy ranked as if used that much later (`EvictionPolicy.insert`). Never on the wire back.
+    retain_s: float = 0.0
 
     @property
     def copies(self) -> int:
@@ -124,6 +127,7 @@ class HostIndex:
         slot_table: np.ndarray | None = None,
         max_remembered_revokes: int = 65536,
         eviction: str = "lru",
+        max_retain_s: float = 3600.0,
     ) -> None:
         if page_slots <= 0:
             raise ValueError(f"page_slots must be positive, got {page_slots}")
@@ -159,6 +163,11 @@ class HostIndex:
         # Evictable slots in eviction order (`kvproc.core.eviction`: LRU by default, or lrfu on the tier's clock).
         self.lru = make_policy(eviction, page_slots, clock=clock)
         self.eviction = eviction
+        # The longest a retention hint may rank a page ahead (`reserve_save(retain_s=...)`): a longer one is cut to it,
+        # so no hint outranks every un-hinted page for longer than this (and a hint is never a pin: `lru.py`).
+        if not max_retain_s >= 0:
+            raise ValueError(f"max_retain_s must be >= 0, got {max_retain_s}")
+        self.max_retain_s = max_retain_s
         self.pending: dict[bytes, int] = {}  # key -> save id that will commit it
         self.saves: dict[int, SaveTicket] = {}
         # Per open save: the slots of its pages that were already present (deduplicated), held like a lease until the
@@ -259,31 +268,39 @@ class HostIndex:
         self.lru.remove(idx[self.refs[idx] == 0])
         self.refs[idx] += 1
 
-    def _unref(self, slots: list[int]) -> None:
+    def _unref(self, slots: list[int], retain_s: float = 0.0) -> None:
         """Drop one reference from each slot, last first: a chain's tail goes into the LRU (and out) before its
-        shared head. Pinned (hand-off) entries stay out of the LRU."""
+        shared head. Pinned (hand-off) entries stay out of the LRU. `retain_s`: the retention hint the slots that
+        become evictable enter the policy with (0: none)."""
         if not slots:
             return
         if NATIVE is not None:
             to_lru, _pinned, underflow = NATIVE.paged_release(self.refs, self.lru_ok, slots)
             assert underflow is None, f"lease reference underflow on slots {underflow}"
             if to_lru:
-                self.lru.insert(to_lru)
+                self._insert(to_lru, retain_s)
             return
         idx = np.asarray(slots, dtype=np.int64)[::-1]
         rc = self.refs[idx] - 1
         assert not (rc < 0).any(), "lease reference underflow"
         self.refs[idx] = rc
         zero = idx[rc == 0]
-        self.lru.insert(zero[self.lru_ok[zero]])
+        self._insert(zero[self.lru_ok[zero]], retain_s)
 
-    def _make_evictable(self, slots: Sequence[int]) -> None:
+    def _insert(self, slots: Any, retain_s: float) -> None:
+        if retain_s:
+            self.lru.insert(slots, retain_s)
+            self.counters["pages_retain_hinted"] += len(slots)
+        else:
+            self.lru.insert(slots)  # exactly the call of an index that never heard of hints
+
+    def _make_evictable(self, slots: Sequence[int], retain_s: float = 0.0) -> None:
         """Slots that may now be evicted (unpinned, or newly committed): into the LRU unless referenced or there."""
         self.lru_ok[list(slots)] = True
         stamp, refs = self.lru.stamp, self.refs
         back = [s for s in dict.fromkeys(slots) if not refs[s] and stamp[s] < 0]
         if back:
-            self.lru.insert(back)
+            self._insert(back, retain_s)
 
     def release_lease(self, lease_id: int, *, consume_handoff: str | None = None) -> bool:
         """Release a query's lease (idempotent: False if unknown or already released). `consume_handoff` names the
@@ -305,13 +322,22 @@ class HostIndex:
         save_class: SaveClass = SaveClass.CACHEABLE,
         token_ids: Any = None,
         parent_key: bytes | None = None,
+        retain_s: float | None = None,
     ) -> SaveTicket | Shed:
         """Reserve slots for the pages `keys` (and bounded artifacts at `keys[-1]`) not already present or pending.
         `token_ids` (the pages' tokens, `block_size` per page) go into the commit's BlockStored events, and
         `parent_key` (the prompt's page before `keys[0]`) is their first run's parent when it starts at `keys[0]`;
-        both kept only while this index publishes events."""
+        both kept only while this index publishes events. `retain_s` (a retention hint: the request's conversation
+        comes back within about that long; None or 0: none): every page of the save that becomes evictable at its
+        commit (new, or present and held by it) ranks as if used `retain_s` (at most `max_retain_s`) later."""
         if not keys:
             raise ValueError("reserve_save needs at least one page key")
+        retain = 0.0
+        if retain_s is not None:
+            if not retain_s >= 0:  # NaN and negatives refused: a hint must be a duration
+                raise ValueError(f"retain_s must be a duration >= 0 (seconds) or None, got {retain_s!r}")
+            retain = min(float(retain_s), self.max_retain_s)
+            self.counters["saves_with_retain_hint"] += 1
         entries, pending = self.entries, self.pending
         new_pages = [k for k in keys if k not in entries and k not in pending]
         present = list(dict.fromkeys(entries[k] for k in keys if k in entries))
@@ -341,7 +367,7 @@ class HostIndex:
         on = self.events is not None  # what only events use is kept only for them
         ticket = SaveTicket(next(self._ids), req_id, save_class, tuple(keys), page_slots, bounded,
                             self.clock() + self.save_ttl_s, *fence, token_ids if on else None,
-                            parent_key if on else None)
+                            parent_key if on else None, retain)
         self.saves[ticket.save_id] = ticket
         if present:
             self._save_holds[ticket.save_id] = present
@@ -444,8 +470,8 @@ class HostIndex:
             self.lru.remove(pinned)  # entries already present (deduplicated) may have been evictable
             old = self.handoffs.get(t.req_id, ([], 0.0))[0]
             self.handoffs[t.req_id] = (old + keys, now + self.handoff_ttl_s)
-        self._make_evictable([s for s in reversed(fresh) if s not in self.owners])  # tail first
-        self._unref(self._save_holds.pop(save_id, []))
+        self._make_evictable([s for s in reversed(fresh) if s not in self.owners], t.retain_s)  # tail first
+        self._unref(self._save_holds.pop(save_id, []), t.retain_s)
         self.counters["saves_committed"] += 1
         self.counters["pages_saved"] += len(fresh)
         if self.on_settled:

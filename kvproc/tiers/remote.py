@@ -190,10 +190,11 @@ class RemoteTier:
 
     async def reserve_save(self, req_id: str, keys: Sequence[bytes], bounded_groups: Sequence[str],
                            save_class: SaveClass, *, timeout: float, token_ids: np.ndarray | None = None,
-                           parent_key: bytes | None = None) -> SaveTicket | Shed:
+                           parent_key: bytes | None = None, retain_s: float | None = None) -> SaveTicket | Shed:
         events = save_events(token_ids, parent_key if self.wants_parent_key else None)
         reservation = next(self._reservations)
-        msg = m.ReserveSave(req_id, list(keys), list(bounded_groups), save_class.value, events, reservation)
+        msg = m.ReserveSave(req_id, list(keys), list(bounded_groups), save_class.value, events, reservation,
+                            float(retain_s) if retain_s else None)
         try:
             res = await await_sync_call(self._client(), msg, timeout)
         except BaseException:

@@ -23,9 +23,10 @@ DEFAULT_HALF_LIFE_S = 300.0
 
 def make_policy(name: str, capacity: int, *, half_life: float = DEFAULT_HALF_LIFE_S,
                 clock: Callable[[], float] = time.monotonic) -> EvictionPolicy:
-    """The policy `name` over ids 0..capacity-1. `half_life` and `clock` only matter to ``lrfu``."""
+    """The policy `name` over ids 0..capacity-1. `half_life` only matters to ``lrfu``; `clock` to ``lrfu`` and to a
+    retention hint (`insert(..., retain_s=...)`) under ``lru``."""
     if name == "lru":
-        return RunLru(capacity)
+        return RunLru(capacity, clock=clock)
     if name == "lfu":
         return FrequencyRecency(capacity, half_life=math.inf, history=True, clock=clock)
     if name == "lrfu":

@@ -6,6 +6,9 @@ head. With `history` the score is kept by content key in a count-min sketch (`sk
 eviction (a conversation whose prefix was evicted and recomputed keeps its count); without it a score starts again
 at one use when an id is filled.
 
+A retention hint (`insert(ids, retain_s=R)`) raises the inserted pages' queued priority by R / half_life: see
+`insert`.
+
 On a prefix chain the score is monotone: a page is used whenever any page below it is, so a parent's score is at
 least its child's and a leaf goes first (up to sketch over-estimates), which is what keeps a cached prefix
 contiguous (a hit needs every page before it).
@@ -104,13 +107,19 @@ class FrequencyRecency:
         self.score[idx] += 2.0 ** exp
         return np.log2(self.score[idx])
 
-    def insert(self, ids: np.ndarray | Sequence[int]) -> None:
+    def insert(self, ids: np.ndarray | Sequence[int], retain_s: float = 0.0) -> None:
+        """`retain_s` > 0 (a retention hint): this use's priority is raised by retain_s / half_life, i.e. as if the
+        page had been used `retain_s` seconds later (log2 units are half-lives of recency). Only the queued priority
+        moves: the count the sketch keeps is this one use, so the next un-hinted use of the page drops the boost, and
+        a newer page of equal history overtakes it `retain_s` seconds from now. No effect without decay (lfu)."""
         idx = np.asarray(ids, dtype=np.int64)
         k = idx.size
         if not k:
             return
         self._count += k - int((self.stamp[idx] >= 0).sum())  # a re-insert moves an id, it adds none
         prio = self._priorities(idx)
+        if retain_s > 0:
+            prio = prio + retain_s * self.lam
         seqs = np.arange(self._seq + 1, self._seq + 1 + k, dtype=np.int64)
         self._seq += k
         self.stamp[idx] = seqs

@@ -32,9 +32,12 @@ class EvictionPolicy(Protocol):
     def __iter__(self) -> Iterator[int]:
         """Evictable ids, first victim first (tests and rare paths; not a hot path)."""
 
-    def insert(self, ids: np.ndarray | Sequence[int]) -> None:
+    def insert(self, ids: np.ndarray | Sequence[int], retain_s: float = 0.0) -> None:
         """These ids became evictable (one use of each ended), in the given order: among equals, first = evicted
-        first. Owners pass a request's ids tail first, so a chain's tail goes before its shared head."""
+        first. Owners pass a request's ids tail first, so a chain's tail goes before its shared head.
+        `retain_s` > 0 is a retention hint from the serving layer (the request's conversation comes back within
+        about that long): the ids rank as if this use happened `retain_s` seconds later. A priority, never a pin:
+        they stay evictable, and 0 changes nothing."""
 
     def remove(self, ids: np.ndarray | Sequence[int]) -> None:
         """These ids were referenced: no longer evictable. Ids not in the policy are ignored."""
