@@ -149,9 +149,10 @@ def compare(traces: dict[str, list[TraceRequest]], capacities: list[float], poli
 
 
 def format_rows(rows: list[dict[str, object]]) -> str:
-    lines = [f"{'trace':<13} {'capacity':>9} {'policy':<7} {'block hit':>9} {'token hit':>9} {'x Belady':>8} "
+    w = max([7, *(len(str(r["policy"])) for r in rows)])
+    lines = [f"{'trace':<13} {'capacity':>9} {'policy':<{w}} {'block hit':>9} {'token hit':>9} {'x Belady':>8} "
              f"{'prefill saved':>14}"]
     for r in rows:
-        lines.append(f"{r['trace']:<13} {r['capacity_tokens']:>9.0e} {r['policy']:<7} {r['block_hit_ratio']:>9.4f} "
+        lines.append(f"{r['trace']:<13} {r['capacity_tokens']:>9.0e} {r['policy']:<{w}} {r['block_hit_ratio']:>9.4f} "
                      f"{r['token_hit_ratio']:>9.4f} {r['of_belady']:>8.3f} {r['prefill_tokens_saved']:>14,}")
     return "\n".join(lines)

@@ -255,7 +255,19 @@ def _compare_policies(args: argparse.Namespace) -> int:
         if p != "belady" and p not in POLICIES:
             print(f"kvproc bench replay: unknown policy {p!r}", file=sys.stderr)
             return 2
-    rows = compare(traces, [_capacity(c) for c in args.capacity.split(",")], policies, half_life=args.half_life)
+    capacities = [_capacity(c) for c in args.capacity.split(",")]
+    if args.hint:
+        from kvproc.bench.hint_replay import compare_hinted, parse_hint
+
+        try:
+            hint = parse_hint(args.hint)
+        except ValueError as e:
+            print(f"kvproc bench replay: {e}", file=sys.stderr)
+            return 2
+        rows = compare_hinted(traces, capacities, policies, hint)
+        print(f"online rows through the host tier's index (HostIndex); hint {hint.label}")
+    else:
+        rows = compare(traces, capacities, policies, half_life=args.half_life)
     print(format_rows(rows))
     if args.json:
         Path(args.json).write_text(json.dumps({"policies": rows}, indent=2))
@@ -283,6 +295,11 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--half-life", type=float, default=DEFAULT_HALF_LIFE_S,
                     help="lrfu's half-life, seconds of trace time")
     ap.add_argument("--traces", default="conversation,synthetic", help="with --capacity: which traces")
+    ap.add_argument("--hint", default=None,
+                    help="with --capacity: replay each online policy through the host tier's index without and with "
+                         "a retention hint derived from the trace, within=S[,retain=S][,noise=F]: a request's save "
+                         "carries retain_s=retain (default S) when its conversation comes back within S seconds "
+                         "(kvproc/bench/hint_replay.py)")
     ap.add_argument("--eviction", default="lru", choices=POLICIES,
                     help="the device pool's and host index's eviction policy in the full replay")
     ap.add_argument("--vs-vllm", action="store_true",
