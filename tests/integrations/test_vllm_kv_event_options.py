@@ -19,7 +19,7 @@ from tests.conftest import kvproc_up
     ({"kv_events": True, "kv_events_interval_ms": 1e12}, "kv_events_interval_ms must be > 0"),
     ({"kv_events": True, "kv_events_interval_ms": "fast"}, "kv_events_interval_ms must be > 0"),
     ({"kv_events": True, "kv_events_interval_ms": 10, "tier_runtime_dir": "/x"}, "shared tier's setting"),
-    ({"device_kv_events": True}, "unknown key"),  # the staging pool publishes nothing (docs/vllm.md)
+    ({"device_kv_events": True}, "unknown key"),  # kvproc caches nothing in the engine: no device-pool stream
 ])
 def test_bad_kv_event_settings_are_refused_with_the_key_named(extra: dict, why: str) -> None:  # type: ignore[type-arg]
     with pytest.raises(ValueError, match=why):

@@ -34,11 +34,10 @@ from pathlib import Path
 from typing import Any
 
 ARMS = ("vllm", "vllm_kvproc", "vllm_disk")
-# On request (--arms): the copy worker moves the bytes by cross-memory attach; every hit's load asynchronous
-# (`loads="async"`: the request held back a step, for an A/B of "auto", which is synchronous for one KV cache group).
-# `vllm_kvproc_staging`: the connector's staging path (two copies per page each way), for an A/B of the direct one.
-EXTRA_ARMS = ("vllm_kvproc_cma", "vllm_kvproc_async", "vllm_kvproc_staging")
-_KVPROC_ARMS = ("vllm_kvproc", "vllm_kvproc_cma", "vllm_kvproc_async", "vllm_kvproc_staging")
+# On request (--arms): every hit's load asynchronous (`loads="async"`: the request held back a step, for an A/B of
+# "auto", which is synchronous for one KV cache group).
+EXTRA_ARMS = ("vllm_kvproc_async",)
+_KVPROC_ARMS = ("vllm_kvproc", "vllm_kvproc_async")
 
 
 # --kind -> (builder in `tiny_models`, its arguments beside the size, the engine's dtype and block size, vocabulary).
@@ -141,9 +140,7 @@ def run_arm(arm: str, model: Path, a: argparse.Namespace, workdir: Path) -> dict
                                     "kv_connector_module_path": "kvproc.integrations.vllm.connector",
                                     "kv_connector_extra_config": {
                                         "host_bytes": a.host_mib << 20,
-                                        "mover": "cma" if arm == "vllm_kvproc_cma" else "local",
-                                        **({"loads": "async"} if arm == "vllm_kvproc_async" else {}),
-                                        **({"path": "staging"} if arm == "vllm_kvproc_staging" else {})}}
+                                        **({"loads": "async"} if arm == "vllm_kvproc_async" else {})}}
     elif arm == "vllm_disk":
         kw["kv_transfer_config"] = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
                                     "kv_connector_extra_config": {"shared_storage_path": str(workdir / "disk")}}

@@ -4,37 +4,36 @@ Load it with
     kv_transfer_config={"kv_connector": "KvprocConnector",
                         "kv_connector_module_path": "kvproc.integrations.vllm.connector", "kv_role": "kv_both"}
 
-vLLM's own prefix cache stays the device tier; kvproc is the tier below it. Per request, the scheduler side keeps a
-*mirror*: a kvproc `RequestKv` over the staging pool (`runtime.py`) whose pages follow the pages vLLM computes.
+vLLM's own prefix cache stays the device tier; kvproc's host tier is the tier below it. Every page moves in one copy
+each way, between vLLM's blocks and the host tier's slots (`kvproc/store/host_direct.py`: the engine maps the tier's
+shared-memory segment; a lookup leases slots, a save reserves them and writes them holding their fence).
 
-- intake (`get_num_new_matched_tokens`): `store.submit_resolve` of the request's tokens under kvproc's hash chain
-  (scoped by `cache_salt` and the LoRA adapter); the hit (staging pool, then host tier: the copy worker loads it
-  into staging blocks) becomes the mirror's prefix. Tokens beyond vLLM's own hit are reported to vLLM, which
-  allocates blocks for them; a resolve still running makes vLLM ask again at its next step (never a wait on its
-  scheduler thread past `resolve_wait_s`).
+- intake (`get_num_new_matched_tokens`): the request's page keys under kvproc's hash chain (scoped by `cache_salt` and
+  the LoRA adapter) and a lookup that leases the longest prefix the tier holds. Tokens beyond vLLM's own hit are
+  reported to vLLM, which allocates blocks for them; a lookup still running makes vLLM ask again at its next step
+  (never a wait on its scheduler thread past `resolve_wait_s`).
 - a hit beyond vLLM's own lands before the forward of the step that schedules the request (`loads="sync"`, the
   default for a model of one KV cache group at one rank: the step's meta carries the load, `start_load_kv` waits for
   the mover) or is asynchronous (`(n, True)`, the default otherwise: vLLM allocates the blocks and holds the request
   back, the mover copies beside a forward, `get_finished` reports the request once the load settled, and vLLM
-  schedules it a step later). Either way the engine's mover thread (`moves.py`) copies.
-- each page that becomes full in a step is saved (vLLM block -> staging block): `wait_for_save` hands the step's
-  saves to the mover and returns. The mover copies itself (`mover="local"`) or has kvproc's copy worker process
-  copy by cross-memory attach (`mover="cma"`); vLLM's forward thread never waits for a save.
-- the scheduler side reads settled moves at its next entry point (`_drain`): a saved page is `apply`-ed to the mirror
-  (sealed in place) and handed to `store.seal`: the copy worker moves staging -> host tier, asynchronously.
+  schedules it a step later). Either way the engine's mover thread (`moves.py`) copies, and checks after the copy
+  that the leased slots were still the hit's.
+- each page that becomes full in a step is saved (vLLM block -> the tier's slot): `wait_for_save` hands the step's
+  saves to the mover and returns; vLLM's forward thread never waits for a save.
+- the scheduler side reads settled moves at its next entry point (`_drain`): a saved page is the tier's, a loaded
+  hit's lease is released.
 - `request_finished`: with a save still in flight it returns True (vLLM keeps the blocks until `get_finished`
-  reports the request sent); `store.retire` (the final seal, then release) once the request's moves settled. A
-  preempted request's save in flight is waited for in `handle_preemptions`, before vLLM's forward reuses its blocks.
+  reports the request sent). A preempted request's save in flight is waited for in `handle_preemptions`, before
+  vLLM's forward reuses its blocks.
 
 P/D (`kv_role="kv_producer"` / `"kv_consumer"`, docs/vllm.md): the producer also saves the prompt's partial last
 page in the prefill step, pads and seals it all with `SaveClass.HANDOFF`, and `request_finished` returns kvproc's
 `HandoffEnvelope` as `kv_transfer_params`; a consumer request carrying it is checked against this engine's
-fingerprint and resolved in full-hit mode, its pages loaded (asynchronously, as any hit) into vLLM's blocks. On the
-direct path (the default; `handoff_direct.py`) the producer's HANDOFF saves go straight into the tier's slots and the
-consumer leases the whole padded chain there and loads it straight into vLLM's blocks, at any TP. A model with state
+fingerprint; the producer's HANDOFF saves go straight into the tier's slots and the consumer leases the whole padded
+chain there (`handoff_direct.py`) and loads it straight into vLLM's blocks, as any hit, at any TP. A model with state
 groups hands off up to its deepest checkpoint (a page boundary): vLLM keeps no state inside a page.
 
-Nothing here can make vLLM wait forever or compute with wrong KV: a resolve that fails is a miss; a load that fails
+Nothing here can make vLLM wait forever or compute with wrong KV: a lookup that fails is a miss; a load that fails
 reports its blocks to vLLM (`get_block_ids_with_load_errors`: vLLM recomputes them); a save that fails is a future
 miss; a move that fails is one of those (`moves.py` says it once per outage).
 """
@@ -46,7 +45,6 @@ import functools
 import itertools
 import time
 import multiprocessing
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -66,27 +64,19 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvproc import (
     PAD_TOKEN_ID,
-    CopyOrder,
     FingerprintMismatch,
     ForeignHandleError,
     HandoffEnvelope,
     HashScope,
     KvContractError,
-    KvPrefix,
-    RequestKv,
     SaveClass,
-    SealCursor,
     chain_key,
     check_envelope,
     check_fingerprint,
     fingerprint,
-    handoff_resolve_policy,
-    padded_chain,
 )
-from kvproc.core.bounded import CopyKind
-from kvproc.core.holds import PrefixHold
 from kvproc.integrations.vllm import runtime as rt_mod
-from kvproc.integrations.vllm.contract import VllmGroup, VllmKvContract, contract_from_vllm, model_identity
+from kvproc.integrations.vllm.contract import VllmKvContract, contract_from_vllm, model_identity
 from kvproc.integrations.vllm.event_forward import TierEventForwarder
 from kvproc.integrations.vllm.handoff_direct import full_hit, full_hit_ranked, handoff_keys, padded_tail_key
 from kvproc.integrations.vllm.moves import NULL_BLOCK, CopyJob, MoveQueue
@@ -95,7 +85,6 @@ from kvproc.integrations.vllm.tp import KvprocWorkerMeta, RankedTier, TierAttach
 from kvproc.store.cluster import fingerprint as tier_fingerprint
 from kvproc.store.tier_slots import TierSlots
 from kvproc.tiers.host_index import Hit, SaveTicket
-from kvproc.tiers.remote import RemoteCopier
 from kvproc.workers.movers import MEMMOVE
 
 if TYPE_CHECKING:
@@ -124,9 +113,9 @@ IDLE_WAIT_S = 0.02
 
 @dataclass
 class KvprocConnectorMetadata(KVConnectorMetadata):
-    loads: list[CopyJob] = field(default_factory=list)  # staging -> vLLM, landed before the forward (P/D, sync)
-    async_loads: list[CopyJob] = field(default_factory=list)  # staging -> vLLM, for requests vLLM holds back
-    saves: list[CopyJob] = field(default_factory=list)  # vLLM -> staging, after the forward, not waited for
+    loads: list[CopyJob] = field(default_factory=list)  # tier -> vLLM, landed before the forward (loads="sync")
+    async_loads: list[CopyJob] = field(default_factory=list)  # tier -> vLLM, for requests vLLM holds back
+    saves: list[CopyJob] = field(default_factory=list)  # vLLM -> tier, after the forward, not waited for
     failed_loads: list[int] = field(default_factory=list)  # vLLM blocks promised but not loadable: recompute
     failed_load_reqs: list[str] = field(default_factory=list)  # the same, by request (several KV cache groups)
     wait_jobs: list[int] = field(default_factory=list)  # saves of preempted requests: done before vLLM reuses blocks
@@ -148,10 +137,7 @@ class KvprocConnectorMetadata(KVConnectorMetadata):
 class _Req:
     req_id: str
     request: "Request"
-    resolve: concurrent.futures.Future[KvPrefix] | None = None
-    asked: bool = False  # vLLM asked for this request's hit before (its resolve then got resolve_wait_s)
-    mirror: RequestKv | None = None
-    cursor: SealCursor | None = None
+    asked: bool = False  # vLLM asked for this request's hit before (its lookup then got resolve_wait_s)
     # vLLM's block table, one list per KV cache group (NULL_BLOCK where a group keeps no block for a page)
     vllm_blocks: list[list[int]] = field(default_factory=list)
     # A load vLLM accepted at intake: (tokens vLLM had itself, tokens to load); turned into a job at the next meta.
@@ -159,22 +145,17 @@ class _Req:
     job: int | None = None  # the save in flight (one at a time: a RequestKv has one scheduled step)
     load_job: int | None = None  # the load in flight into vLLM's blocks (its source pinned until it settles)
     finishing: bool = False
-    saving: bool = True  # False once a save could not be scheduled (lifetime, a refusal): no more for this request
-    # P/D consumer: the producer's envelope, and the full-hit hold of its padded chain until vLLM's blocks have it.
-    handoff: HandoffEnvelope | None = None
-    hold: PrefixHold | None = None
-    padded: bool = False  # P/D producer: the partial last prompt page is padded and sealed
+    saving: bool = True  # False once a save could not be planned or failed: no more for this request
+    handoff: HandoffEnvelope | None = None  # P/D consumer: the producer's envelope
+    padded: bool = False  # P/D producer: the partial last prompt page is padded and planned
     # State groups: the deepest page boundary whose checkpoint this request sealed (a P/D producer's hand-off ends
     # there: vLLM keeps a state only at page boundaries, so the consumer computes the prompt's tail itself)
     checkpoint_at: int = 0
-    # State groups: the hit's checkpoint, as the RESTORE orders of the mirror's prefix (each a staging slot to copy
-    # into vLLM's state block at the hit), fenced once the load settled or was not needed; and the hit's tokens.
-    restores: list[CopyOrder] = field(default_factory=list)
-    restore_at: int = 0
-    # The direct path (no mirror): the lookup in flight, the lease on the hit's host slots until vLLM's blocks have
-    # them, the prompt's (then the request's) page hashes, and how many pages the tier has of it.
+    restore_at: int = 0  # the hit's tokens (state groups: where its checkpoint is)
+    # The lookup in flight, the lease on the hit's host slots until vLLM's blocks have them, the prompt's (then the
+    # request's) page hashes, and how many pages the tier has of it.
     lookup: concurrent.futures.Future[Any] | None = None  # a Hit, every rank's (tensor parallel), or None
-    tracked: bool = False
+    tracked: bool = False  # kvproc follows this request's pages (False: it cannot be keyed; vLLM serves it alone)
     lease: Hit | None = None
     hashes: list[bytes] = field(default_factory=list)
     saved: int = 0
@@ -198,7 +179,7 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
     full-attention layers apart) with this connector; without it vLLM would promote sliding layers to full attention
     (the whole KV kept) or refuse a hybrid model at start."""
 
-    # vLLM's per-source hit metrics: kvproc's staging pool and host tier are both host memory.
+    # vLLM's per-source hit metrics: kvproc's host tier is host memory.
     _cache_hit_source = CacheHitSource.HOST
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
@@ -253,10 +234,6 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
             log.info("kvproc_load_failures_recomputed", vllm_policy_was=ktc.kv_load_failure_policy)
             ktc.kv_load_failure_policy = "recompute"
         engine_id = str(ktc.engine_id)
-        # The direct path (one copy each way) unless the cma mover (the copy worker reaches vLLM's memory and the
-        # staging arenas, not the tier's segment) needs the staging pool. P/D runs on either (`handoff_direct.py`).
-        path = self.options.path or ("staging" if self.options.mover == "cma" else "direct")
-        self._direct_path = path == "direct"
         # page_format="sglang": pages keyed and laid out as kvproc's SGLang backend stores them (`sglang_format.py`)
         self._sgl = self._sglang_pages(kv_cache_config) if self.options.page_format == "sglang" \
             else None
@@ -269,7 +246,6 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         self._delayed_next: list[str] = []  # tensor parallel: frees delayed since the last meta (sent in the next)
         if not self._tp_worker:
             self.rt = rt_mod.acquire(engine_id, self.contract, self.options,
-                                     vllm_config.scheduler_config.max_num_seqs, direct=self._direct_path,
                                      ranks=self.ranks, tier_model=self._sglang_model())
             self.direct = self.rt.direct
             self.hasher = self.rt.store.pools[0].hasher
@@ -293,15 +269,13 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         # scheduler side
         self._reqs: dict[str, _Req] = {}
         self._jobs: dict[int, _Req] = {}
-        self._loads: dict[int, _Req] = {}  # load job -> its request (the mirror or hand-off hold it reads)
+        self._loads: dict[int, _Req] = {}  # load job -> its request (its lease is released once the load settled)
         self._async_ready: list[_Req] = []  # requests vLLM holds back for a load: planned at the next meta
         self._job_ids = itertools.count(1)
         # worker side
-        # layer -> vLLM's tensor / the staging arena, as [blocks, bytes_per_block] uint8 arrays (views, no copy)
+        # layer -> vLLM's tensor / the tier's arena, as [blocks, bytes_per_block] uint8 arrays (views, no copy)
         self._kv: dict[str, np.ndarray] = {}
-        self._staging: dict[str, np.ndarray] = {}
-        self._bases: dict[str, int] = {}  # layer -> address of vLLM's block 0 (the cma mover's remote side)
-        self._allowed_pid = 0
+        self._tier: dict[str, np.ndarray] = {}
         self._load_errors: set[int] = set()
         self._receiving: set[str] = set()  # requests whose asynchronous load was submitted, not yet reported
         self._sending: set[str] = set()  # finished requests whose delayed free waits for their saves
@@ -327,8 +301,6 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
             why = f"tensor_parallel_size={self.ranks} (one rank's pages only)"
         elif self.producer or self._consumer:
             why = "P/D roles (a hand-off is keyed by kvproc's padded chain)"
-        elif not self._direct_path:
-            why = "the staging path (P/D roles, path='staging', mover='cma')"
         elif [g.vllm_spec for g in self.contract.groups] != ["FullAttentionSpec"]:
             why = f"KV cache groups {[g.vllm_spec for g in self.contract.groups]} (one FullAttentionSpec group only)"
         if why:
@@ -341,7 +313,7 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _sglang_model(self) -> Any:
         """The tier model of page_format="sglang": the SGLang backend's own (`SglangPageModel`, its zero-copy
-        format), so that both attach to one tier under one fingerprint. None: the staging pool's."""
+        format), so that both attach to one tier under one fingerprint. None: the layout model of vLLM's blocks."""
         if self._sgl is None:
             return None
         from kvproc.integrations.sglang.model import SglangPageModel
@@ -350,15 +322,11 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         return lambda allocator: SglangPageModel(fmt, model_id, True, allocator)
 
     def _check_tp(self, kv_role: str | None) -> None:
-        """What tensor parallel carries today (`tp.py`): the direct path, every KV kind, asynchronous loads, P/D
+        """What tensor parallel carries today (`tp.py`): every KV kind, asynchronous loads, P/D
         (`handoff_direct.py`)."""
-        why = ""
-        if self.options.path == "staging" or self.options.mover == "cma":
-            why = "path='staging' and mover='cma' move through the staging pool, which has one rank"
-        elif self.options.loads == "sync":
-            why = "loads='sync' waits for moves that run in the ranks' processes"
-        if why:
-            raise KvContractError(f"KvprocConnector: tensor_parallel_size={self.ranks} is not supported here: {why}")
+        if self.options.loads == "sync":
+            raise KvContractError(f"KvprocConnector: tensor_parallel_size={self.ranks} is not supported here: "
+                                  "loads='sync' waits for moves that run in the ranks' processes")
 
     # ============================ worker side ============================
 
@@ -367,7 +335,6 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         missing = [n for n in c.layer_names if n not in kv_caches]
         if missing:
             raise KvContractError(f"KvprocConnector: vLLM registered no KV tensor for layer(s) {missing}")
-        staging = self.rt.staging_views if not self._tp_worker and not self._direct_path else {}
         if self._sgl is not None:
             self._check_sglang_tensors(kv_caches)
         for g in c.groups:
@@ -386,15 +353,10 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
                 # [blocks, stride] bytes over vLLM's buffer (the padding after each state included, never copied)
                 per = t.stride(0)
                 self._kv[name] = torch.as_strided(t, (c.vllm_num_blocks, per), (per, 1)).view(torch.uint8).numpy()
-                # kvproc's side of every copy: the host tier's slots (direct; a TP rank's when its first step
-                # names its tier) or the staging pool's blocks
-                if self._sgl is not None:
-                    pass  # one row per page for every layer: mapped below
-                elif self.direct is not None:
-                    self._staging[name] = self.direct.views[f"vllm.{name}"]
-                elif not self._tp_worker:
-                    self._staging[name] = staging[name].numpy()
-                self._bases[name] = t.data_ptr()
+                # kvproc's side of every copy: the host tier's slots (a TP rank's are mapped when its first step
+                # names its tier; page_format="sglang": one row per page for every layer, mapped below)
+                if self._sgl is None and self.direct is not None:
+                    self._tier[name] = self.direct.views[f"vllm.{name}"]
         if self._sgl is not None and self.direct is not None:
             self._map_tier_views(self.direct.slots, None)
         if self.rt.moves is None:
@@ -419,15 +381,16 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         return self.rt.moves
 
     def _copy(self, jobs: list[CopyJob], to_vllm: bool) -> None:
-        """All of one batch's jobs of one direction, on the mover thread (`moves.py`); raises on failure. The direct
-        path's save (one job a batch) reserves its slots in the tier first, writes them holding the save's fence and
-        commits (`HostDirect.save`)."""
+        """All of one batch's jobs of one direction, on the mover thread (`moves.py`); raises on failure. A save (one
+        job a batch) reserves its slots in the tier first, writes them holding the save's fence and commits
+        (`HostDirect.save`); a load (one job a batch) is checked after the copy: its leased slots must still be the
+        hit's."""
         if self._tp_worker:
             self._copy_rank(jobs, to_vllm)
             return
-        if self.direct is not None:
-            self._follow_replaced_tier()
-        if self.direct is not None and not to_vllm:
+        assert self.direct is not None
+        self._follow_replaced_tier()
+        if not to_vllm:
             for j in jobs:
                 if not self.direct.save(j.req_id, j.keys, functools.partial(self._write_save, j),
                                         bounded_groups=j.bounded, save_class=self._save_class, parent=j.parent,
@@ -436,17 +399,16 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
                                        "why)")
             return
         self._copy_rows(jobs, to_vllm)
-        if self.direct is not None:  # a direct load (one job a batch): its leased slots must still be the hit's
-            now = time.monotonic()
-            for j in jobs:
-                if j.leased_at and j.epoch != self.direct.epoch:
-                    self.rt.count("loads_tier_replaced")
-                    raise RuntimeError(f"request {j.req_id!r}: its lease is of a host tier since replaced: its slots "
-                                       "are not the new tier's (vLLM recomputes)")
-                if j.leased_at and not self.direct.intact(j.staging, j.gens, j.leased_at, now):
-                    self.rt.count("loads_lease_lost")
-                    raise RuntimeError(f"request {j.req_id!r}: its lease on the host tier's slots was too old or a "
-                                       "slot was handed to a save: the copy is not trusted (vLLM recomputes)")
+        now = time.monotonic()
+        for j in jobs:
+            if j.leased_at and j.epoch != self.direct.epoch:
+                self.rt.count("loads_tier_replaced")
+                raise RuntimeError(f"request {j.req_id!r}: its lease is of a host tier since replaced: its slots "
+                                   "are not the new tier's (vLLM recomputes)")
+            if j.leased_at and not self.direct.intact(j.slots, j.gens, j.leased_at, now):
+                self.rt.count("loads_lease_lost")
+                raise RuntimeError(f"request {j.req_id!r}: its lease on the host tier's slots was too old or a "
+                                   "slot was handed to a save: the copy is not trusted (vLLM recomputes)")
 
     def _follow_replaced_tier(self) -> None:
         """On the mover thread, before a copy: a shared tier replaced under this engine (`kvproc up` restarted;
@@ -462,10 +424,10 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         here refers to it any more), counted and logged with `where`. On the one thread that copies."""
         if self._sgl is not None:  # one arena: a row per page, every layer in it
             arena = self.rt.model.arena_name
-            self._staging[arena] = slots.views[arena]
+            self._tier[arena] = slots.views[arena]
         else:
             for name in self.contract.layer_names:
-                self._staging[name] = slots.views[f"vllm.{name}"]
+                self._tier[name] = slots.views[f"vllm.{name}"]
         if old is not None:
             old.close()
             self.rt.count("tier_remapped")
@@ -479,7 +441,7 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
             if not to_vllm:
                 save = j.rank_saves[self.rank]
                 rows = self._new_rows(j, save.slots, self._state_rows(j, save.bounded))
-                if rows.staging or rows.states:  # else nothing of it is this rank's to write (a REPLICATED model's
+                if rows.slots or rows.states:  # else nothing of it is this rank's to write (a REPLICATED model's
                     # other ranks; pages its tier has already)
                     slots.write_fenced(save.fence, save.token, functools.partial(self._copy_rows, [rows], False))
                 continue
@@ -490,7 +452,7 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
             mine = CopyJob(j.job_id, j.req_id, j.rank_slots[self.rank], j.vllm,
                            j.rank_states[self.rank] if j.rank_states else [])
             self._copy_rows([mine], True)
-            if not slots.intact(mine.staging, j.rank_gens[self.rank], j.leased_at, time.monotonic()):
+            if not slots.intact(mine.slots, j.rank_gens[self.rank], j.leased_at, time.monotonic()):
                 self.rt.count("loads_lease_lost")
                 raise RuntimeError(f"request {j.req_id!r}: its lease on rank {self.rank}'s host tier slots was too old "
                                    "or a slot was handed to a save: the copy is not trusted (vLLM recomputes)")
@@ -555,45 +517,42 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         if self._sgl is not None:
             self._copy_sglang_rows(jobs, to_vllm)
             return
-        staging_all = np.fromiter((b for j in jobs for b in j.staging), dtype=np.int64)
+        slots_all = np.fromiter((b for j in jobs for b in j.slots), dtype=np.int64)
         pages = 0
         for g in self.contract.groups:
             if g.state:
                 pairs = [(slot, b) for j in jobs for gi, slot, b in j.states if gi == g.index]
-                staging_ids, vllm_ids = [s_ for s_, _ in pairs], [b for _, b in pairs]
+                slot_ids, vllm_ids = [s_ for s_, _ in pairs], [b for _, b in pairs]
             else:
                 ids = np.fromiter((b for j in jobs for b in j.vllm[g.index]), dtype=np.int64)
                 keep = ids != NULL_BLOCK  # a page this group keeps no block for (out of a sliding window)
-                vllm_ids, staging_ids = ids[keep].tolist(), staging_all[keep].tolist()
+                vllm_ids, slot_ids = ids[keep].tolist(), slots_all[keep].tolist()
             if not vllm_ids:
                 continue
             pages += len(vllm_ids)
             # by group: hits by kind of KV (a sliding window's group loads only its window's pages)
             self.rt.count(f"{'pages_loaded' if to_vllm else 'pages_saved'}.{g.name}", len(vllm_ids))
-            if self.options.mover == "cma":
-                self._move_in_copy_worker(g, vllm_ids, staging_ids, to_vllm)
-                continue
             row, vstride = g.bytes_per_block, g.stride
             for name in g.layer_names:
-                vk, sk = self._kv[name], self._staging[name]
+                vk, sk = self._kv[name], self._tier[name]
                 # One native call per layer, the GIL released for all of it (gil_bytes=0): a numpy copy per run
                 # gets the GIL back after each run, and while vLLM's engine thread runs Python that is a wait of up
                 # to the interpreter's switch interval (5 ms) per run: it made moves ~20x slower than memcpy.
                 if to_vllm:
-                    MEMMOVE.rows(vk.reshape(-1), vstride, vllm_ids, sk.reshape(-1), row, staging_ids, row, 0)
+                    MEMMOVE.rows(vk.reshape(-1), vstride, vllm_ids, sk.reshape(-1), row, slot_ids, row, 0)
                 else:
-                    MEMMOVE.rows(sk.reshape(-1), row, staging_ids, vk.reshape(-1), vstride, vllm_ids, row, 0)
+                    MEMMOVE.rows(sk.reshape(-1), row, slot_ids, vk.reshape(-1), vstride, vllm_ids, row, 0)
         self.rt.count("pages_loaded_into_vllm" if to_vllm else "pages_saved_from_vllm", pages)
 
     def _copy_sglang_rows(self, jobs: list[CopyJob], to_vllm: bool) -> None:
         """page_format="sglang": the batch's pages between vLLM's blocks (every layer) and the tier's rows in
         SGLang's layout, one vectorised repack (`SglangPages`)."""
         assert self._sgl is not None
-        slots = [s_ for j in jobs for s_ in j.staging]
+        slots = [s_ for j in jobs for s_ in j.slots]
         ids = [b for j in jobs for b in j.vllm[0]]
         if not ids:
             return
-        rows = self._staging[self.rt.model.arena_name]
+        rows = self._tier[self.rt.model.arena_name]
         if to_vllm:
             self._sgl.from_rows(rows, slots, self._kv, ids)
         else:
@@ -601,32 +560,6 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         g = self.contract.groups[0].name
         self.rt.count(f"{'pages_loaded' if to_vllm else 'pages_saved'}.{g}", len(ids))
         self.rt.count("pages_loaded_into_vllm" if to_vllm else "pages_saved_from_vllm", len(ids))
-
-    def _move_in_copy_worker(self, g: VllmGroup, vllm_ids: list[int], staging_ids: list[int], to_vllm: bool) -> None:
-        """One group's blocks of the batch moved by kvproc's copy worker process, reading or writing vLLM's own
-        memory by cross-memory attach (the mover thread only waits for its reply)."""
-        from kvproc.ipc import messages as m
-        from kvproc.ipc.errors import RemoteError
-        from kvproc.workers.cma import allow_mover
-
-        cluster = self.rt.cluster.cluster
-        msg = m.EngineMove(os.getpid(), to_vllm, [f"vllm.{n}" for n in g.layer_names],
-                           [self._bases[n] for n in g.layer_names], g.stride, g.bytes_per_block, vllm_ids,
-                           staging_ids)
-        for attempt in (0, 1):
-            pid = cluster.pid("copy_worker")
-            if pid != self._allowed_pid:  # where Yama restricts ptrace to ancestors, name the (new) worker
-                allow_mover(pid)
-                self._allowed_pid = pid
-            try:
-                cluster.client("copy_worker", 0).request(msg, timeout=30.0)
-                return
-            except RemoteError as e:
-                if e.code != "not_attached" or attempt:
-                    raise
-                copier = self.store.copiers[0]
-                assert isinstance(copier, RemoteCopier)  # a ClusterStore's: the copy worker is its own process
-                copier.attach_now(10.0)  # a restarted worker: give it the arenas, then retry
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         """vLLM calls this at the start of every step, before the forward. A preempted request's save still reading
@@ -648,11 +581,8 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         if meta.async_started:
             return
         meta.async_started = True
-        if self._direct_path:  # one batch a load: each checked (and failed) on its own
-            for job in meta.async_loads:
-                self._moves.submit([job], to_vllm=True)
-        else:
-            self._moves.submit(meta.async_loads, to_vllm=True)  # vLLM holds these requests back until get_finished
+        for job in meta.async_loads:  # one batch a load: each checked (and failed) on its own
+            self._moves.submit([job], to_vllm=True)  # vLLM holds these requests back until get_finished
         self._receiving.update(j.req_id for j in meta.async_loads)
         self._receiving.update(meta.unloaded)
 
@@ -664,7 +594,8 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         self._failed_recving.update(meta.failed_load_reqs)
         moves = self._moves
         if meta.loads:  # this step's forward reads them: landed (or reported failed) before it starts
-            moves.submit(meta.loads, to_vllm=True)
+            for job in meta.loads:  # one batch a load: each checked (and failed) on its own
+                moves.submit([job], to_vllm=True)
             if not moves.wait([j.job_id for j in meta.loads], self.options.move_wait_s):
                 self._load_errors.update(b for j in meta.loads for b in j.vllm_blocks())
         self._start_async_loads(meta)  # if handle_preemptions did not (a runner that does not call it)
@@ -680,11 +611,8 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         settle (a finished request's free is delayed, a preempted one's reuse waits in `handle_preemptions`)."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvprocConnectorMetadata)
-        if self._direct_path:  # one batch per save: each its own reservation and outcome
-            for job in meta.saves:
-                self._moves.submit([job], to_vllm=False)
-        else:
-            self._moves.submit(meta.saves, to_vllm=False)
+        for job in meta.saves:  # one batch per save: each its own reservation and outcome
+            self._moves.submit([job], to_vllm=False)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         moves = self._moves
@@ -742,47 +670,20 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
                 self.rt.count("requests_without_token_ids")
                 return 0, False
             r = self._reqs[request.request_id] = _Req(request.request_id, request)
-            if self.direct is not None:
-                self._start_lookup(r, tokens)
-            elif len(tokens) <= self.page:  # not one reusable page: save only
-                self._start_mirror(r, None)
-            else:
-                r.resolve = self.store.submit_resolve(0, r.req_id, tokens, _scope(request))
-        if self.direct is not None:
-            return self._direct_match(r, num_computed_tokens)
-        if r.mirror is None and r.resolve is not None:
-            prefix = self._result(r, r.resolve)
-            if prefix is _PENDING:
-                return None, False
-            r.resolve = None
-            self._start_mirror(r, prefix)
-        if r.mirror is None or r.job is not None or r.load_job is not None:
-            return 0, False
-        # Pages the mirror holds (sealed, bytes in staging). At least one token must be computed to sample.
-        cap = (request.num_tokens - 1) // self.page * self.page
-        hit = min(r.mirror.num_computed, cap)
-        if self.contract.states and (not r.restores or hit != r.restore_at):
-            hit = 0  # state groups restore only at the checkpoint the hit brought (later asks: vLLM recomputes)
-        ext = max(0, hit - num_computed_tokens)
-        if not ext and r.restores:
-            self._fence_restores(r)  # vLLM's own cache has the prefix: the checkpoint is not needed
-        r.pending_load = (num_computed_tokens, ext) if ext else None
-        # Asynchronous: vLLM holds the request back (its blocks allocated) until the mover reports the load, so
-        # neither this step's forward nor vLLM's scheduler waits for the bytes.
-        return ext, ext > 0 and not self._sync_loads
+            self._start_lookup(r, tokens)
+        return self._match(r, num_computed_tokens)
 
     # ---- P/D consumer ----
 
     def _start_handoff(self, r: _Req, env: HandoffEnvelope | None) -> None:
         """Refuse a producer whose KV this engine cannot restore (the request is then computed here, in full);
-        else resolve the producer's padded chain in full-hit mode (it consumes the producer's lease)."""
+        else lease the producer's padded chain in the tier (`_start_handoff_lookup`)."""
         assert env is not None
         tokens = list(r.request.prompt_token_ids or [])
         try:
             check_fingerprint(self.fingerprint, env.fingerprint)
             if not 0 < env.committed_len < len(tokens):  # vLLM computes at least the last prompt token itself
                 raise ValueError(f"the envelope commits {env.committed_len} tokens of a {len(tokens)}-token prompt")
-            chain = padded_chain(tokens, env.committed_len, self.page)
             check_envelope(env, r.req_id, self.store.pools[0].hasher, tokens, _scope(r.request))
         except (FingerprintMismatch, ValueError) as e:
             log.error("kvproc_handoff_refused", req_id=r.req_id, producer_req_id=env.producer_req_id, error=str(e))
@@ -791,15 +692,11 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
                 self.store.revoke_handoff(env.producer_req_id)  # nobody will read it
             return
         r.handoff = env
-        if self.direct is not None:
-            self._start_direct_handoff(r, env, tokens)
-            return
-        r.resolve = self.store.submit_resolve(0, r.req_id, chain, _scope(r.request),
-                                              handoff_resolve_policy(env.producer_req_id, self.options.handoff_wait_s))
+        self._start_handoff_lookup(r, env, tokens)
 
-    def _start_direct_handoff(self, r: _Req, env: HandoffEnvelope, tokens: list[int]) -> None:
-        """The direct path: lease the producer's padded chain in the tier (every rank's), waiting for its saves up to
-        `handoff_wait_s` (`handoff_direct.full_hit`); the request's own page keys, for the pages it computes."""
+    def _start_handoff_lookup(self, r: _Req, env: HandoffEnvelope, tokens: list[int]) -> None:
+        """Lease the producer's padded chain in the tier (every rank's), waiting for its saves up to `handoff_wait_s`
+        (`handoff_direct.full_hit`); the request's own page keys, for the pages it computes."""
         try:
             r.hashes = self._page_keys(r, tokens)
         except (ValueError, TypeError) as e:  # checked by check_envelope already: never here
@@ -816,52 +713,12 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
                                      else full_hit(self.direct, r.req_id, keys, wait))
 
     def _handoff_match(self, r: _Req, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """A hand-off: the leased padded chain is loaded straight into vLLM's blocks (the padded page whole: its pad
+        rows are overwritten by vLLM before they are read); the lease is released and the producer's hand-off
+        consumed once the load settled (`_release_lease`). From the padded page on the request saves its own pages
+        (cacheable) like any request."""
         env = r.handoff
         assert env is not None
-        if self.direct is not None:
-            return self._direct_handoff_match(r, env, num_computed_tokens)
-        if r.hold is None and r.resolve is not None:
-            first, r.asked = not r.asked, True
-            try:
-                prefix: KvPrefix | None = r.resolve.result(timeout=self.options.resolve_wait_s if first else 0)
-            except concurrent.futures.TimeoutError:
-                self.rt.count("resolve_asked_again")
-                return None, False
-            except Exception as e:  # noqa: BLE001 - a resolve never raises for a degrade: served as a short hit
-                log.error("kvproc_resolve_failed", req_id=r.req_id, error=repr(e))
-                prefix = None
-            r.resolve = None
-            need = -(-env.committed_len // self.page)
-            if prefix is None or prefix.hold.num_blocks != need:
-                # Short hit (evicted, expired, a producer that failed to save): vLLM computes the prompt itself.
-                got = prefix.hold.num_blocks if prefix is not None else 0
-                log.warning("kvproc_handoff_short_hit", req_id=r.req_id, pages=got, need=need)
-                self.rt.count("handoffs_short")
-                if prefix is not None:
-                    prefix.hold.release()
-                self.store.revoke_handoff(env.producer_req_id)
-                r.handoff = None
-                return 0, False
-            if prefix.host_tokens == 0:  # no load consumed the producer's lease: release it now
-                self.store.release_handoff(env.producer_req_id)
-            r.hold = prefix.hold
-            self.rt.count("handoffs_adopted")
-            if not self._start_handoff_mirror(r, env):
-                return 0, False
-        if (r.hold is None and r.mirror is None) or r.pending_load is not None or r.load_job is not None:
-            return 0, False
-        # The committed prompt tokens, the padded page's real rows included; vLLM computes the rest (the anchor).
-        ext = max(0, env.committed_len - num_computed_tokens)
-        r.pending_load = (num_computed_tokens, ext) if ext else None
-        # Asynchronous as any hit (vLLM holds the request back until the mover reports the load): a failed load of a
-        # model of several KV cache groups can then be reported by request, and vLLM recomputes it.
-        return ext, ext > 0 and not self._sync_loads
-
-    def _direct_handoff_match(self, r: _Req, env: HandoffEnvelope, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """The direct path's hand-off: the leased padded chain is loaded straight into vLLM's blocks (the padded page
-        whole: its pad rows are overwritten by vLLM before they are read); the lease is released and the producer's
-        hand-off consumed once the load settled (`_release_lease`). From the padded page on the request saves its
-        own pages (cacheable) like any request."""
         if r.lookup is not None:
             hit = self._result(r, r.lookup)
             if hit is _PENDING:
@@ -887,62 +744,7 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         r.pending_load = (num_computed_tokens, ext) if ext else None
         return ext, ext > 0 and not self._sync_loads
 
-    def _start_handoff_mirror(self, r: _Req, env: HandoffEnvelope) -> bool:
-        """The consumer's own mirror of a hand-off request, so that it saves the pages it computes (the padded
-        page's real rows and what it decodes) like any request: the hold is adopted as the mirror's prefix, its
-        padded page copied into a private staging block first (kvproc's copy-on-restore). Without room in the staging
-        pool the hold stays a plain source of the load (nothing saved: True). False: the adoption failed after the
-        hold was consumed; vLLM computes the prompt itself."""
-        assert r.hold is not None
-        req = r.request
-        try:
-            kv = RequestKv(self.store.pools[0], r.req_id, list(req.prompt_token_ids or []),
-                           max(1, int(req.max_tokens)), scope=_scope(req))
-        except (ValueError, TypeError) as e:
-            log.warning("kvproc_request_refused", req_id=r.req_id, error=repr(e))
-            self.rt.count("requests_refused")
-            return True
-        k = r.hold.num_blocks
-        padded = env.committed_len % self.page != 0
-        if not kv.try_admit(k - 1 if padded else k):
-            self.rt.count("staging_full")
-            kv.release()
-            return self._hold_only(r)
-        try:
-            orders = kv.adopt_handoff_prefix(r.hold, env.committed_len)  # consumes the hold
-        except ValueError as e:  # checked before anything is consumed: the hold is still ours
-            log.error("kvproc_handoff_adopt_refused", req_id=r.req_id, error=str(e))
-            kv.release()
-            return self._hold_only(r)
-        r.hold = None
-        # State groups: their checkpoint at the hand-off's end goes straight into vLLM's state blocks (the load),
-        # not into the mirror's live slots; the padded page's private copy is made here.
-        r.restores = [o for o in orders if o.kind == CopyKind.RESTORE]
-        r.restore_at = env.committed_len
-        orders = [o for o in orders if o.kind != CopyKind.RESTORE]
-        if orders and not self.store.execute_copies(0, orders):  # the padded page's private copy, fenced
-            log.warning("kvproc_handoff_privatize_failed", req_id=r.req_id)
-            self.rt.count("handoffs_short")
-            kv.release()
-            r.handoff = None
-            return False
-        r.mirror = kv
-        r.cursor = SealCursor.after_prefix(env.committed_len // self.page)  # the producer sealed those
-        return True
-
-    def _hold_only(self, r: _Req) -> bool:
-        """No mirror for a hand-off: its hold alone is the load's source (True), except for a model with state groups,
-        whose checkpoint is loaded through the mirror's restore orders only: the hold is given back and vLLM computes
-        the prompt itself (False)."""
-        if not self.contract.states:
-            return True
-        assert r.hold is not None
-        r.hold.release()
-        r.hold, r.handoff = None, None
-        self.rt.count("handoffs_short")
-        return False
-
-    # ---- the direct path: vLLM's blocks <-> the host tier's slots ----
+    # ---- lookups: vLLM's blocks <-> the host tier's slots ----
 
     def _start_lookup(self, r: _Req, tokens: list[int]) -> None:
         """Hash the prompt's pages under kvproc's chain and lease the longest prefix the tier holds (at most one
@@ -975,7 +777,7 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
             log.error("kvproc_resolve_failed", req_id=r.req_id, error=repr(e))
             return None
 
-    def _direct_match(self, r: _Req, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def _match(self, r: _Req, num_computed_tokens: int) -> tuple[int | None, bool]:
         if r.lookup is not None:
             hit = self._result(r, r.lookup)
             if hit is _PENDING:
@@ -1058,7 +860,7 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
             return None
         return vllm
 
-    def _plan_direct_save(self, r: _Req, computed_after: int, meta: KvprocConnectorMetadata,
+    def _plan_save(self, r: _Req, computed_after: int, meta: KvprocConnectorMetadata,
                           after: CopyJob | None = None) -> None:
         """Pages that are full once this step ran, from the tier's end of the request on: their keys now, their slots
         from the tier on the mover thread after the forward (`_copy`). `after`: this step's synchronous load of the
@@ -1127,12 +929,9 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         """Each state group's checkpoint at the hit into the vLLM block vLLM reads the state from (the group's block
         at index end_page - 1: block i holds the state after i + 1 pages). None when the load cannot be whole: the
         hit is not where the checkpoint is, or vLLM gave no block there."""
-        if end_page * self.page != r.restore_at:
+        if end_page * self.page != r.restore_at or r.lease is None:
             return None
-        if r.lease is not None:  # direct: the tier's slots of the checkpoint at the hit
-            slots = {name: slot for name, slot in r.lease.bounded_slots.items()}
-        else:
-            slots = {o.group: o.src_slot for o in r.restores}
+        slots = r.lease.bounded_slots  # the tier's slots of the checkpoint at the hit
         out = []
         for g in self.contract.states:
             ids = r.vllm_blocks[g.index]
@@ -1140,58 +939,6 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
                 return None
             out.append((g.index, slots[g.name], ids[end_page - 1]))
         return out
-
-    def _fence_restores(self, r: _Req) -> None:
-        """The hit's state checkpoint was copied into vLLM's blocks (or was not needed, or the load failed and vLLM
-        recomputes): the RESTORE orders give their staging slots back. Fenced as done: the mirror's live slot they
-        name is never read (vLLM's block holds the live state), and a failed one would stop the mirror's saves."""
-        pool = self.store.pools[0]
-        for o in r.restores:
-            pool.fence(o, True)
-        r.restores = []
-
-    def _plan_handoff_load(self, r: _Req, meta: KvprocConnectorMetadata, into: list[CopyJob]) -> None:
-        """The hold's pages (the padded one whole: its pad rows are overwritten by vLLM before they are read) into
-        vLLM's blocks."""
-        assert r.hold is not None and r.pending_load is not None
-        local, ext = r.pending_load
-        r.pending_load = None
-        a, b = local // self.page, -(-(local + ext) // self.page)
-        if self._load_job(r, r.hold.block_ids, a, b, meta, into):
-            self.rt.count("hit_tokens_loaded", ext)
-            self.rt.count("handoff_tokens_loaded", ext)
-            if into is meta.async_loads:
-                self.rt.count("loads_async")
-
-    def _start_mirror(self, r: _Req, prefix: KvPrefix | None) -> None:
-        """Admit the request's mirror in the staging pool with the resolve's prefix (or none)."""
-        req = r.request
-        max_out = max(1, int(req.max_tokens))  # the mirror's lifetime: prompt + max_tokens, as vLLM's
-        tokens = list(req.prompt_token_ids or [])
-        hashes = prefix.page_hashes if prefix is not None else None
-        try:
-            kv = RequestKv(self.store.pools[0], r.req_id, tokens, max_out, scope=_scope(req), prompt_hashes=hashes)
-        except (ValueError, TypeError) as e:  # tokens kvproc cannot key (an id past its range): vLLM serves it alone
-            log.warning("kvproc_request_refused", req_id=r.req_id, error=repr(e))
-            self.rt.count("requests_refused")
-            if prefix is not None:
-                prefix.hold.release()
-            return
-        credit = prefix.hold.num_blocks if prefix is not None else 0
-        if not kv.try_admit(credit):
-            self.rt.count("staging_full")  # no room for its lifetime: this request is neither loaded nor saved
-            if prefix is not None:
-                prefix.hold.release()
-            kv.release()
-            return
-        if prefix is not None:
-            r.restores = kv.match_and_add_prefix(prefix.hold)  # RESTORE orders of state groups' checkpoints
-            r.restore_at = kv.num_computed
-            self.rt.count("hit_tokens_staging", prefix.device_tokens)
-            self.rt.count("hit_tokens_host", prefix.host_tokens)
-        r.mirror = kv
-        # A producer seals the prefix it hit too: every page of a hand-off must be leased to the consumer.
-        r.cursor = SealCursor.after_prefix(0 if self.producer else kv.num_computed // self.page)
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         r = self._reqs.get(request.request_id)
@@ -1203,7 +950,7 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         elif r.pending_load is not None and r.pending_load[1] != num_external_tokens:
             # vLLM trimmed the external hit (a partial local block): load what it kept, from the same start
             r.pending_load = (r.pending_load[0] + r.pending_load[1] - num_external_tokens, num_external_tokens)
-        if r.pending_load is not None and (self._active(r) or r.hold is not None) and not self._sync_loads:
+        if r.pending_load is not None and r.tracked and not self._sync_loads:
             self._async_ready.append(r)  # vLLM holds it back for the load: planned in this step's meta
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
@@ -1211,18 +958,14 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
             # vLLM freed the requests' blocks that slid out of their windows in this step's scheduling, and this
             # step's forward may overwrite them: the saves still reading them (last step's) land first, and a save
             # is planned only over blocks vLLM still keeps (below). State groups: the pages a state offered now
-            # closes must be in the mirror before its checkpoint is sealed there. Usually done already.
+            # closes must be in the tier before its checkpoint is saved there. Usually done already.
             if not self.rt.moves.wait(list(self._jobs), self.options.move_wait_s):
                 self.rt.count("flush_save_waits_timed_out")  # poisoned: reported failed, never sealed
         self._drain()
         meta = KvprocConnectorMetadata()
         ready, self._async_ready = self._async_ready, []
         for held in ready:
-            if held.pending_load is None or held.finishing:
-                continue
-            if held.hold is not None:  # a hand-off adopted without a mirror: its hold is the source
-                self._plan_handoff_load(held, meta, meta.async_loads)
-            elif self._active(held):
+            if held.pending_load is not None and not held.finishing and held.tracked:
                 self._plan_load(held, meta, meta.async_loads)
         for req_id in scheduler_output.preempted_req_ids or ():
             pre = self._reqs.get(req_id)
@@ -1264,26 +1007,20 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
                 self._offers = dict(live.boundary_state_offloads or {})
             elif self.contract.states:
                 # Last step's offers: their states were written by its forward and are still in their blocks (this
-                # step's forward has not run), and the pages they close have landed in the mirrors (flushed above).
+                # step's forward has not run), and the pages they close have landed in the tier (flushed above).
                 offers, self._offers = self._offers, dict(live.boundary_state_offloads or {})
                 if not self._async_scheduling:
                     self._offer_prompt_ends(offers, computed)
-                self._seal_offered_states(offers)
+                self._save_offered_states(offers)
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             r = self._reqs.get(req_id)
-            load = None  # this step's synchronous load of the request: a save planned now runs only if it succeeded
-            if r is not None and r.hold is not None and r.pending_load is not None and req_id in computed:
-                self._plan_handoff_load(r, meta, meta.loads)  # synchronous
-                load = meta.loads[-1] if meta.loads and meta.loads[-1].job_id == r.load_job else None
-            if r is None or not self._active(r) or req_id not in computed:
+            if r is None or not r.tracked or req_id not in computed:
                 continue
+            load = None  # this step's synchronous load of the request: a save planned now runs only if it succeeded
             if r.pending_load is not None:  # synchronous loads: landed before the forward
                 self._plan_load(r, meta, meta.loads)
                 load = meta.loads[-1] if meta.loads and meta.loads[-1].job_id == r.load_job else None
-            if self.direct is not None:
-                self._plan_direct_save(r, computed[req_id] + n, meta, after=load)
-            else:
-                self._plan_save(r, computed[req_id] + n, meta, after=load)
+            self._plan_save(r, computed[req_id] + n, meta, after=load)
         meta.idle = scheduler_output.total_num_scheduled_tokens == 0
         if self.ranked is not None:
             if self.ranked.follow_replaced():  # a rank's tier replaced and re-attached: the workers map the new one
@@ -1324,68 +1061,16 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
                 offers.setdefault(req_id, []).extend(entries)
                 self.rt.count("state_prompt_ends_offered")
 
-    def _seal_offered_states(self, offers: dict[str, list[tuple[int, int, int]]]) -> None:
+    def _save_offered_states(self, offers: dict[str, list[tuple[int, int, int]]]) -> None:
         """The states vLLM offered at the last step (`boundary_state_offloads`: vLLM group, block, boundary tokens),
         which that step's forward wrote: vLLM offers a state in the scheduling pass of the step that computes it,
         and may give its block to another request from the next pass on, whose forward overwrites it. So each one
-        where a mirror stands (its pages up to the boundary landed) is copied now, before this step's forward,
-        straight into the staging slot of the mirror's checkpoint there (`seal_by_copy`: one copy, no live-slot
-        hop), and the pages up to it are sealed."""
+        where the tier has the request's pages up to it is saved now, before this step's forward (the pages' save
+        was waited for first), as a save of the boundary's key with the state groups' artifacts (the page itself is
+        there already: nothing copied for it)."""
         moves = self.rt.moves
         if moves is None:
             return
-        if self.direct is not None:
-            self._save_offered_states(offers)
-            return
-        for req_id, entries in offers.items():
-            r = self._reqs.get(req_id)
-            if r is not None and not r.finishing:
-                self._seal_request_states(r, entries)
-
-    def _seal_request_states(self, r: _Req, entries: list[tuple[int, int, int]]) -> None:
-        """One request's offered states (`_seal_offered_states`), into its mirror's checkpoint where it stands."""
-        moves, kv = self.rt.moves, r.mirror
-        if moves is None or kv is None or r.cursor is None or not r.saving or r.job is not None:
-            return
-        at = {(gi, n): b for gi, b, n in entries if b != NULL_BLOCK}
-        boundary = kv.num_computed
-        if not any(n == boundary for _, n in at):
-            self.rt.count("state_offers_missed", len(entries))  # not where the mirror stands: not saved
-            return
-        orders = kv.seal_by_copy()  # none where the checkpoint exists already (the hit's own)
-        if not orders:
-            return
-        states, by_group = [], {g.name: g.index for g in self.contract.states}
-        for o in orders:
-            b = at.get((by_group[o.group], boundary))
-            if b is not None:
-                states.append((by_group[o.group], o.dst_slot, b))
-        job = CopyJob(next(self._job_ids), r.req_id, [], tuple([] for _ in self.contract.groups), states)
-        moves.submit([job], to_vllm=False)
-        moves.wait([job.job_id], self.options.move_wait_s)  # past it: poisoned, reported failed
-        ok = bool(moves.take_outcome(job.job_id)) and len(states) == len(orders)
-        pool = self.store.pools[0]
-        for o in orders:
-            pool.fence(o, ok)
-        self.rt.count("state_checkpoints_sealed" if ok else "state_checkpoints_failed")
-        if ok:
-            try:
-                self.store.seal(0, kv, r.cursor, self._save_class)
-                r.checkpoint_at = boundary
-            except Exception as e:  # noqa: BLE001 - refused by the store: counted there; a future miss
-                log.warning("kvproc_seal_refused", req_id=r.req_id, error=repr(e))
-                r.saving = False
-
-    def _active(self, r: _Req) -> bool:
-        """kvproc follows this request's pages: its mirror (staging path) or its hashes (direct path)."""
-        return r.mirror is not None or r.tracked
-
-    def _save_offered_states(self, offers: dict[str, list[tuple[int, int, int]]]) -> None:
-        """The direct path's form of `_seal_offered_states`: the checkpoint of each offered state where the tier has
-        the request's pages up to it, saved now (the pages' save was waited for first) as a save of the boundary's
-        key with the state groups' artifacts (the page itself is there already: nothing copied for it)."""
-        moves = self.rt.moves
-        assert moves is not None
         for req_id, entries in offers.items():
             r = self._reqs.get(req_id)
             if r is None or not r.tracked or not r.saving or r.finishing or r.job is not None:
@@ -1405,35 +1090,33 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
                 r.checkpoint_at = max(r.checkpoint_at, boundary)
 
     def _plan_load(self, r: _Req, meta: KvprocConnectorMetadata, into: list[CopyJob]) -> None:
-        assert self._active(r) and r.pending_load is not None
+        assert r.tracked and r.pending_load is not None and r.lease is not None
         local, ext = r.pending_load
         r.pending_load = None
         a, b = local // self.page, (local + ext) // self.page
         if r.handoff is not None:  # the padded page too, whole: its pad rows are overwritten before they are read
             b = -(-(local + ext) // self.page)
-        # the source: the leased host slots (direct) or the mirror's staging blocks
-        source = list(r.lease.page_slots) if r.lease is not None else r.mirror.block_ids if r.mirror else []
-        if self._load_job(r, source, a, b, meta, into):
+        if self._load_job(r, list(r.lease.page_slots), a, b, meta, into):
             self.rt.count("hit_tokens_loaded", ext)
             if r.handoff is not None:
                 self.rt.count("handoff_tokens_loaded", ext)
             if into is meta.async_loads:
                 self.rt.count("loads_async")
 
-    def _load_job(self, r: _Req, staging: list[int], a: int, b: int, meta: KvprocConnectorMetadata,
+    def _load_job(self, r: _Req, slots: list[int], a: int, b: int, meta: KvprocConnectorMetadata,
                   into: list[CopyJob]) -> bool:
-        """Pages a..b of `staging` (the mirror's or a hand-off hold's blocks) into vLLM's blocks of every group.
+        """Pages a..b of the leased `slots` into vLLM's blocks of every group.
         False (and the load reported failed: vLLM recomputes it) when vLLM's tables do not cover them: a full-attention
         group must have a block for every page; a sliding-window group's NULL_BLOCK pages are out of its window."""
         vllm = list(self._pages_of(r, a, b))
-        short = b > len(staging) or len(vllm) != self._groups or any(
+        short = b > len(slots) or len(vllm) != self._groups or any(
             len(ids) != b - a for g, ids in zip(self.contract.groups, vllm) if not g.state) or any(
             NULL_BLOCK in ids for g, ids in zip(self.contract.groups, vllm) if not g.sliding)
         states = self._state_loads(r, b) if self.contract.states else []
         short = short or states is None
         if short:
             # Never: vLLM counted these tokens as computed, so they must be recomputed, not left unloaded.
-            log.error("kvproc_load_inconsistent", req_id=r.req_id, pages=(a, b), staging=len(staging),
+            log.error("kvproc_load_inconsistent", req_id=r.req_id, pages=(a, b), slots=len(slots),
                       vllm=[len(g) for g in r.vllm_blocks])
             if self._groups > 1:
                 meta.failed_load_reqs.append(r.req_id)
@@ -1442,10 +1125,10 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
             if into is meta.async_loads:  # vLLM holds it back: report it (its blocks failed) at once
                 meta.unloaded.append(r.req_id)
             return False
-        job = CopyJob(next(self._job_ids), r.req_id, staging[a:b], tuple(vllm), states or [])
-        if r.lease is not None:  # direct: checked after the copy (`HostDirect.intact`)
-            job.gens = list(r.lease.page_gens[a:b]) if r.lease.page_gens else []
-            job.leased_at, job.epoch = r.leased_at, r.lease.epoch
+        job = CopyJob(next(self._job_ids), r.req_id, slots[a:b], tuple(vllm), states or [])
+        assert r.lease is not None  # checked after the copy (`HostDirect.intact`)
+        job.gens = list(r.lease.page_gens[a:b]) if r.lease.page_gens else []
+        job.leased_at, job.epoch = r.leased_at, r.lease.epoch
         if self.ranked is not None:  # tensor parallel: each rank copies its own tier's slots
             job.rank_slots = [list(h.page_slots[a:b]) for h in r.leases]
             job.rank_gens = [list(h.page_gens[a:b]) for h in r.leases]
@@ -1458,51 +1141,6 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         r.load_job = job.job_id
         into.append(job)
         return True
-
-    def _plan_save(self, r: _Req, computed_after: int, meta: KvprocConnectorMetadata,
-                   after: CopyJob | None = None) -> None:
-        """Pages that are full once this step ran: drawn in the mirror now, filled by the worker after the forward,
-        sealed when it reports them (`after`: this step's synchronous load of the request; the save runs only if it
-        succeeded)."""
-        kv = r.mirror
-        assert kv is not None
-        if not r.saving or r.job is not None or r.finishing:
-            return
-        # With async scheduling vLLM counts a step's sampled token as computed before the token is known (it is
-        # appended when the step's output is processed): only pages whose every token is known are saved.
-        known = r.request.all_token_ids
-        have = kv.num_computed // self.page
-        target = min(computed_after // self.page, self._table_pages(r), len(known) // self.page)
-        need = target * self.page
-        if self.producer:
-            # A hand-off is the prompt's KV: its partial last page too (padded when it lands), nothing decoded.
-            prompt = r.request.num_prompt_tokens
-            if computed_after >= prompt and -(-prompt // self.page) <= self._table_pages(r):
-                target, need = -(-prompt // self.page), prompt
-            else:
-                target = min(target, prompt // self.page)
-                need = target * self.page
-        if target <= have or need <= kv.num_computed:
-            return
-        vllm = self._save_source(r, have, target)
-        if vllm is None:
-            return
-        try:
-            if kv.num_tokens < need:
-                new = list(known[kv.num_tokens:need])
-                if min(new) < 0:  # a placeholder of a token not sampled yet: wait for the next step
-                    return
-                kv.append_tokens(new)
-            ids = kv.schedule(need - kv.num_computed)
-        except Exception as e:  # noqa: BLE001 - past its lifetime (vLLM grew it), a refusal: stop saving it
-            log.warning("kvproc_save_not_planned", req_id=r.req_id, error=repr(e))
-            self.rt.count("saves_not_planned")
-            r.saving = False
-            return
-        job = CopyJob(next(self._job_ids), r.req_id, ids[have:target], vllm, after=after)
-        r.job = job.job_id
-        self._jobs[job.job_id] = r
-        meta.saves.append(job)
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
         if self.ranked is not None:
@@ -1532,48 +1170,26 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         if r.load_job != job_id:
             return
         r.load_job = None
-        self._fence_restores(r)
-        if r.lease is not None:  # direct: the one copy of the hit is in vLLM's blocks
+        if r.lease is not None:  # the one copy of the hit is in vLLM's blocks
             self.store.outcomes.record("load", r.req_id, "ok" if ok else "failed")
             if not self.producer:  # a producer's lease keeps the hit's pages until its hand-off save pinned them
                 self._release_lease(r)
-        if r.hold is not None:  # a hand-off's full-hit hold
-            r.hold.release()
-            r.hold = None
         if r.finishing and r.job is None:
             self._retire(r)
 
     def _save_done(self, r: _Req, ok: bool) -> None:
+        """The tier committed the save's pages, or it failed (the outcome is recorded by `HostDirect.save`)."""
         r.job = None
-        if r.tracked:  # direct: the tier committed the pages (the outcome is recorded by HostDirect.save)
-            if ok:
-                r.saved = max(r.saved, r.save_to)
-            else:
-                r.saving = False
-                if self.producer:  # undelivered: its consumer will see a short hit (the store's line, as staging's)
-                    self.rt.count("handoff_save_failed")
-                    log.error("handoff save failed", req_id=r.req_id, pages=r.save_to - r.saved,
-                              reason="the save's outcome (HostDirect)")
-            if self.producer:  # the hit's pages are pinned by the hand-off's commit now (or it failed)
-                self._release_lease(r)
-            if r.finishing and r.load_job is None:
-                self._retire(r)
-            return
-        assert r.mirror is not None and r.cursor is not None
         if ok:
-            r.mirror.apply()
-            try:
-                if self.producer and not r.padded and not self.contract.states and \
-                        r.mirror.num_computed == r.request.num_prompt_tokens:
-                    r.mirror.pad_to_boundary()  # the partial last page gets its name (pad rows never read)
-                    r.padded = True
-                self.store.seal(0, r.mirror, r.cursor, self._save_class)
-            except Exception as e:  # noqa: BLE001 - refused by the store: counted there; a future miss
-                log.warning("kvproc_seal_refused", req_id=r.req_id, error=repr(e))
-                r.saving = False
+            r.saved = max(r.saved, r.save_to)
         else:
-            r.mirror.revert()
             r.saving = False
+            if self.producer:  # undelivered: its consumer will see a short hit
+                self.rt.count("handoff_save_failed")
+                log.error("handoff save failed", req_id=r.req_id, pages=r.save_to - r.saved,
+                          reason="the save's outcome (HostDirect)")
+        if self.producer:  # the hit's pages are pinned by the hand-off's commit now (or it failed)
+            self._release_lease(r)
         if r.finishing and r.load_job is None:
             self._retire(r)
 
@@ -1587,15 +1203,7 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         r = self._reqs.get(request.request_id)
         if r is None:
             return False, None
-        if self.producer and self.contract.states and r.req_id in self._offers:
-            self._seal_last_offers(r)
         r.finishing = True
-        if r.resolve is not None:  # finished (aborted) while its resolve ran: drop the prefix when it lands
-            r.resolve.add_done_callback(_release_prefix)
-            r.resolve = None
-        if r.hold is not None and r.load_job is None:
-            r.hold.release()
-            r.hold = None
         params = self._envelope_out(r, request) if self.producer else None
         # A save still reading vLLM's blocks: vLLM keeps them until the worker reports it settled (get_finished).
         # (A load in flight needs nothing from us: vLLM keeps a request's blocks while it waits for a load.)
@@ -1611,32 +1219,17 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
             self._retire(r)
         return delay, params
 
-    def _seal_last_offers(self, r: _Req) -> None:
-        """A P/D producer's request ends in the step whose forward wrote its last offered states (vLLM offered them
-        in that step's scheduling pass, read at its meta): they are sealed now, while vLLM still keeps the request's
-        blocks, after the pages up to them landed (the step's save, waited for)."""
-        entries = self._offers.pop(r.req_id)
-        moves = self.rt.moves
-        if moves is None:
-            return
-        if r.job is not None:
-            if not moves.wait([r.job], self.options.move_wait_s):
-                self.rt.count("flush_save_waits_timed_out")
-            self._drain()
-        self._seal_request_states(r, entries)
-
     def _envelope_out(self, r: _Req, request: "Request") -> dict[str, Any] | None:
         """The producer's hand-off envelope as vLLM's kv_transfer_params: the prompt's KV (its save in flight or
-        done: the consumer's full-hit resolve waits for it), the anchor = the first sampled token. A model with state
+        done: the consumer's full-hit lookup waits for it), the anchor = the first sampled token. A model with state
         groups hands off up to its deepest checkpoint (a page boundary: vLLM keeps no state inside a page); the
         consumer computes the prompt's tail beyond it."""
         prompt = request.num_prompt_tokens
         committed = r.checkpoint_at if self.contract.states else prompt
-        # direct: every page's save planned (state groups: a checkpoint saved, `committed`)
-        saved = (r.padded or bool(self.contract.states)) if self.direct is not None else r.mirror is not None
+        saved = r.padded or bool(self.contract.states)  # every page's save planned (state groups: a checkpoint)
         if not saved or not r.saving or request.num_computed_tokens < prompt or committed <= 0:
-            self.rt.count("handoffs_not_made")  # not saved (no staging room, a refusal) or aborted mid-prefill
-            if self.direct is not None and r.tracked:  # its HANDOFF saves so far (and those in flight) pin nothing
+            self.rt.count("handoffs_not_made")  # not saved (a refusal, a failed save) or aborted mid-prefill
+            if r.tracked:  # its HANDOFF saves so far (and those in flight) pin nothing
                 self.store.revoke_handoff(r.req_id)
             return None
         out = request.output_token_ids
@@ -1659,14 +1252,6 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
             if r.handoff is not None:  # nobody will read this hand-off now
                 self.store.revoke_handoff(r.handoff.producer_req_id)
         self._release_lease(r)
-        if r.mirror is None:
-            return
-        self._fence_restores(r)  # finished before its load was planned
-        try:
-            self.store.retire(0, r.mirror, r.cursor or SealCursor(), self._save_class)
-        except Exception as e:  # noqa: BLE001 - never fail vLLM's request for a save
-            log.warning("kvproc_retire_failed", req_id=r.req_id, error=repr(e))
-            r.mirror.release()
 
     def _release_late_lease(self, fut: concurrent.futures.Future[Hit | None]) -> None:
         try:
@@ -1699,16 +1284,11 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
             self._drain()
         for r in list(self._reqs.values()):
             self._release_lease(r)
-            if r.hold is not None:
-                r.hold.release()
-            if r.mirror is not None:
-                self._fence_restores(r)
-                r.mirror.release()
         self._reqs.clear()
         # Views of the tier's segment (direct) that the runtime unmaps when the last half goes: dropped only once no
         # move still reads them (this may be the worker's half, which has no requests and did not wait above).
         if moves is not None and moves.idle(self.options.move_wait_s):
-            self._staging.clear()
+            self._tier.clear()
             self._kv.clear()
         if self._tp_worker:  # its moves ended above (or never will): the mapping goes with them
             if moves is not None:
@@ -1739,13 +1319,6 @@ def _envelope_of(request: "Request") -> HandoffEnvelope | None:
     except msgspec.ValidationError as e:
         log.error("kvproc_handoff_envelope_invalid", req_id=request.request_id, error=str(e))
         return None
-
-
-def _release_prefix(fut: concurrent.futures.Future[KvPrefix]) -> None:
-    try:
-        fut.result().hold.release()
-    except Exception:  # noqa: BLE001 - nothing held
-        pass
 
 
 __all__ = ["CopyJob", "KvprocConnector", "KvprocConnectorMetadata"]

@@ -1,10 +1,7 @@
-"""P/D over the direct path: the hand-off's pages go straight between vLLM's blocks and the shared tier's slots.
+"""P/D in vLLM: the hand-off's pages go straight between vLLM's blocks and the shared tier's slots, one copy each
+way: the consumer leases the producer's pages in the tier and the mover copies them once, into vLLM's blocks.
 
-The staging path hands off through kvproc's store (its full-hit resolve loads the producer's pages into the staging
-pool, then the mover copies them into vLLM's blocks: two copies a page). Here the consumer leases the producer's
-pages in the tier and the mover copies them once, into vLLM's blocks:
-
-- producer: its saves are `SaveClass.HANDOFF` saves of the direct path (vLLM's blocks -> the tier's slots), the
+- producer: its saves are `SaveClass.HANDOFF` saves (vLLM's blocks -> the tier's slots), the
   prompt's partial last page keyed as the padded chain's last page (`padded_tail_key`: the pad rows are whatever
   vLLM's block holds there, never read). A HANDOFF commit pins every key it names, the pages the tier had already
   (deduplicated, not copied) included, for the producer's request until the consumer consumes it or the tier's

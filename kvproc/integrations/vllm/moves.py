@@ -1,8 +1,7 @@
 """The connector's block moves, off vLLM's forward thread: one mover thread per engine, shared by both halves.
 
-The worker side submits each step's copies (vLLM block <-> staging block) as one batch per direction and returns at
-once; the mover thread runs them (by default it asks kvproc's copy worker process to do it, by cross-memory attach:
-`mover="cma"`) one batch after another, in submission order. Every job ends in exactly one reported state, done or
+The worker side submits each step's copies (vLLM block <-> the host tier's slot) and returns at once; the mover thread
+runs them (memcpy runs, the GIL released) one batch after another, in submission order. Every job ends in exactly one reported state, done or
 failed, which both halves read here (they live in one process for a one-rank engine, as the runtime does):
 
 - the scheduler side `drain()`s finished jobs at its next entry point and seals (saves) or unpins (loads);
@@ -35,24 +34,24 @@ NULL_BLOCK = 0
 
 @dataclass
 class CopyJob:
-    """Block copies of one request in one step, direction given by the batch: page i of the job is staging block
-    `staging[i]` and, in vLLM's KV cache group g, vLLM block `vllm[g][i]` (`NULL_BLOCK`: that group keeps no block
+    """Block copies of one request in one step, direction given by the batch: page i of the job is the host tier's
+    slot `slots[i]` and, in vLLM's KV cache group g, vLLM block `vllm[g][i]` (`NULL_BLOCK`: that group keeps no block
     for the page, e.g. out of a sliding window: not copied)."""
 
     job_id: int
     req_id: str
-    staging: list[int]
+    slots: list[int]
     vllm: tuple[list[int], ...]
     # State groups (vLLM's MambaSpec): (vLLM group index, kvproc slot, vLLM block): one state each.
     states: list[tuple[int, int, int]] = field(default_factory=list)
-    # The direct path's save (`kvproc/store/host_direct.py`): the pages' keys (the slots come with the tier's
+    # A save (`kvproc/store/host_direct.py`): the pages' keys (the slots come with the tier's
     # ticket, on the mover thread), the page before them, and the state groups whose checkpoint at the last key it
     # writes (their `states` slot is the ticket's).
     keys: list[bytes] = field(default_factory=list)
     parent: bytes | None = None
     bounded: list[str] = field(default_factory=list)
     tokens: list[int] | None = None  # the pages' token ids, for a tier whose KV events carry them
-    # The direct path's load: the leased slots' generations and when the lease was taken (checked after the copy:
+    # A load: the leased slots' generations and when the lease was taken (checked after the copy:
     # `HostDirect.intact`).
     gens: list[int] = field(default_factory=list)
     leased_at: float = 0.0

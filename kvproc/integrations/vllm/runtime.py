@@ -1,17 +1,10 @@
-"""The kvproc side of one vLLM engine: a `ClusterStore` (host tier + copy worker processes) and a staging pool.
+"""The kvproc side of one vLLM engine: a `ClusterStore` (host tier + copy worker processes) the engine maps.
 
-Two data paths (`RuntimeOptions.path`). **direct** (the default for `kv_both`): pages move between vLLM's blocks and
-the host tier's slots in one copy each way (`kvproc/store/host_direct.py`: the engine maps the tier's segment; a
-lookup leases the slots, a save reserves them and holds their fence while it writes); the staging pool below is one
-block per arena, only so that the tier learns the model's layout. **staging** (P/D roles, `mover="cma"`, or asked
-for): the path described below, two copies each way.
-
-vLLM owns its KV tensors and its block table; kvproc's store owns a pool of its own. The pool here is the *staging*
-pool: arenas with the same per-layer block layout as vLLM's, in shared memory kvproc allocated (so the copy worker
-can reach them), `staging_blocks` blocks. Pages move vLLM block <-> staging block on the engine's mover thread
-(`moves.py`: memcpy runs, or kvproc's copy worker by cross-memory attach) and staging block <-> host tier in kvproc's
-copy worker process, both asynchronously to vLLM's forward.
-Sealed staging blocks stay matchable until evicted, so the staging pool is also a small cache of its own.
+Pages move between vLLM's blocks and the host tier's slots in one copy each way (`kvproc/store/host_direct.py`: the
+engine maps the tier's segment; a lookup leases the slots, a save reserves them and holds their fence while it
+writes), on the engine's mover thread (`moves.py`). vLLM owns its KV tensors and block table; the store attached here
+has a model of vLLM's layout (`_VllmLayout`: one arena per vLLM layer, one block each) only so that the tier learns
+the pages' shape; it caches nothing itself.
 
 vLLM creates the worker-side connector first (it owns the tensors) and the scheduler side later, in the same
 process for a one-rank engine: both look the runtime up here by the engine's id, and the last one to shut down
@@ -48,17 +41,9 @@ class RuntimeOptions:
     """The connector's settings (`kv_connector_extra_config`, all optional)."""
 
     host_bytes: int = 1 << 30  # the host tier's budget
-    staging_blocks: int = 0  # 0: twice vLLM's own block count (the staging path only)
-    # "direct": one copy per page each way, vLLM's blocks <-> the host tier's slots; "staging": through kvproc's
-    # staging pool (two copies each way; P/D and the cma mover need it). None: direct unless one of those needs it.
-    path: str | None = None
     model_id: str | None = None  # the weights' identity (default: from vLLM's model config)
     resolve_wait_s: float = 0.05  # a resolve not done by then is asked again at vLLM's next step
     log_level: str = "warning"  # kvproc's processes
-    # Who moves bytes between vLLM's tensors and the staging pool, on the connector's mover thread (`moves.py`):
-    # "local" (memcpy runs in vLLM's process) or "cma" (kvproc's copy worker process, by cross-memory attach into
-    # vLLM's memory; the mover thread waits for its reply).
-    mover: str = "local"
     # A shared host tier's runtime dir (`kvproc up --runtime-dir DIR`): the engine attaches to it instead of starting
     # its own. P/D needs one: the producer's and the consumer's stores must reach the same tier.
     tier_runtime_dir: str | None = None
@@ -74,7 +59,7 @@ class RuntimeOptions:
     # KV events of the host tier (medium "CPU", kvproc's page hashes; docs/observability.md) for KV-aware routers:
     # the tier this engine starts publishes them; an attached shared tier (`tier_runtime_dir`) must have been
     # started with `kvproc up --kv-events` (and `--kv-events-tokens` for `kv_events_tokens`), checked at start. vLLM's
-    # own GPU blocks are vLLM's `kv_events_config`; the staging pool publishes nothing (no cache to route on).
+    # own GPU blocks are vLLM's `kv_events_config`.
     kv_events: bool = False
     kv_events_interval_ms: float | None = None  # the batch interval (default 50); a shared tier's is its own
     kv_events_tokens: bool = False  # BlockStored carry the pages' token ids (each save sends its tokens)
@@ -97,21 +82,12 @@ class RuntimeOptions:
     def __post_init__(self) -> None:
         if self.loads not in ("auto", "sync", "async"):
             raise ValueError(f"kv_connector_extra_config: loads must be 'auto', 'sync' or 'async', got {self.loads!r}")
-        if self.mover not in ("local", "cma"):
-            raise ValueError(f"kv_connector_extra_config: mover must be 'local' or 'cma', got {self.mover!r}")
         if self.load_failure_policy not in ("recompute", "vllm"):
             raise ValueError("kv_connector_extra_config: load_failure_policy must be 'recompute' or 'vllm', got "
                              f"{self.load_failure_policy!r}")
-        if self.path not in (None, "direct", "staging"):
-            raise ValueError(f"kv_connector_extra_config: path must be 'direct' or 'staging', got {self.path!r}")
         if self.page_format not in ("vllm", "sglang"):
             raise ValueError(f"kv_connector_extra_config: page_format must be 'vllm' or 'sglang', got "
                              f"{self.page_format!r}")
-        if self.page_format == "sglang" and (self.path == "staging" or self.mover == "cma"):
-            raise ValueError("kv_connector_extra_config: page_format='sglang' moves pages on the direct path "
-                             "(path='direct', mover='local')")
-        if self.path == "direct" and self.mover == "cma":
-            raise ValueError("kv_connector_extra_config: mover='cma' moves through the staging pool (path='staging')")
         if (self.kv_events_tokens or self.kv_events_interval_ms is not None or self.kv_events_into_vllm) and \
                 not self.kv_events:
             raise ValueError("kv_connector_extra_config: kv_events_tokens / kv_events_interval_ms / kv_events_into_vllm "
@@ -133,30 +109,28 @@ class RuntimeOptions:
         if "async_moves" in extra:  # removed: saves are never waited for, and `loads` says when loads land
             raise ValueError("kv_connector_extra_config: async_moves was removed; use loads='sync' or 'async' "
                              "(default 'auto')")
+        gone = sorted(k for k in ("path", "mover", "staging_blocks") if k in extra)
+        if gone:  # removed with the staging pool: every page moves in one copy each way, by the engine's mover
+            raise ValueError(f"kv_connector_extra_config: {gone} removed: pages move in one copy each way between "
+                             "vLLM's blocks and the host tier's slots (the staging pool and the cma mover are gone)")
         unknown = sorted(k for k in extra if k not in known)
         if unknown:
             raise ValueError(f"kv_connector_extra_config: unknown key(s) {unknown}; known: {sorted(known)}")
         return cls(**extra)
 
 
-class _StagingModel:
-    """The kvproc `KvModel` of the staging pool: one arena per vLLM layer (in its group), blocks laid out as vLLM's.
-    The paged groups are aligned: staging block b is block b of every layer of every paged group. A state group's
-    arenas hold `live_slots` live slots (one per mirror: unused, the live state is vLLM's) and as many staging slots
-    (checkpoints) as the paged groups have blocks."""
+class _VllmLayout:
+    """The kvproc `KvModel` the host tier learns vLLM's page shape from: one arena per vLLM layer (in its group), one
+    block each, laid out as vLLM's blocks (pages move between vLLM's tensors and the tier's slots: nothing is copied
+    through these arenas). One set per rank (tensor parallel)."""
 
-    def __init__(self, contract: VllmKvContract, num_blocks: int, allocator: Any, live_slots: int = 1,
-                 ranks: int = 1) -> None:
+    def __init__(self, contract: VllmKvContract, allocator: Any, ranks: int = 1) -> None:
         self._spec = contract.spec
-        self._ranks: list[list[tuple[str, KvArena]]] = []
-        for r in range(ranks):  # one pool per rank (tensor parallel), each of its own arenas
-            arenas = []
-            for g in contract.groups:
-                n = live_slots + num_blocks if g.state else num_blocks
-                arenas += [(g.name, KvArena(f"vllm.{name}", allocator(f"vllm.{name}", n * g.bytes_per_block), n,
-                                            g.bytes_per_block, g.bytes_per_block)) for name in g.layer_names]
-            self._ranks.append(arenas)
-        self._arenas = self._ranks[0]
+        # a state group's arenas: its pool's one live slot (unused: the live state is vLLM's) and one checkpoint slot
+        blocks = {g.name: 2 if g.state else 1 for g in contract.groups}
+        self._ranks = [[(g.name, KvArena(f"vllm.{name}", allocator(f"vllm.{name}", blocks[g.name] * g.bytes_per_block),
+                                         blocks[g.name], g.bytes_per_block, g.bytes_per_block))
+                        for g in contract.groups for name in g.layer_names] for _ in range(ranks)]
 
     def spec(self) -> KvSpec:
         return self._spec
@@ -176,20 +150,14 @@ class KvprocRuntime:
     options: RuntimeOptions
     cluster: ClusterStore
     store: KvStore
-    model: Any  # the tier's model: the staging pool's (`_StagingModel`), or SGLang's page model (page_format)
+    model: Any  # the tier's model: vLLM's layout (`_VllmLayout`), or SGLang's page model (page_format)
     users: int = 0
     closed: bool = False
     # Counters both sides bump (the scheduler side: hits; the worker side: copies); read by tests and docs.
     counters: dict[str, int] = field(default_factory=dict)
     moves: MoveQueue | None = None  # made by the worker side when vLLM registers its tensors
-    direct: HostDirect | None = None  # the direct path's view of the host tier (None: the staging path)
+    direct: HostDirect | None = None  # the engine's view of the host tier (rank 0's)
     directs: list[HostDirect] = field(default_factory=list)  # ... of every rank's tier (tensor parallel)
-
-    @property
-    def staging_views(self) -> dict[str, Any]:
-        """vLLM layer name -> its staging arena as a [blocks, bytes_per_block] uint8 tensor."""
-        return {name: a.tensor.view(a.num_blocks, a.bytes_per_block)
-                for name, (_, a) in zip(self.contract.layer_names, self.model._arenas)}
 
     def count(self, name: str, n: int = 1) -> None:
         with _lock:
@@ -209,12 +177,11 @@ class KvprocRuntime:
             log.info("vllm_connector_closed", engine_id=self.engine_id, counters=self.counters)
 
 
-def acquire(engine_id: str, contract: VllmKvContract, options: RuntimeOptions, max_running: int,
-            direct: bool = False, ranks: int = 1, tier_model: Any = None) -> KvprocRuntime:
+def acquire(engine_id: str, contract: VllmKvContract, options: RuntimeOptions, ranks: int = 1,
+            tier_model: Any = None) -> KvprocRuntime:
     """The engine's runtime, started by the first caller (the worker side, usually): one reference per caller.
-    `direct`: the direct path (no staging pool to speak of: one block per arena). `ranks`: one host tier and pool
-    per tensor-parallel rank (the scheduler side's, `tp.py`). `tier_model(allocator)`: the model attached to the
-    tier instead of the staging pool's (the direct path only: page_format="sglang" attaches SGLang's page model)."""
+    `ranks`: one host tier per tensor-parallel rank (the scheduler side's, `tp.py`). `tier_model(allocator)`: the
+    model attached to the tier instead of vLLM's layout (page_format="sglang" attaches SGLang's page model)."""
     with _lock:
         rt = _runtimes.get(engine_id)
         if rt is not None and not rt.closed:
@@ -223,7 +190,6 @@ def acquire(engine_id: str, contract: VllmKvContract, options: RuntimeOptions, m
                                    f"({rt.contract} vs {contract})")
             rt.users += 1
             return rt
-        staging = 1 if direct else options.staging_blocks or 2 * contract.vllm_num_blocks
         if options.kv_events and options.tier_runtime_dir is not None:
             check_shared_tier_events(options.tier_runtime_dir, options.kv_events_tokens)
         own_events = options.kv_events and options.tier_runtime_dir is None
@@ -233,20 +199,17 @@ def acquire(engine_id: str, contract: VllmKvContract, options: RuntimeOptions, m
                                 kv_events=own_events, kv_events_tokens=own_events and options.kv_events_tokens,
                                 kv_events_interval_s=DEFAULT_INTERVAL_S if interval_ms is None else interval_ms / 1000)
         try:
-            live = 1 if direct else max(1, max_running)
-            model = _StagingModel(contract, staging, cs.allocator, live, ranks) if tier_model is None \
-                else tier_model(cs.allocator)
-            store = cs.attach_model(model, live_slots=live, config=StoreConfig())
+            model = _VllmLayout(contract, cs.allocator, ranks) if tier_model is None else tier_model(cs.allocator)
+            store = cs.attach_model(model, live_slots=1, config=StoreConfig())
             # one per tier: a REPLICATED model (an MLA latent) has one for all its ranks
-            directs = [HostDirect(store, seg, r) for r, seg in enumerate(cs.host_segments)] if direct else []
+            directs = [HostDirect(store, seg, r) for r, seg in enumerate(cs.host_segments)]
         except BaseException:
             cs.close()
             raise
-        rt = KvprocRuntime(engine_id, contract, options, cs, store, model, users=1,
-                           direct=directs[0] if directs else None, directs=directs)
+        rt = KvprocRuntime(engine_id, contract, options, cs, store, model, users=1, direct=directs[0],
+                           directs=directs)
         _runtimes[engine_id] = rt
-        log.info("vllm_connector_started", engine_id=engine_id, path="direct" if direct else "staging", ranks=ranks,
-                 staging_blocks=staging,
+        log.info("vllm_connector_started", engine_id=engine_id, ranks=ranks,
                  host_bytes=options.host_bytes, layers=len(contract.layer_names),
                  groups={g.name: (g.vllm_spec, len(g.layer_names), g.bytes_per_block) for g in contract.groups},
                  page_tokens=contract.block_tokens,

@@ -60,7 +60,22 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory, run_tmpdir: Path) -> Pa
 
 def kvproc_transfer_config(**extra: Any) -> dict[str, Any]:
     return {"kv_connector": "KvprocConnector", "kv_connector_module_path": CONNECTOR, "kv_role": "kv_both",
-            "kv_connector_extra_config": {"host_bytes": 64 << 20, "staging_blocks": 32, **extra}}
+            "kv_connector_extra_config": {"host_bytes": 64 << 20, **extra}}
+
+
+def control_copy_loads_twice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A control's broken connector: every load copies its pages into vLLM's blocks twice, as a staging hop did (tier
+    -> a bridge -> vLLM), counted as such; the bytes that land are the same, so only a copy count can see it."""
+    from kvproc.integrations.vllm.connector import KvprocConnector
+
+    copy_rows = KvprocConnector._copy_rows
+
+    def twice(self: Any, jobs: Any, to_vllm: bool) -> None:
+        copy_rows(self, jobs, to_vllm)
+        if to_vllm:
+            copy_rows(self, jobs, to_vllm)
+
+    monkeypatch.setattr(KvprocConnector, "_copy_rows", twice)
 
 
 @contextlib.contextmanager

@@ -1,8 +1,8 @@
 """kvproc as vLLM's host tier, end to end: a real vLLM engine (CPU), real kvproc processes (host tier, copy worker).
 
 One engine without the connector gives the reference tokens; one engine with it serves the same workload. vLLM's own
-KV cache (24 blocks of 32 tokens) is smaller than the workload's working set, and kvproc's staging pool (32 blocks)
-is churned by filler prompts before each replay, so replayed pages come from kvproc's host tier.
+KV cache (24 blocks of 32 tokens) is smaller than the workload's working set, and filler prompts then a reset of
+vLLM's cache before each replay leave the replayed pages in kvproc's host tier only.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def kv_llm(tiny_llama: Path, reference: Any) -> Iterator[Any]:
 
 
 def _churn_and_reset(llm: Any, seed: int) -> None:
-    """Push the replayed pages out of kvproc's staging pool (filler prompts) and out of vLLM's cache (reset)."""
+    """Other prompts' pages into the tier (filler prompts), the replayed pages out of vLLM's cache (reset)."""
     rng = random.Random(seed)
     generate(llm, [random_tokens(rng, 220) for _ in range(6)], max_tokens=4)
     assert reset_prefix_cache(llm), "vLLM refused to reset its prefix cache (blocks still in use)"
@@ -66,7 +66,7 @@ def test_after_reset_a_repeated_prompt_is_served_from_kvproc(kv_llm: Any,
     assert ext > 0
     # vLLM's count of external tokens is kvproc's count of tokens it loaded into vLLM's blocks ...
     assert c1.get("hit_tokens_loaded", 0) - c0.get("hit_tokens_loaded", 0) == ext
-    # ... and they came from the host tier (the filler prompts pushed them out of the staging pool).
+    # ... and they came from the host tier.
     assert c1.get("hit_tokens_host", 0) - c0.get("hit_tokens_host", 0) > 0
 
 

@@ -54,9 +54,9 @@ def test_sigkill_of_a_kvproc_process_mid_run_keeps_vllm_correct(tiny_llama: Path
 @pytest.mark.parametrize("victim", ["copy_worker", "host_tier"])
 def test_sigkill_mid_generate_with_moves_in_flight(tiny_llama: Path, victim: str, monkeypatch: pytest.MonkeyPatch,
                                                    reference: list[tuple[list[int], list[int]]]) -> None:
-    """The kill lands inside a turn, right after the worker side handed a step's moves to the mover (the copy
-    worker moves them: `mover="cma"`), so moves and the tier's own copies are in flight: vLLM finishes every request
-    of the run with its own tokens (nothing hangs: the module's timeout), and the outage is logged once."""
+    """The kill lands inside a turn, right after the worker side handed a step's moves to the mover, so moves (the
+    host tier's reservations and commits) and the tier's own work are in flight: vLLM finishes every request of the
+    run with its own tokens (nothing hangs: the module's timeout), and the outage is logged once."""
     from kvproc.integrations.vllm.connector import KvprocConnector
 
     turn = [-1]
@@ -73,7 +73,7 @@ def test_sigkill_mid_generate_with_moves_in_flight(tiny_llama: Path, victim: str
 
     monkeypatch.setattr(KvprocConnector, "wait_for_save", wait_for_save)
     with structlog.testing.capture_logs() as logs, \
-            engine(tiny_llama, kvproc_transfer_config(mover="cma")) as llm:
+            engine(tiny_llama, kvproc_transfer_config()) as llm:
         name = live_runtime().cluster.cluster.name
         got = multi_turn(llm, before_turn=lambda t: turn.__setitem__(0, t))
         counters = dict(live_runtime().counters)

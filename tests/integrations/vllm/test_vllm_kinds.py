@@ -5,8 +5,8 @@ model (Qwen3-Next: three state groups, vLLM's MambaSpec, and one full-attention 
 kvproc's checkpoint at the hit, as vLLM's own prefix cache restores it).
 
 Per kind: vLLM alone gives the reference tokens of a multi-turn chat, and of its last turn's prompts asked again
-(served by vLLM's own prefix cache); the same chat with the connector gives the same tokens; after kvproc's staging
-pool is emptied (`drop_device_cache`) and vLLM's `reset_prefix_cache()`, the last turn's prompts are served from kvproc's host tier with the tokens vLLM's own hit gave
+(served by vLLM's own prefix cache); the same chat with the connector gives the same tokens; after vLLM's
+`reset_prefix_cache()`, the last turn's prompts are served from kvproc's host tier with the tokens vLLM's own hit gave
 (vLLM's external hits > 0, every group's pages loaded, counted by group: a sliding window's group loads only the
 window's pages); the control: the host tier's copies of one group overwritten with noise, the same replay gives
 other tokens (each group's restored KV is really what vLLM computes with).
@@ -100,12 +100,10 @@ def kv_llm(kind: tuple[Any, ...]) -> Iterator[Any]:
 
 
 def _churn_and_reset(llm: Any) -> None:
-    """Nothing left but kvproc's host tier: its staging pool emptied (saves landed first, or their pinned pages would
-    stay), vLLM's prefix cache reset."""
+    """Nothing left but kvproc's host tier: the saves landed (the mover's, and their commits), vLLM's prefix cache
+    reset."""
     rt = live_runtime()
-    assert rt.moves is not None and rt.moves.idle(60)  # the direct path's saves: the mover's (and their commits)
-    rt.store.flush_saves(0, 60)  # the staging path's: the store's
-    rt.store.drop_device_cache(0)
+    assert rt.moves is not None and rt.moves.idle(60)
     assert reset_prefix_cache(llm), "vLLM refused to reset its prefix cache (blocks still in use)"
 
 

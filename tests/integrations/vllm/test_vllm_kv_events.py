@@ -1,7 +1,7 @@
 """The connector turns on its host tier's KV events (`kv_connector_extra_config`: `kv_events`, `kv_events_tokens`,
 `kv_events_interval_ms`): a real vLLM engine (CPU) serves prompts, and a subscriber reading the endpoint the
 cluster's manifest names gets a BlockStored (medium "CPU", vLLM's block size) for every full page vLLM computed,
-with the page's token ids. The staging pool publishes nothing (it is no cache a router should route on); vLLM's own
+with the page's token ids. kvproc publishes no device-pool stream (it caches nothing in the engine); vLLM's own
 GPU blocks are vLLM's `kv_events_config` (docs/vllm.md). With `kv_events_into_vllm` the tier's events are in vLLM's
 own stream too, beside its GPU blocks, once each and in the tier's order (`event_forward.py`)."""
 
@@ -61,7 +61,7 @@ def test_the_connectors_host_tier_publishes_every_saved_page_with_its_tokens(tin
         rd = live_runtime().cluster.cluster.runtime_dir
         (tier,) = kv_event_endpoints(rd).values()  # what the connector logs at start (`vllm_connector_started`)
         assert tier["kv_events_interval_ms"] == "10" and tier["kv_events_tokens"] == "1"
-        assert mf.read_manifest(rd).published == {}  # no device-pool (staging) stream
+        assert mf.read_manifest(rd).published == {}  # no device-pool stream
         rng = random.Random(5)
         prompts = [random_tokens(rng, 100) for _ in range(3)]
         outs = generate(llm, prompts, max_tokens=16)

@@ -1,9 +1,9 @@
-"""P/D over the direct path (issue 34): the hand-off's pages go straight between vLLM's blocks and the shared tier's
-slots, one copy a page each way, nothing through kvproc's staging pool or its copy worker.
+"""P/D in vLLM (issue 34): the hand-off's pages go straight between vLLM's blocks and the shared tier's slots, one copy
+a page each way, nothing through a bridge of kvproc's or its copy worker.
 
 Counted on both sides of each copy, as in `test_vllm_zero_copy.py`: the connector's mover (`pages_saved_from_vllm` /
 `pages_loaded_into_vllm`: vLLM's block <-> kvproc's side) and the engine's copy worker (`bytes_save` / `bytes_load`:
-the host tier <-> the staging pool, the hop).
+a hop through it).
 
 - producer: each prompt's pages (the padded last page included) are copied once, by the mover; a prompt whose first
   pages the tier holds already (an earlier prompt's: leased by its lookup) pins them in its hand-off without copying
@@ -12,8 +12,8 @@ the host tier <-> the staging pool, the hop).
   copied once into vLLM's blocks, the tokens are one engine's, vLLM computes only the anchor, every hand-off is
   consumed and the tier holds none open afterwards.
 
-Control: the same run on `path="staging"` copies each handed-off page twice on the consumer (tier -> staging pool ->
-vLLM) and fails the one-copy check.
+Control: the consumer copying each load twice (as the staging pool's hop did, removed at stop 48) fails the one-copy
+check.
 """
 
 from __future__ import annotations
@@ -24,7 +24,14 @@ from typing import Any
 
 import pytest
 
-from tests.integrations.vllm.conftest import engine, generate, live_runtime, random_tokens, reset_prefix_cache
+from tests.integrations.vllm.conftest import (
+    control_copy_loads_twice,
+    engine,
+    generate,
+    live_runtime,
+    random_tokens,
+    reset_prefix_cache,
+)
 from tests.integrations.vllm.test_vllm_pd import _envelopes, _pd_config, _run
 
 pytestmark = pytest.mark.timeout(600)
@@ -41,7 +48,8 @@ def _copy_worker(rt: Any) -> dict[str, int]:
     return {k: int(v) for k, v in stats.counters.items()}
 
 
-def _pd_run(tiny_llama: Path, tier: str, path: str, seed: int) -> dict[str, Any]:
+def _pd_run(tiny_llama: Path, tier: str, seed: int, monkeypatch: pytest.MonkeyPatch | None = None) -> dict[str, Any]:
+    """Producer then consumer on one tier; `monkeypatch`: the consumer copies each load twice (the control)."""
     from kvproc.integrations.vllm.connector import HANDOFF_KEY
 
     rng = random.Random(seed)
@@ -51,8 +59,6 @@ def _pd_run(tiny_llama: Path, tier: str, path: str, seed: int) -> dict[str, Any]
     with engine(tiny_llama) as llm:
         want = generate(llm, prompts, MAX_TOKENS)
     cfg = {"producer": _pd_config("kv_producer", tier), "consumer": _pd_config("kv_consumer", tier)}
-    for c in cfg.values():
-        c["kv_connector_extra_config"]["path"] = path
     out: dict[str, Any] = {"pages": sum(-(-len(p) // PAGE) for p in prompts)}
 
     with engine(tiny_llama, cfg["producer"]) as llm:
@@ -64,13 +70,14 @@ def _pd_run(tiny_llama: Path, tier: str, path: str, seed: int) -> dict[str, Any]
             handed.append(_run(llm, p, 1))
         assert rt.moves is not None and rt.moves.idle(60)
         assert rt.counters.get("handoffs_made") == len(prompts)
-        out["producer_direct"] = rt.direct is not None
         out["producer_mover_pages"] = rt.counters.get("pages_saved_from_vllm", 0)
         out["producer_hop_bytes"] = _copy_worker(rt).get("bytes_save", 0) - w0.get("bytes_save", 0)
         rt.store.flush_saves(0, 60)
         out["dedup"] = rt.store.stats()["tier"].get("save_dedup_pages", 0) - t0.get("save_dedup_pages", 0)
     envs = _envelopes(prompts, handed, want)
 
+    if monkeypatch is not None:
+        control_copy_loads_twice(monkeypatch)
     with engine(tiny_llama, cfg["consumer"]) as llm:
         rt = live_runtime()
         c0, w0 = dict(rt.counters), _copy_worker(rt)
@@ -82,7 +89,6 @@ def _pd_run(tiny_llama: Path, tier: str, path: str, seed: int) -> dict[str, Any]
         assert rt.moves is not None and rt.moves.idle(60)
         c1, w1 = dict(rt.counters), _copy_worker(rt)
         page_bytes = sum(g.bytes_per_block * len(g.layer_names) for g in rt.contract.groups)
-        out["consumer_direct"] = rt.direct is not None
         out["adopted"] = c1.get("handoffs_adopted", 0) - c0.get("handoffs_adopted", 0)
         out["handoff_tokens"] = c1.get("handoff_tokens_loaded", 0) - c0.get("handoff_tokens_loaded", 0)
         by_mover = c1.get("pages_loaded_into_vllm", 0) - c0.get("pages_loaded_into_vllm", 0)
@@ -95,10 +101,9 @@ def _pd_run(tiny_llama: Path, tier: str, path: str, seed: int) -> dict[str, Any]
     return out
 
 
-def test_pd_on_the_direct_path_copies_each_handed_off_page_once(tiny_llama: Path, shared_tier: str) -> None:
-    got = _pd_run(tiny_llama, shared_tier, "direct", seed=5)
+def test_pd_copies_each_handed_off_page_once(tiny_llama: Path, shared_tier: str) -> None:
+    got = _pd_run(tiny_llama, shared_tier, seed=5)
     print("pd_direct", got)
-    assert got["producer_direct"] and got["consumer_direct"], got
     # the producer: every page once by the mover, but the two the tier had: named in the hand-off's save (pinned by
     # its commit for the consumer), not copied
     assert got["producer_mover_pages"] == got["pages"] - 2 and got["dedup"] == 2, got
@@ -108,12 +113,8 @@ def test_pd_on_the_direct_path_copies_each_handed_off_page_once(tiny_llama: Path
     assert got["consumed"] >= got["prompts"] and got["open_handoffs"] == 0, got
 
 
-def test_control_pd_on_the_staging_path_copies_each_handed_off_page_twice(tiny_llama: Path,
-                                                                          shared_tier: str) -> None:
-    got = _pd_run(tiny_llama, shared_tier, "staging", seed=6)
-    print("pd_staging", got)
-    assert not got["consumer_direct"], got
+def test_control_a_second_copy_per_handed_off_page_is_counted(tiny_llama: Path, shared_tier: str,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    got = _pd_run(tiny_llama, shared_tier, seed=6, monkeypatch=monkeypatch)
     assert got["adopted"] == got["prompts"] and got["handoff_tokens"] == got["tokens"], got
-    # the one-copy check above fails here: the hop is back (each page from the tier twice; the two pages the staging
-    # pool still held from prompts[1]'s hand-off, once)
-    assert got["load_copies"] > 1.5, got
+    assert got["load_copies"] == 2.0, got  # the one-copy check above fails here: the hop is back

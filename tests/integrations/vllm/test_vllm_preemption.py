@@ -1,6 +1,7 @@
 """Preemption: more running requests than vLLM's cache holds, so vLLM preempts (frees a request's blocks, recomputes
-it later). A preempted request's pages stay in its kvproc mirror and come back as a hit on resume; the tokens must
-still be vLLM alone's."""
+it later). A preempted request's save still in flight is waited for before vLLM reuses its blocks; on resume vLLM's own
+prefix cache still has most of its freed blocks (the most recently freed are evicted last). The tokens must still be
+vLLM alone's."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ def test_preempted_requests_resume_with_the_same_tokens(tiny_llama: Path) -> Non
     kw = dict(max_num_seqs=4)
     with engine(tiny_llama, **kw) as llm:
         expect = generate(llm, prompts, max_tokens=64)
-    with engine(tiny_llama, kvproc_transfer_config(staging_blocks=96), **kw) as llm:
+    with engine(tiny_llama, kvproc_transfer_config(), **kw) as llm:
         got = generate(llm, prompts, max_tokens=64)
         m = metrics(llm)
         counters = dict(live_runtime().counters)

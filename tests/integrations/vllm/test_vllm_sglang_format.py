@@ -65,9 +65,6 @@ def test_a_replay_is_loaded_from_the_tier_through_the_repack(
 def test_the_option_is_refused_where_it_cannot_serve() -> None:
     with pytest.raises(ValueError, match="page_format must be"):
         RuntimeOptions.from_extra({"page_format": "sgl"})
-    for extra in ({"path": "staging"}, {"mover": "cma", "path": "staging"}):
-        with pytest.raises(ValueError, match="direct path"):
-            RuntimeOptions.from_extra({"page_format": "sglang", **extra})
     layers = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
     with pytest.raises(KvContractError, match="sglang_layout must be one of"):
         SglangPages.for_vllm("page_unified", layers, 2, 32, 32, 4, "float32", 32)
