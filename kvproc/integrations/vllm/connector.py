@@ -83,6 +83,7 @@ from kvproc.integrations.vllm.moves import NULL_BLOCK, CopyJob, MoveQueue
 from kvproc.integrations.vllm.sglang_format import SglangKeys, SglangPages
 from kvproc.integrations.vllm.tp import KvprocWorkerMeta, RankedTier, TierAttach, WorkerRuntime
 from kvproc.store.cluster import fingerprint as tier_fingerprint
+from kvproc.store.types import check_retain_s
 from kvproc.store.tier_slots import TierSlots
 from kvproc.tiers.host_index import Hit, SaveTicket
 from kvproc.workers.movers import MEMMOVE
@@ -101,6 +102,9 @@ log = structlog.get_logger("kvproc.integrations.vllm")
 # The key of kvproc's hand-off envelope in vLLM's `kv_transfer_params` (the producer's RequestOutput carries it; the
 # consumer's request is given it through SamplingParams.extra_args["kv_transfer_params"]).
 HANDOFF_KEY = "kvproc_handoff"
+# The serving layer's retention hint in a request's `kv_transfer_params`: seconds within which the conversation is
+# expected back (docs/store.md, "Retention hint"); the request's pages are then kept ahead of un-hinted ones.
+RETAIN_KEY = "kvproc_retain_s"
 
 # What `_result` returns for a resolve or lookup still running.
 _PENDING = object()
@@ -142,7 +146,9 @@ class _Req:
     vllm_blocks: list[list[int]] = field(default_factory=list)
     # A load vLLM accepted at intake: (tokens vLLM had itself, tokens to load); turned into a job at the next meta.
     pending_load: tuple[int, int] | None = None
-    job: int | None = None  # the save in flight (one at a time: a RequestKv has one scheduled step)
+    job: int | None = None  # the save in flight (one at a time: the next plans from where it ends)
+    retain_s: float | None = None  # the request's retention hint (`RETAIN_KEY`), applied by its last save
+    hint_job: int | None = None  # that save, in flight (planned at `request_finished`)
     load_job: int | None = None  # the load in flight into vLLM's blocks (its source pinned until it settles)
     finishing: bool = False
     saving: bool = True  # False once a save could not be planned or failed: no more for this request
@@ -394,7 +400,7 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
             for j in jobs:
                 if not self.direct.save(j.req_id, j.keys, functools.partial(self._write_save, j),
                                         bounded_groups=j.bounded, save_class=self._save_class, parent=j.parent,
-                                        tokens=j.tokens):
+                                        tokens=j.tokens, retain_s=j.retain_s):
                     raise RuntimeError(f"request {j.req_id!r}: the host tier did not take the save (its outcome says "
                                        "why)")
             return
@@ -669,7 +675,7 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
             if not tokens:  # a prompt of embeddings: no token ids to key pages by; vLLM serves it alone
                 self.rt.count("requests_without_token_ids")
                 return 0, False
-            r = self._reqs[request.request_id] = _Req(request.request_id, request)
+            r = self._reqs[request.request_id] = _Req(request.request_id, request, retain_s=self._retain_hint(request))
             self._start_lookup(r, tokens)
         return self._match(r, num_computed_tokens)
 
@@ -745,6 +751,23 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         return ext, ext > 0 and not self._sync_loads
 
     # ---- lookups: vLLM's blocks <-> the host tier's slots ----
+
+    def _retain_hint(self, request: "Request") -> float | None:
+        """The request's retention hint (`RETAIN_KEY` in its kv_transfer_params): seconds, or None. A bad one is
+        logged and ignored (the request is served; only the hint is lost). P/D roles and TP take none yet."""
+        raw = (getattr(request, "kv_transfer_params", None) or {}).get(RETAIN_KEY)
+        if raw is None:
+            return None
+        try:
+            hint = check_retain_s(raw, SaveClass.CACHEABLE)
+        except (TypeError, ValueError) as e:
+            log.warning("kvproc_retain_hint_refused", req_id=request.request_id, error=str(e))
+            self.rt.count("retain_hints_refused")
+            return None
+        if hint is not None and (self.producer or self._consumer or self.ranked is not None):
+            self.rt.count("retain_hints_ignored")
+            return None
+        return hint
 
     def _start_lookup(self, r: _Req, tokens: list[int]) -> None:
         """Hash the prompt's pages under kvproc's chain and lease the longest prefix the tier holds (at most one
@@ -1164,6 +1187,8 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
             r = self._jobs.pop(job_id, None)
             if r is not None and r.job == job_id:  # else a save of a request already retired
                 self._save_done(r, ok)
+            elif r is not None and r.hint_job == job_id:
+                self._hint_done(r, ok)
 
     def _load_done(self, r: _Req, job_id: int, ok: bool = True) -> None:
         """vLLM's blocks have the pages (or, failed, vLLM recomputes them): the source need not stay pinned."""
@@ -1174,7 +1199,7 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
             self.store.outcomes.record("load", r.req_id, "ok" if ok else "failed")
             if not self.producer:  # a producer's lease keeps the hit's pages until its hand-off save pinned them
                 self._release_lease(r)
-        if r.finishing and r.job is None:
+        if r.finishing and r.job is None and r.hint_job is None:
             self._retire(r)
 
     def _save_done(self, r: _Req, ok: bool) -> None:
@@ -1190,7 +1215,35 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
                           reason="the save's outcome (HostDirect)")
         if self.producer:  # the hit's pages are pinned by the hand-off's commit now (or it failed)
             self._release_lease(r)
-        if r.finishing and r.load_job is None:
+        if r.finishing and r.load_job is None and r.hint_job is None:
+            self._retire(r)
+
+    def _plan_retain_save(self, r: _Req) -> None:
+        """A finished request with a retention hint: one more save, of its pages from the first (those the tier has
+        are held and re-ranked under the hint, not copied; one it lost is copied again from vLLM's block, kept until
+        this save settles), on the mover after its last save. Not for a sliding window's request (vLLM no longer
+        keeps the blocks of pages out of its window, and the tier might ask for one)."""
+        moves = self.rt.moves
+        pages = r.save_to if r.job is not None else r.saved
+        if moves is None or not r.saving or pages <= 0 or r.hint_job is not None or len(r.hashes) < pages:
+            return
+        vllm = self._pages_of(r, 0, pages)
+        if any(len(ids) < pages or NULL_BLOCK in ids for g, ids in zip(self.contract.groups, vllm) if not g.state):
+            self.rt.count("retain_hints_skipped")
+            return
+        assert self.direct is not None
+        tokens = list(r.request.all_token_ids[:pages * self.page]) if self.direct.tier.wants_token_ids else None
+        job = CopyJob(next(self._job_ids), r.req_id, [], vllm, keys=r.hashes[:pages], tokens=tokens,
+                      retain_s=r.retain_s)
+        r.hint_job = job.job_id
+        self._jobs[job.job_id] = r
+        moves.submit([job], to_vllm=False)  # after the request's saves already submitted: the mover keeps order
+        self.rt.count("retain_hint_saves")
+
+    def _hint_done(self, r: _Req, ok: bool) -> None:
+        r.hint_job = None
+        self.rt.count("retain_hint_saves_ok" if ok else "retain_hint_saves_failed")
+        if r.finishing and r.job is None and r.load_job is None:
             self._retire(r)
 
     def request_finished_all_groups(self, request: "Request",
@@ -1205,9 +1258,12 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
             return False, None
         r.finishing = True
         params = self._envelope_out(r, request) if self.producer else None
+        if r.retain_s is not None:
+            self._plan_retain_save(r)
         # A save still reading vLLM's blocks: vLLM keeps them until the worker reports it settled (get_finished).
         # (A load in flight needs nothing from us: vLLM keeps a request's blocks while it waits for a load.)
-        delay = r.job is not None and (self.rt.moves is not None or self.ranked is not None)
+        saving = r.job is not None or r.hint_job is not None
+        delay = saving and (self.rt.moves is not None or self.ranked is not None)
         if delay:
             if self.ranked is not None:
                 self._delayed_next.append(r.req_id)  # each rank's worker hears it with the next step
@@ -1215,7 +1271,7 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
                 assert self.rt.moves is not None
                 self.rt.moves.delay_free(r.req_id)
             self.rt.count("frees_delayed")
-        if r.job is None and r.load_job is None:
+        if r.job is None and r.load_job is None and r.hint_job is None:
             self._retire(r)
         return delay, params
 
