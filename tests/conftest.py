@@ -6,6 +6,7 @@ compute/churn helpers of the store contract tests.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import itertools
 import os
 import signal
@@ -13,6 +14,14 @@ import subprocess
 import sys
 import time
 from typing import Any, Callable, Iterator
+
+# One intra-op thread for torch (and numpy's BLAS) in this process and every process a test starts (inherited), set
+# before torch is imported. The tiny models and copies here gain nothing from a second thread, and on a 2-core machine
+# that is running anything else OpenMP's spinning workers made each forward ~5x slower in wall time and CPU alike
+# (tests/engine/test_engine_prefix_cache.py -k dense: 28-30 s with two threads, 6 s with one, each under load ~5).
+# Not where vLLM is installed: its CPU engine places its own OpenMP threads, and its suite is measured as it is.
+if importlib.util.find_spec("vllm") is None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import psutil
 import pytest

@@ -201,9 +201,13 @@ def test_control_prometheus_clients_own_server_starts_a_thread_per_connection() 
 
     server, thread = start_http_server(0, addr="127.0.0.1", registry=CollectorRegistry())
     before = threading.active_count()
-    conns = _silent_connections(server.server_port, 200)
+    conns: list[Any] = []
     try:
-        wait_for(lambda: threading.active_count() - before >= 150, 10, "a thread per connection")
+        # One connection at a time, each waited for on a thread of its own: opened all at once, they overflow the
+        # server's 5-deep listen backlog and the kernel's SYN retries took ~22 s of this test's 27.
+        for i in range(1, 201):
+            conns += _silent_connections(server.server_port, 1)
+            wait_for(lambda: threading.active_count() - before >= i, 10, f"a thread for connection {i}")
     finally:
         for c in conns:
             c.close()
