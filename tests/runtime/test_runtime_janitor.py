@@ -4,14 +4,17 @@ API server stops its engine core) leaves nothing in /dev/shm and no runtime dir;
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 from kvproc.ipc import segment_owner
 from kvproc.ipc.segment import list_segments
@@ -47,10 +50,13 @@ def _wait_gone(pid: int, timeout: float) -> bool:
     return True
 
 
-def test_a_launcher_killed_with_its_whole_tree_leaves_nothing(tmp_path: Path) -> None:
+def test_a_launcher_killed_with_its_whole_tree_leaves_nothing(tmp_path: Path, request: pytest.FixtureRequest) -> None:
     cluster, runtime_dir = JT + "k", str(tmp_path / "rt")
-    tmp = tmp_path / "tmp"  # the launcher's TMPDIR: its multiprocessing temp dir is made here, seen by this test only
-    tmp.mkdir()
+    # The launcher's TMPDIR: its multiprocessing temp dir is made here, seen by this test only. Short, under /tmp, not
+    # in tmp_path: the forkserver's socket path in it must fit AF_UNIX's 108 bytes (a pytest-xdist worker's tmp_path
+    # is longer, and the janitor then did not start).
+    tmp = Path(tempfile.mkdtemp(prefix="jt", dir="/tmp"))
+    request.addfinalizer(lambda: shutil.rmtree(tmp, ignore_errors=True))
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]), TMPDIR=str(tmp))
     proc = subprocess.Popen([sys.executable, "-c", _LAUNCHER, cluster, runtime_dir], stdout=subprocess.PIPE,
                             text=True, env=env)
