@@ -151,8 +151,9 @@ def test_pd_at_tp2_gives_the_reference_tokens_each_rank_through_its_tier(
     print("pd_tp2", figures)
     pages = sum(-(-_committed(case, p) // case.page) for p in prompts + noisy)
     # each rank's shard of every page (the padded ones included) in its tier (MLA: once, in the one tier); the last
-    # step's own page may have been committed too
-    assert len(set(saved)) == 1 and saved[0] in (pages, pages + 1), figures
+    # step's own page may have been committed too, in each rank's tier at its own time (on a loaded machine one rank's
+    # commit of it came after the stats were read: [16, 15], CI-like run with two pytest workers)
+    assert all(s in (pages, pages + 1) for s in saved), figures
     assert c.get("handoffs_adopted") == len(prompts), c
     assert c.get("handoff_tokens_loaded") == sum(e["committed_len"] for e in envs[:len(prompts)]), c
     assert consumed == [len(prompts)] * case.tiers, figures
