@@ -212,8 +212,8 @@ def test_without_kv_events_a_reserve_save_carries_one_nil_byte_more() -> None:
     """The default save path's cost: one trailing slot (the wire's rule for new fields) carries all the tier's
     events need (parent page, token ids), None when off: one msgpack nil more per ReserveSave than before KV events,
     nothing else (msgspec writes an array-like struct's defaults: a second slot would be a second byte); a tier from
-    before KV events reads it. (The slot after it, `reservation`, is not the events': 1 byte when 0, 9 with the
-    random id a store sends -- issue 39, item 8.)"""
+    before KV events reads it. (The slots after it are not the events': `reservation`, 1 byte when 0, 9 with the
+    random id a store sends -- issue 39, item 8; `retain_s`, one nil without a retention hint -- issue 35.)"""
     import msgspec
 
     class Before(msgspec.Struct, array_like=True, omit_defaults=True, tag=305):  # ReserveSave before KV events
@@ -224,7 +224,7 @@ def test_without_kv_events_a_reserve_save_carries_one_nil_byte_more() -> None:
 
     args = ("r1", [b"k" * 16] * 8, ["state"], "cacheable")
     now, before = msgspec.msgpack.encode(m.ReserveSave(*args)), msgspec.msgpack.encode(Before(*args))
-    assert len(now) == len(before) + 2 and now.endswith(b"\xc0\x00")  # events None, reservation 0
+    assert len(now) == len(before) + 3 and now.endswith(b"\xc0\x00\xc0")  # events None, reservation 0, retain_s None
     assert msgspec.msgpack.decode(now, type=Before) == Before(*args)
     tokens = np.arange(32, dtype=np.int64).tobytes()
     with_events = m.ReserveSave(*args, events=m.SaveEvents(b"p" * 16, tokens))
