@@ -25,6 +25,7 @@ _EXPORTS: dict[str, str] = {
     # hashing
     "BlockHasher": "kvproc.core.hashing",
     "DEFAULT_SCOPE": "kvproc.core.hashing",
+    "DEFAULT_HASH": "kvproc.core.hashing",
     "HashAlgorithm": "kvproc.core.hashing",
     "HashScope": "kvproc.core.hashing",
     "PAD_TOKEN_ID": "kvproc.core.hashing",

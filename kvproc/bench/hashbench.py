@@ -42,7 +42,7 @@ QUICK_SIZES = (64, 256)
 # vLLM v1 per-page prefix-hash cost the targets are set against (issue 5), per family.
 VLLM_US_PER_PAGE = {"sha256": 3.2, "xxhash": 2.2}
 _FAMILY = {
-    HashAlgorithm.BLAKE2B_128: "sha256",  # a cryptographic default, held to vLLM's cryptographic default
+    HashAlgorithm.BLAKE2B_128: "sha256",  # the other cryptographic family, held to vLLM's cryptographic default
     HashAlgorithm.SHA256_128: "sha256",
     HashAlgorithm.XXH3_128: "xxhash",
 }

@@ -31,7 +31,7 @@ import numpy as np
 
 from kvproc.contract import GroupKind, GroupSpec, KvSpec
 from kvproc.core.eviction import DEFAULT_HALF_LIFE_S, POLICIES
-from kvproc.core.hashing import BlockHasher, HashAlgorithm
+from kvproc.core.hashing import DEFAULT_HASH, BlockHasher, HashAlgorithm
 from kvproc.core.holds import ReusePolicy
 from kvproc.core.pool import BlockPool
 from kvproc.core.request_kv import RequestKv
@@ -107,7 +107,7 @@ def replay(
     page_tokens: int = 16,
     device_tokens: float = math.inf,
     host_tokens: float = 0,
-    algorithm: HashAlgorithm = HashAlgorithm.BLAKE2B_128,
+    algorithm: HashAlgorithm = DEFAULT_HASH,
     progress: bool = False,
     eviction: str = "lru",
 ) -> ReplayResult:
@@ -283,7 +283,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--host-tokens", type=_capacity, default=0.0)
     ap.add_argument("--bytes-per-token", type=int, default=0,
                     help="KV bytes per token (reported only: this benchmark counts capacity in tokens)")
-    ap.add_argument("--hash", choices=[a.value for a in HashAlgorithm], default=HashAlgorithm.BLAKE2B_128.value)
+    ap.add_argument("--hash", choices=[a.value for a in HashAlgorithm], default=DEFAULT_HASH.value)
     ap.add_argument("--sweep", action="store_true", help="hit ratio against capacity, 1e4..1e8 tokens")
     ap.add_argument("--plot", default=None, help="PNG path for --sweep")
     ap.add_argument("--json", default=None)

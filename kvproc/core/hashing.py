@@ -3,9 +3,11 @@
 `h_i = H(h_{i-1} || tokens of page i)`, with `h_{-1}` the scope seed (cache salt, LoRA name, extra keys). Equal
 hashes mean equal token prefixes *and* equal scope, so a hit can be served; the chain makes every hash position-aware.
 
-Prompts are attacker-controlled: a crafted collision would serve one user's KV to another, so the default family is
-BLAKE2b-128 (collision-resistant). SHA-256-128 is the other collision-resistant one; XXH3-128 is non-cryptographic and
-used only when configured explicitly (`HashAlgorithm.XXH3_128`).
+Prompts are attacker-controlled: a crafted collision would serve one user's KV to another, so both families a store
+uses unless told otherwise are collision-resistant: SHA-256-128 (`DEFAULT_HASH`, the function vLLM hashes its blocks
+with) and BLAKE2b-128. XXH3-128 is non-cryptographic and used only when configured explicitly (`HashAlgorithm.XXH3_128`).
+SHA-256 is the default because it is the fastest collision-resistant chain here: OpenSSL's SHA-256 runs on the CPU's
+SHA extensions (x86 since Ice Lake / Zen, Arm v8.2), which no BLAKE2b has (bench/RESULTS.md, "Hashing and probing").
 
 Tokens are serialised once per prompt in one C-level call (little-endian int32, so the bytes are the same on every
 machine and independent of `PYTHONHASHSEED`). Each page's hash depends on the previous one, so no numpy call can do
@@ -39,9 +41,14 @@ HASH_BYTES = 16  # every algorithm's page hash: 128 bits
 
 
 class HashAlgorithm(enum.Enum):
-    BLAKE2B_128 = "blake2b-128"  # default: collision-resistant
-    SHA256_128 = "sha256-128"  # collision-resistant, truncated to 128 bits
+    BLAKE2B_128 = "blake2b-128"  # collision-resistant
+    SHA256_128 = "sha256-128"  # collision-resistant, truncated to 128 bits: the default
     XXH3_128 = "xxh3-128"  # fast, NOT collision-resistant: opt-in only
+
+
+# The family every store's pools hash with unless built with another hasher. Part of the fingerprint: engines that
+# exchange KV (a hand-off, a shared tier) must agree on it, so it is one fixed family, never chosen per machine.
+DEFAULT_HASH = HashAlgorithm.SHA256_128
 
 
 def _blake2b(data: bytes | memoryview) -> bytes:
@@ -152,7 +159,7 @@ class BlockHasher:
     `namespace` is the model identity (`KvSpec.model_id`: weights/checkpoint): it is part of every seed, so two models
     never name a page alike, even with the same tokens and scope."""
 
-    def __init__(self, page_tokens: int, algorithm: HashAlgorithm = HashAlgorithm.BLAKE2B_128, *,
+    def __init__(self, page_tokens: int, algorithm: HashAlgorithm = DEFAULT_HASH, *,
                  namespace: str = "") -> None:
         if page_tokens <= 0 or page_tokens & (page_tokens - 1):
             raise ValueError(f"page_tokens must be a positive power of two, got {page_tokens}")

@@ -23,7 +23,8 @@ import msgspec
 import numpy as np
 
 from kvproc.contract import ArenaLayout, KvContractError, Sharding, require_model_id
-from kvproc.core.hashing import DEFAULT_SCOPE, HASH_LAYOUT_VERSION, PAD_TOKEN_ID, BlockHasher, HashAlgorithm, HashScope
+from kvproc.core.hashing import (DEFAULT_HASH, DEFAULT_SCOPE, HASH_LAYOUT_VERSION, PAD_TOKEN_ID, BlockHasher,
+                                 HashAlgorithm, HashScope)
 from kvproc.core.holds import ReusePolicy
 from kvproc.core.ownership import ForeignHandleError
 from kvproc.store.types import ResolvePolicy
@@ -54,8 +55,6 @@ class FingerprintMismatch(KvContractError):
     fingerprint)."""
 
 
-# The hash family every store's pools use unless built with another hasher (`BlockHasher`'s default).
-DEFAULT_HASH = HashAlgorithm.BLAKE2B_128
 
 
 def model_label(model: object) -> str:

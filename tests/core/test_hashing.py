@@ -6,7 +6,7 @@ import sys
 import numpy as np
 import pytest
 
-from kvproc import PAD_TOKEN_ID, BlockHasher, HashAlgorithm, HashScope
+from kvproc import DEFAULT_HASH, PAD_TOKEN_ID, BlockHasher, HashAlgorithm, HashScope
 
 
 @pytest.fixture(params=list(HashAlgorithm))
@@ -55,7 +55,8 @@ def test_algorithms_are_distinct_families():
 
 
 def test_default_is_collision_resistant():
-    assert BlockHasher(16).algorithm is HashAlgorithm.BLAKE2B_128
+    # SHA-256-128: collision-resistant, and the fastest such chain where the CPU has SHA extensions (XXH3 never is).
+    assert BlockHasher(16).algorithm is HashAlgorithm.SHA256_128 is DEFAULT_HASH
 
 
 def test_numpy_and_list_inputs_hash_the_same(hasher):
