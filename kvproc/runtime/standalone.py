@@ -27,7 +27,7 @@ import threading
 import time
 from typing import Any
 
-from kvproc.core.eviction import POLICIES
+from kvproc.core.eviction import HOST_DEFAULT, POLICIES
 from kvproc.ipc import messages as m
 from kvproc.ipc.client import RpcClient
 from kvproc.ipc.errors import IpcError
@@ -59,8 +59,8 @@ def up_main(argv: list[str]) -> int:
     parser.add_argument("--remote", default="", metavar="mooncake://HOST:PORT?metadata=URL",
                         help="a Mooncake Store below the host tier: committed pages written behind to it, host-tier "
                              "misses pulled from it (needs kvproc[remote]; see docs/remote.md)")
-    parser.add_argument("--eviction", default="lru", choices=POLICIES,
-                        help="the host tiers' eviction policy (kvproc.core.eviction; default lru): a shared tier "
+    parser.add_argument("--eviction", default=HOST_DEFAULT, choices=POLICIES,
+                        help=f"the host tiers' eviction policy (kvproc.core.eviction; default {HOST_DEFAULT}): a shared tier "
                              "keeps its own, whatever the attaching stores' StoreConfig.eviction says")
     parser.add_argument("--metrics", default=None, metavar="HOST:PORT",
                         help="serve Prometheus /metrics of every process here (port 0: a free one)")

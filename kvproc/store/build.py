@@ -7,6 +7,7 @@ multi-process topology is `kvproc.store.cluster.ClusterStore.start(...).attach_m
 from __future__ import annotations
 
 from kvproc.contract import ArenaLayout, KvModel, RepackHook, check_repack_hook, validate_layout
+from kvproc.core.eviction import HOST_DEFAULT
 from kvproc.store.kv_store import KvStore
 from kvproc.store.local_tier import LocalCopier, LocalTier
 from kvproc.store.types import StoreConfig
@@ -42,7 +43,7 @@ def build_local_store(model: KvModel, *, live_slots: int, host_bytes: int | None
             tier, host_layout = tiers[0], tiers[0].layout.for_layout(layout)
         else:
             host_layout = HostLayout.plan(layout, host_bytes, bounded_fraction)
-            tier = LocalTier(host_layout, required, eviction=config.eviction)
+            tier = LocalTier(host_layout, required, eviction=config.eviction or HOST_DEFAULT)
         tiers.append(tier)
         copiers.append(LocalCopier(CopyExecutor(layout, tier.host, host_layout, model_repack(model, layout))))
     return KvStore(layouts, live_slots=live_slots, tiers=tiers, copiers=copiers, config=config)

@@ -460,7 +460,7 @@ class ClusterStore:
                     continue
                 planned = HostLayout.plan(layout, self.host_bytes, bounded_fraction)
                 configure = m.Configure(fingerprint(model, layout), layout_to_wire(planned), required,
-                                        eviction=config.eviction)
+                                        eviction=config.eviction or "")
                 try:
                     conf = self._tier_client(r).request(configure, timeout=attach_timeout_s)
                 except RemoteError as e:

@@ -25,6 +25,7 @@ import numpy as np
 import structlog
 
 from kvproc.contract import REPLICATED_SAVER_RANK, ArenaLayout
+from kvproc.core.eviction import DEVICE_DEFAULT
 from kvproc.core.hashing import DEFAULT_SCOPE, HashScope
 from kvproc.core.holds import ReusePolicy
 from kvproc.core.ownership import ForeignHandleError, next_pool_serial, require_type
@@ -102,7 +103,7 @@ class KvStore:
         self.step_fence = step_fence
         self.layouts = tuple(layouts)
         self.pools = tuple(pools) if pools is not None else tuple(
-            BlockPool.from_layout(lay, live_slots=live_slots, rank=r, eviction=config.eviction)
+            BlockPool.from_layout(lay, live_slots=live_slots, rank=r, eviction=config.eviction or DEVICE_DEFAULT)
             for r, lay in enumerate(layouts)
         )
         self.spec = self.layouts[0].spec

@@ -11,6 +11,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from kvproc.core.eviction import HOST_DEFAULT
 from kvproc.ipc.orders import LoadOrder, SaveOrder, SlotCopy
 from kvproc.tiers.host_index import HostIndex, QueryResult, SaveClass, SaveTicket, Shed
 from kvproc.tiers.layout import HostLayout
@@ -20,7 +21,7 @@ from kvproc.workers.copy_exec import CopyExecutor
 
 class LocalTier:
     def __init__(self, layout: HostLayout, required_bounded: Sequence[str], *, host: np.ndarray | None = None,
-                 lease_ttl_s: float = 30.0, handoff_ttl_s: float = 300.0, eviction: str = "lru") -> None:
+                 lease_ttl_s: float = 30.0, handoff_ttl_s: float = 300.0, eviction: str = HOST_DEFAULT) -> None:
         self.layout = layout
         self.wants_token_ids = self.wants_parent_key = False  # an in-process tier publishes no KV events
         self.host = host if host is not None else np.zeros(layout.total_bytes, dtype=np.uint8)

@@ -56,13 +56,12 @@ class StoreConfig:
     # The eviction policy (`kvproc.core.eviction`: lru, lfu, lrfu) of this store's device pools and of the host tiers
     # it configures: sent with its `Configure`, so a tier the store's own cluster started (`ClusterStore.start`) and
     # an in-process one (`build_local_store`) evict by it. A shared `kvproc up` tier keeps its own (`--eviction`; the
-    # store reads it back as `ClusterStore.tier_evictions`). LRU stays the default: lrfu roughly doubles the hit
-    # ratio at small capacity on the conversation trace but loses to LRU at 3e6 tokens on the synthetic one
-    # (bench/RESULTS.md, "Trace replay").
-    eviction: str = "lru"
+    # store reads it back as `ClusterStore.tier_evictions`). None: each layer's default, LRU for the device pools and
+    # lrfu for the host tiers (`kvproc.core.eviction.DEVICE_DEFAULT` / `HOST_DEFAULT`, and why there).
+    eviction: str | None = None
 
     def __post_init__(self) -> None:
-        if self.eviction not in POLICIES:  # here, not at the first eviction: a typo must not start a store
+        if self.eviction is not None and self.eviction not in POLICIES:  # here: a typo must not start a store
             raise ValueError(f"StoreConfig.eviction must be one of {', '.join(POLICIES)}, got {self.eviction!r}")
 
 

@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import structlog
 
-from kvproc.core.eviction import POLICIES
+from kvproc.core.eviction import HOST_DEFAULT, POLICIES
 from kvproc.ipc import messages as m
 from kvproc.ipc.context import CallContext, Deferred
 from kvproc.ipc.errors import HandlerError
@@ -171,7 +171,7 @@ class HostTierRole(Role):
             table = None
             if layout.slot_table_offset >= 0:
                 table = seg.numpy(np.int64, layout.slot_table_offset, ROWS * layout.page_slots).reshape(ROWS, -1)
-            eviction = self.eviction or msg.eviction or "lru"
+            eviction = self.eviction or msg.eviction or HOST_DEFAULT
             if eviction not in POLICIES:
                 raise HandlerError("bad_eviction", f"unknown eviction policy {eviction!r} (known: "
                                                    f"{', '.join(POLICIES)})")

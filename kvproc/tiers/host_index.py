@@ -36,7 +36,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from kvproc.core.eviction import make_policy
+from kvproc.core.eviction import HOST_DEFAULT, make_policy
 from kvproc.native import NATIVE
 from kvproc.tiers.kv_events import BlockRemoved, BlockStored, KvEvent, page_token_ids
 from kvproc.tiers.save_fence import BUSY, NO_FENCE, REVOKED, FenceTable
@@ -126,7 +126,7 @@ class HostIndex:
         clock: Callable[[], float] = time.monotonic,
         slot_table: np.ndarray | None = None,
         max_remembered_revokes: int = 65536,
-        eviction: str = "lru",
+        eviction: str = HOST_DEFAULT,
         max_retain_s: float = 3600.0,
     ) -> None:
         if page_slots <= 0:
@@ -160,7 +160,7 @@ class HostIndex:
         self.lru_ok = np.zeros(page_slots, dtype=bool)  # committed and not pinned by a hand-off: evictable at 0 refs
         self.owners: dict[int, set[str]] = {}  # slot -> producer requests whose hand-off pins it
         self.bounded: dict[int, dict[str, int]] = {}  # slot -> {group: bounded slot} (checkpoint artifacts there)
-        # Evictable slots in eviction order (`kvproc.core.eviction`: LRU by default, or lrfu on the tier's clock).
+        # Evictable slots in eviction order (`kvproc.core.eviction`: lrfu on the tier's clock by default, or LRU).
         self.lru = make_policy(eviction, page_slots, clock=clock)
         self.eviction = eviction
         # The longest a retention hint may rank a page ahead (`reserve_save(retain_s=...)`): a longer one is cut to it,

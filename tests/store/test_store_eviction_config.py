@@ -1,4 +1,4 @@
-"""`StoreConfig.eviction` and `kvproc up --eviction`: the policy reaches the store's device pools and the host tier's
+"""`StoreConfig.eviction` and `kvproc up --eviction` (by default LRU for device pools, lrfu for host tiers): the policy reaches the store's device pools and the host tier's
 index in its own process (read back from the tier's `Configured`, which names the policy its `HostIndex` was built
 with); a shared tier keeps its own; an unknown name is refused before anything starts."""
 
@@ -26,6 +26,25 @@ def test_store_config_eviction_reaches_the_device_pool_and_the_tier_process(evic
             assert isinstance(policy, RunLru)
         else:  # lrfu: decayed counts kept by content
             assert isinstance(policy, FrequencyRecency) and policy.sketch is not None and policy.lam > 0
+
+
+def test_by_default_device_pools_evict_by_lru_and_host_tiers_by_lrfu() -> None:
+    """None (the default) is each layer's own: the tier a store's cluster started, an in-process tier and a shared
+    `kvproc up` tier all rank by lrfu; the store's device pools by LRU (`kvproc.core.eviction`, why)."""
+    with cluster_store(config=StoreConfig(resolve_deadline_s=3.0)) as (cs, store, _):
+        assert cs.tier_evictions == ["lrfu"]
+        assert isinstance(store.pools[0].paged.inactive, RunLru)
+    local = build_local_store(BytesModel(16), live_slots=2, host_bytes=1 << 16)
+    try:
+        index = local.tier.index  # type: ignore[union-attr]  # build_local_store's tiers are LocalTiers
+        assert index.eviction == "lrfu" and isinstance(index.lru, FrequencyRecency) and index.lru.lam > 0
+        assert isinstance(local.pools[0].paged.inactive, RunLru)
+    finally:
+        local.close()
+    with kvproc_up("evictd") as (rd, _):
+        with ClusterStore.start(1 << 20, tier_runtime_dir=rd) as cs:
+            cs.attach_model(SharedMemoryModel(cs.allocator), live_slots=2)
+            assert cs.tier_evictions == ["lrfu"]
 
 
 def test_a_shared_kvproc_up_tier_keeps_its_own_eviction() -> None:

@@ -19,6 +19,13 @@ from kvproc.core.lru import RunLru
 
 POLICIES = ("lru", "lfu", "lrfu")
 DEFAULT_HALF_LIFE_S = 300.0
+# Each owner's policy unless configured (`StoreConfig.eviction`, `kvproc up --eviction`). The host tier is where a
+# conversation waits between turns: on the Mooncake conversation trace lrfu keeps 2.1x / 1.3x / 1.05x LRU's hit ratio
+# at 1e6 / 3e6 / 1e7 tokens (with a retention hint too), so it is the tier's default. The device pool keeps LRU: its
+# replay must stay cheap (lrfu's sketch and runs cost ~30% of the replay's requests per CPU second) and a hint never
+# reaches it (bench/RESULTS.md, "Trace replay").
+DEVICE_DEFAULT = "lru"
+HOST_DEFAULT = "lrfu"
 
 
 def make_policy(name: str, capacity: int, *, half_life: float = DEFAULT_HALF_LIFE_S,
@@ -34,4 +41,4 @@ def make_policy(name: str, capacity: int, *, half_life: float = DEFAULT_HALF_LIF
     raise ValueError(f"unknown eviction policy {name!r} (known: {', '.join(POLICIES)})")
 
 
-__all__ = ["POLICIES", "DEFAULT_HALF_LIFE_S", "EvictionPolicy", "FrequencyRecency", "RunLru", "make_policy"]
+__all__ = ["POLICIES", "DEFAULT_HALF_LIFE_S", "DEVICE_DEFAULT", "HOST_DEFAULT", "EvictionPolicy", "FrequencyRecency", "RunLru", "make_policy"]

@@ -3,8 +3,9 @@
 tier ahead of un-hinted ones (docs/store.md, "Retention hint"; the connector applies it with one more save of the
 request's pages at its end, `_plan_retain_save`).
 
-A tier of ~64 pages under LRU: prompt A (hinted) then prompt B (not), then filler prompts of the tier's whole
-capacity. LRU alone would evict A first (the oldest); with the hint B and the oldest fillers go, and A comes back
+A tier of ~64 pages under its default policy (lrfu: every page here is used once, so it ranks them by recency as LRU
+would): prompt A (hinted) then prompt B (not), then filler prompts of the tier's whole capacity. Without the hint A
+goes first (the oldest); with the hint B and the oldest fillers go, and A comes back
 from the tier after vLLM's cache is reset, B does not. The control (the connector's hint save a no-op) evicts A.
 Bad hints (negative, not a number, infinite) are refused by name and their requests served.
 """
