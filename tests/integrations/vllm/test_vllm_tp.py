@@ -17,6 +17,7 @@ restored KV, not a recompute.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -102,54 +103,94 @@ def _one_by_one(llm: Any, prompts: list[list[int]]) -> list[list[int]]:
     return [generate(llm, [p])[0] for p in prompts]
 
 
-def _served_then_replayed(llm: Any, case: TpCase, reference: list[tuple[list[int], list[int]]] | None,
-                          corrupt_tier: int | None = None) -> tuple[list[list[int]], list[list[int]], dict[str, Any]]:
-    """The workload at TP 2 (its tokens checked against the reference), then its last turn again from the host tiers
-    only (vLLM's cache reset): the replay's tokens, the tokens it must equal, and what it restored."""
+@dataclass
+class Served:
+    """A case's TP 2 engine with the connector, after the workload (its tokens checked against the reference): shared
+    by the restore test and its control (one engine start and one workload per case, not two)."""
+
+    llm: Any
+    case: TpCase
+    reference: list[tuple[list[int], list[int]]] | None
+    last: list[list[int]]  # the last turn's prompts: the replay
+    expected: list[list[int]]  # the tokens the replay must give
+    saved: list[int]  # pages committed to each tier by the workload
+
+
+@pytest.fixture(scope="class")
+def served(tp_case: Any) -> Iterator[Served]:
+    """The workload at TP 2 (its tokens checked against the reference), once per case. Class scope: the engine is
+    shut down when the class's tests of the case are done (this process runs one engine at a time, and the tests
+    after the class start their own)."""
+    case, model, reference = tp_case
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # as `tp2_env`, for this longer-lived engine
+        with engine(model, kvproc_transfer_config(), tensor_parallel_size=2, **case.engine) as llm:
+            rt = live_runtime()
+            assert len(rt.directs) == case.tiers
+            served = multi_turn(llm, **TURNS, **case.work)
+            last = [p for p, _ in served[-2:]]
+            if reference is not None:
+                assert served == reference
+                expected = [o for _, o in reference[-2:]]
+            else:
+                expected = _one_by_one(llm, last)  # vLLM's own hit at the replay's boundary
+            generate(llm, [[5, 6, 7]], 1)  # one more step: the workers report the last saves, the scheduler commits
+            saved = [_tier_stats(rt, t).get("pages_saved", 0) for t in range(case.tiers)]
+            yield Served(llm, case, reference, last, expected, saved)
+
+
+def _replayed(s: Served) -> tuple[list[list[int]], dict[str, Any]]:
+    """The workload's last turn again from the host tiers only (vLLM's cache reset): the replay's tokens and what it
+    restored."""
     rt = live_runtime()
-    assert len(rt.directs) == case.tiers
-    served = multi_turn(llm, **TURNS, **case.work)
-    last = [p for p, _ in served[-2:]]
-    if reference is not None:
-        assert served == reference
-        expected = [o for _, o in reference[-2:]]
-    else:
-        expected = _one_by_one(llm, last)  # vLLM's own hit at the replay's boundary
-    generate(llm, [[5, 6, 7]], 1)  # one more step: the workers report the last saves, the scheduler commits them
-    saved = [_tier_stats(rt, t).get("pages_saved", 0) for t in range(case.tiers)]
-    if corrupt_tier is not None:
-        # A model with state groups: noise in only their checkpoints' slots (the restored state is that rank's own
-        # too; zeros would be a state as good as none to a tiny random model: its tokens need not change).
-        layers = [n for g in rt.contract.groups if g.state or not rt.contract.states for n in g.layer_names]
-        noise = np.random.default_rng(0)
-        for name in layers:
-            view = rt.directs[corrupt_tier].views[f"vllm.{name}"]
-            view[:] = noise.integers(0, 256, view.shape, dtype=np.uint8)
-    assert reset_prefix_cache(llm)
-    m0, c0 = metrics(llm), dict(rt.counters)
-    outs = _one_by_one(llm, last) if reference is None else generate(llm, last)
-    m1, c1 = metrics(llm), dict(rt.counters)
-    return outs, expected, {"saved": saved, "external_hits": m1["vllm:external_prefix_cache_hits"] -
-                            m0["vllm:external_prefix_cache_hits"],
-                            "host_hits": c1.get("hit_tokens_host", 0) - c0.get("hit_tokens_host", 0)}
+    assert reset_prefix_cache(s.llm)
+    m0, c0 = metrics(s.llm), dict(rt.counters)
+    outs = _one_by_one(s.llm, s.last) if s.reference is None else generate(s.llm, s.last)
+    m1, c1 = metrics(s.llm), dict(rt.counters)
+    return outs, {"saved": s.saved, "external_hits": m1["vllm:external_prefix_cache_hits"] -
+                  m0["vllm:external_prefix_cache_hits"],
+                  "host_hits": c1.get("hit_tokens_host", 0) - c0.get("hit_tokens_host", 0)}
 
 
-def test_tp2_restores_each_ranks_kv_from_the_tiers_and_tokens_equal_vllm_alone(tp_case: Any, tp2_env: None) -> None:
-    case, model, reference = tp_case
-    with engine(model, kvproc_transfer_config(), tensor_parallel_size=2, **case.engine) as llm:
-        outs, expected, got = _served_then_replayed(llm, case, reference)
-    assert outs == expected
-    # every page's shard on each rank's tier (a REPLICATED model: once, on its one tier)
-    assert got["saved"][0] > 0 and len(set(got["saved"])) == 1, got
-    assert got["external_hits"] > 0 and got["host_hits"] >= got["external_hits"], got
+@contextlib.contextmanager
+def _noise_in_tier(s: Served, tier: int) -> Iterator[None]:
+    """One tier's slots overwritten with noise (a model with state groups: only their checkpoints' slots; zeros would
+    be a state as good as none to a tiny random model: its tokens need not change), and given back their bytes on
+    exit: the test sharing the engine replays from the same tier whichever runs first.
+
+    Finite noise: every byte's bit 6 cleared, which in each float32, bfloat16 or float16 element is the exponent's
+    top bit, so every element is random within (-2, 2). Random bytes would hold NaN and inf, which stay in the vLLM
+    blocks they were loaded into after the replay and poison the next request given those blocks (CPU attention
+    multiplies a masked NaN row by 0): the other test's replay then gave zeros."""
+    rt = live_runtime()
+    layers = [n for g in rt.contract.groups if g.state or not rt.contract.states for n in g.layer_names]
+    views = [rt.directs[tier].views[f"vllm.{name}"] for name in layers]
+    saved = [v.copy() for v in views]
+    noise = np.random.default_rng(0)
+    try:
+        for view in views:
+            view[:] = noise.integers(0, 256, view.shape, dtype=np.uint8) & 0xBF
+        yield
+    finally:
+        for view, orig in zip(views, saved):
+            view[:] = orig
 
 
-def test_control_noise_in_a_tier_changes_the_replays_tokens(tp_case: Any, tp2_env: None) -> None:
-    case, model, reference = tp_case
-    with engine(model, kvproc_transfer_config(), tensor_parallel_size=2, **case.engine) as llm:
-        outs, expected, got = _served_then_replayed(llm, case, reference, corrupt_tier=case.tiers - 1)
-    assert got["external_hits"] > 0, got
-    assert outs != expected
+class TestTp2Replay:
+    """The restore and its control on one engine per case (`served`)."""
+
+    def test_tp2_restores_each_ranks_kv_from_the_tiers_and_tokens_equal_vllm_alone(self, served: Served) -> None:
+        outs, got = _replayed(served)
+        assert outs == served.expected
+        # every page's shard on each rank's tier (a REPLICATED model: once, on its one tier)
+        assert got["saved"][0] > 0 and len(set(got["saved"])) == 1, got
+        assert got["external_hits"] > 0 and got["host_hits"] >= got["external_hits"], got
+
+    def test_control_noise_in_a_tier_changes_the_replays_tokens(self, served: Served) -> None:
+        with _noise_in_tier(served, served.case.tiers - 1):
+            outs, got = _replayed(served)
+        assert got["external_hits"] > 0, got
+        assert outs != served.expected
 
 
 def test_tp2_refuses_what_it_cannot_carry_by_name() -> None:
