@@ -5,7 +5,8 @@ hashes mean equal token prefixes *and* equal scope, so a hit can be served; the 
 
 Prompts are attacker-controlled: a crafted collision would serve one user's KV to another, so both families a store
 uses unless told otherwise are collision-resistant: SHA-256-128 (`DEFAULT_HASH`, the function vLLM hashes its blocks
-with) and BLAKE2b-128. XXH3-128 is non-cryptographic and used only when configured explicitly (`HashAlgorithm.XXH3_128`).
+with) and BLAKE2b-128. XXH3-128 is non-cryptographic and used only when configured explicitly
+(`HashAlgorithm.XXH3_128`).
 SHA-256 is the default because it is the fastest collision-resistant chain here: OpenSSL's SHA-256 runs on the CPU's
 SHA extensions (x86 since Ice Lake / Zen, Arm v8.2), which no BLAKE2b has (bench/RESULTS.md, "Hashing and probing").
 

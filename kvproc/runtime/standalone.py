@@ -60,8 +60,8 @@ def up_main(argv: list[str]) -> int:
                         help="a Mooncake Store below the host tier: committed pages written behind to it, host-tier "
                              "misses pulled from it (needs kvproc[remote]; see docs/remote.md)")
     parser.add_argument("--eviction", default=HOST_DEFAULT, choices=POLICIES,
-                        help=f"the host tiers' eviction policy (kvproc.core.eviction; default {HOST_DEFAULT}): a shared tier "
-                             "keeps its own, whatever the attaching stores' StoreConfig.eviction says")
+                        help=f"the host tiers' eviction policy (kvproc.core.eviction; default {HOST_DEFAULT}): a "
+                             "shared tier keeps its own, whatever the attaching stores' StoreConfig.eviction says")
     parser.add_argument("--metrics", default=None, metavar="HOST:PORT",
                         help="serve Prometheus /metrics of every process here (port 0: a free one)")
     args = parser.parse_args(argv)

@@ -1,6 +1,7 @@
-"""`StoreConfig.eviction` and `kvproc up --eviction` (by default LRU for device pools, lrfu for host tiers): the policy reaches the store's device pools and the host tier's
-index in its own process (read back from the tier's `Configured`, which names the policy its `HostIndex` was built
-with); a shared tier keeps its own; an unknown name is refused before anything starts."""
+"""`StoreConfig.eviction` and `kvproc up --eviction` (by default LRU for device pools, lrfu for host tiers): the policy
+reaches the store's device pools and the host tier's index in its own process (read back from the tier's
+`Configured`, which names the policy its `HostIndex` was built with); a shared tier keeps its own; an unknown name is
+refused before anything starts."""
 
 from __future__ import annotations
 

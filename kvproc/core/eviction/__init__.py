@@ -41,4 +41,5 @@ def make_policy(name: str, capacity: int, *, half_life: float = DEFAULT_HALF_LIF
     raise ValueError(f"unknown eviction policy {name!r} (known: {', '.join(POLICIES)})")
 
 
-__all__ = ["POLICIES", "DEFAULT_HALF_LIFE_S", "DEVICE_DEFAULT", "HOST_DEFAULT", "EvictionPolicy", "FrequencyRecency", "RunLru", "make_policy"]
+__all__ = ["POLICIES", "DEFAULT_HALF_LIFE_S", "DEVICE_DEFAULT", "HOST_DEFAULT", "EvictionPolicy", "FrequencyRecency",
+           "RunLru", "make_policy"]
