@@ -88,9 +88,12 @@ demo: $(STAMP)
 # on CI); a failed build's log is printed. Every suite runs whatever the others' results; the exit status is 1 if any
 # failed. kvproc's suite runs on two pytest-xdist workers: most of its wall time is waiting (tiers stalled on purpose,
 # deadlines, process trees starting), ~3.5 min of CPU in 8 min serially; 4:22 on two (same machine, load 1-2).
+# Three workers were tried in a fresh clone's CI (d064872): 5:29 against 5:39 on two, and two tests failed under the
+# load (a 120 s timeout, a hypothesis FlakyStrategyDefinition): not adopted.
 # SGLang's suite (~20 s of CPU in ~1 min, one of its tests drives a vLLM engine from .venv-vllm) starts as soon as
 # both environments are built, beside whichever of the other two suites runs then; its output is printed at the end.
-# The vLLM suite stays after kvproc's: beside it, a fresh clone's CI took 22 min (b5e06e2).
+# The vLLM suite stays after kvproc's: beside it, a fresh clone's CI took 22 min (b5e06e2). A fresh clone's CI took
+# 14:39 at d064872 (kvproc's suite 5:39 with SGLang's 1:15 beside it, then vLLM's 8:10), 19:24 at b72c213.
 test: $(STAMP) $(RSTAMP)
 	@$(MAKE) --no-print-directory venv-vllm > .venv-vllm-build.log 2>&1 & vpid=$$!; \
 	$(MAKE) --no-print-directory venv-sglang > .venv-sglang-build.log 2>&1 & spid=$$!; \
