@@ -1,5 +1,5 @@
 """Where a trace replay request's CPU time goes, per pool call (issue 35): the loop of `kvproc bench replay` (unbounded
-device pool, 16-token pages, blake2b-128, lru) with a CPU timer around each step; prints requests per CPU second
+device pool, 16-token pages, the default hash (sha256-128), lru) with a CPU timer around each step; prints requests per CPU second
 (prompt synthesis excluded) and microseconds per request of each step.
 
 Usage (from a source tree with its native module built): `.venv/bin/python bench/replay_steps.py [--limit N]`.
@@ -12,7 +12,7 @@ import time
 
 from kvproc.bench.replay import DEFAULT_TRACE, load_trace, synth_tokens
 from kvproc.contract import GroupKind, GroupSpec, KvSpec
-from kvproc.core.hashing import BlockHasher, HashAlgorithm
+from kvproc.core.hashing import DEFAULT_HASH, BlockHasher
 from kvproc.core.holds import ReusePolicy
 from kvproc.core.pool import BlockPool
 from kvproc.core.request_kv import RequestKv
@@ -26,7 +26,7 @@ def main() -> None:
     trace = load_trace(args.trace, args.limit)
     page = 16
     spec = KvSpec(page, (GroupSpec("kv", GroupKind.PAGED),))
-    hasher = BlockHasher(page, HashAlgorithm.BLAKE2B_128)
+    hasher = BlockHasher(page, DEFAULT_HASH)
     pool = BlockPool(spec, sum(len(r.hash_ids) for r in trace) * 512 // page, hasher=hasher)
     steps = ["hash", "probe", "init", "admit", "adopt", "schedule", "apply", "release"]
     spent = dict.fromkeys(steps, 0.0)

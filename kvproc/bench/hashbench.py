@@ -1,6 +1,6 @@
 """`kvproc bench hash`: page hashing and prefix probing, against one hash call over the same bytes.
 
-For prompts of 1k, 32k and 128k tokens (16-token pages) and each hash family (BLAKE2b-128, the default; SHA-256-128;
+For prompts of 1k, 32k and 128k tokens (16-token pages) and each hash family (BLAKE2b-128; SHA-256-128, the default;
 XXH3-128, opt-in) it measures, in microseconds per page:
 - `hash`: `BlockHasher.hash_prompt` -- the chained page hashes of the whole prompt;
 - `floor`: `BlockHasher.floor_hash` -- one call of the same function over the whole prompt's bytes, i.e. the pure data
@@ -11,8 +11,8 @@ and `cycles/s` of a whole match/admit/release cycle: probe + `RequestKv` (prompt
 (crediting the hold) + `match_and_add_prefix` + `release`.
 
 Targets (the project's issue 5): per page at least 3x faster than vLLM v1 with the same family (3.2 us sha256,
-2.2 us xxhash; the default BLAKE2b is held to the sha256 figure, the cryptographic default vLLM uses), and probing
-costs no more per page than hashing. Each figure is the median of repeated runs after a warm-up, with the cyclic GC
+2.2 us xxhash; BLAKE2b, the other cryptographic family, is held to the sha256 figure, the cryptographic default
+vLLM uses), and probing costs no more per page than hashing. Each figure is the median of repeated runs after a warm-up, with the cyclic GC
 paused during a run, as `timeit` does.
 """
 
