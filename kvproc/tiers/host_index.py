@@ -340,6 +340,8 @@ class HostIndex:
             self.counters["saves_with_retain_hint"] += 1
         entries, pending = self.entries, self.pending
         new_pages = [k for k in keys if k not in entries and k not in pending]
+        if retain:
+            self._hint_pending(keys, retain)
         present = list(dict.fromkeys(entries[k] for k in keys if k in entries))
         last_slot = entries.get(keys[-1])
         have = self.bounded.get(last_slot, {}) if last_slot is not None else {}
@@ -376,6 +378,18 @@ class HostIndex:
         self.counters["saves_reserved"] += 1
         self.counters["save_dedup_pages"] += len(keys) - len(new_pages)
         return ticket
+
+    def _hint_pending(self, keys: Sequence[bytes], retain: float) -> None:
+        """A hinted save's pages that another save is still writing (a request's last save, in flight when it
+        finished: at tensor parallel it commits after the hinted save was reserved) take the hint at that save's
+        commit: it ranks its pages by the longer of the two hints. Without this they would enter the policy un-hinted,
+        and the hinted prompt's tail would be the first to go."""
+        saves = self.saves
+        for sid in {self.pending[k] for k in keys if k in self.pending}:
+            t = saves.get(sid)
+            if t is not None and t.retain_s < retain:
+                t.retain_s = retain
+                self.counters["saves_hinted_while_pending"] += 1
 
     def _make_room(self, pages: int, groups: Sequence[str]) -> bool:
         """Evict LRU entries until the reservation fits, and further down to the high watermark. Nothing is evicted

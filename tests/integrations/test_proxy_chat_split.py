@@ -155,3 +155,19 @@ def test_an_unhandled_error_or_a_wrong_method_still_answers_a_json_error_body() 
     s1, b1, s2, b2 = asyncio.run(run())
     assert s1 == 500 and "KeyError" in b1["error"]["message"]
     assert s2 == 405 and b2["error"]["code"] == 405
+
+
+@pytest.mark.parametrize("envelope", [{"kvproc_handoff": {"producer_req_id": "r"}}, None])
+def test_the_clients_retention_hint_goes_to_the_consumer(envelope: dict[str, Any] | None) -> None:
+    """The producer's request ends at the prompt: the consumer's saves carry the conversation on, so it is the one
+    given the client's `kvproc_retain_s` (beside the envelope, or alone when the producer handed nothing off)."""
+    from kvproc.integrations.vllm.proxy import _decode_body  # noqa: PLC2701 - the completions endpoint's
+
+    hinted = {"kv_transfer_params": {"kvproc_retain_s": 600}}
+    choice = {"token_ids": [9], "prompt_token_ids": [4, 7, 8]}
+    for params in (chat.chat_decode_body({"messages": MSGS, **hinted}, PREFILL, envelope, 8)["kv_transfer_params"],
+                   _decode_body({"prompt": "w7", **hinted}, choice, envelope, 8)["kv_transfer_params"]):
+        assert params == {**(envelope or {}), "kvproc_retain_s": 600}
+    # Control: no hint, and the consumer is given the envelope alone (or no kv_transfer_params at all)
+    plain = chat.chat_decode_body({"messages": MSGS}, PREFILL, envelope, 8)
+    assert plain.get("kv_transfer_params") == envelope

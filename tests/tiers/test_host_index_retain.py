@@ -76,6 +76,27 @@ def test_a_hinted_save_re_ranks_the_pages_it_finds_present(eviction: str, hint: 
 
 
 @pytest.mark.parametrize("eviction", POLICIES)
+@pytest.mark.parametrize("hint", [True, False])
+def test_a_hinted_save_reaches_pages_another_save_is_still_writing(eviction: str, hint: bool) -> None:
+    """The request's last save is still in flight when its hinted save is reserved (at tensor parallel the ranks
+    commit it later): its pages are pending, neither copied nor held by the hinted save, and take the hint at their own
+    save's commit. Control: the same sequence without the hint loses a's pages first."""
+    clock = Clock()
+    idx = HostIndex(8, high_watermark=1.0, eviction=eviction, clock=clock)
+    last = idx.reserve_save("a", keys("a", 3), ())  # the request's last save, in flight
+    assert isinstance(last, SaveTicket)
+    hinted = save(idx, "a", keys("a", 3), retain_s=600.0 if hint else None)
+    assert isinstance(hinted, SaveTicket) and hinted.page_slots == (None, None, None)
+    assert idx.commit_save(last.save_id)  # lands after the hinted save: its pages carry the hint
+    clock.t = 1.0
+    save(idx, "b", keys("b", 3))
+    clock.t = 2.0
+    assert isinstance(save(idx, "c", keys("c", 5)), SaveTicket)  # needs 3 slots: one prompt goes
+    assert (idx.committed_run(keys("a", 3)), idx.committed_run(keys("b", 3))) == ((3, 0) if hint else (0, 3))
+    assert idx.stats().get("saves_hinted_while_pending", 0) == int(hint)
+
+
+@pytest.mark.parametrize("eviction", POLICIES)
 def test_a_hint_never_keeps_a_page_past_capacity(eviction: str) -> None:
     """A tier full of hinted pages still makes room for an un-hinted save: a hint is a priority, never a pin."""
     clock = Clock()

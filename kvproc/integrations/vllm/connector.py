@@ -75,6 +75,7 @@ from kvproc import (
     check_fingerprint,
     fingerprint,
 )
+from kvproc.integrations.vllm import proxy_common
 from kvproc.integrations.vllm import runtime as rt_mod
 from kvproc.integrations.vllm.contract import VllmKvContract, contract_from_vllm, model_identity
 from kvproc.integrations.vllm.event_forward import TierEventForwarder
@@ -104,7 +105,7 @@ log = structlog.get_logger("kvproc.integrations.vllm")
 HANDOFF_KEY = "kvproc_handoff"
 # The serving layer's retention hint in a request's `kv_transfer_params`: seconds within which the conversation is
 # expected back (docs/store.md, "Retention hint"); the request's pages are then kept ahead of un-hinted ones.
-RETAIN_KEY = "kvproc_retain_s"
+RETAIN_KEY = proxy_common.RETAIN_KEY
 
 # What `_result` returns for a resolve or lookup still running.
 _PENDING = object()
@@ -250,6 +251,7 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         self._tier_wanted: TierAttach | None = None  # ... the tiers the latest step named (mapped by the mover)
         self._tier_mapped: tuple[str, int] = ("", -1)  # ... the (segment, epoch) `_tier_slots` is of
         self._delayed_next: list[str] = []  # tensor parallel: frees delayed since the last meta (sent in the next)
+        self._hint_saves: list[CopyJob] = []  # tensor parallel: retention-hint saves reserved since the last meta
         if not self._tp_worker:
             self.rt = rt_mod.acquire(engine_id, self.contract, self.options,
                                      ranks=self.ranks, tier_model=self._sglang_model())
@@ -666,7 +668,7 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         self._drain()
         r = self._reqs.get(request.request_id)
         if r is None and _envelope_of(request) is not None:
-            r = self._reqs[request.request_id] = _Req(request.request_id, request)
+            r = self._reqs[request.request_id] = _Req(request.request_id, request, retain_s=self._retain_hint(request))
             self._start_handoff(r, _envelope_of(request))
         if r is not None and r.handoff is not None:
             return self._handoff_match(r, num_computed_tokens)
@@ -754,7 +756,9 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _retain_hint(self, request: "Request") -> float | None:
         """The request's retention hint (`RETAIN_KEY` in its kv_transfer_params): seconds, or None. A bad one is
-        logged and ignored (the request is served; only the hint is lost). P/D roles and TP take none yet."""
+        logged and ignored (the request is served; only the hint is lost). A P/D producer's takes none: its request
+        ends at the prompt, and the consumer's request carries the conversation on (`kvproc proxy` passes the client's
+        hint to it)."""
         raw = (getattr(request, "kv_transfer_params", None) or {}).get(RETAIN_KEY)
         if raw is None:
             return None
@@ -764,7 +768,7 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
             log.warning("kvproc_retain_hint_refused", req_id=request.request_id, error=str(e))
             self.rt.count("retain_hints_refused")
             return None
-        if hint is not None and (self.producer or self._consumer or self.ranked is not None):
+        if hint is not None and self.producer:
             self.rt.count("retain_hints_ignored")
             return None
         return hint
@@ -1053,6 +1057,10 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
                             epochs=self._tier_attach.epochs)
             meta.tiers = self._tier_attach
             meta.delayed, self._delayed_next = self._delayed_next, []
+            # With the frees they delay: each rank submits them after this step's forward (`wait_for_save`), before it
+            # can report those requests' blocks free (`get_finished`, right after)
+            meta.saves.extend(self._hint_saves)
+            self._hint_saves = []
             if self.contract.has_sliding or self.contract.states:
                 # The wait above, in the ranks' processes (their movers run the saves): vLLM freed the blocks that
                 # slid out of a window in this step's scheduling, and may give an offered state's block to another
@@ -1220,24 +1228,40 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _plan_retain_save(self, r: _Req) -> None:
         """A finished request with a retention hint: one more save, of its pages from the first (those the tier has
-        are held and re-ranked under the hint, not copied; one it lost is copied again from vLLM's block, kept until
-        this save settles), on the mover after its last save. Not for a sliding window's request (vLLM no longer
-        keeps the blocks of pages out of its window, and the tier might ask for one)."""
+        are held and re-ranked under the hint, not copied; those its last save still writes take the hint at that
+        save's commit; one it lost is copied again from vLLM's block, kept until this save settles).
+
+        One rank: on the mover after the request's last save (the mover keeps order). Tensor parallel: reserved on
+        every rank's tier now, written by each rank with the next step's saves (`_hint_saves`), the meta that also
+        delays the request's free on that rank (`_delayed_next`), so no rank reports the blocks free before its copy.
+        A sliding window's group keeps no block of the pages out of its window: a page the tier lost there fails the
+        save (`_new_rows`: counted, nothing written) rather than store a page without that group's KV."""
         moves = self.rt.moves
         pages = r.save_to if r.job is not None else r.saved
-        if moves is None or not r.saving or pages <= 0 or r.hint_job is not None or len(r.hashes) < pages:
+        if (moves is None and self.ranked is None) or not r.saving or pages <= 0 or r.hint_job is not None \
+                or len(r.hashes) < pages:
             return
         vllm = self._pages_of(r, 0, pages)
-        if any(len(ids) < pages or NULL_BLOCK in ids for g, ids in zip(self.contract.groups, vllm) if not g.state):
+        if any(len(ids) < pages or (not g.sliding and NULL_BLOCK in ids)
+               for g, ids in zip(self.contract.groups, vllm) if not g.state):
             self.rt.count("retain_hints_skipped")
             return
         assert self.direct is not None
         tokens = list(r.request.all_token_ids[:pages * self.page]) if self.direct.tier.wants_token_ids else None
         job = CopyJob(next(self._job_ids), r.req_id, [], vllm, keys=r.hashes[:pages], tokens=tokens,
                       retain_s=r.retain_s)
+        if self.ranked is not None:
+            saves = self.ranked.reserve(job.job_id, r.req_id, job.keys, None, tokens, retain_s=r.retain_s)
+            if saves is None:  # a rank's tier refused or was too slow: the hint is lost (recorded per rank)
+                self.rt.count("retain_hint_saves_failed")
+                return
+            job.rank_saves = saves
+            self._hint_saves.append(job)
+        else:
+            assert moves is not None
+            moves.submit([job], to_vllm=False)  # after the request's saves already submitted: the mover keeps order
         r.hint_job = job.job_id
         self._jobs[job.job_id] = r
-        moves.submit([job], to_vllm=False)  # after the request's saves already submitted: the mover keeps order
         self.rt.count("retain_hint_saves")
 
     def _hint_done(self, r: _Req, ok: bool) -> None:

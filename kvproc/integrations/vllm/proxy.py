@@ -29,6 +29,7 @@ from kvproc.integrations.vllm import proxy_chat as chat
 from kvproc.integrations.vllm.proxy_common import (
     ProxyError,
     check_fields,
+    consumer_params,
     merged_usage,
     refuse,
     send,
@@ -347,8 +348,9 @@ def _decode_body(body: dict[str, Any], choice: dict[str, Any], envelope: dict[st
     if not prompt or len(anchor) != 1:
         raise ProxyError(502, "producer's answer lacks prompt_token_ids/token_ids (is it vLLM?)", "producer_error")
     out = dict(body, prompt=prompt + anchor, max_tokens=max_tokens - 1, return_token_ids=True)
-    if envelope:
-        out["kv_transfer_params"] = envelope
+    params = consumer_params(body, envelope)
+    if params:
+        out["kv_transfer_params"] = params
     else:
         out.pop("kv_transfer_params", None)
     out.pop("max_completion_tokens", None)

@@ -17,7 +17,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvproc.integrations.vllm.proxy_common import ProxyError, check_fields, merged_usage, refuse, split_refusals
+from kvproc.integrations.vllm.proxy_common import (
+    ProxyError,
+    check_fields,
+    consumer_params,
+    merged_usage,
+    refuse,
+    split_refusals,
+)
 
 # Fields only a chat request has: not sent to the consumer's /v1/completions (the rendered prompt replaces them).
 CHAT_ONLY = ("messages", "chat_template", "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
@@ -87,8 +94,9 @@ def chat_decode_body(body: dict[str, Any], prefill: dict[str, Any], envelope: di
     prompt, anchor, _ = anchor_of(prefill)
     out = {k: v for k, v in body.items() if k not in CHAT_ONLY}
     out.update(prompt=prompt + anchor, max_tokens=None if budget is None else budget - 1, return_token_ids=True)
-    if envelope:
-        out["kv_transfer_params"] = envelope
+    params = consumer_params(body, envelope)
+    if params:
+        out["kv_transfer_params"] = params
     else:
         out.pop("kv_transfer_params", None)
     if "min_tokens" in out:

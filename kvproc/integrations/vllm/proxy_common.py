@@ -74,6 +74,20 @@ def check_fields(body: dict[str, Any]) -> None:
             raise ProxyError(400, f"kvproc proxy: {key} must be an object, got {v!r}", "invalid_request_error")
 
 
+# The retention hint's key in a request's kv_transfer_params (the connector's `RETAIN_KEY`; docs/vllm.md, "Retention
+# hint"): "this conversation comes back within about R s".
+RETAIN_KEY = "kvproc_retain_s"
+
+
+def consumer_params(body: dict[str, Any], envelope: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The consumer request's kv_transfer_params: the producer's envelope, and the client's retention hint (the
+    producer's request ends at the prompt, so the consumer's saves are the ones to rank by it). None: neither."""
+    hint = (body.get("kv_transfer_params") or {}).get(RETAIN_KEY)
+    if hint is None:
+        return envelope or None
+    return {**(envelope or {}), RETAIN_KEY: hint}
+
+
 def refuse(bad: list[str]) -> None:
     if bad:
         raise ProxyError(400, f"kvproc proxy: not supported in P/D: {', '.join(bad)}", "invalid_request_error")

@@ -37,6 +37,9 @@ from tests.integrations.vllm.test_vllm_pd import _envelopes, _pd_config, _run
 pytestmark = pytest.mark.timeout(600)
 
 MAX_TOKENS = 8
+# The client's retention hint on both sides, as `kvproc proxy` passes it: the producer ignores it (its request ends
+# at the prompt), the consumer re-ranks the conversation's pages with it at its request's end
+HINT = {"kvproc_retain_s": 600}
 PAGE = 32
 LENGTHS = [70, 96, 45, 128]
 
@@ -67,9 +70,10 @@ def _pd_run(tiny_llama: Path, tier: str, seed: int, monkeypatch: pytest.MonkeyPa
         handed = []
         for p in prompts:
             assert reset_prefix_cache(llm)  # the shared pages come from the tier, not vLLM's own cache
-            handed.append(_run(llm, p, 1))
+            handed.append(_run(llm, p, 1, HINT))
         assert rt.moves is not None and rt.moves.idle(60)
         assert rt.counters.get("handoffs_made") == len(prompts)
+        out["producer_hints_ignored"] = rt.counters.get("retain_hints_ignored", 0)
         out["producer_mover_pages"] = rt.counters.get("pages_saved_from_vllm", 0)
         out["producer_hop_bytes"] = _copy_worker(rt).get("bytes_save", 0) - w0.get("bytes_save", 0)
         rt.store.flush_saves(0, 60)
@@ -81,9 +85,10 @@ def _pd_run(tiny_llama: Path, tier: str, seed: int, monkeypatch: pytest.MonkeyPa
     with engine(tiny_llama, cfg["consumer"]) as llm:
         rt = live_runtime()
         c0, w0 = dict(rt.counters), _copy_worker(rt)
+        hinted0 = rt.store.stats()["tier"].get("saves_with_retain_hint", 0)
         for p, env, w in zip(prompts, envs, want):
             assert reset_prefix_cache(llm)
-            got = _run(llm, p + [env["anchor_token_id"]], MAX_TOKENS - 1, {HANDOFF_KEY: env})
+            got = _run(llm, p + [env["anchor_token_id"]], MAX_TOKENS - 1, {HANDOFF_KEY: env, **HINT})
             assert [env["anchor_token_id"]] + list(got.outputs[0].token_ids) == w
             assert got.num_cached_tokens == len(p), "the consumer computed prompt tokens the producer had"
         assert rt.moves is not None and rt.moves.idle(60)
@@ -97,6 +102,8 @@ def _pd_run(tiny_llama: Path, tier: str, seed: int, monkeypatch: pytest.MonkeyPa
         rt.store.flush_saves(0, 60)
         stats = rt.store.stats()["tier"]
         out["consumed"], out["open_handoffs"] = stats.get("handoffs_consumed", 0), stats.get("open_handoffs")
+        out["consumer_hint_saves"] = c1.get("retain_hint_saves", 0) - c0.get("retain_hint_saves", 0)
+        out["tier_hinted_saves"] = stats.get("saves_with_retain_hint", 0) - hinted0  # committed by the mover
     out["prompts"], out["tokens"] = len(prompts), sum(len(p) for p in prompts)
     return out
 
@@ -111,6 +118,8 @@ def test_pd_copies_each_handed_off_page_once(tiny_llama: Path, shared_tier: str)
     assert got["adopted"] == got["prompts"] and got["handoff_tokens"] == got["tokens"], got
     assert got["load_copies"] == 1.0, got
     assert got["consumed"] >= got["prompts"] and got["open_handoffs"] == 0, got
+    assert got["producer_hints_ignored"] == got["prompts"], got
+    assert got["consumer_hint_saves"] == got["prompts"] == got["tier_hinted_saves"], got
 
 
 def test_control_a_second_copy_per_handed_off_page_is_counted(tiny_llama: Path, shared_tier: str,
