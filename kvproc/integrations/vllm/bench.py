@@ -9,7 +9,10 @@ per process), on the same workload:
 - `conversations` chats, a shared system prompt, a first user turn, then `new_per_turn` more user tokens per turn;
 - `concurrency` clients, each owning some conversations and returning to the next of its own after each turn;
 - vLLM's KV cache holds `vllm_blocks` blocks: less than all conversations, so evicted prefixes are recomputed by
-  vLLM alone and restored by the connector arms.
+  vLLM alone and restored by the connector arms;
+- `one_shots` (default none) one-turn chats beside them, each client serving one between its conversations' turns
+  while it has any left: they fill the host tier (sized by `host_mib`) with prompts nobody asks for again, the
+  pressure under which the retention hint (`vllm_kvproc_hint`) is measured.
 
 Per arm: TTFT p50/p99 (submit -> first token, the engine stepped by this process), output tokens/s over the run,
 prompt tokens from vLLM's cache / from the connector / computed (vLLM's own counters), and for the kvproc arm the time
@@ -36,8 +39,11 @@ from typing import Any
 ARMS = ("vllm", "vllm_kvproc", "vllm_disk")
 # On request (--arms): every hit's load asynchronous (`loads="async"`: the request held back a step, for an A/B of
 # "auto", which is synchronous for one KV cache group).
-EXTRA_ARMS = ("vllm_kvproc_async",)
-_KVPROC_ARMS = ("vllm_kvproc", "vllm_kvproc_async")
+# And the serving layer's retention hint (docs/vllm.md, "Retention hint"): each turn of a conversation with a turn
+# still to come carries `kvproc_retain_s` (the workload knows, as a chat application knows a session is open); the
+# last turn and the one-shot chats carry none.
+EXTRA_ARMS = ("vllm_kvproc_async", "vllm_kvproc_hint")
+_KVPROC_ARMS = ("vllm_kvproc", "vllm_kvproc_async", "vllm_kvproc_hint")
 
 
 # --kind -> (builder in `tiny_models`, its arguments beside the size, the engine's dtype and block size, vocabulary).
@@ -157,13 +163,19 @@ def run_arm(arm: str, model: Path, a: argparse.Namespace, workdir: Path) -> dict
               async_scheduling=False, seed=0, **kw)
     engine = llm.llm_engine
     sp = SamplingParams(max_tokens=a.output, temperature=0.0, ignore_eos=True)
+    hinted = SamplingParams(max_tokens=a.output, temperature=0.0, ignore_eos=True,
+                            extra_args={"kv_transfer_params": {"kvproc_retain_s": a.retain_s}})
     rng = random.Random(a.seed)
     top = vocab - 96  # token ids 3 .. top (the models' special ids are below 3)
     system = [rng.randrange(3, top) for _ in range(a.system)]
-    convs = [system + [rng.randrange(3, top) for _ in range(a.first_input)] for _ in range(a.conversations)]
-    turn_of = [0] * a.conversations
+    n_convs = a.conversations + a.one_shots  # the one-shot chats after the conversations, one turn each
+    convs = [system + [rng.randrange(3, top) for _ in range(a.first_input)] for _ in range(n_convs)]
+    turns_of = [a.turns] * a.conversations + [1] * a.one_shots
+    turn_of = [0] * n_convs
     owned = [[c for c in range(a.conversations) if c % a.concurrency == i] for i in range(a.concurrency)]
+    shots = [[c for c in range(a.conversations, n_convs) if c % a.concurrency == i] for i in range(a.concurrency)]
     cursor = [0] * a.concurrency
+    shot_next = [False] * a.concurrency  # a client alternates: a conversation's turn, then a one-shot chat
     ttft: list[float] = []
     ttft_by_turn: dict[int, list[float]] = {}
     outputs: dict[str, list[int]] = {}
@@ -171,18 +183,29 @@ def run_arm(arm: str, model: Path, a: argparse.Namespace, workdir: Path) -> dict
     seq = 0
     m0 = engine_metrics(llm)
 
-    def submit(client: int) -> None:
+    def add(client: int, c: int) -> None:
         nonlocal seq
+        rid = f"c{c}t{turn_of[c]}-{seq}"
+        seq += 1
+        comes_back = turn_of[c] + 1 < turns_of[c]
+        engine.add_request(rid, TokensPrompt(prompt_token_ids=list(convs[c])),
+                           hinted if comes_back and arm == "vllm_kvproc_hint" else sp)
+        inflight[rid] = (client, c, time.perf_counter(), None)
+
+    def submit(client: int) -> None:
+        shot_next[client] = not shot_next[client]
+        if shot_next[client] and shots[client]:
+            add(client, shots[client].pop(0))
+            return
         mine = owned[client]
         for _ in range(len(mine)):
             c = mine[cursor[client] % len(mine)]
             cursor[client] += 1
             if turn_of[c] < a.turns:
-                rid = f"c{c}t{turn_of[c]}-{seq}"
-                seq += 1
-                engine.add_request(rid, TokensPrompt(prompt_token_ids=list(convs[c])), sp)
-                inflight[rid] = (client, c, time.perf_counter(), None)
+                add(client, c)
                 return
+        if shots[client]:  # its conversations are done: the rest of its one-shot chats
+            add(client, shots[client].pop(0))
 
     t0 = time.perf_counter()
     for client in range(a.concurrency):
@@ -217,6 +240,8 @@ def run_arm(arm: str, model: Path, a: argparse.Namespace, workdir: Path) -> dict
         "prompt_tokens": prompt, "from_vllm_cache": local, "from_connector": external,
         "computed": max(0, prompt - local - external),
         "ttft_ms_by_turn": {t: 1000 * statistics.median(v) for t, v in sorted(ttft_by_turn.items())},
+        # the turns a cache can serve: a conversation's second and later ones (what the hint is for)
+        "ttft_later_turns_p50_ms": 1000 * _pct([x for t, v in ttft_by_turn.items() if t > 0 for x in v], 0.5),
         "outputs": outputs,
     }
     if arm in _KVPROC_ARMS:
@@ -261,6 +286,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--new-per-turn", type=int, default=256)
     p.add_argument("--output", type=int, default=16)
     p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--one-shots", type=int, default=0, help="one-turn chats beside the conversations (tier pressure)")
+    p.add_argument("--retain-s", type=float, default=1200.0,
+                   help="the hint of arm vllm_kvproc_hint (4x the host tier's lrfu half-life: docs/store.md)")
     p.add_argument("--vllm-blocks", type=int, default=400, help="vLLM's KV cache, in blocks of 32 tokens")
     p.add_argument("--host-mib", type=int, default=2048, help="kvproc's host tier budget")
     p.add_argument("--seed", type=int, default=7)
@@ -342,7 +370,8 @@ def _strip_values(argv: list[str], flags: tuple[str, ...]) -> list[str]:
 
 def _workload(a: argparse.Namespace) -> dict[str, Any]:
     return {k: getattr(a, k) for k in ("kind", "layers", "hidden", "conversations", "turns", "system", "first_input",
-                                       "new_per_turn", "output", "concurrency", "vllm_blocks", "host_mib")}
+                                       "new_per_turn", "output", "concurrency", "vllm_blocks", "host_mib",
+                                       "one_shots", "retain_s")}
 
 
 def _print(a: argparse.Namespace, results: dict[str, Any], identical: bool, groups: list[list[str]]) -> None:
@@ -364,6 +393,9 @@ def _print(a: argparse.Namespace, results: dict[str, Any], identical: bool, grou
                 print(f"{arm}: TTFT p50 {r['ttft_p50_ms'] / base['ttft_p50_ms']:.2f}x, p99 "
                       f"{r['ttft_p99_ms'] / base['ttft_p99_ms']:.2f}x, out tok/s "
                       f"{r['output_tok_s'] / base['output_tok_s']:.2f}x of vllm{mover}")
+    if a.one_shots:
+        print("TTFT p50 of the conversations' later turns: " + ", ".join(
+            f"{arm} {r['ttft_later_turns_p50_ms']:.0f} ms" for arm, r in results.items()))
     print(f"\noutputs identical across arms: {identical}" + ("" if identical else f" (arms that agree: {groups})"))
 
 
