@@ -494,7 +494,8 @@ def test_a_hello_read_after_its_connection_closed_leaves_no_peer() -> None:
     with tempfile.TemporaryDirectory(prefix="kvlim-", dir="/tmp") as d:
         srv = RpcServer(_Parking(), endpoints=[ipc_endpoint(d, "stale")], token=TOKEN, role="limits", workers=2)
         (ep,) = srv.bind()
-        s = _dealer(ep)
+        rid = b"stale-peer"
+        s = _dealer(ep, routing_id=rid)
         s.send(m.encode(m.Hello(m.PROTOCOL_VERSION, TOKEN, "stale", new_session())))
         assert srv._sock.poll(10_000, zmq.POLLIN), "the Hello never reached the server's socket"
         s.close(linger=0)
@@ -504,6 +505,18 @@ def test_a_hello_read_after_its_connection_closed_leaves_no_peer() -> None:
         while zmq.EVENT_DISCONNECTED not in seen:  # the connection is gone before the thread reads its Hello
             assert mon.poll(10_000), f"no disconnect reported (events {seen})"
             seen.append(recv_monitor_message(mon)["event"])
+        # ... and the server's socket knows it (the I/O thread's word reaches the socket a little after the monitor's:
+        # a reply sent before that would still be routed, into the closed connection, and the peer kept). Probed
+        # with a reply of our own until the router refuses it as unroutable; a probe it still routes goes nowhere.
+        end = time.monotonic() + 30
+        while True:
+            try:
+                srv._sock.send_multipart([rid, b""], zmq.NOBLOCK)
+            except zmq.ZMQError as e:
+                assert e.errno == zmq.EHOSTUNREACH, e
+                break
+            assert time.monotonic() < end, "the server's socket never saw the connection close"
+            time.sleep(0.01)
         thread = srv.start()
         try:
             assert _eventually(lambda: srv.transport_stats()["peers_admitted"] == 1)
