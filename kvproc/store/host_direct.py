@@ -142,6 +142,33 @@ class HostDirect:
             return None
         return ticket
 
+    async def retain(self, req_id: str, keys: Sequence[bytes], retain_s: float) -> int:
+        """A retention hint for the prefix of `keys` the tier holds: those pages are held and re-ranked under it at
+        once (pages a save still writes take it at that save's commit); nothing is copied, so the engine's blocks are
+        not needed. Where the tier lost a page, its pages from there on are no prefix hit anyway: the hint stops there
+        (the reservation that found the loss is given back, and the prefix before it reserved again). Returns the
+        pages it reached (0: none, the outcome recorded)."""
+        n = len(keys)
+        while n:
+            ticket = await self.reserve_async(req_id, keys[:n], retain_s=retain_s)
+            if ticket is None:  # recorded (shed or failed)
+                return 0
+            lost = next((i for i, s in enumerate(ticket.page_slots) if s is not None), None)
+            if lost is None:
+                try:
+                    ok = await asyncio.wait_for(self.tier.commit_save(ticket.save_id, timeout=self.timeout_s),
+                                                2 * self.timeout_s)
+                except Exception as e:  # noqa: BLE001 - the tier's TTL takes the reservation back
+                    self.tier.abort_save(ticket.save_id, False)
+                    self._settled(req_id, "failed", reason_of(e))
+                    return 0
+                self._settled(req_id, "ok" if ok else "failed", "" if ok else "commit_refused")
+                return n if ok else 0
+            self.tier.abort_save(ticket.save_id, False)
+            self._settled(req_id, "degraded", "retain_prefix_lost")
+            n = lost
+        return 0
+
     def commit(self, ticket: SaveTicket) -> bool:
         """The written slots become the tier's pages: True, or False (recorded) when the tier refused (it took the
         slots back first: a stall past the save's TTL)."""

@@ -57,3 +57,29 @@ def test_a_slot_handed_to_another_save_fails_the_lease_check() -> None:
             assert not hd.intact(hit.page_slots, hit.page_gens, 0.0, 1.0)
         finally:
             hd.close()
+
+
+def test_retain_hints_the_prefix_the_tier_holds_and_copies_nothing() -> None:
+    """`HostDirect.retain` (the vLLM connector's retention hint): the tier holds pages 0-1 of a 4-page prompt; the
+    hint reaches those two (re-ranked, `pages_retain_hinted`), the reservation that found pages 2-3 missing is given
+    back (they are no prefix hit without their bytes: nothing may be committed for them), and no slot stays taken.
+    Control: a prompt the tier holds whole is reached whole, in one reservation."""
+    with cluster_store() as (cs, store, model):
+        hd = HostDirect(store, cs.host_segment)
+        try:
+            keys = _keys(b"p", 4)
+            assert hd.save("r1", keys[:2], lambda t: None)
+            free = store.stats()["tier"]["free_page_slots"]
+            assert store.submit(hd.retain("r2", keys, 600.0)).result(10) == 2
+            st = store.stats()["tier"]
+            assert st["pages_retain_hinted"] == 2 and st["saves_with_retain_hint"] == 2  # 4 pages, then the 2 held
+            assert st["free_page_slots"] == free and st.get("open_saves", 0) == 0
+            hit = hd.lookup("r3", keys).result(10)
+            assert hit is not None and hit.pages == 2  # pages 2-3 were never committed
+            hd.release(hit.lease_id)
+            whole = _keys(b"w", 3)
+            assert hd.save("r4", whole, lambda t: None)
+            assert store.submit(hd.retain("r5", whole, 600.0)).result(10) == 3
+            assert store.stats()["tier"]["saves_with_retain_hint"] == 3
+        finally:
+            hd.close()

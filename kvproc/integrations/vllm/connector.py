@@ -40,6 +40,7 @@ miss; a move that fails is one of those (`moves.py` says it once per outage).
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import functools
 import itertools
@@ -91,6 +92,8 @@ from kvproc.workers.movers import MEMMOVE
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+
+    from kvproc.store.host_direct import HostDirect
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -148,8 +151,7 @@ class _Req:
     # A load vLLM accepted at intake: (tokens vLLM had itself, tokens to load); turned into a job at the next meta.
     pending_load: tuple[int, int] | None = None
     job: int | None = None  # the save in flight (one at a time: the next plans from where it ends)
-    retain_s: float | None = None  # the request's retention hint (`RETAIN_KEY`), applied by its last save
-    hint_job: int | None = None  # that save, in flight (planned at `request_finished`)
+    retain_s: float | None = None  # the request's retention hint (`RETAIN_KEY`), applied once its saves settled
     load_job: int | None = None  # the load in flight into vLLM's blocks (its source pinned until it settles)
     finishing: bool = False
     saving: bool = True  # False once a save could not be planned or failed: no more for this request
@@ -251,7 +253,6 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         self._tier_wanted: TierAttach | None = None  # ... the tiers the latest step named (mapped by the mover)
         self._tier_mapped: tuple[str, int] = ("", -1)  # ... the (segment, epoch) `_tier_slots` is of
         self._delayed_next: list[str] = []  # tensor parallel: frees delayed since the last meta (sent in the next)
-        self._hint_saves: list[CopyJob] = []  # tensor parallel: retention-hint saves reserved since the last meta
         if not self._tp_worker:
             self.rt = rt_mod.acquire(engine_id, self.contract, self.options,
                                      ranks=self.ranks, tier_model=self._sglang_model())
@@ -402,7 +403,7 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
             for j in jobs:
                 if not self.direct.save(j.req_id, j.keys, functools.partial(self._write_save, j),
                                         bounded_groups=j.bounded, save_class=self._save_class, parent=j.parent,
-                                        tokens=j.tokens, retain_s=j.retain_s):
+                                        tokens=j.tokens):
                     raise RuntimeError(f"request {j.req_id!r}: the host tier did not take the save (its outcome says "
                                        "why)")
             return
@@ -1057,10 +1058,6 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
                             epochs=self._tier_attach.epochs)
             meta.tiers = self._tier_attach
             meta.delayed, self._delayed_next = self._delayed_next, []
-            # With the frees they delay: each rank submits them after this step's forward (`wait_for_save`), before it
-            # can report those requests' blocks free (`get_finished`, right after)
-            meta.saves.extend(self._hint_saves)
-            self._hint_saves = []
             if self.contract.has_sliding or self.contract.states:
                 # The wait above, in the ranks' processes (their movers run the saves): vLLM freed the blocks that
                 # slid out of a window in this step's scheduling, and may give an offered state's block to another
@@ -1195,8 +1192,6 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
             r = self._jobs.pop(job_id, None)
             if r is not None and r.job == job_id:  # else a save of a request already retired
                 self._save_done(r, ok)
-            elif r is not None and r.hint_job == job_id:
-                self._hint_done(r, ok)
 
     def _load_done(self, r: _Req, job_id: int, ok: bool = True) -> None:
         """vLLM's blocks have the pages (or, failed, vLLM recomputes them): the source need not stay pinned."""
@@ -1207,7 +1202,7 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
             self.store.outcomes.record("load", r.req_id, "ok" if ok else "failed")
             if not self.producer:  # a producer's lease keeps the hit's pages until its hand-off save pinned them
                 self._release_lease(r)
-        if r.finishing and r.job is None and r.hint_job is None:
+        if r.finishing and r.job is None:
             self._retire(r)
 
     def _save_done(self, r: _Req, ok: bool) -> None:
@@ -1223,52 +1218,30 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
                           reason="the save's outcome (HostDirect)")
         if self.producer:  # the hit's pages are pinned by the hand-off's commit now (or it failed)
             self._release_lease(r)
-        if r.finishing and r.load_job is None and r.hint_job is None:
+        if r.finishing and r.retain_s is not None:  # its last save settled: the hint now (`_retain`)
+            self._retain(r)
+        if r.finishing and r.load_job is None:
             self._retire(r)
 
-    def _plan_retain_save(self, r: _Req) -> None:
-        """A finished request with a retention hint: one more save, of its pages from the first (those the tier has
-        are held and re-ranked under the hint, not copied; those its last save still writes take the hint at that
-        save's commit; one it lost is copied again from vLLM's block, kept until this save settles).
-
-        One rank: on the mover after the request's last save (the mover keeps order). Tensor parallel: reserved on
-        every rank's tier now, written by each rank with the next step's saves (`_hint_saves`), the meta that also
-        delays the request's free on that rank (`_delayed_next`), so no rank reports the blocks free before its copy.
-        A sliding window's group keeps no block of the pages out of its window: a page the tier lost there fails the
-        save (`_new_rows`: counted, nothing written) rather than store a page without that group's KV."""
-        moves = self.rt.moves
-        pages = r.save_to if r.job is not None else r.saved
-        if (moves is None and self.ranked is None) or not r.saving or pages <= 0 or r.hint_job is not None \
-                or len(r.hashes) < pages:
+    def _retain(self, r: _Req) -> None:
+        """A finished request's retention hint, once its saves settled (`request_finished`, or `_save_done` of its
+        last one): the tier re-ranks the prefix of the request's pages it holds, on every rank's tier
+        (`HostDirect.retain`, on the store's loop). Nothing is copied, so vLLM frees the request's blocks as if it had
+        no hint: an earlier form saved the pages again from vLLM's blocks and held them a step longer, which cost a
+        block-bound engine (Gemma 3's two groups) a step of every next request's admission (bench/RESULTS.md)."""
+        hint, r.retain_s = r.retain_s, None
+        if hint is None or r.saved <= 0 or len(r.hashes) < r.saved:  # (a failed save's earlier pages: still hinted)
             return
-        vllm = self._pages_of(r, 0, pages)
-        if any(len(ids) < pages or (not g.sliding and NULL_BLOCK in ids)
-               for g, ids in zip(self.contract.groups, vllm) if not g.state):
-            self.rt.count("retain_hints_skipped")
+        directs = list(self.ranked.directs) if self.ranked is not None else [self.direct] if self.direct else []
+        if not directs:
             return
-        assert self.direct is not None
-        tokens = list(r.request.all_token_ids[:pages * self.page]) if self.direct.tier.wants_token_ids else None
-        job = CopyJob(next(self._job_ids), r.req_id, [], vllm, keys=r.hashes[:pages], tokens=tokens,
-                      retain_s=r.retain_s)
-        if self.ranked is not None:
-            saves = self.ranked.reserve(job.job_id, r.req_id, job.keys, None, tokens, retain_s=r.retain_s)
-            if saves is None:  # a rank's tier refused or was too slow: the hint is lost (recorded per rank)
-                self.rt.count("retain_hint_saves_failed")
-                return
-            job.rank_saves = saves
-            self._hint_saves.append(job)
-        else:
-            assert moves is not None
-            moves.submit([job], to_vllm=False)  # after the request's saves already submitted: the mover keeps order
-        r.hint_job = job.job_id
-        self._jobs[job.job_id] = r
         self.rt.count("retain_hint_saves")
+        self.store.submit(self._retain_on_tiers(directs, r.req_id, r.hashes[:r.saved], hint))
 
-    def _hint_done(self, r: _Req, ok: bool) -> None:
-        r.hint_job = None
-        self.rt.count("retain_hint_saves_ok" if ok else "retain_hint_saves_failed")
-        if r.finishing and r.job is None and r.load_job is None:
-            self._retire(r)
+    async def _retain_on_tiers(self, directs: list["HostDirect"], req_id: str, keys: list[bytes], hint: float) -> None:
+        reached = await asyncio.gather(*(d.retain(req_id, keys, hint) for d in directs))
+        self.rt.count("retain_hint_saves_ok" if min(reached) == len(keys) else
+                      "retain_hint_saves_short" if min(reached) else "retain_hint_saves_failed")
 
     def request_finished_all_groups(self, request: "Request",
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
@@ -1282,11 +1255,11 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
             return False, None
         r.finishing = True
         params = self._envelope_out(r, request) if self.producer else None
-        if r.retain_s is not None:
-            self._plan_retain_save(r)
+        if r.job is None:  # else its hint waits for its last save's commit (`_save_done`)
+            self._retain(r)
         # A save still reading vLLM's blocks: vLLM keeps them until the worker reports it settled (get_finished).
         # (A load in flight needs nothing from us: vLLM keeps a request's blocks while it waits for a load.)
-        saving = r.job is not None or r.hint_job is not None
+        saving = r.job is not None
         delay = saving and (self.rt.moves is not None or self.ranked is not None)
         if delay:
             if self.ranked is not None:
@@ -1295,7 +1268,7 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
                 assert self.rt.moves is not None
                 self.rt.moves.delay_free(r.req_id)
             self.rt.count("frees_delayed")
-        if r.job is None and r.load_job is None and r.hint_job is None:
+        if r.job is None and r.load_job is None:
             self._retire(r)
         return delay, params
 

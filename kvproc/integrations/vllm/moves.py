@@ -51,7 +51,6 @@ class CopyJob:
     parent: bytes | None = None
     bounded: list[str] = field(default_factory=list)
     tokens: list[int] | None = None  # the pages' token ids, for a tier whose KV events carry them
-    retain_s: float | None = None  # the serving layer's retention hint (`docs/store.md`), on a request's last save
     # A load: the leased slots' generations and when the lease was taken (checked after the copy:
     # `HostDirect.intact`).
     gens: list[int] = field(default_factory=list)

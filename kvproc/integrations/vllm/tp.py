@@ -170,15 +170,15 @@ class RankedTier:
     # ---- saves ----
     def reserve(self, job_id: int, req_id: str, keys: list[bytes], parent: bytes | None,
                 tokens: list[int] | None, save_class: SaveClass = SaveClass.CACHEABLE,
-                bounded_groups: Sequence[str] = (), retain_s: float | None = None) -> list[RankSave] | None:
+                bounded_groups: Sequence[str] = ()) -> list[RankSave] | None:
         """Reserve the pages' slots on every rank's tier at once (None, and whatever was reserved given back, when
         one cannot take them: the save is lost, recorded per rank). vLLM's scheduler thread waits for this, so at
         most `RESERVE_WAIT_S`: a slower tier (stalled) loses the save, and the reservations that land later are
-        given back as they land. `retain_s`: the request's retention hint, on every rank's tier."""
+        given back as they land."""
         async def every_rank() -> list[SaveTicket | None]:
             return list(await asyncio.gather(*(
                 d.reserve_async(req_id, keys, bounded_groups=bounded_groups, save_class=save_class, parent=parent,
-                                tokens=tokens, retain_s=retain_s)
+                                tokens=tokens)
                 for d in self.directs)))
 
         fut = self.directs[0].store.submit(every_rank())
