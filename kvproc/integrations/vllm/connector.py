@@ -92,14 +92,14 @@ from kvproc.workers.movers import MEMMOVE
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-
-    from kvproc.store.host_direct import HostDirect
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+    from kvproc.store.host_direct import HostDirect
 
 log = structlog.get_logger("kvproc.integrations.vllm")
 
@@ -1239,7 +1239,11 @@ class KvprocConnector(KVConnectorBase_V1, SupportsHMA):
         self.store.submit(self._retain_on_tiers(directs, r.req_id, r.hashes[:r.saved], hint))
 
     async def _retain_on_tiers(self, directs: list["HostDirect"], req_id: str, keys: list[bytes], hint: float) -> None:
-        reached = await asyncio.gather(*(d.retain(req_id, keys, hint) for d in directs))
+        try:
+            reached = await asyncio.gather(*(d.retain(req_id, keys, hint) for d in directs))
+        except Exception as e:  # noqa: BLE001 - a lost hint, never the engine's failure (each tier's outcome recorded)
+            log.warning("kvproc_retain_hint_failed", req_id=req_id, error=repr(e))
+            reached = [0]
         self.rt.count("retain_hint_saves_ok" if min(reached) == len(keys) else
                       "retain_hint_saves_short" if min(reached) else "retain_hint_saves_failed")
 
