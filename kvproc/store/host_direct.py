@@ -155,16 +155,8 @@ class HostDirect:
                 return 0
             lost = next((i for i, s in enumerate(ticket.page_slots) if s is not None), None)
             if lost is None:
-                try:
-                    ok = await asyncio.wait_for(self.tier.commit_save(ticket.save_id, timeout=self.timeout_s),
-                                                2 * self.timeout_s)
-                except Exception as e:  # noqa: BLE001 - the tier's TTL takes the reservation back
-                    self.tier.abort_save(ticket.save_id, False)
-                    self._settled(req_id, "failed", reason_of(e))
-                    return 0
-                self._settled(req_id, "ok" if ok else "failed", "" if ok else "commit_refused")
-                return n if ok else 0
-            self.tier.abort_save(ticket.save_id, False)
+                return n if await self.commit_async(ticket) else 0
+            self._abort_here(ticket.save_id)
             self._settled(req_id, "degraded", "retain_prefix_lost")
             n = lost
         return 0
@@ -173,10 +165,19 @@ class HostDirect:
         """The written slots become the tier's pages: True, or False (recorded) when the tier refused (it took the
         slots back first: a stall past the save's TTL)."""
         try:
-            ok = self.store.submit(self.tier.commit_save(ticket.save_id, timeout=self.timeout_s)).result(
-                2 * self.timeout_s)
-        except Exception as e:  # noqa: BLE001
+            return self.store.submit(self.commit_async(ticket)).result(3 * self.timeout_s)
+        except Exception as e:  # noqa: BLE001 - the store's loop is gone or stuck: a lost save, recorded
             self.abort(ticket, reason_of(e))
+            return False
+
+    async def commit_async(self, ticket: SaveTicket) -> bool:
+        """`commit` on the store's loop (it ends within twice the tier call's deadline)."""
+        try:
+            ok = await asyncio.wait_for(self.tier.commit_save(ticket.save_id, timeout=self.timeout_s),
+                                        2 * self.timeout_s)
+        except Exception as e:  # noqa: BLE001 - its slots go back (else the tier's TTL takes them), recorded
+            self._abort_here(ticket.save_id)
+            self._settled(ticket.req_id, "failed", reason_of(e))
             return False
         self._settled(ticket.req_id, "ok" if ok else "failed", "" if ok else "commit_refused")
         return bool(ok)
@@ -184,10 +185,17 @@ class HostDirect:
     def abort(self, ticket: SaveTicket, reason: str) -> None:
         """A reserved save whose bytes were not (all) written: its slots go back, and the outcome says why."""
         try:
-            self.store.call(self.tier.abort_save, ticket.save_id, False)
-        except Exception:  # noqa: BLE001 - the tier's TTL takes the slots back
+            self.store.call(self._abort_here, ticket.save_id)
+        except Exception:  # noqa: BLE001 - the store's loop is gone: the tier's TTL takes the slots back
             pass
         self._settled(ticket.req_id, "failed", reason)
+
+    def _abort_here(self, save_id: int) -> None:
+        """`abort`'s call to the tier, on the store's loop (the caller is on it)."""
+        try:
+            self.tier.abort_save(save_id, False)
+        except Exception:  # noqa: BLE001 - the tier's TTL takes the slots back
+            pass
 
     def _settled(self, req_id: str, state: str, reason: str) -> None:
         self.store.count(f"save_{state}")

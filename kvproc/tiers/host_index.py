@@ -380,10 +380,9 @@ class HostIndex:
         return ticket
 
     def _hint_pending(self, keys: Sequence[bytes], retain: float) -> None:
-        """A hinted save's pages that another save is still writing (a request's last save, in flight when it
-        finished: at tensor parallel it commits after the hinted save was reserved) take the hint at that save's
-        commit: it ranks its pages by the longer of the two hints. Without this they would enter the policy un-hinted,
-        and the hinted prompt's tail would be the first to go."""
+        """A hinted save's pages that another save is still writing (an earlier seal of the request, still in flight
+        when the hinted one is reserved) take the hint at that save's commit: it ranks its pages by the longer of the
+        two hints. Without this they would enter the policy un-hinted, and the hinted prompt's tail would go first."""
         saves = self.saves
         for sid in {self.pending[k] for k in keys if k in self.pending}:
             t = saves.get(sid)
